@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run   -> .venv with the package (torch pinned), trains the digits ViT if needed, writes report/
+#   make test  -> the same set-up plus the dev dependencies, then the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/pip
+PY := $(VENV)/bin/python
+CONSTRAINTS := constraints.txt
+
+.PHONY: run test install install-dev bench clean
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(VENV)/bin/blockhess report --out report
+
+test: install-dev
+	$(PY) -m pytest
+
+bench: install
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[bench]"
+	$(VENV)/bin/blockhess bench --out bench-results
+
+clean:
+	rm -rf $(VENV) report bench-results checkpoints
