@@ -1,0 +1,40 @@
+"""blockhess: exact closed-form Jacobians and Hessians of Transformer blocks.
+
+Implements "Closing the Curvature Gap: Full Transformer Hessians" (Petrov, Kiselev,
+Meshkov, Grabovoy; arXiv 2510.16927) in PyTorch, checked against ``torch.func``.
+
+>>> import torch, blockhess as bh
+>>> cfg = bh.BlockConfig(d_model=4, d_ff=6)
+>>> params = bh.init_params(cfg, seed=0)
+>>> X = torch.randn(3, 4, dtype=torch.float64)
+>>> H = bh.hessian(params, X, cfg, loss="mse", target=torch.zeros(3, 4, dtype=torch.float64))
+>>> H.dense().shape
+torch.Size([144, 144])
+"""
+
+from . import reference
+from .block import forward, jacobian, second_derivative
+from .blocks import HessianBlocks
+from .components import attention, ffn, layernorm, softmax
+from .config import BlockConfig, init_params, param_shapes
+from .hessian import hessian
+from .validation import InsufficientMemoryError
+
+__all__ = [
+    "BlockConfig",
+    "HessianBlocks",
+    "InsufficientMemoryError",
+    "attention",
+    "ffn",
+    "forward",
+    "hessian",
+    "init_params",
+    "jacobian",
+    "layernorm",
+    "param_shapes",
+    "reference",
+    "second_derivative",
+    "softmax",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+r"""LayerNorm over the last axis and its derivatives w.r.t. its input (Theorems 2 and 3).
+
+:math:`\mathrm{LN}(x)_a = \gamma_a\, y_a + \beta_a`, :math:`y = m/\sigma`, :math:`m = Cx`,
+:math:`C = I - \mathbf 1\mathbf 1^\top/d`, :math:`\sigma = \sqrt{m^\top m/d + \varepsilon}`
+(biased variance). Every token is normalised on its own, so the paper's Jacobian
+(Theorem 2, ``(L·d, L·d)``) is block-diagonal over tokens and its Hessian (Theorem 3,
+``((L·d)², L·d)``) is non-zero only where output and both inputs share a token. The
+per-token closed forms (paper §2.4–2.5, equivalent to the P·M Kronecker forms):
+
+.. math::
+    J_t = \mathrm{diag}(\gamma)\,\frac{1}{\sigma_t}\Big(C - \frac{y_t y_t^\top}{d}\Big),\qquad
+    \frac{\partial^2 \mathrm{LN}_a}{\partial x_b \partial x_c} = -\frac{\gamma_a}{d\sigma_t^2}
+    \Big(y_c C_{ab} + y_b C_{ac} + y_a C_{bc} - \frac{3 y_a y_b y_c}{d}\Big).
+
+Both hold for ``eps >= 0``; with ``eps = 0`` each row needs non-zero variance (Assumption 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..validation import check_fits, check_ln_variance, check_tensor
+
+__all__ = ["forward", "jacobian", "hessian", "contract_hessian"]
+
+
+def _normalise(X: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, sigma)``: the normalised rows ``(..., d)`` and their std ``(..., 1)``."""
+    m = X - X.mean(-1, keepdim=True)
+    sigma = torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
+    return m / sigma, sigma
+
+
+def _centering(d: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.eye(d, dtype=like.dtype, device=like.device) - 1.0 / d
+
+
+def forward(X: torch.Tensor, eps: float = 0.0, gamma=None, beta=None) -> torch.Tensor:
+    """LayerNorm of the rows of ``X`` (shape ``(..., d)``), same shape and dtype. No checks."""
+    y, _ = _normalise(X, eps)
+    if gamma is not None:
+        y = y * gamma
+    if beta is not None:
+        y = y + beta
+    return y
+
+
+def _compact_jacobian(X, eps, gamma):
+    y, sigma = _normalise(X, eps)
+    d = X.shape[-1]
+    J = (_centering(d, X) - y[..., :, None] * y[..., None, :] / d) / sigma[..., None]
+    return J if gamma is None else gamma[:, None] * J
+
+
+def _compact_hessian(X, eps, gamma):
+    y, sigma = _normalise(X, eps)
+    d = X.shape[-1]
+    C = _centering(d, X)
+    ya, yb, yc = y[..., :, None, None], y[..., None, :, None], y[..., None, None, :]
+    H = yc * C[:, :, None] + yb * C[:, None, :] + ya * C[None, :, :] - 3 * ya * yb * yc / d
+    H = -H / (d * sigma[..., None, None] ** 2)
+    return H if gamma is None else gamma[:, None, None] * H
+
+
+def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
+    r"""Per-token contraction :math:`\Gamma_t = \sum_a G_{ta}\,\partial^2\mathrm{LN}_{ta}/\partial x_t^2`.
+
+    ``X`` and ``G`` of shape ``(..., d)``; returns ``(..., d, d)``, symmetric:
+    :math:`\Gamma = -\frac{1}{d\sigma^2}\big(\hat g y^\top + y\hat g^\top + s\,C - 3 s\, y y^\top/d\big)`,
+    :math:`\tilde g = \gamma\odot G`, :math:`\hat g = C\tilde g`, :math:`s = \tilde g^\top y`.
+    Derived here from Theorem 3 (docs/derivations.md). No input checks (kernel).
+    """
+    y, sigma = _normalise(X, eps)
+    d = X.shape[-1]
+    g = G if gamma is None else G * gamma
+    g_hat = g - g.mean(-1, keepdim=True)
+    s = (g * y).sum(-1)[..., None, None]
+    outer = g_hat[..., :, None] * y[..., None, :]
+    Gam = outer + outer.transpose(-1, -2) + s * (_centering(d, X) - 3 * y[..., :, None] * y[..., None, :] / d)
+    return -Gam / (d * sigma[..., None] ** 2)
+
+
+def _check(X, eps, gamma):
+    check_tensor("X", X)
+    if X.ndim < 1:
+        raise ValueError("X must have shape (..., L, d), got a scalar")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    if gamma is not None:
+        check_tensor("gamma", gamma, ndim=(1,), like=X)
+        if gamma.shape[0] != X.shape[-1]:
+            raise ValueError(f"gamma must have shape ({X.shape[-1]},), got {tuple(gamma.shape)}")
+    check_ln_variance("X", X, eps)
+
+
+def _dense_indices(X):
+    if X.ndim < 2:
+        raise ValueError(f"X must have shape (..., L, d) for the dense layout, got {tuple(X.shape)}")
+    return X.shape[:-2], X.shape[-2], X.shape[-1]
+
+
+def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False) -> torch.Tensor:
+    r"""Jacobian of LayerNorm w.r.t. its input ``X`` of shape ``(..., L, d)`` (Theorem 2).
+
+    Returns ``(..., L, d, d)`` with ``[t, a, b] = ∂LN_ta/∂X_tb`` if ``compact``, else the
+    paper's dense ``∂vec_r LN/∂vec_r X`` of shape ``(..., L·d, L·d)`` (block-diagonal).
+    dtype and device of ``X``. ``gamma`` (shape ``(d,)``) scales the output rows; a shift
+    ``beta`` does not enter the derivative.
+
+    Raises
+    ------
+    ValueError
+        ``X`` not floating or with NaN/Inf; ``eps < 0``; ``gamma`` of the wrong shape,
+        dtype or device; a row of zero variance with ``eps = 0`` (Assumption 2).
+    InsufficientMemoryError
+        The dense layout would not fit in available memory (bytes in the message).
+    """
+    _check(X, eps, gamma)
+    if compact:
+        return _compact_jacobian(X, eps, gamma)
+    batch, L, d = _dense_indices(X)
+    check_fits(X[..., 0, 0].numel() * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
+    J = _compact_jacobian(X, eps, gamma).reshape(-1, L, d, d)
+    dense = X.new_zeros(J.shape[0], L, d, L, d)
+    t = torch.arange(L, device=X.device)
+    dense[:, t, :, t, :] = J.transpose(0, 1)
+    return dense.reshape(*batch, L * d, L * d)
+
+
+def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False) -> torch.Tensor:
+    r"""Second derivative of LayerNorm w.r.t. its input ``X`` of shape ``(..., L, d)`` (Theorem 3).
+
+    Compact: ``(..., L, d, d, d)`` with ``[t, a, b, c] = ∂²LN_ta/∂X_tb∂X_tc`` (all
+    cross-token entries are zero). Dense: the paper's layout ``(..., (L·d)², L·d)``, rows
+    ``(o, q)`` o-major (``o`` output index, ``q`` first input index), column the second
+    input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
+    """
+    _check(X, eps, gamma)
+    if compact:
+        return _compact_hessian(X, eps, gamma)
+    batch, L, d = _dense_indices(X)
+    check_fits(X[..., 0, 0].numel() * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
+    H = _compact_hessian(X, eps, gamma).reshape(-1, L, d, d, d)
+    dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
+    t = torch.arange(L, device=X.device)
+    dense[:, t, :, t, :, t, :] = H.transpose(0, 1)
+    return dense.reshape(*batch, (L * d) ** 2, L * d)

@@ -1,0 +1,111 @@
+r"""The loss ℓ(Z) and its first and second derivatives w.r.t. the block output Z.
+
+The loss of a batch is the mean of the per-sequence losses, so its Hessian is the mean of
+the per-sequence Hessians. Per sequence ``Z`` of shape ``(L, d)``:
+
+* ``"mse"``: :math:`\ell = \frac{1}{Ld}\|Z - T\|_F^2` (the paper's normalisation, §1.4):
+  :math:`\nabla\ell = \frac{2}{Ld}(Z - T)`, :math:`\nabla^2\ell = \frac{2}{Ld} I`;
+* ``"ce"``: rows of ``Z`` are logits over ``d`` classes, integer targets ``(L,)``, mean over
+  tokens: :math:`\nabla_{z_t}\ell = (p_t - e_{y_t})/L`, :math:`\nabla^2_{z_t}\ell = (\mathrm{diag}\,p_t - p_t p_t^\top)/L`;
+* a callable ``loss(Z, target) -> scalar`` applied to one sequence, twice differentiable
+  in ``Z``: gradient and Hessian from ``torch.func`` on the loss alone (cheap; not the
+  paper's subject), vmapped over the batch.
+
+MSE and CE have a Hessian that is block-diagonal over tokens (``per_token``); a callable's
+is a general ``(L·d, L·d)`` matrix per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .validation import check_tensor
+
+__all__ = ["LossDerivatives", "check", "derivatives", "value"]
+
+
+class LossDerivatives(NamedTuple):
+    """Derivatives of the batch loss (mean over sequences) w.r.t. ``Z`` of shape ``(B, L, d)``.
+
+    ``grad``: ``(B, L, d)``. ``hess``: ``(B·L, d, d)`` when ``per_token`` else ``(B, L·d, L·d)``.
+    Both already include the ``1/B`` of the batch mean.
+    """
+
+    grad: torch.Tensor
+    hess: torch.Tensor
+    per_token: bool
+
+
+def check(loss, target, Z: torch.Tensor) -> None:
+    """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``.
+
+    Raises ``ValueError``: unknown loss; mse target not shaped like ``Z`` or not finite or of
+    another dtype; ce target not integer, of the wrong shape, or a class outside ``[0, d)``.
+    """
+    if isinstance(loss, str) and loss not in ("mse", "ce"):
+        raise ValueError(f"loss must be 'mse', 'ce' or a callable loss(Z, target) -> scalar, got {loss!r}")
+    if loss == "mse":
+        if target is None:
+            raise ValueError("target is required for loss='mse' (a tensor shaped like the block output)")
+        check_tensor("target", target, like=Z)
+        if tuple(target.shape) != tuple(Z.shape):
+            raise ValueError(f"target must have the shape of the output {tuple(Z.shape)} for loss='mse', got {tuple(target.shape)}")
+    elif loss == "ce":
+        if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool:
+            raise ValueError("target must be an integer tensor of class indices for loss='ce'")
+        if tuple(target.shape) != tuple(Z.shape[:-1]):
+            raise ValueError(f"target must have shape {tuple(Z.shape[:-1])} for loss='ce', got {tuple(target.shape)}")
+        if target.device != Z.device:
+            raise ValueError(f"target is on {target.device} but X is on {Z.device}")
+        d = Z.shape[-1]
+        if target.numel() and (target.min() < 0 or target.max() >= d):
+            raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got range [{int(target.min())}, {int(target.max())}]")
+    elif callable(loss):
+        if isinstance(target, torch.Tensor) and (target.ndim == 0 or target.shape[0] != Z.shape[0]):
+            raise ValueError(
+                f"target must have a leading axis of size {Z.shape[0]} (one entry per sequence) for a callable loss, "
+                f"got shape {tuple(target.shape)}"
+            )
+    else:
+        raise ValueError(f"loss must be 'mse', 'ce' or a callable loss(Z, target) -> scalar, got {loss!r}")
+
+
+def _in_dims(target) -> tuple[int, int | None]:
+    """vmap axes for ``(Z, target)``: a tensor target has one entry per sequence (axis 0)."""
+    return (0, 0 if isinstance(target, torch.Tensor) else None)
+
+
+def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
+    """Gradient and Hessian of the mean-over-sequences loss w.r.t. ``Z`` of shape ``(B, L, d)``.
+
+    ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
+    callable: a tensor with one entry per sequence along axis 0, or ``None``). No checks here.
+    """
+    B, L, d = Z.shape
+    if loss == "mse":
+        c = 2.0 / (L * d * B)
+        eye = torch.eye(d, dtype=Z.dtype, device=Z.device)
+        return LossDerivatives(c * (Z - target), (c * eye).expand(B * L, d, d), True)
+    if loss == "ce":
+        p = torch.softmax(Z, -1)
+        onehot = torch.nn.functional.one_hot(target, d).to(Z.dtype)
+        p_t = p.reshape(B * L, d)
+        hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * B)
+        return LossDerivatives((p - onehot) / (L * B), hess, True)
+    in_dims = _in_dims(target)
+    grad = torch.func.vmap(torch.func.grad(loss), in_dims=in_dims)(Z, target)
+    hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
+    return LossDerivatives(grad / B, hess.reshape(B, L * d, L * d) / B, False)
+
+
+def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
+    """The batch loss: the mean over sequences of the per-sequence loss; ``Z`` is ``(B, L, d)``."""
+    B, L, d = Z.shape
+    if loss == "mse":
+        return ((Z - target) ** 2).mean()
+    if loss == "ce":
+        return torch.nn.functional.cross_entropy(Z.reshape(-1, d), target.reshape(-1))
+    in_dims = _in_dims(target)
+    return torch.func.vmap(loss, in_dims=in_dims)(Z, target).mean()

@@ -1,0 +1,85 @@
+"""Input checks shared by the public entry points: clear errors, raised before any work.
+
+Every check names the argument and what was expected. The closed-form kernels themselves
+do not validate (they must stay traceable by ``torch.func.vmap``); the public functions
+call these first.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+__all__ = ["InsufficientMemoryError", "check_tensor", "check_params", "check_fits", "check_ln_variance"]
+
+
+class InsufficientMemoryError(MemoryError, ValueError):
+    """A requested dense result would not fit in the memory available right now."""
+
+
+def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None) -> None:
+    """``t`` must be a finite floating tensor (same dtype and device as ``like``, if given).
+
+    Raises ``ValueError`` naming ``name`` otherwise.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must have a floating dtype (float32 or float64), got {t.dtype}")
+    if ndim is not None and t.ndim not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
+    if like is not None:
+        if t.dtype != like.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but X has {like.dtype}; use one dtype throughout")
+        if t.device != like.device:
+            raise ValueError(f"{name} is on {t.device} but X is on {like.device}; use one device throughout")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor) -> None:
+    """``params`` must hold exactly the names of ``shapes`` with those shapes, dtype and device of ``X``."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict of tensors, got {type(params).__name__}")
+    missing = [n for n in shapes if n not in params]
+    extra = [n for n in params if n not in shapes]
+    if missing or extra:
+        raise ValueError(f"params must have keys {list(shapes)}; missing {missing}, unexpected {extra}")
+    for name, shape in shapes.items():
+        check_tensor(f"params[{name!r}]", params[name], like=X)
+        if tuple(params[name].shape) != tuple(shape):
+            raise ValueError(f"params[{name!r}] must have shape {tuple(shape)}, got {tuple(params[name].shape)}")
+
+
+def check_ln_variance(name: str, U: torch.Tensor, eps: float) -> None:
+    """With ``eps = 0`` every LayerNorm input row needs non-zero variance (the paper's Assumption 2).
+
+    A row counts as constant when its variance is below ``(machine eps * max|row|)^2``.
+    Raises ``ValueError`` naming ``name`` and the first offending row.
+    """
+    if eps > 0:
+        return
+    var = U.var(-1, unbiased=False)
+    scale = U.abs().amax(-1)
+    tol = (torch.finfo(U.dtype).eps * scale) ** 2
+    bad = (var <= tol).nonzero()
+    if len(bad):
+        raise ValueError(
+            f"{name}: LayerNorm input row {tuple(bad[0].tolist())} has zero variance and ln_eps=0 "
+            "(the paper's Assumption 2); use ln_eps > 0 or other inputs"
+        )
+
+
+def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
+    """Raise ``InsufficientMemoryError`` (a ``MemoryError`` and a ``ValueError``) if ``nbytes``
+    exceeds the memory available now on ``device``; the message gives both byte counts."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise InsufficientMemoryError(
+            f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) but only {available:,} bytes "
+            f"({available / 2**30:.2f} GiB) are available on {device}"
+        )
