@@ -30,16 +30,13 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import add_block, dense_second_derivative
+from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron, sandwich
 from .validation import check_ln_variance, check_params, check_tensor
 
 __all__ = ["forward", "jacobian", "second_derivative"]
-
-Blocks = dict[tuple[str, str], torch.Tensor]
-
 
 class Cache(NamedTuple):
     """Forward quantities of a batch; token axes merged to ``T = B·L`` where noted."""
@@ -116,44 +113,43 @@ def _factors(c: Cache) -> Factors:
     return Factors(J, B, G_Y, G)
 
 
-def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor) -> Blocks:
-    r"""ξ contracted: blocks of :math:`\sum g_S \nabla^2 S` over the block's weights (Theorem 5's ξ_ij)."""
-    names = c.names
-    blocks: Blocks = {}
-    H_12, cross = ffn.contract_hessian(c.fc, g_S)
-    add_block(blocks, names, "W_1", "W_2", H_12)
+def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc: BlockSum) -> None:
+    r"""Add ξ contracted with ``g_S`` (``(T, d)``): the blocks of :math:`\sum g_S \nabla^2 S` (Theorem 5's ξ_ij)."""
+    cross = ffn.contract_hessian(c.fc, g_S, acc)
     for k, fk in f.G_Y.items():
         for w, fw in cross.items():
-            add_block(blocks, names, k, w, sandwich(fk, fw))
+            if acc.wants(k, w):
+                acc.add(k, w, sandwich(fk, fw))
     g_Y = (c.J_SY.transpose(1, 2) @ g_S[..., None])[..., 0]
     Gam_Y = layernorm.contract_hessian(c.U, g_Y, c.cfg.ln_eps)
-    g_U = (c.E_Y.transpose(1, 2) @ g_Y[..., None])[..., 0]
-    att = attention.contract_hessian(c.att, g_U.reshape(c.att.F.shape))
     for i, k in enumerate(attention.NAMES):
         for l in attention.NAMES[i:]:
-            add_block(blocks, names, k, l, sandwich(f.G[k], f.G[l], Gam_Y))
-    for (k, l), v in att.items():
-        add_block(blocks, names, k, l, v)
-    return blocks
+            if acc.wants(k, l):
+                acc.add(k, l, sandwich(f.G[k], f.G[l], Gam_Y))
+    g_U = (c.E_Y.transpose(1, 2) @ g_Y[..., None])[..., 0]
+    attention.contract_hessian(c.att, g_U.reshape(c.att.F.shape), acc)
 
 
-def contract_output(c: Cache, g: torch.Tensor, f: Factors) -> Blocks:
-    r"""Blocks of :math:`\sum_o g_o \nabla^2_W \mathrm{out}_o` (the functional term of eq. 10).
+def contract_output(c: Cache, g: torch.Tensor, f: Factors, acc: BlockSum, omega_S: torch.Tensor | None = None) -> None:
+    r"""Add the blocks of :math:`\sum_o g_o \nabla^2_W \mathrm{out}_o` (the functional term of eq. 10) to ``acc``.
 
     ``g`` has the shape of the output, ``(B, L, d)``. For the block, Theorem 5 contracted:
     :math:`B^\top \Gamma_Z(g) B + \xi(J_Z^\top g)`; for the bare attention layer, Φ(g).
-    No checks (kernel).
+    ``omega_S`` (``(T, d, d)``, block only) is added to :math:`\Gamma_Z` so that a per-token
+    outer term :math:`B^\top J_Z^\top \Omega J_Z B` rides on the same pass. No checks (kernel).
     """
     if c.cfg.kind == "attention":
-        return attention.contract_hessian(c.att, g)
+        attention.contract_hessian(c.att, g, acc)
+        return
     g = g.reshape(-1, c.cfg.d_model)
-    blocks = _contract_S(c, f, (c.E_Z.transpose(1, 2) @ g[..., None])[..., 0])
-    Gam_Z = layernorm.contract_hessian(c.fc.S, g, c.cfg.ln_eps)
-    names = c.names
-    for i, a in enumerate(names):
-        for b in names[i:]:
-            add_block(blocks, names, a, b, sandwich(f.B[a], f.B[b], Gam_Z))
-    return blocks
+    _contract_S(c, f, (c.E_Z.transpose(1, 2) @ g[..., None])[..., 0], acc)
+    Om = layernorm.contract_hessian(c.fc.S, g, c.cfg.ln_eps)
+    if omega_S is not None:
+        Om = Om + omega_S
+    for i, a in enumerate(c.names):
+        for b in c.names[i:]:
+            if acc.wants(a, b):
+                acc.add(a, b, sandwich(f.B[a], f.B[b], Om))
 
 
 def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
@@ -223,12 +219,11 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     _check_variance(c)
     for n in (a, b):
         _select(c.names, n)
-    sizes = {n: int(torch.Size(s).numel()) for n, s in param_shapes(cfg).items()}
     factors = _factors(c)
     if of == "S":
-        def contract(g):
-            return _contract_S(c, factors, g)
+        def contract(g, acc):
+            _contract_S(c, factors, g, acc)
     else:
-        def contract(g):
-            return contract_output(c, g[None], factors)
-    return dense_second_derivative(contract, tuple(X.shape), c.names, sizes, a, b, X)
+        def contract(g, acc):
+            contract_output(c, g[None], factors, acc)
+    return dense_second_derivative(contract, tuple(X.shape), c.names, param_shapes(cfg), a, b, X)

@@ -1,8 +1,10 @@
-"""``HessianBlocks``: a symmetric block matrix over named parameters, and block arithmetic.
+"""``HessianBlocks``: a symmetric block matrix over named parameters, and its accumulator.
 
-A Hessian over parameters ``names`` (sizes ``sizes``) is kept as one tensor per unordered
-pair ``(a, b)`` with ``a`` not after ``b`` in ``names``: each pair is computed once, and
-``H[b, a]`` is the transpose of ``H[a, b]``.
+A Hessian over parameters ``names`` (sizes ``sizes``) is assembled once per unordered pair
+``(a, b)`` (``a`` not after ``b`` in ``names``); ``H[b, a]`` is the transpose of ``H[a, b]``.
+:class:`BlockSum` accumulates contributions either into a dict of blocks (small results,
+``vmap``-friendly) or straight into one preallocated ``n × n`` buffer (the full Hessian:
+no second copy).
 """
 
 from __future__ import annotations
@@ -13,17 +15,63 @@ import torch
 
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "add_block", "dense_second_derivative"]
+__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
 
 Key = tuple[str, str]
 
 
-def add_block(blocks: dict[Key, torch.Tensor], names: tuple[str, ...], a: str, b: str, value: torch.Tensor) -> None:
-    """Accumulate ``value`` (``(n_a, n_b)``, or a batch ``(..., n_a, n_b)``) into the stored
-    pair ``(a, b)``, transposing when ``b`` comes before ``a`` in ``names``."""
-    if names.index(a) > names.index(b):
-        a, b, value = b, a, value.transpose(-1, -2)
-    blocks[(a, b)] = blocks[(a, b)] + value if (a, b) in blocks else value
+class BlockSum:
+    """Accumulates Hessian contributions ``(a, b, value)`` over the pairs of ``names``.
+
+    ``wanted`` restricts the pairs to those with both names in it (callers test
+    :meth:`wants` before computing a contribution). With ``dense=True`` the blocks live in
+    one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check).
+    """
+
+    def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None):
+        self.all_names = tuple(names)
+        self.names = tuple(n for n in self.all_names if wanted is None or n in wanted)
+        self.shapes = {n: tuple(shapes[n]) for n in self.names}
+        self.sizes = {n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}
+        self.blocks: dict[Key, torch.Tensor] = {}
+        self.buffer = None
+        if dense:
+            n = sum(self.sizes.values())
+            check_fits(n * n * torch.finfo(dtype).bits // 8, f"the dense {n}x{n} Hessian", device)
+            self.buffer = torch.empty(n, n, dtype=dtype, device=device)
+            off, self.slices = 0, {}
+            for name in self.names:
+                self.slices[name] = slice(off, off + self.sizes[name])
+                off += self.sizes[name]
+
+    def wants(self, a: str, b: str) -> bool:
+        return a in self.sizes and b in self.sizes
+
+    def add(self, a: str, b: str, value: torch.Tensor) -> None:
+        """Add ``value`` (``(n_a, n_b)``, or batched ``(..., n_a, n_b)`` in dict mode) to pair ``(a, b)``."""
+        if not self.wants(a, b):
+            return
+        if self.names.index(a) > self.names.index(b):
+            a, b, value = b, a, value.transpose(-1, -2)
+        if self.buffer is None:
+            self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value
+        elif (a, b) in self.blocks:
+            self.blocks[(a, b)].add_(value)
+        else:
+            view = self.buffer[self.slices[a], self.slices[b]]
+            view.copy_(value)
+            self.blocks[(a, b)] = view
+
+    def result(self, like: torch.Tensor) -> "HessianBlocks":
+        """The accumulated :class:`HessianBlocks` (never-touched pairs are zero blocks)."""
+        if self.buffer is not None:
+            for i, a in enumerate(self.names):
+                for b in self.names[i:]:
+                    if (a, b) not in self.blocks:
+                        self.add(a, b, like.new_zeros(self.sizes[a], self.sizes[b]))
+                    if a != b:
+                        self.buffer[self.slices[b], self.slices[a]] = self.blocks[(a, b)].T
+        return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer)
 
 
 class HessianBlocks:
@@ -36,26 +84,44 @@ class HessianBlocks:
     shapes : dict[str, tuple[int, ...]]
         Shape of each parameter.
     sizes : tuple[int, ...]
-        ``numel`` of each parameter; ``H[a, b]`` has shape ``(sizes[a], sizes[b])`` in the
-        row-wise vectorisation ``vec_r``.
-    outer, functional : HessianBlocks or None
-        The Gauss–Newton (outer-product) and functional terms (paper eq. 10); ``None`` for
-        those parts themselves.
+        ``numel`` of each parameter; ``H[a, b]`` has shape ``(n_a, n_b)`` in the row-wise
+        vectorisation ``vec_r``.
+    outer, functional : HessianBlocks
+        The Gauss–Newton (outer-product) and functional terms (paper eq. 10). For a result
+        of :func:`blockhess.hessian` they are computed on first access, by their own pass.
 
-    ``H[a, b]`` returns the block (a view for stored pairs, a transpose otherwise; a zero
-    block for pairs known to vanish). ``H.dense()`` returns the ``(n, n)`` matrix, blocks in
+    ``H[a, b]`` returns the block (a view where stored, a transposed view otherwise, a zero
+    block for pairs never touched). ``H.dense()`` is the ``(n, n)`` matrix, blocks in
     ``names`` order.
     """
 
-    def __init__(self, names, shapes, blocks: dict[Key, torch.Tensor], outer=None, functional=None):
+    def __init__(self, names, shapes, blocks: dict[Key, torch.Tensor], like: torch.Tensor, buffer=None,
+                 parts: Callable[[str], "HessianBlocks"] | None = None):
         self.names = tuple(names)
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
         self.sizes = tuple(int(torch.Size(self.shapes[n]).numel()) for n in self.names)
+        self.dtype, self.device = like.dtype, like.device
         self._blocks = blocks
-        self.outer = outer
-        self.functional = functional
-        ref = next(iter(blocks.values()))
-        self.dtype, self.device = ref.dtype, ref.device
+        self._buffer = buffer
+        self._parts = parts
+        self._cache: dict[str, HessianBlocks] = {}
+
+    def _part(self, which: str) -> "HessianBlocks":
+        if self._parts is None:
+            raise AttributeError(f"this HessianBlocks has no {which} part")
+        if which not in self._cache:
+            self._cache[which] = self._parts(which)
+        return self._cache[which]
+
+    @property
+    def outer(self) -> "HessianBlocks":
+        """Gauss–Newton term :math:`J^\\top \\nabla^2_Z\\ell\\, J` (PSD for a convex loss)."""
+        return self._part("outer")
+
+    @property
+    def functional(self) -> "HessianBlocks":
+        """Functional term :math:`(\\nabla_Z\\ell \\otimes I)\\,\\partial^2 Z/\\partial W^2`."""
+        return self._part("functional")
 
     def __getitem__(self, key: Key) -> torch.Tensor:
         a, b = key
@@ -69,29 +135,20 @@ class HessianBlocks:
         size = dict(zip(self.names, self.sizes))
         return torch.zeros(size[a], size[b], dtype=self.dtype, device=self.device)
 
-    def __add__(self, other: "HessianBlocks") -> "HessianBlocks":
-        keys = set(self._blocks) | set(other._blocks)
-        return HessianBlocks(self.names, self.shapes, {k: self[k] + other[k] for k in keys})
-
     def dense(self) -> torch.Tensor:
         """The full ``(n, n)`` matrix, ``n = sum(sizes)``, blocks in ``names`` order.
 
+        Returns the stored buffer itself when the Hessian was assembled densely (no copy).
         Raises ``InsufficientMemoryError`` (a ``MemoryError`` and ``ValueError``) before
-        allocating if the matrix would not fit in available memory.
+        allocating if a new matrix would not fit in available memory.
         """
-        n = sum(self.sizes)
-        check_fits(n * n * torch.finfo(self.dtype).bits // 8, f"the dense {n}x{n} Hessian", self.device)
-        out = torch.empty(n, n, dtype=self.dtype, device=self.device)
-        offsets = [0]
-        for s in self.sizes:
-            offsets.append(offsets[-1] + s)
+        if self._buffer is not None:
+            return self._buffer
+        acc = BlockSum(self.names, self.shapes, dense=True, dtype=self.dtype, device=self.device)
         for i, a in enumerate(self.names):
-            for j in range(i, len(self.names)):
-                blk = self[a, self.names[j]]
-                out[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] = blk
-                if j != i:
-                    out[offsets[j] : offsets[j + 1], offsets[i] : offsets[i + 1]] = blk.T
-        return out
+            for b in self.names[i:]:
+                acc.add(a, b, self[a, b])
+        return acc.result(self[self.names[0], self.names[0]]).dense()
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}{list(s)}" for n, s in self.shapes.items())
@@ -99,29 +156,34 @@ class HessianBlocks:
 
 
 def dense_second_derivative(
-    contract: Callable[[torch.Tensor], dict[Key, torch.Tensor]],
+    contract: Callable[[torch.Tensor, BlockSum], None],
     out_shape: tuple[int, int],
     names: tuple[str, ...],
-    sizes: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
     a: str,
     b: str,
     like: torch.Tensor,
 ) -> torch.Tensor:
     r"""The paper's layout of a second derivative :math:`\partial^2 N/\partial W_a \partial W_b`.
 
-    ``contract(G)`` must return the blocks of :math:`\sum_o G_o \nabla^2 N_o` for an output
-    weight ``G`` of shape ``out_shape``; contracting with every basis vector gives the
-    ``(N.numel()·n_a, n_b)`` matrix with rows ``(o, i)`` o-major (paper §1.1).
+    ``contract(G, acc)`` must add into ``acc`` the blocks of :math:`\sum_o G_o \nabla^2 N_o`
+    for an output weight ``G`` of shape ``out_shape``; contracting with every basis vector
+    gives the ``(N.numel()·n_a, n_b)`` matrix with rows ``(o, i)`` o-major (paper §1.1).
     """
     n_out = out_shape[0] * out_shape[1]
+    sizes = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
     check_fits(n_out * sizes[a] * sizes[b] * like.element_size(), f"the dense d2/d{a}d{b}", like.device)
+
+    def blocks(G):
+        acc = BlockSum(names, shapes, wanted=(a, b))
+        contract(G, acc)
+        return acc.blocks
+
     basis = torch.eye(n_out, dtype=like.dtype, device=like.device).reshape(n_out, *out_shape)
-    blocks = torch.func.vmap(contract)(basis)
-    if names.index(a) > names.index(b):
-        key, transpose = (b, a), True
-    else:
-        key, transpose = (a, b), False
-    if key not in blocks:
+    out = torch.func.vmap(blocks)(basis)
+    swap = names.index(a) > names.index(b)
+    key = (b, a) if swap else (a, b)
+    if key not in out:
         return like.new_zeros(n_out * sizes[a], sizes[b])
-    blk = blocks[key].transpose(1, 2) if transpose else blocks[key]
+    blk = out[key].transpose(1, 2) if swap else out[key]
     return blk.reshape(n_out * sizes[a], sizes[b])

@@ -20,14 +20,14 @@ import torch
 
 from . import losses
 from .block import _check_variance, _factors, _forward, _select, check_inputs, contract_output
-from .blocks import HessianBlocks, add_block
+from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron, sandwich
 
 __all__ = ["hessian"]
 
 
-def _outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, names, B: int, L: int, d: int) -> dict:
+def _add_outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, acc: BlockSum, B: int, L: int, d: int) -> None:
     r"""Outer term for a general per-sequence loss Hessian ``hess`` of shape ``(B, L·d, L·d)``.
 
     :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`,
@@ -42,13 +42,30 @@ def _outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, names, B: int, L
     lam = lam.gather(1, order)  # (B, R)
     W = W.gather(2, order[:, None, :].expand(B, L * d, R))  # (B, L*d, R)
     w = W.transpose(1, 2).reshape(B, R, L, d)
-    V = {n: J[n].vjp(w) for n in names}  # (B, R, n_i)
-    blocks = {}
-    for i, a in enumerate(names):
-        Va = (V[a] * lam[..., None]).reshape(B * R, -1)
-        for b in names[i:]:
-            add_block(blocks, names, a, b, Va.T @ V[b].reshape(B * R, -1))
-    return blocks
+    V = {n: J[n].vjp(w).reshape(B * R, -1) for n in acc.names}  # rows J_b^T w_br
+    lam = lam.reshape(B * R, 1)
+    for i, a in enumerate(acc.names):
+        Va = V[a] * lam
+        for b in acc.names[i:]:
+            acc.add(a, b, Va.T @ V[b])
+
+
+def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, functional: bool) -> None:
+    """Add the outer and/or functional term to ``acc``; with both and a per-token loss
+    Hessian, the outer term is folded into the functional pass (one sandwich per pair)."""
+    Bsz, L, d = c.out.shape
+    if outer and functional and ld.per_token and c.cfg.kind == "block":
+        omega_S = c.E_Z.transpose(1, 2) @ ld.hess @ c.E_Z
+        contract_output(c, ld.grad, f, acc, omega_S)
+        return
+    if outer and ld.per_token:
+        for i, a in enumerate(acc.names):
+            for b in acc.names[i:]:
+                acc.add(a, b, sandwich(f.J[a], f.J[b], ld.hess))
+    elif outer:
+        _add_outer_lowrank(f.J, ld.hess, acc, Bsz, L, d)
+    if functional:
+        contract_output(c, ld.grad, f, acc)
 
 
 def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None) -> HessianBlocks:
@@ -96,19 +113,14 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     losses.check(loss, target, c.out)
     names = _select(c.names, wrt)
     f = _factors(c)
-    Bsz, L, d = c.out.shape
     ld = losses.derivatives(loss, target, c.out)
-    if ld.per_token:
-        outer = {}
-        for i, a in enumerate(names):
-            for b in names[i:]:
-                add_block(outer, names, a, b, sandwich(f.J[a], f.J[b], ld.hess))
-    else:
-        outer = _outer_lowrank(f.J, ld.hess, names, Bsz, L, d)
-    functional = {k: v for k, v in contract_output(c, ld.grad, f).items() if k[0] in names and k[1] in names}
-    shapes = {n: s for n, s in param_shapes(cfg).items() if n in names}
-    H_o = HessianBlocks(names, shapes, outer)
-    H_f = HessianBlocks(names, shapes, functional)
-    full = H_o + H_f
-    full.outer, full.functional = H_o, H_f
+    shapes = param_shapes(cfg)
+
+    def assemble(which: str, dense: bool) -> HessianBlocks:
+        acc = BlockSum(c.names, shapes, wanted=names, dense=dense, dtype=X.dtype, device=X.device)
+        _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+        return acc.result(X)
+
+    full = assemble("full", dense=True)
+    full._parts = lambda which: assemble(which, dense=False)
     return full

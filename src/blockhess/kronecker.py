@@ -68,13 +68,18 @@ class TokenKron:
         return J.reshape(T, r, self.numel)
 
     def vjp(self, w: torch.Tensor) -> torch.Tensor:
-        r""":math:`\sum_t J_t^\top w_t` for ``w`` of shape ``(..., T, r)``; returns ``(..., p*q)``."""
-        Nw = torch.einsum("trq,...tr->...tq", self.mat, w)
+        r"""Per sequence :math:`\sum_{t \in b} J_t^\top w_{b,k,t}`: ``w`` of shape ``(B, K, L, r)``
+        (``K`` weights per sequence; the factor's tokens are ordered ``(B, L)``); returns
+        ``(B, K, p*q)``."""
+        B, K, L, r = w.shape
+        mat = self.mat.reshape(B, L, r, self.mat.shape[-1])
+        vec = self.vec.reshape(B, L, self.vec.shape[-1])
+        Nw = torch.einsum("blrq,bklr->bklq", mat, w)
         if self.side == "left":
-            out = torch.einsum("ta,...tb->...ab", self.vec, Nw)
+            out = torch.einsum("blp,bklq->bkpq", vec, Nw)
         else:
-            out = torch.einsum("...ta,tb->...ab", Nw, self.vec)
-        return out.reshape(*w.shape[:-2], self.numel)
+            out = torch.einsum("bklp,blq->bkpq", Nw, vec)
+        return out.reshape(B, K, self.numel)
 
 
 def sandwich(F1: TokenKron, F2: TokenKron, omega: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as Fn
 
 from . import losses
 from .block import _select, check_inputs
-from .blocks import HessianBlocks
+from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 
 __all__ = ["forward", "jacobian", "hessian"]
@@ -80,13 +80,15 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     H_Z = torch.func.hessian(lambda z: _plain_loss(loss, target, z))(Z).reshape(B * L * d, B * L * d)
     J = torch.func.jacrev(lambda s: forward({**fixed, **s}, Xb, cfg))(sel)
     J = {n: J[n].reshape(B * L * d, -1) for n in names}
-    shapes = {n: tuple(params[n].shape) for n in names}
-    full, outer = {}, {}
+    shapes = param_shapes(cfg)
+    parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
     for i, a in enumerate(names):
         for b in names[i:]:
-            full[(a, b)] = Hf[a][b].reshape(params[a].numel(), params[b].numel())
-            outer[(a, b)] = J[a].T @ H_Z @ J[b]
-    H = HessianBlocks(names, shapes, full)
-    H.outer = HessianBlocks(names, shapes, outer)
-    H.functional = HessianBlocks(names, shapes, {k: full[k] - outer[k] for k in full})
+            full = Hf[a][b].reshape(params[a].numel(), params[b].numel())
+            outer = J[a].T @ H_Z @ J[b]
+            parts["full"].add(a, b, full)
+            parts["outer"].add(a, b, outer)
+            parts["functional"].add(a, b, full - outer)
+    H = parts["full"].result(X)
+    H._parts = lambda which: parts[which].result(X)
     return H

@@ -96,19 +96,18 @@ def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
     return J.reshape(B, L * d, L * d)
 
 
-def contract_hessian(c: Cache, G: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
-    r"""Blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} F_{blc}` over ``(W_Q, W_K, W_V)``.
+def contract_hessian(c: Cache, G: torch.Tensor, acc) -> None:
+    r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} F_{blc}` over ``(W_Q, W_K, W_V)`` to ``acc``.
 
-    ``G`` has the shape of ``F``, ``(B, L, d)``; the result sums over the batch. Keys are
-    ordered pairs ``(W_i, W_j)`` with ``i`` not after ``j`` in ``(W_Q, W_K, W_V)``; the
-    ``(W_V, W_V)`` block is exactly zero (F is linear in ``W_V``) and is omitted.
+    ``G`` has the shape of ``F``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
+    :class:`~blockhess.blocks.BlockSum`; only the pairs it wants are computed. The
+    ``(W_V, W_V)`` block is exactly zero (F is linear in ``W_V``) and is never added.
     With ``G = (2/(L d)) (F - Target)`` this is Ormaniec et al.'s functional Hessian
     (Theorem 3.2); with one-hot ``G`` it gives the Φ blocks of paper §2.3.
     Derived here (docs/derivations.md §attention). No checks (kernel).
     """
     B, L, d = c.X.shape
     Bm = G @ c.V.transpose(-1, -2)  # (B, L, L): B_lj = G_l . V_j
-    grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
     Psi = _flat(softmax.contract_hessian(c.A, Bm))  # (B*L, L, L)
 
     def per_token(t):  # the sequence's (L, m) matrix, once per token: (B*L, L, m)
@@ -118,16 +117,17 @@ def contract_hessian(c: Cache, G: torch.Tensor) -> dict[tuple[str, str], torch.T
         "W_Q": TokenKron("left", _flat(c.X), per_token(c.K) * c.scale),
         "W_K": TokenKron("right", _flat(c.Q), per_token(c.X) * c.scale),
     }
-    SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
-    cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys
-
-    P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale  # X^T Γ_T X
-    eye_k = torch.eye(c.Q.shape[-1], dtype=G.dtype, device=G.device)
-    bilinear = (P[:, None, :, None] * eye_k[None, :, None, :]).reshape(P.shape[0] * eye_k.shape[0], -1)
-    return {
-        ("W_Q", "W_Q"): sandwich(dT["W_Q"], dT["W_Q"], Psi),
-        ("W_Q", "W_K"): sandwich(dT["W_Q"], dT["W_K"], Psi) + bilinear,
-        ("W_K", "W_K"): sandwich(dT["W_K"], dT["W_K"], Psi),
-        ("W_Q", "W_V"): sandwich(dT["W_Q"], cross_V),
-        ("W_K", "W_V"): sandwich(dT["W_K"], cross_V),
-    }
+    for a, b in (("W_Q", "W_Q"), ("W_Q", "W_K"), ("W_K", "W_K")):
+        if acc.wants(a, b):
+            acc.add(a, b, sandwich(dT[a], dT[b], Psi))
+    if acc.wants("W_Q", "W_K"):  # T is bilinear in (W_Q, W_K): δ_bb' s (X^T Γ_T X)_aa'
+        grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
+        P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale
+        eye_k = torch.eye(c.Q.shape[-1], dtype=G.dtype, device=G.device)
+        acc.add("W_Q", "W_K", (P[:, None, :, None] * eye_k[None, :, None, :]).reshape(P.shape[0] * eye_k.shape[0], -1))
+    if acc.wants("W_Q", "W_V") or acc.wants("W_K", "W_V"):
+        SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
+        cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys
+        for a in ("W_Q", "W_K"):
+            if acc.wants(a, "W_V"):
+                acc.add(a, "W_V", sandwich(dT[a], cross_V))

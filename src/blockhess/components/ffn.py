@@ -63,22 +63,23 @@ def input_jacobian(c: Cache) -> torch.Tensor:
     return eye + (c.W_2.T[None] * c.D[:, None, :]) @ c.W_1.T
 
 
-def contract_hessian(c: Cache, g: torch.Tensor) -> tuple[torch.Tensor, dict[str, TokenKron]]:
+def contract_hessian(c: Cache, g: torch.Tensor, acc) -> dict[str, TokenKron]:
     r"""Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` over ``(Y, W_1, W_2)`` (ReLU, a.e.).
 
-    ``g`` has shape ``(T, d)``. Returns ``(H_12, cross)``: the ``(W_1, W_2)`` block of shape
-    ``(d·d_ff, d_ff·d)``, and the ``(Y, W_k)`` blocks as per-token factors (rows: the ``d``
-    entries of ``y_t``) for chaining through ``∂Y/∂W``. The ``(Y,Y)``, ``(W_1,W_1)`` and
-    ``(W_2,W_2)`` blocks are zero for ReLU. Derived here (docs/derivations.md §ffn).
+    ``g`` has shape ``(T, d)``. Adds the ``(W_1, W_2)`` block (``(d·d_ff, d_ff·d)``) to the
+    :class:`~blockhess.blocks.BlockSum` ``acc`` if wanted, and returns the ``(Y, W_k)``
+    blocks as per-token factors (rows: the ``d`` entries of ``y_t``) for chaining through
+    ``∂Y/∂W``. The ``(Y,Y)``, ``(W_1,W_1)`` and ``(W_2,W_2)`` blocks are zero for ReLU.
+    Derived here (docs/derivations.md §ffn). No checks (kernel).
     """
     T, d = c.Y.shape
     d_ff = c.D.shape[1]
-    R = torch.einsum("ta,tb,tc->abc", c.Y, c.D, g)
-    eye_ff = torch.eye(d_ff, dtype=g.dtype, device=g.device)
-    H_12 = (R[:, :, None, :] * eye_ff[None, :, :, None]).reshape(d * d_ff, d_ff * d)
+    if acc.wants("W_1", "W_2"):
+        R = torch.einsum("ta,tb,tc->abc", c.Y, c.D, g)
+        eye_ff = torch.eye(d_ff, dtype=g.dtype, device=g.device)
+        acc.add("W_1", "W_2", (R[:, :, None, :] * eye_ff[None, :, :, None]).reshape(d * d_ff, d_ff * d))
     eye = torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d)
-    cross = {
+    return {
         "W_1": TokenKron("right", c.D * (g @ c.W_2.T), eye),
         "W_2": TokenKron("right", g, c.W_1[None] * c.D[:, None, :]),
     }
-    return H_12, cross
