@@ -113,19 +113,30 @@ def _factors(c: Cache) -> Factors:
     return Factors(J, B, G_Y, G)
 
 
-def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc: BlockSum) -> None:
-    r"""Add ξ contracted with ``g_S`` (``(T, d)``): the blocks of :math:`\sum g_S \nabla^2 S` (Theorem 5's ξ_ij)."""
+def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc: BlockSum, omega_S: torch.Tensor | None = None) -> None:
+    r"""Add ξ contracted with ``g_S`` (``(T, d)``), the blocks of :math:`\sum g_S \nabla^2 S`
+    (Theorem 5's ξ_ij), plus :math:`B^\top \Omega_S B` when a per-token ``omega_S`` (``(T, d, d)``)
+    is given. Each pair's Kronecker sandwiches with the same factors are merged: for two
+    attention weights :math:`B_k = J_{SY} J_Y G_k`, so :math:`B^\top\Omega_S B` and
+    :math:`G^\top \Gamma_Y G` share one pass with :math:`\Omega_U = J_Y^\top J_{SY}^\top \Omega_S J_{SY} J_Y + \Gamma_Y`.
+    """
     cross = ffn.contract_hessian(c.fc, g_S, acc)
-    for k, fk in f.G_Y.items():
-        for w, fw in cross.items():
-            if acc.wants(k, w):
-                acc.add(k, w, sandwich(fk, fw))
+    for i, a in enumerate(c.names):
+        for b in c.names[i:]:
+            if b in cross and acc.wants(a, b):
+                if omega_S is not None:
+                    acc.add(a, b, sandwich(f.B[a], f.B[b], omega_S))
+                if a in f.G_Y:
+                    acc.add(a, b, sandwich(f.G_Y[a], cross[b]))
     g_Y = (c.J_SY.transpose(1, 2) @ g_S[..., None])[..., 0]
-    Gam_Y = layernorm.contract_hessian(c.U, g_Y, c.cfg.ln_eps)
+    omega_U = layernorm.contract_hessian(c.U, g_Y, c.cfg.ln_eps)
+    if omega_S is not None:
+        M = c.J_SY @ c.E_Y
+        omega_U = omega_U + M.transpose(1, 2) @ omega_S @ M
     for i, k in enumerate(attention.NAMES):
         for l in attention.NAMES[i:]:
             if acc.wants(k, l):
-                acc.add(k, l, sandwich(f.G[k], f.G[l], Gam_Y))
+                acc.add(k, l, sandwich(f.G[k], f.G[l], omega_U))
     g_U = (c.E_Y.transpose(1, 2) @ g_Y[..., None])[..., 0]
     attention.contract_hessian(c.att, g_U.reshape(c.att.F.shape), acc)
 
@@ -142,14 +153,10 @@ def contract_output(c: Cache, g: torch.Tensor, f: Factors, acc: BlockSum, omega_
         attention.contract_hessian(c.att, g, acc)
         return
     g = g.reshape(-1, c.cfg.d_model)
-    _contract_S(c, f, (c.E_Z.transpose(1, 2) @ g[..., None])[..., 0], acc)
     Om = layernorm.contract_hessian(c.fc.S, g, c.cfg.ln_eps)
     if omega_S is not None:
         Om = Om + omega_S
-    for i, a in enumerate(c.names):
-        for b in c.names[i:]:
-            if acc.wants(a, b):
-                acc.add(a, b, sandwich(f.B[a], f.B[b], Om))
+    _contract_S(c, f, (c.E_Z.transpose(1, 2) @ g[..., None])[..., 0], acc, Om)
 
 
 def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:

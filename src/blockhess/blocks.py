@@ -47,31 +47,59 @@ class BlockSum:
     def wants(self, a: str, b: str) -> bool:
         return a in self.sizes and b in self.sizes
 
+    def _view(self, a: str, b: str) -> torch.Tensor:
+        """The stored block of pair ``(a, b)`` as a tensor of shape ``shape_a + shape_b`` (a view)."""
+        if (a, b) not in self.blocks:
+            self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
+            self.buffer[self.slices[a], self.slices[b]].zero_()
+        return self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
+
     def add(self, a: str, b: str, value: torch.Tensor) -> None:
-        """Add ``value`` (``(n_a, n_b)``, or batched ``(..., n_a, n_b)`` in dict mode) to pair ``(a, b)``."""
+        """Add ``value`` to pair ``(a, b)``: shape ``(n_a, n_b)`` or ``shape_a + shape_b``."""
         if not self.wants(a, b):
             return
         if self.names.index(a) > self.names.index(b):
-            a, b, value = b, a, value.transpose(-1, -2)
+            value = value.reshape(*self.shapes[b], *self.shapes[a]) if value.ndim == 2 else value
+            rb = len(self.shapes[b])
+            a, b, value = b, a, value.permute(*range(rb, value.ndim), *range(rb))
         if self.buffer is None:
+            value = value.reshape(self.sizes[a], self.sizes[b])
             self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value
         elif (a, b) in self.blocks:
-            self.blocks[(a, b)].add_(value)
+            self._view(a, b).add_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
         else:
-            view = self.buffer[self.slices[a], self.slices[b]]
-            view.copy_(value)
-            self.blocks[(a, b)] = view
+            self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
+            target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
+            target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
+
+    def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
+        """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``
+        (``a`` not after ``b``); ``value`` is laid out as :func:`torch.diagonal` returns it.
+        Used for Kronecker-with-identity terms such as ``P ⊗ I``: only the diagonal is touched."""
+        if not self.wants(a, b):
+            return
+        if self.buffer is None:
+            self.add(a, b, torch.diag_embed(value, 0, dim1, dim2))
+        else:
+            torch.diagonal(self._view(a, b), 0, dim1, dim2).add_(value)
 
     def result(self, like: torch.Tensor) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` (never-touched pairs are zero blocks)."""
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
-                    if (a, b) not in self.blocks:
-                        self.add(a, b, like.new_zeros(self.sizes[a], self.sizes[b]))
+                    self._view(a, b)
                     if a != b:
-                        self.buffer[self.slices[b], self.slices[a]] = self.blocks[(a, b)].T
+                        _transpose_into(self.buffer[self.slices[b], self.slices[a]], self.blocks[(a, b)])
         return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer)
+
+
+def _transpose_into(dst: torch.Tensor, src: torch.Tensor, tile: int = 512) -> None:
+    """``dst[:] = src.T`` tile by tile, so that both sides of each tile copy stay in cache."""
+    rows, cols = src.shape
+    for i in range(0, rows, tile):
+        for j in range(0, cols, tile):
+            dst[j : j + tile, i : i + tile] = src[i : i + tile, j : j + tile].T
 
 
 class HessianBlocks:

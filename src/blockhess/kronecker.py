@@ -83,15 +83,16 @@ class TokenKron:
 
 
 def sandwich(F1: TokenKron, F2: TokenKron, omega: torch.Tensor | None = None) -> torch.Tensor:
-    r"""The Hessian block :math:`\sum_t J_{1,t}^\top \Omega_t J_{2,t}`, shape ``(p1*q1, p2*q2)``.
+    r"""The Hessian block :math:`\sum_t J_{1,t}^\top \Omega_t J_{2,t}` as a 4-D tensor ``(p1, q1, p2, q2)``.
 
-    ``omega`` has shape ``(T, r, r)`` (one symmetric or not matrix per token); ``None``
-    means the identity. Cost: ``T·(r²·q + r·q²)`` for the per-token cores plus one GEMM
-    with ``T·n_1·n_2`` multiply-adds; nothing of size ``T·r·n`` is formed.
+    ``omega`` has shape ``(T, r, r)`` (one matrix per token); ``None`` means the identity.
+    Cost: ``T·(r²·q + r·q²)`` for the per-token cores plus one GEMM with ``T·n_1·n_2``
+    multiply-adds; nothing of size ``T·r·n`` is formed. The result is usually a permuted
+    view of the GEMM output (``reshape(p1*q1, p2*q2)`` gives the 2-D block); writing it
+    into its place costs one pass.
     """
     M2 = F2.mat if omega is None else omega @ F2.mat
     C = F1.mat.transpose(1, 2) @ M2  # (T, x1, x2): x = q (left) or p (right)
-    (p1, q1), (p2, q2) = F1.shape, F2.shape
     u1, u2 = F1.vec, F2.vec
     if F1.side == "left" and F2.side == "left":
         out = torch.einsum("ta,tc,tbd->abcd", u1, u2, C)
@@ -101,4 +102,4 @@ def sandwich(F1: TokenKron, F2: TokenKron, omega: torch.Tensor | None = None) ->
         out = torch.einsum("tb,tc,tad->abcd", u1, u2, C)
     else:
         out = torch.einsum("tb,td,tac->abcd", u1, u2, C)
-    return out.reshape(p1 * q1, p2 * q2)
+    return out

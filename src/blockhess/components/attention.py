@@ -123,8 +123,7 @@ def contract_hessian(c: Cache, G: torch.Tensor, acc) -> None:
     if acc.wants("W_Q", "W_K"):  # T is bilinear in (W_Q, W_K): δ_bb' s (X^T Γ_T X)_aa'
         grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
         P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale
-        eye_k = torch.eye(c.Q.shape[-1], dtype=G.dtype, device=G.device)
-        acc.add("W_Q", "W_K", (P[:, None, :, None] * eye_k[None, :, None, :]).reshape(P.shape[0] * eye_k.shape[0], -1))
+        acc.add_diagonal("W_Q", "W_K", 1, 3, P[:, :, None].expand(*P.shape, c.Q.shape[-1]))
     if acc.wants("W_Q", "W_V") or acc.wants("W_K", "W_V"):
         SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
         cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys

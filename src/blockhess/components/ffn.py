@@ -73,11 +73,8 @@ def contract_hessian(c: Cache, g: torch.Tensor, acc) -> dict[str, TokenKron]:
     Derived here (docs/derivations.md §ffn). No checks (kernel).
     """
     T, d = c.Y.shape
-    d_ff = c.D.shape[1]
-    if acc.wants("W_1", "W_2"):
-        R = torch.einsum("ta,tb,tc->abc", c.Y, c.D, g)
-        eye_ff = torch.eye(d_ff, dtype=g.dtype, device=g.device)
-        acc.add("W_1", "W_2", (R[:, :, None, :] * eye_ff[None, :, :, None]).reshape(d * d_ff, d_ff * d))
+    if acc.wants("W_1", "W_2"):  # δ_bb' R_abc: only the diagonal b = b' of the 4-D block
+        acc.add_diagonal("W_1", "W_2", 1, 2, torch.einsum("ta,tb,tc->acb", c.Y, c.D, g))
     eye = torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d)
     return {
         "W_1": TokenKron("right", c.D * (g @ c.W_2.T), eye),
