@@ -1,0 +1,39 @@
+"""Self-attention: G_Q, G_K, G_V, dF/dX (§2.2) and all nine Φ blocks (§2.3) against torch.func."""
+
+import pytest
+import torch
+
+import blockhess as bh
+from blockhess.components import attention
+
+from conftest import GRID, GRID_IDS, assert_close, make_case
+
+NAMES = ("W_Q", "W_K", "W_V")
+
+
+@pytest.mark.parametrize("case", GRID, ids=GRID_IDS)
+def test_first_derivatives(case):
+    L, d, dk, dff, batch, scale = case
+    cfg, p, X, _ = make_case(L, d, dk, dff, batch, scale, kind="attention")
+    J = bh.jacobian(p, X, cfg)
+    J_ref = bh.reference.jacobian(p, X, cfg)
+    for n in NAMES:
+        assert_close(J[n], J_ref[n], scale=J_ref["W_V"].norm().item(), what=f"G_{n[-1]}")
+    Xb = X if batch else X[None]
+    c = attention.forward(Xb, *(p[n] for n in NAMES))
+    dFdX = attention.input_jacobian(c, *(p[n] for n in NAMES))
+    ref = torch.func.vmap(torch.func.jacrev(lambda x: bh.reference.forward(p, x, cfg)))(Xb)
+    assert_close(dFdX, ref.reshape(dFdX.shape), what="dF/dX")
+
+
+@pytest.mark.parametrize("case", GRID[:4], ids=GRID_IDS[:4])
+def test_all_nine_second_derivatives(case):
+    L, d, dk, dff, _, scale = case
+    cfg, p, X, _ = make_case(L, d, dk, dff, None, scale, kind="attention")
+    ref = torch.func.jacfwd(torch.func.jacrev(lambda q: bh.reference.forward(q, X, cfg)))(p)
+    for a in NAMES:
+        for b in NAMES:
+            Phi = bh.second_derivative(p, X, cfg, a, b, of="F")
+            R = ref[a][b].reshape(L * d * p[a].numel(), p[b].numel())
+            assert_close(Phi, R, scale=1.0, what=f"Phi_{a[-1]}{b[-1]}")
+    assert torch.count_nonzero(bh.second_derivative(p, X, cfg, "W_V", "W_V", of="F")) == 0  # Φ_VV = 0

@@ -1,0 +1,99 @@
+"""Bad input -> ValueError naming the argument and what was expected, before any work."""
+
+import pytest
+import torch
+
+import blockhess as bh
+
+from conftest import make_case
+
+
+@pytest.fixture
+def case():
+    cfg, p, X, g = make_case(3, 4, 2, 5, 2, 1.0)
+    return cfg, p, X, torch.randn(X.shape, generator=g, dtype=torch.float64)
+
+
+def test_shapes_dtypes_devices(case):
+    cfg, p, X, T = case
+    with pytest.raises(ValueError, match=r"X must have shape \(L, 4\)"):
+        bh.hessian(p, X[..., :3], cfg, target=T)
+    with pytest.raises(ValueError, match="X must have 2 or 3 dimensions"):
+        bh.forward(p, X[None], cfg)
+    with pytest.raises(ValueError, match=r"params\['W_Q'\] must have shape"):
+        bh.hessian({**p, "W_Q": p["W_Q"].T}, X, cfg, target=T)
+    with pytest.raises(ValueError, match=r"params\['W_1'\] has dtype torch.float32"):
+        bh.jacobian({**p, "W_1": p["W_1"].float()}, X, cfg)
+    with pytest.raises(ValueError, match="missing \\['W_2'\\]"):
+        bh.forward({k: v for k, v in p.items() if k != "W_2"}, X, cfg)
+    with pytest.raises(ValueError, match="floating"):
+        bh.forward(p, X.long(), cfg)
+    with pytest.raises(ValueError, match="cfg must be a BlockConfig"):
+        bh.forward(p, X, {"d_model": 4})
+
+
+def test_nan_inf(case):
+    cfg, p, X, T = case
+    Xn = X.clone()
+    Xn[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="X contains NaN or Inf"):
+        bh.hessian(p, Xn, cfg, target=T)
+    with pytest.raises(ValueError, match=r"params\['W_V'\] contains NaN or Inf"):
+        bh.hessian({**p, "W_V": p["W_V"] * float("inf")}, X, cfg, target=T)
+    with pytest.raises(ValueError, match="target contains NaN"):
+        bh.hessian(p, X, cfg, target=T * float("nan"))
+
+
+def test_zero_variance_layernorm_row():
+    cfg = bh.BlockConfig(d_model=4, d_ff=5, kind="block")
+    p = bh.init_params(cfg)
+    p["W_V"] = torch.zeros(4, 4, dtype=torch.float64)  # X + SA(X) = X
+    X = torch.randn(3, 4, dtype=torch.float64)
+    X[1] = 0.7  # a constant token row: LN_1 input has zero variance
+    with pytest.raises(ValueError, match="LayerNorm-1 input.*zero variance.*Assumption 2"):
+        bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    cfg_eps = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=1e-5)
+    bh.hessian(p, X, cfg_eps, target=torch.zeros_like(X))  # eps > 0 makes it well defined
+
+
+def test_losses_and_targets(case):
+    cfg, p, X, T = case
+    with pytest.raises(ValueError, match="loss must be 'mse', 'ce' or a callable"):
+        bh.hessian(p, X, cfg, loss="mae", target=T)
+    with pytest.raises(ValueError, match="target is required"):
+        bh.hessian(p, X, cfg, loss="mse")
+    with pytest.raises(ValueError, match="target must have the shape of the output"):
+        bh.hessian(p, X, cfg, loss="mse", target=T[0])
+    with pytest.raises(ValueError, match="integer tensor of class indices"):
+        bh.hessian(p, X, cfg, loss="ce", target=T)
+    with pytest.raises(ValueError, match=r"target must have shape \(2, 3\)"):
+        bh.hessian(p, X, cfg, loss="ce", target=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"classes must lie in \[0, 3\]"):
+        bh.hessian(p, X, cfg, loss="ce", target=torch.full((2, 3), 4))
+    with pytest.raises(ValueError, match="leading axis of size 2"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(), target=torch.zeros(5))
+    with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
+        bh.hessian(p, X, cfg, target=T, wrt=["W_O"])
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="d_model must be a positive int"):
+        bh.BlockConfig(d_model=0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        bh.BlockConfig(kind="mlp")
+    with pytest.raises(ValueError, match="ln_eps must be a finite float >= 0"):
+        bh.BlockConfig(ln_eps=-1e-5)
+    with pytest.raises(ValueError, match="init_params: dtype must be a floating dtype"):
+        bh.init_params(bh.BlockConfig(), dtype=torch.int32)
+
+
+def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 10_000
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny)
+    cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0)
+    with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
+        bh.hessian(p, X, cfg, target=torch.zeros_like(X))

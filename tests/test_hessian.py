@@ -1,0 +1,111 @@
+"""The loss Hessian (eq. 10): closed form against torch.func in float64, and its identities."""
+
+import pytest
+import torch
+
+import blockhess as bh
+
+from conftest import assert_close, make_case
+
+
+def smooth_coupled(Z, T):
+    """A custom loss whose Z-Hessian couples all tokens (full rank): exercises the general path."""
+    return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
+
+
+def _target(loss, X, g, d):
+    if loss == "ce":
+        return torch.randint(0, d, X.shape[:-1], generator=g)
+    return torch.randn(X.shape, generator=g, dtype=X.dtype)
+
+
+LOSSES = {"mse": "mse", "ce": "ce", "custom": smooth_coupled}
+
+
+@pytest.mark.parametrize("kind", ["block", "attention"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_against_autograd(grid_case, kind, loss):
+    L, d, dk, dff, batch, scale = grid_case
+    cfg, p, X, g = make_case(L, d, dk, dff, batch, scale, kind=kind)
+    T = _target(loss, X, g, d)
+    H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
+    R = bh.reference.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
+    n = sum(v.numel() for v in p.values())
+    assert H.names == tuple(p) and H.dense().shape == (n, n)
+    s = R.dense().norm().item()
+    assert_close(H.dense(), R.dense(), what="full")
+    assert_close(H.outer.dense(), R.outer.dense(), scale=s, what="outer")
+    assert_close(H.functional.dense(), R.functional.dense(), scale=s, what="functional")
+    for a in p:  # block access, both orders
+        for b in p:
+            assert torch.equal(H[a, b], H.dense()[_sl(H, a), _sl(H, b)])
+
+
+def _sl(H, name):
+    i = H.names.index(name)
+    start = sum(H.sizes[:i])
+    return slice(start, start + H.sizes[i])
+
+
+@pytest.mark.parametrize("kind", ["block", "attention"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_identities(kind, loss):
+    cfg, p, X, g = make_case(4, 5, 3, 6, 3, 1.0, kind=kind)
+    H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=_target(loss, X, g, 5))
+    D, O, F = H.dense(), H.outer.dense(), H.functional.dense()
+    scale = D.norm()
+    assert (D - D.T).norm() <= 1e-13 * scale  # symmetric
+    assert (O + F - D).norm() <= 1e-12 * scale  # outer + functional (separate passes) == full (fused pass)
+    if loss != "custom":  # MSE and CE are convex in Z: the Gauss-Newton term is PSD
+        assert torch.linalg.eigvalsh(O).min() >= -1e-12 * scale
+    if kind == "attention":
+        assert torch.count_nonzero(H.functional["W_V", "W_V"]) == 0  # F is linear in W_V
+    else:
+        assert torch.linalg.eigvalsh(D).min() < 0 or loss == "ce"  # the functional term breaks convexity
+
+
+@pytest.mark.parametrize("wrt", [["W_V"], ["W_2", "W_Q"], "W_1"])
+def test_wrt_selects_blocks(wrt):
+    cfg, p, X, g = make_case(3, 4, 2, 5, 2, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    full = bh.hessian(p, X, cfg, loss="mse", target=T)
+    part = bh.hessian(p, X, cfg, loss="mse", target=T, wrt=wrt)
+    names = [n for n in p if n in ([wrt] if isinstance(wrt, str) else wrt)]
+    assert list(part.names) == names
+    for a in names:
+        for b in names:
+            assert_close(part[a, b], full[a, b], what=f"{a},{b}")
+            assert_close(part.outer[a, b], full.outer[a, b], scale=1.0, what="outer")
+
+
+def test_batch_is_mean_of_sequences():
+    cfg, p, X, g = make_case(3, 4, 2, 5, 3, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    H = bh.hessian(p, X, cfg, loss="mse", target=T).dense()
+    per = sum(bh.hessian(p, X[b], cfg, loss="mse", target=T[b]).dense() for b in range(3)) / 3
+    assert_close(H, per, what="batch mean")
+
+
+def test_float32_runs_close_to_float64():
+    cfg, p, X, g = make_case(4, 6, 3, 8, 2, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    H64 = bh.hessian(p, X, cfg, loss="mse", target=T).dense()
+    p32 = {k: v.float() for k, v in p.items()}
+    H32 = bh.hessian(p32, X.float(), cfg, loss="mse", target=T.float()).dense()
+    assert H32.dtype == torch.float32
+    assert_close(H32.double(), H64, tol=1e-4, what="float32")
+
+
+def test_custom_loss_per_sequence_target():
+    """A callable gets one sequence and its own target; pooled-head CE has a rank-deficient Z-Hessian."""
+    cfg, p, X, g = make_case(4, 5, 2, 6, 3, 1.0)
+    W_h = torch.randn(5, 3, generator=g, dtype=torch.float64)
+
+    def head(Z, y):
+        return torch.nn.functional.cross_entropy((Z.mean(0) @ W_h)[None], y[None])
+
+    y = torch.tensor([0, 2, 1])
+    H = bh.hessian(p, X, cfg, loss=head, target=y)
+    R = bh.reference.hessian(p, X, cfg, loss=head, target=y)
+    assert_close(H.dense(), R.dense(), what="head CE")
+    assert_close(H.outer.dense(), R.outer.dense(), what="head CE outer")
