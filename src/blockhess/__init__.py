@@ -19,12 +19,14 @@ from .components import attention, ffn, layernorm, softmax
 from .config import BlockConfig, init_params, param_shapes
 from .hessian import hessian
 from .validation import InsufficientMemoryError
+from . import bounds  # noqa: E402  (Theorems 1 and 6; after the core it uses)
 
 __all__ = [
     "BlockConfig",
     "HessianBlocks",
     "InsufficientMemoryError",
     "attention",
+    "bounds",
     "ffn",
     "forward",
     "hessian",

@@ -1,0 +1,592 @@
+r"""Spectral-norm bounds of the loss Hessian: Theorem 1 (attention) and Theorem 6 (block).
+
+For one sequence ``X`` (``L × d``), weights ``W`` and the paper's MSE
+:math:`\ell = \frac{1}{Ld}\|\mathrm{out} - T\|_F^2`, every Hessian block splits (eq. 3 / eq. 10)
+into an outer and a functional term, and each is bounded by
+
+.. math::
+    \|H_o(W_i,W_j)\|_2 \le \lambda\,\|J_i\|\,\|J_j\|,\qquad
+    \|H_f(W_i,W_j)\|_2 \le \gamma\,\zeta_{ij},
+
+with :math:`\lambda \ge \|\nabla^2\ell\|_2`, :math:`\gamma \ge \|\nabla\ell\|_2`, :math:`J_i` the
+Jacobian of the output w.r.t. :math:`W_i` and :math:`\zeta_{ij}` the norm of the output's
+second derivative as a bilinear map (directions of unit Frobenius norm, value in Frobenius
+norm). The whole Hessian is bounded by the spectral norm of the matrix of block bounds,
+:math:`\|H\|_2 \le \|[b_{ij}]\|_2` (sharper than the paper's :math:`\sqrt{mn}\max_{ij} b_{ij}`).
+
+Two versions are computed side by side:
+
+* ``bound``: every ingredient re-derived so that it holds for any weights and inputs
+  (softmax Jacobian :math:`\le 1/2`, softmax second derivative :math:`\le 1/\sqrt 2`,
+  :math:`\|A\|_2\le\sqrt L`, LayerNorm with the true row std, Φ without the spurious
+  :math:`2/(Ld)`, ...); derived here, see docs/bounds.md.
+* ``bound_paper``: the constants as printed in the paper (Theorem 1 main text; Theorem 6
+  with the printed ingredient bounds and the LayerNorm lemma, reconstruction §3). It can
+  be smaller than the exact norm; such rows are flagged (``paper_holds = False``).
+
+For a batch ``(B, L, d)`` (whose loss is the mean over sequences) both bounds are the mean
+of the per-sequence bounds, which bounds the norm of the mean Hessian by the triangle
+inequality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from . import losses
+from .block import check_inputs
+from .config import BlockConfig, param_shapes
+from .hessian import hessian as _hessian
+from .validation import check_ln_variance
+
+__all__ = [
+    "SOFTMAX_JACOBIAN_BOUND",
+    "SOFTMAX_HESSIAN_BOUND",
+    "layernorm_bounds",
+    "ingredients",
+    "block_bounds",
+    "exact_norms",
+    "spectral_bounds",
+    "ingredient_checks",
+]
+
+#: ‖diag(a) − a aᵀ‖₂ ≤ 1/2 for any probability vector a (variance of a unit vector, Popoviciu).
+SOFTMAX_JACOBIAN_BOUND = 0.5
+#: ‖∂²softmax(t)[h, h']‖₂ ≤ (1/√2)‖h‖‖h'‖ for any t (docs/bounds.md §softmax; the sharp value,
+#: found numerically, is √6/9 ≈ 0.272).
+SOFTMAX_HESSIAN_BOUND = 1.0 / math.sqrt(2.0)
+
+_SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _threads_for(n: int, limit: int = 1500):
+    """Run small dense linear algebra (``n <= limit``) on one thread, restoring the setting.
+
+    Multi-threaded LAPACK on matrices of a few hundred rows is slower than one thread, and
+    dramatically so on a loaded machine.
+    """
+    old = torch.get_num_threads()
+    if n <= limit and old > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
+
+
+def _spec(M: torch.Tensor) -> float:
+    """Spectral norm of a matrix (0 for an empty one)."""
+    if M.numel() == 0:
+        return 0.0
+    return float(torch.linalg.matrix_norm(M, ord=2))
+
+
+def _sym_spec(M: torch.Tensor) -> float:
+    """Spectral norm of a symmetric matrix, via its eigenvalues."""
+    if M.numel() == 0:
+        return 0.0
+    return float(torch.linalg.eigvalsh(M).abs().max())
+
+
+def _perron(N: list[list[float]]) -> float:
+    """Spectral norm of a small non-negative symmetric matrix (the matrix of block bounds)."""
+    M = torch.tensor(N, dtype=torch.float64)
+    return _sym_spec(0.5 * (M + M.T))
+
+
+def _row_std(U: torch.Tensor, eps: float) -> torch.Tensor:
+    m = U - U.mean(-1, keepdim=True)
+    return torch.sqrt((m * m).mean(-1) + eps)
+
+
+def _ln(U: torch.Tensor, eps: float) -> torch.Tensor:
+    m = U - U.mean(-1, keepdim=True)
+    return m / torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
+
+
+def _pair(a: str, b: str) -> str:
+    return "".join(sorted((_SHORT[a], _SHORT[b]), key="QKV12".index))
+
+
+# ----------------------------------------------------------------------------- LayerNorm
+
+
+def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
+    r"""Bounds on LayerNorm's Jacobian and second derivative at ``X`` (``(L, d)``), valid and printed.
+
+    Returns a dict of floats:
+
+    * ``jacobian`` :math:`= 1/\sigma_{\min}` — equal to :math:`\|J_{LN}\|_2` for ``d >= 2``;
+    * ``hessian`` :math:`= 2/(\sqrt{3d}\,\sigma_{\min}^2)` — bounds the second derivative as a
+      bilinear map, :math:`\|D^2\mathrm{LN}[H, H']\|_F \le` ``hessian`` :math:`\|H\|_F\|H'\|_F`
+      (sharp);
+    * ``jacobian_paper``, ``hessian_paper``: the paper's lemma as printed (§3.4), with
+      :math:`\sigma_{\min}` the minimum *row norm* of the centred input and ``‖X‖₂`` of ``X``;
+    * ``sigma_min`` (true row std, :math:`\sqrt{\mathrm{var}+\varepsilon}`), ``row_norm_min``.
+
+    ``sigma_min`` includes ``eps``, so the valid bounds hold for any ``eps >= 0``. ``X`` is
+    any floating dtype (computed in float64). Source: derived here, docs/bounds.md §LayerNorm;
+    paper lemma: reconstruction §3.4.
+
+    Raises ``ValueError`` if ``X`` is not a finite floating ``(L, d)`` tensor, ``eps < 0``, or a
+    row has zero variance with ``eps = 0`` (Assumption 2).
+    """
+    if not isinstance(X, torch.Tensor) or X.ndim != 2 or not X.dtype.is_floating_point:
+        raise ValueError(f"X must be a floating (L, d) tensor, got {getattr(X, 'shape', type(X))}")
+    if not torch.isfinite(X).all():
+        raise ValueError("X contains NaN or Inf")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    check_ln_variance("X", X, eps)
+    X = X.double()
+    L, d = X.shape
+    sig = float(_row_std(X, eps).min())
+    m = X - X.mean(-1, keepdim=True)
+    rn = float(m.norm(dim=-1).min())
+    xn = _spec(X)
+    out = {
+        "sigma_min": sig,
+        "row_norm_min": rn,
+        "jacobian": 1.0 / sig,
+        "hessian": 2.0 / (math.sqrt(3.0 * d) * sig**2),
+    }
+    if rn > 0:
+        out["jacobian_paper"] = 1.0 / rn + xn**2 / (math.sqrt(d) * rn**3)
+        out["hessian_paper"] = (
+            xn / rn**3 * (1.0 + math.sqrt(L / d)) + xn**2 / (math.sqrt(d) * rn**3) + 3.0 * xn**3 / (d * rn**5)
+        )
+    else:
+        out["jacobian_paper"] = out["hessian_paper"] = math.inf
+    return out
+
+
+def _paper_ln_lemma(L: int, d: int, xn: float, rn: float) -> tuple[float, float]:
+    """The paper's LayerNorm lemma (§3.4) with ``‖X‖₂ <= xn`` and ``σ_min = rn`` (row norm)."""
+    if rn <= 0:
+        return math.inf, math.inf
+    J = 1.0 / rn + xn**2 / (math.sqrt(d) * rn**3)
+    H = xn / rn**3 * (1.0 + math.sqrt(L / d)) + xn**2 / (math.sqrt(d) * rn**3) + 3.0 * xn**3 / (d * rn**5)
+    return J, H
+
+
+# ----------------------------------------------------------------------------- ingredients
+
+
+def _loss_constants(loss, target, out: torch.Tensor) -> tuple[float, float]:
+    """Exact ``(‖∇²ℓ‖₂, ‖∇ℓ‖₂)`` at the output ``out`` (``(L, d)``) of one sequence."""
+    tgt = target[None] if isinstance(target, torch.Tensor) else target
+    ld = losses.derivatives(loss, tgt, out[None])
+    lam = max(_sym_spec(0.5 * (h + h.T)) for h in ld.hess)
+    return lam, float(ld.grad.norm())
+
+
+def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None) -> dict[str, Any]:
+    r"""The ingredient bounds of Theorem 1 / Theorem 6 for one sequence, valid and as printed.
+
+    ``X``: one sequence ``(L, d_model)``; ``params`` as :func:`~blockhess.config.param_shapes`;
+    ``loss``/``target`` as :func:`blockhess.hessian` (one sequence). Returns a dict with
+
+    * ``"valid"``: ``{"lam", "gam", "J": {W: ‖∂out/∂W‖ bound}, "zeta": {"QK": bilinear norm
+      bound of ∂²out/∂W_Q∂W_K, ...}, "G", "Phi"`` (attention) and for the block ``"B", "xi",
+      "J_Y", "eta_Y", "J_Z", "eta_Z", "J_SY"}``; ``lam >= ‖∇²ℓ‖₂``, ``gam >= ‖∇ℓ‖₂`` (for MSE
+      in terms of ``‖X‖₂``, ``‖W‖₂`` and ``‖T‖_F``; for another loss their exact values);
+    * ``"paper"``: the printed counterparts (MSE only; ``None`` for another loss), with the
+      per-block printed bounds under ``"block"``;
+    * ``"primitives"``: the norms they are built from (``x = ‖X‖₂``, ``w_Q = ‖W_Q‖₂``, ...).
+
+    Everything is computed in float64. Source: Theorem 1 (reconstruction §3.1–3.2), Theorem 6
+    (§3.4–3.5), valid constants derived here (docs/bounds.md).
+
+    Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`), or a zero-variance
+    LayerNorm input row with ``ln_eps = 0``.
+    """
+    check_inputs(params, X, cfg)
+    if X.ndim != 2:
+        raise ValueError(f"ingredients: X must be one sequence (L, d_model), got {tuple(X.shape)}")
+    X64 = X.double()
+    p = {k: v.double() for k, v in params.items()}
+    L, d = X.shape
+    dk = p["W_Q"].shape[1]
+    s = 1.0 / math.sqrt(dk)
+    c2, c1 = SOFTMAX_HESSIAN_BOUND, SOFTMAX_JACOBIAN_BOUND
+    x = _spec(X64)
+    w = {k: _spec(v) for k, v in p.items()}
+    wq, wk, wv = w["W_Q"], w["W_K"], w["W_V"]
+    prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{_SHORT[k]}": v for k, v in w.items()}}
+
+    # forward (plain torch)
+    Qm, Km, Vm = X64 @ p["W_Q"], X64 @ p["W_K"], X64 @ p["W_V"]
+    A = torch.softmax(Qm @ Km.T * s, dim=-1)
+    F = A @ Vm
+
+    # attention layer: valid (derived here) and printed (Theorem 1 / §3.5)
+    G = {"W_Q": c1 * s * wv * wk * x**3, "W_K": c1 * s * wv * wq * x**3, "W_V": math.sqrt(L) * x}
+    Phi = {
+        "QQ": c2 * s**2 * wv * wk**2 * x**5,
+        "KK": c2 * s**2 * wv * wq**2 * x**5,
+        "QK": c2 * s**2 * wv * wq * wk * x**5 + c1 * s * wv * x**3,
+        "QV": c1 * s * wk * x**3,
+        "KV": c1 * s * wq * x**3,
+        "VV": 0.0,
+    }
+    Gp = {"W_Q": wv * wk * x**3 / (L * math.sqrt(dk)), "W_K": wv * wq * x**3 / (L * math.sqrt(dk)), "W_V": L * x}
+    Phip = {
+        "QQ": 12.0 / (L * d * dk) * wv * wk**2 * x**5,
+        "KK": 12.0 / (L * d * dk) * wv * wq**2 * x**5,
+        "QK": 12.0 / (L * d * dk) * wv * wk * wq * x**5 + 2.0 / (L**2 * math.sqrt(d * dk)) * wv * x**3,
+        "QV": 2.0 / (L**2 * math.sqrt(d * dk)) * wk * x**3,
+        "KV": 2.0 / (L**2 * math.sqrt(d * dk)) * wq * x**3,
+        "VV": 0.0,
+    }
+    names = tuple(param_shapes(cfg))
+    losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None])
+    is_mse = isinstance(loss, str) and loss == "mse"
+    tF = float(target.double().norm()) if is_mse else None
+    t2 = _spec(target.double()) if is_mse else None
+    r = math.sqrt(min(L, d))
+
+    if cfg.kind == "attention":
+        out = F
+        if is_mse:
+            lam = 2.0 / (L * d)
+            gam = 2.0 / (L * d) * (r * math.sqrt(L) * x * wv + tF)
+        else:
+            lam, gam = _loss_constants(loss, target, out.to(X.dtype))
+        valid = {"lam": lam, "gam": gam, "G": G, "Phi": Phi, "J": dict(G), "zeta": dict(Phi)}
+        paper = None
+        if is_mse:
+            rho = r * (L * x * wv + t2)
+            bp = {
+                "VV": 2.0 * L / d * x**2,
+                "QQ": 8.0 / (L**3 * d * dk) * wk**2 * wv**2 * x**6 + 12.0 / (d * dk) * rho * wv * wk**2 * x**5,
+                "KK": 8.0 / (L**3 * d * dk) * wq**2 * wv**2 * x**6 + 12.0 / (d * dk) * rho * wv * wq**2 * x**5,
+                "QV": 4.0 / (L * d * math.sqrt(dk)) * wv * wk * x**4
+                + 4.0 * r / (L**2 * math.sqrt(dk)) * (L * x * wv + t2) * wk * x**3,
+                "KV": 4.0 / (L * d * math.sqrt(dk)) * wv * wq * x**4
+                + 4.0 * r / (L**2 * math.sqrt(dk)) * (L * x * wv + t2) * wq * x**3,
+                "QK": 8.0 / (L**3 * d * dk) * wk * wq * wv**2 * x**6
+                + 4.0 * rho / (L * d * math.sqrt(dk)) * wv * (3.0 * L * wk * wq * x**5 + d / L * x**3),
+            }
+            paper = {"G": Gp, "Phi": Phip, "block": bp, "all_factor": 3.0}
+        return {"valid": valid, "paper": paper, "primitives": prim, "names": names}
+
+    # post-LN block (Theorem 6)
+    eps = cfg.ln_eps
+    w1, w2 = w["W_1"], w["W_2"]
+    dff = p["W_1"].shape[1]
+    U = X64 + F
+    check_ln_variance("X (the LayerNorm-1 input X + SA(X))", U, eps)
+    Y = _ln(U, eps)
+    P = torch.relu(Y @ p["W_1"])
+    S = Y + P @ p["W_2"]
+    check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", S, eps)
+    Z = _ln(S, eps)
+    lnU, lnS = layernorm_bounds(U, eps), layernorm_bounds(S, eps)
+    jY, eY, jZ, eZ = lnU["jacobian"], lnU["hessian"], lnS["jacobian"], lnS["hessian"]
+    jSY = 1.0 + w1 * w2
+    ynorm = math.sqrt(L * d)  # ‖Y‖₂ <= ‖Y‖_F <= √(L d): every row of LN has norm <= √d
+    B = {"W_1": ynorm * w2, "W_2": ynorm * w1}
+    B.update({k: jSY * jY * G[k] for k in ("W_Q", "W_K", "W_V")})
+    xi = {"11": 0.0, "22": 0.0, "12": ynorm}
+    att = ("W_Q", "W_K", "W_V")
+    for k in att:
+        xi["1" + _SHORT[k]] = w2 * jY * G[k]
+        xi["2" + _SHORT[k]] = w1 * jY * G[k]
+    for i, k in enumerate(att):
+        for l in att[i:]:
+            kl = _pair(k, l)
+            xi[kl] = jSY * (jY * Phi[kl] + eY * G[k] * G[l])
+    zeta = {}
+    for i, a in enumerate(names):
+        for b in names[i:]:
+            ab = _pair(a, b)
+            zeta[ab] = jZ * xi[_xi_key(ab)] + eZ * B[a] * B[b]
+    J = {a: jZ * B[a] for a in names}
+    if is_mse:
+        lam = 2.0 / (L * d)
+        gam = 2.0 / (L * d) * (math.sqrt(L * d) + tF)
+    else:
+        lam, gam = _loss_constants(loss, target, Z.to(X.dtype))
+    valid = {
+        "lam": lam, "gam": gam, "G": G, "Phi": Phi, "B": B, "xi": xi, "zeta": zeta, "J": J,
+        "J_Y": jY, "eta_Y": eY, "J_Z": jZ, "eta_Z": eZ, "J_SY": jSY,
+        "sigma_U": lnU["sigma_min"], "sigma_S": lnS["sigma_min"],
+    }
+    paper = None
+    if is_mse:
+        Un = x + L * x * wv  # ‖X + F‖ <= ‖X‖ + ‖A‖‖X‖‖W_V‖ with the paper's ‖A‖ <= L
+        Sn = math.sqrt(L * d) * (1.0 + math.sqrt(min(L, dff)) * w1 * w2)  # Proposition, §3.4
+        jYp, hYp = _paper_ln_lemma(L, d, Un, lnU["row_norm_min"])
+        jZp, hZp = _paper_ln_lemma(L, d, Sn, lnS["row_norm_min"])
+        Bp = {"W_1": w2 * ynorm, "W_2": _spec(P)}
+        Bp.update({k: jSY * jYp * Gp[k] for k in att})
+        xip = {"11": 0.0, "22": 0.0, "12": math.sqrt(d) * ynorm}
+        for k in att:
+            xip["1" + _SHORT[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
+            xip["2" + _SHORT[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
+        for i, k in enumerate(att):
+            for l in att[i:]:
+                kl = _pair(k, l)
+                xip[kl] = jSY * (Gp[k] * hYp * Gp[l] + jYp * Phip[kl])
+        resid = float((Z - target.double()).norm())  # ‖R^tr‖₂ = ‖Z − T‖_F (not expanded in the paper)
+        bp = {}
+        for i, a in enumerate(names):
+            for b in names[i:]:
+                ab = _pair(a, b)
+                Htr = jZp * xip[_xi_key(ab)] + Bp[a] * hZp * Bp[b]
+                # printed: (2/(L d))‖∂Z/∂W_i‖‖∂Z/∂W_j‖ + ‖R^tr‖‖H_tr‖ (no 2/(L d) on the second term)
+                bp[ab] = 2.0 / (L * d) * (jZp * Bp[a]) * (jZp * Bp[b]) + resid * Htr
+        paper = {
+            "G": Gp, "Phi": Phip, "B": Bp, "xi": xip, "J_Y": jYp, "H_Y": hYp, "J_Z": jZp, "H_Z": hZp,
+            "block": bp, "all_factor": 5.0,
+        }
+    prim.update({"d_ff": dff, "ln_eps": eps, "sigma_U": lnU["sigma_min"], "sigma_S": lnS["sigma_min"],
+                 "T_fro": tF, "T_spec": t2})
+    return {"valid": valid, "paper": paper, "primitives": prim, "names": names}
+
+
+def _xi_key(ab: str) -> str:
+    """ξ keys: FFN–attention pairs are stored FFN first (``"1Q"``), others as ordered by QKV12."""
+    if ab[0] in "QKV" and ab[1] in "12":
+        return ab[1] + ab[0]
+    return ab
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None) -> dict[str, Any]:
+    r"""Per-block and whole-Hessian bounds (valid and printed), averaged over a batch.
+
+    ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; ``loss``/``target`` as
+    :func:`blockhess.hessian`. Returns ``{"names", "outer", "functional", "full", "paper"}``:
+    each of the first three maps an ordered name pair ``(a, b)`` (``a`` not after ``b``) to a
+    float and has an ``"all"`` entry (the spectral norm of the symmetric matrix of block
+    bounds); ``"paper"`` maps pairs to the printed per-block bound and ``"all"`` to
+    ``√(m n)·max`` (``None`` entries for a loss other than MSE). Source: Theorems 1 and 6;
+    derived here (docs/bounds.md).
+
+    Raises ``ValueError`` as :func:`ingredients`.
+    """
+    check_inputs(params, X, cfg)
+    Xb = X[None] if X.ndim == 2 else X
+    tb = None
+    if isinstance(target, torch.Tensor):
+        tb = target[None] if X.ndim == 2 else target
+    names = tuple(param_shapes(cfg))
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
+    acc = {k: {pr: 0.0 for pr in pairs} | {"all": 0.0} for k in ("outer", "functional", "full")}
+    pap = {pr: 0.0 for pr in pairs} | {"all": 0.0}
+    has_paper = True
+    nB = Xb.shape[0]
+    for bi in range(nB):
+        ing = ingredients(params, Xb[bi], cfg, loss, None if tb is None else tb[bi])
+        v = ing["valid"]
+        mats = {k: [[0.0] * len(names) for _ in names] for k in ("outer", "functional", "full")}
+        for a, b in pairs:
+            ab = _pair(a, b)
+            o = v["lam"] * v["J"][a] * v["J"][b]
+            f = v["gam"] * v["zeta"][ab]
+            ia, ib = names.index(a), names.index(b)
+            for k, val in (("outer", o), ("functional", f), ("full", o + f)):
+                acc[k][(a, b)] += val / nB
+                mats[k][ia][ib] = mats[k][ib][ia] = val
+        for k in mats:
+            acc[k]["all"] += _perron(mats[k]) / nB
+        if ing["paper"] is None:
+            has_paper = False
+        else:
+            bp = ing["paper"]["block"]
+            for a, b in pairs:
+                pap[(a, b)] += bp[_pair(a, b)] / nB
+            pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
+    if not has_paper:
+        pap = {k: None for k in pap}
+    return {"names": names, **acc, "paper": pap}
+
+
+def exact_norms(H) -> dict[str, Any]:
+    """Exact spectral norms of a :class:`~blockhess.HessianBlocks` and of its outer/functional parts.
+
+    Returns ``{"full"|"outer"|"functional": {(a, b): float, ..., "all": float}}`` over the
+    ordered pairs of ``H.names``; ``"all"`` is the spectral norm of the dense symmetric matrix
+    (eigenvalues). Computed in the dtype of ``H``.
+    """
+    names = H.names
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
+    out = {}
+    with _threads_for(sum(H.sizes)):
+        for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
+            vals = {pr: _spec(part[pr]) for pr in pairs}
+            D = part.dense()
+            vals["all"] = _sym_spec(0.5 * (D + D.T))
+            out[key] = vals
+    return out
+
+
+def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None) -> list[dict]:
+    r"""Each Hessian block's exact spectral norm beside its bound (Theorem 1 or 6).
+
+    Parameters
+    ----------
+    params, X, cfg
+        As :func:`blockhess.hessian`: ``X`` is ``(L, d_model)`` or a batch ``(B, L, d_model)``,
+        float32 or float64. ``cfg.kind="attention"``: Theorem 1; ``"block"``: Theorem 6 (the
+        paper's setting is ReLU, ``ln_eps = 0``, no affine; the valid bound also holds for
+        ``ln_eps > 0``).
+    loss, target
+        ``"mse"`` with a target shaped like ``X`` (the paper's loss, needed for
+        ``bound_paper``), or ``"ce"`` / a callable (then the general-loss form of Theorem 6
+        with the exact ``‖∇²ℓ‖₂`` and ``‖∇ℓ‖₂`` at the output; ``bound_paper`` is ``None``).
+
+    Returns
+    -------
+    list of dict
+        One row per unordered block pair in canonical order (``"block": "W_Q,W_K"``) and a
+        last row ``"block": "all"``, each with floats ``norm`` (exact ‖H_ab‖₂), ``bound``
+        (valid), ``bound_paper`` (printed constants, or ``None``), ``outer_norm``,
+        ``functional_norm``, ``bound_outer``, ``bound_functional``, ``ratio``
+        (``bound / norm``), ``ratio_paper`` and ``paper_holds`` (``bound_paper >= norm``, or
+        ``None``). Norms come from :func:`blockhess.hessian` (closed form). Problems with
+        at most 1500 parameters run on one thread (restored afterwards): faster for small
+        dense linear algebra.
+
+    Raises
+    ------
+    ValueError
+        As :func:`blockhess.hessian` (shapes, dtypes, NaN/Inf, target, zero-variance
+        LayerNorm input with ``ln_eps = 0``).
+
+    Source: Theorem 1 and Theorem 6 of arXiv 2510.16927 (reconstruction §3); valid constants
+    derived here, see docs/bounds.md.
+    """
+    n = sum(int(torch.Size(s).numel()) for s in param_shapes(cfg).values())
+    with _threads_for(n):
+        H = _hessian(params, X, cfg, loss=loss, target=target)
+        ex = exact_norms(H)
+        bd = block_bounds(params, X, cfg, loss=loss, target=target)
+    names = bd["names"]
+    keys = [(a, b) for i, a in enumerate(names) for b in names[i:]] + ["all"]
+    rows = []
+    for k in keys:
+        norm = ex["full"][k]
+        bp = bd["paper"][k]
+        row = {
+            "block": "all" if k == "all" else f"{k[0]},{k[1]}",
+            "norm": norm,
+            "bound": bd["full"][k],
+            "bound_paper": bp,
+            "outer_norm": ex["outer"][k],
+            "functional_norm": ex["functional"][k],
+            "bound_outer": bd["outer"][k],
+            "bound_functional": bd["functional"][k],
+            "ratio": bd["full"][k] / norm if norm > 0 else math.inf,
+            "ratio_paper": (bp / norm if norm > 0 else math.inf) if bp is not None else None,
+            "paper_holds": (bp >= norm) if bp is not None else None,
+        }
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- ingredient checks
+
+#: Φ blocks in the paper's orientation (∂G_a/∂W_b, rows (output, entry of W_a)).
+_PHI_PAIRS = (("W_Q", "W_Q"), ("W_Q", "W_K"), ("W_V", "W_Q"), ("W_K", "W_K"), ("W_V", "W_K"))
+_PHI_MAX_ELEMENTS = 2e7
+
+
+def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=None) -> list[dict]:
+    r"""Each ingredient of Theorems 1 / 6 next to its exact value, for one sequence.
+
+    Rows ``{"ingredient", "exact", "bound", "bound_paper", "paper_holds", "note"}`` for
+    ``dA/dT`` (max over rows of ``‖diag(a) − aaᵀ‖₂``; paper ``1/L``), ``A`` (``‖A‖₂``; paper
+    ``L``, valid ``√L``), ``G_Q, G_K, G_V`` (``‖∂F/∂W‖₂``), the attention second derivatives
+    ``Phi_QQ, Phi_QK, Phi_VQ, Phi_KK, Phi_VK`` (``‖Φ‖₂`` in the paper's layout; skipped above
+    2·10⁷ entries), and for ``kind="block"`` also ``J_Y, J_Z`` (LayerNorm Jacobians),
+    ``H_Y, H_Z`` (LayerNorm second derivatives, paper layout), ``J_SY`` and ``B_1, B_2, B_Q,
+    B_K, B_V`` (``‖∂S/∂W‖₂``). ``bound`` is the valid bound in the same (layout) norm:
+    for Φ and the LayerNorm Hessians the bilinear bound times ``√rank`` (docs/bounds.md).
+    ``target`` (MSE, shaped like ``X``) is only needed for the printed Theorem-6 values.
+
+    ``X``: one sequence ``(L, d_model)``; float64 recommended. Exact values come from the
+    closed forms (:func:`blockhess.jacobian`, :func:`blockhess.second_derivative`,
+    :mod:`blockhess.layernorm`). Source: reconstruction §3.1, §3.4–3.5; derived here.
+
+    Raises ``ValueError`` as :func:`ingredients`.
+    """
+    from .block import jacobian as _jac, second_derivative as _d2
+    from .components import layernorm as _lnmod
+
+    check_inputs(params, X, cfg)
+    if X.ndim != 2:
+        raise ValueError(f"ingredient_checks: X must be one sequence (L, d_model), got {tuple(X.shape)}")
+    if target is None:
+        target = torch.zeros_like(X)
+    ing = ingredients(params, X, cfg, "mse", target)
+    v, pp, prim = ing["valid"], ing["paper"], ing["primitives"]
+    L, d = X.shape
+    rows: list[dict] = []
+
+    def add(name, exact, bound, paper, note=""):
+        rows.append({
+            "ingredient": name, "exact": exact, "bound": bound, "bound_paper": paper,
+            "paper_holds": None if (paper is None or exact is None) else bool(paper >= exact * (1 - 1e-12)),
+            "note": note,
+        })
+
+    acfg = BlockConfig(d_model=cfg.d_model, d_k=cfg.d_k, kind="attention")
+    ap = {k: params[k] for k in ("W_Q", "W_K", "W_V")}
+    X64 = X.double()
+    p64 = {k: t.double() for k, t in params.items()}
+    s = 1.0 / math.sqrt(p64["W_Q"].shape[1])
+    A = torch.softmax((X64 @ p64["W_Q"]) @ (X64 @ p64["W_K"]).T * s, -1)
+    Sm = torch.diag_embed(A) - A[:, :, None] * A[:, None, :]
+    add("dA/dT", max(_sym_spec(m) for m in Sm), SOFTMAX_JACOBIAN_BOUND, 1.0 / L,
+        "paper: 1/L (uniform attention only)")
+    add("A", _spec(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
+    G = _jac(ap, X, acfg)
+    for k in ("W_Q", "W_K", "W_V"):
+        add(f"G_{_SHORT[k]}", _spec(G[k]), v["G"][k], pp["G"][k])
+    sizes = {k: t.numel() for k, t in params.items()}
+    for a, b in _PHI_PAIRS:
+        key = _pair(a, b)
+        n_el = L * d * sizes[a] * sizes[b]
+        exact = _spec(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
+        add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], pp["Phi"][key],
+            "paper layout; printed bound carries a spurious 2/(L d)")
+    if cfg.kind != "block":
+        return rows
+    eps = cfg.ln_eps
+    U = X64 + A @ (X64 @ p64["W_V"])
+    Y = _ln(U, eps)
+    Dm = (Y @ p64["W_1"] > 0).to(X64.dtype)
+    P = torch.relu(Y @ p64["W_1"])
+    S = Y + P @ p64["W_2"]
+    for nm, inp, jv, ev in (("Y", U, v["J_Y"], v["eta_Y"]), ("Z", S, v["J_Z"], v["eta_Z"])):
+        Jc = _lnmod.jacobian(inp, eps, compact=True)
+        Hc = _lnmod.hessian(inp, eps, compact=True)
+        add(f"J_{nm}", max(_spec(m) for m in Jc), jv, pp[f"J_{nm}"], "paper lemma uses the row norm as σ_min")
+        add(f"H_{nm}", max(_spec(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, pp[f"H_{nm}"],
+            "paper layout, per token")
+    JSY = torch.eye(d, dtype=X64.dtype) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
+    add("J_SY", max(_spec(m) for m in JSY), v["J_SY"], v["J_SY"])
+    dff = p64["W_1"].shape[1]
+    # B_1: rows y_t^T ⊗ W_2^T diag(D_t); B_2 = relu(Y W_1) ⊗ I; B_k = J_SY J_Y G_k per token
+    B1 = (Y[:, None, :, None] * (p64["W_2"].T[None, :, None, :] * Dm[:, None, None, :])).reshape(L * d, d * dff)
+    add("B_1", _spec(B1), v["B"]["W_1"], pp["B"]["W_1"])
+    add("B_2", _spec(P), v["B"]["W_2"], pp["B"]["W_2"])
+    EY = _lnmod.jacobian(U, eps, compact=True)
+    for k in ("W_Q", "W_K", "W_V"):
+        Gk = G[k].double().reshape(L, d, -1)
+        Bk = (JSY @ EY @ Gk).reshape(L * d, -1)
+        add(f"B_{_SHORT[k]}", _spec(Bk), v["B"][k], pp["B"][k])
+    return rows
