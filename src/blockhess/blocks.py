@@ -4,7 +4,7 @@ A Hessian over parameters ``names`` (sizes ``sizes``) is assembled once per unor
 ``(a, b)`` (``a`` not after ``b`` in ``names``); ``H[b, a]`` is the transpose of ``H[a, b]``.
 :class:`BlockSum` accumulates contributions either into a dict of blocks (small results,
 ``vmap``-friendly) or straight into one preallocated ``n × n`` buffer (the full Hessian:
-no second copy).
+no second copy; the lower triangle is mirrored from the upper one at the end).
 """
 
 from __future__ import annotations
@@ -89,17 +89,9 @@ class BlockSum:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
                     self._view(a, b)
-                    if a != b:
-                        _transpose_into(self.buffer[self.slices[b], self.slices[a]], self.blocks[(a, b)])
+                    if a != b:  # PyTorch's transposed copy is cache-blocked
+                        self.buffer[self.slices[b], self.slices[a]].copy_(self.blocks[(a, b)].T)
         return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer)
-
-
-def _transpose_into(dst: torch.Tensor, src: torch.Tensor, tile: int = 512) -> None:
-    """``dst[:] = src.T`` tile by tile, so that both sides of each tile copy stay in cache."""
-    rows, cols = src.shape
-    for i in range(0, rows, tile):
-        for j in range(0, cols, tile):
-            dst[j : j + tile, i : i + tile] = src[i : i + tile, j : j + tile].T
 
 
 class HessianBlocks:
