@@ -455,7 +455,7 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         last row ``"block": "all"``, each with floats ``norm`` (exact ‖H_ab‖₂), ``bound``
         (valid), ``bound_paper`` (printed constants, or ``None``), ``outer_norm``,
         ``functional_norm``, ``bound_outer``, ``bound_functional``, ``ratio``
-        (``bound / norm``), ``ratio_paper`` and ``paper_holds`` (``bound_paper >= norm``, or
+        (``bound / norm``; ``None`` where the norm is 0), ``ratio_paper`` and ``paper_holds`` (``bound_paper >= norm``, or
         ``None``). Norms come from :func:`blockhess.hessian` (closed form). Problems with
         at most 1500 parameters run on one thread (restored afterwards): faster for small
         dense linear algebra.
@@ -489,8 +489,8 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
             "functional_norm": ex["functional"][k],
             "bound_outer": bd["outer"][k],
             "bound_functional": bd["functional"][k],
-            "ratio": bd["full"][k] / norm if norm > 0 else math.inf,
-            "ratio_paper": (bp / norm if norm > 0 else math.inf) if bp is not None else None,
+            "ratio": bd["full"][k] / norm if norm > 0 else None,
+            "ratio_paper": (bp / norm if norm > 0 else None) if bp is not None else None,
             "paper_holds": (bp >= norm) if bp is not None else None,
         }
         rows.append(row)

@@ -1,0 +1,82 @@
+"""``blockhess scaling``: the bare-attention exponents (Ormaniec et al.) are recovered from
+exact Hessians, the fit and its interval are right, and the command writes its outputs."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from blockhess.experiments import scaling
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+TINY = {"sigmas": [float(s) for s in np.logspace(-3, -1.5, 4)], "seq_lens": [16, 32, 64],
+        "taus": [1e-4, 1e-3, 1e-2]}
+
+
+def _fit(res, setting, variable, block, part, norm="spectral"):
+    (f,) = [f for f in res["fits"] if (f["setting"], f["variable"], f["block"], f["part"], f["norm"])
+            == (setting, variable, block, part, norm)]
+    return f
+
+
+def test_bare_attention_exponents_input_scale():
+    res = scaling.compute("quick", seeds=2, sweeps=("input_scale",), overrides=TINY)
+    expected = {("W_Q,W_Q", "outer"): 6, ("W_Q,W_Q", "functional"): 5, ("W_V,W_V", "outer"): 2}
+    for (block, part), th in expected.items():
+        for norm in ("spectral", "frobenius"):
+            f = _fit(res, "attention", "input_scale", block, part, norm)
+            assert f["theory"] == th
+            assert abs(f["exponent"] - th) < 0.3, f
+            assert f["ci"][0] <= f["exponent"] <= f["ci"][1]
+    vv = _fit(res, "attention", "input_scale", "W_V,W_V", "functional")
+    assert vv["zero"] and vv["exponent"] == 0.0 and vv["theory"] == 0.0
+    # every fit that has a theory value agrees with it at small sigma (block included)
+    for f in res["fits"]:
+        if f["norm"] != "bound" and f["theory"] is not None:
+            assert abs(f["exponent"] - f["theory"]) < 0.3, f
+    keys = {"setting", "block", "part", "variable", "exponent", "ci", "theory"}
+    assert all(keys <= set(f) for f in res["fits"])
+
+
+def test_ln_variance_blowup_only_through_the_value_path():
+    res = scaling.compute("quick", seeds=2, sweeps=("ln_variance",), overrides=TINY)
+    assert abs(_fit(res, "block", "ln_variance", "W_V,W_V", "full")["exponent"] + 1.0) < 0.05
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_V", "outer")["exponent"] + 0.5) < 0.05
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full")["exponent"]) < 0.05
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full", "bound")["exponent"] + 1.0) < 0.05
+
+
+def test_fit_exponent_recovers_slope_and_interval():
+    rng = np.random.default_rng(0)
+    x = np.tile(np.logspace(-2, 0, 9), 3)
+    g = np.repeat(np.arange(3), 9)
+    y = 10 ** (np.array([0.5, -1.0, 2.0])[g]) * x ** 2.5 * np.exp(0.01 * rng.standard_normal(x.size))
+    f = scaling.fit_exponent(x, y, g)
+    assert abs(f["exponent"] - 2.5) < 0.02 and f["ci"][0] < 2.5 < f["ci"][1] and f["df"] == 27 - 3 - 1
+    with pytest.raises(ValueError):
+        scaling.fit_exponent(np.ones(4), np.ones(4), np.zeros(4))
+
+
+def test_command_writes_outputs(tmp_path, monkeypatch):
+    monkeypatch.setitem(scaling.PRESETS, "quick", {**scaling.PRESETS["quick"], **TINY, "seeds": 2})
+    p = argparse.ArgumentParser()
+    scaling.add_arguments(p)
+    out = tmp_path / "sc"
+    assert scaling.run(p.parse_args(["--out", str(out), "--quick", "--quiet"])) == 0
+    res = json.loads((out / "scaling.json").read_text())
+    assert {"fits", "records", "config", "runtime_s", "environment"} <= set(res)
+    for name in ("scaling.md", "scaling_input_scale.png", "scaling_seq_len.png", "scaling_ln_variance.png"):
+        assert (out / name).stat().st_size > 0
+    assert not [q for q in out.iterdir() if q.name.startswith(".")]  # no temporary left behind
+    with pytest.raises(ValueError):
+        scaling.run(p.parse_args(["--out", str(out), "--quick", "--seeds", "1", "--quiet"]))
