@@ -30,7 +30,7 @@ sample. Functions here take ``torch`` tensors; the statistics are returned in fl
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "ordering_differences",
     "batch_running_mean",
     "ema",
+    "log_ema",
     "loglog_slope",
     "theorem7_bound",
     "taylor_losses",
@@ -195,6 +196,37 @@ def ema(values, alpha: float) -> torch.Tensor:
         y = x if i == 0 else (1 - a) * y + a * x
         out[i] = y
     return torch.tensor(out, dtype=torch.float64)
+
+
+def log_ema(k, y, alpha: float = 0.5, per_decade: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""EMA along a geometric grid of ``k``: the smoothing used for the reported slopes.
+
+    ``y`` is first averaged in geometric bins of ``k`` (``per_decade`` bins per decade;
+    each integer ``k`` is its own bin while bins are narrower than 1), then smoothed by
+    :func:`ema` along the bins. On such a grid a power law :math:`c k^{s}` is a geometric
+    sequence, which an EMA maps to a geometric sequence of the same ratio (a constant factor
+    after a transient of a few bins): the slope is kept. An EMA along the sample or batch
+    index (the paper's, §4.2) instead lags by a fixed *number* of steps, which bends a
+    :math:`k^{-1}` line on log-log axes (steeper where ``k`` is within a few ``1/alpha``).
+    ``k``: increasing ``(N,)`` positive; ``y``: ``(N,)``. Returns float64 ``(k_bins (G,),
+    y_smooth (G,))`` with ``k_bins`` the geometric mean of each bin's ``k``. Derived here.
+
+    Raises ``ValueError`` for mismatched shapes, non-positive or non-increasing ``k``,
+    ``per_decade < 1``, or ``alpha`` outside ``(0, 1]``.
+    """
+    k, y = _f64(k, "k"), _f64(y, "y")
+    if k.ndim != 1 or k.shape != y.shape or k.numel() < 1:
+        raise ValueError(f"k and y must be non-empty vectors of one shape, got {tuple(k.shape)} and {tuple(y.shape)}")
+    if (k <= 0).any() or (k[1:] <= k[:-1]).any():
+        raise ValueError("k must be positive and strictly increasing")
+    if int(per_decade) < 1:
+        raise ValueError(f"per_decade must be >= 1, got {per_decade}")
+    edges = torch.floor(torch.log10(k) * int(per_decade)).to(torch.int64)
+    _, inverse, counts = torch.unique_consecutive(edges, return_inverse=True, return_counts=True)
+    G = counts.numel()
+    ybin = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, y) / counts
+    kbin = torch.exp(torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, k.log()) / counts)
+    return kbin, ema(ybin, alpha)
 
 
 def loglog_slope(k, y, k_min: float | None = None, k_max: float | None = None, n_points: int = 64) -> dict:
@@ -488,58 +520,79 @@ class SpectralNorm(NamedTuple):
     residual: torch.Tensor
 
 
-def spectral_norm(H: torch.Tensor, iters: int | None = 48, seed: int = 0) -> SpectralNorm:
+def spectral_norm(H: torch.Tensor, iters: int | None = 64, seed: int = 0, tol: float = 1e-12) -> SpectralNorm:
     r"""Spectral norms :math:`\|H_b\|_2 = \max_j |\lambda_j(H_b)|` of symmetric matrices ``(..., n, n)``.
 
-    Batched Lanczos with full reorthogonalisation for ``iters`` steps (``None`` or
-    ``iters >= n``: exact ``eigvalsh``). The extreme Ritz value :math:`\theta` is a lower
-    estimate; the residual :math:`|\beta_m y_m|` bounds its distance to an eigenvalue, so
-    ``norm + residual`` is the conservative value. Returns float64 :class:`SpectralNorm`
-    with the batch shape. Source: standard Lanczos (Golub & Van Loan §10.1).
+    Lanczos with full reorthogonalisation, batched over the leading axes, for at most
+    ``iters`` steps, stopping early once every extreme Ritz value has a residual below
+    ``tol`` times itself (``iters=None``, ``iters >= n`` or ``n <= 64``: exact ``eigvalsh``).
+    The extreme Ritz value :math:`\theta` is a lower estimate; its residual
+    :math:`|\beta_m y_m|` bounds the distance from :math:`\theta` to an eigenvalue, so
+    ``norm + residual`` is the conservative value. Only the upper triangle's symmetry is
+    assumed, not checked. Returns float64 :class:`SpectralNorm` with the batch shape.
+    Source: standard Lanczos (Golub & Van Loan, *Matrix Computations*, §10.1).
 
-    Raises ``ValueError`` for a non-square or non-finite input.
+    Raises ``ValueError`` for a non-square or non-finite input or ``iters < 1``.
     """
     check_tensor("H", H)
     if H.ndim < 2 or H.shape[-1] != H.shape[-2]:
         raise ValueError(f"H must have shape (..., n, n), got {tuple(H.shape)}")
+    if iters is not None and int(iters) < 1:
+        raise ValueError(f"iters must be >= 1 or None, got {iters}")
+    return _spectral_norm(H, iters, seed, tol)
+
+
+def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNorm:
+    """:func:`spectral_norm` without input checks (kernel)."""
     batch, n = H.shape[:-2], H.shape[-1]
     A = H.reshape(-1, n, n)
     if iters is None or iters >= n or n <= 64:
         ev = torch.linalg.eigvalsh(A)
         norm = ev.abs().amax(-1).to(torch.float64)
         return SpectralNorm(norm.reshape(batch), torch.zeros_like(norm).reshape(batch))
-    m = int(iters)
-    Bn = A.shape[0]
+    m, Bn = int(iters), A.shape[0]
+    tiny = torch.finfo(A.dtype).tiny
     gen = torch.Generator(device=A.device).manual_seed(int(seed))
+
+    def orth(w, Qj):  # twice is enough (Kahan)
+        for _ in range(2):
+            w = w - (Qj.transpose(1, 2) @ (Qj @ w[..., None]))[..., 0]
+        return w
+
     q = torch.randn(Bn, n, generator=gen, dtype=A.dtype, device=A.device)
-    q = q / q.norm(dim=1, keepdim=True)
     Q = torch.zeros(Bn, m + 1, n, dtype=A.dtype, device=A.device)
-    Q[:, 0] = q
+    Q[:, 0] = q / q.norm(dim=1, keepdim=True)
     alpha = torch.zeros(Bn, m, dtype=A.dtype, device=A.device)
     beta = torch.zeros(Bn, m, dtype=A.dtype, device=A.device)
-    scale = A.flatten(1).abs().amax(1).clamp_min(torch.finfo(A.dtype).tiny)
+    scale = torch.zeros(Bn, dtype=A.dtype, device=A.device)  # running max of |alpha|, beta: ~ ||A||
+
+    def ritz(j):  # extreme Ritz value and its residual after j steps
+        T = torch.diag_embed(alpha[:, :j]) + torch.diag_embed(beta[:, : j - 1], 1) + torch.diag_embed(beta[:, : j - 1], -1)
+        theta, Y = torch.linalg.eigh(T)
+        idx = theta.abs().argmax(-1, keepdim=True)
+        return theta.abs().gather(1, idx)[:, 0], (beta[:, j - 1] * Y[:, -1, :].gather(1, idx)[:, 0]).abs()
+
     for j in range(m):
-        w = (A @ Q[:, j, :, None])[..., 0]
+        w = torch.stack([A[b] @ Q[b, j] for b in range(Bn)])  # one GEMV each: faster than a batched bmm
         alpha[:, j] = (w * Q[:, j]).sum(1)
-        for _ in range(2):  # full reorthogonalisation, twice is enough
-            w = w - (Q[:, : j + 1].transpose(1, 2) @ (Q[:, : j + 1] @ w[..., None]))[..., 0]
-        b = w.norm(dim=1)
-        beta[:, j] = b
-        dead = b <= n * torch.finfo(A.dtype).eps * scale
-        if bool(dead.any()):  # invariant subspace: continue with a fresh orthogonal vector
-            r = torch.randn(Bn, n, generator=gen, dtype=A.dtype, device=A.device)
-            r = r - (Q[:, : j + 1].transpose(1, 2) @ (Q[:, : j + 1] @ r[..., None]))[..., 0]
-            r = r - (Q[:, : j + 1].transpose(1, 2) @ (Q[:, : j + 1] @ r[..., None]))[..., 0]
-            w = torch.where(dead[:, None], r / r.norm(dim=1, keepdim=True), w / b.clamp_min(torch.finfo(A.dtype).tiny)[:, None])
-            beta[:, j] = torch.where(dead, torch.zeros_like(b), b)
+        w = orth(w, Q[:, : j + 1])
+        bj = w.norm(dim=1)
+        scale = torch.maximum(scale, torch.maximum(alpha[:, j].abs(), bj))
+        dead = bj <= n * torch.finfo(A.dtype).eps * scale
+        if bool(dead.any()):  # invariant subspace found: continue with a fresh orthogonal vector
+            r = orth(torch.randn(Bn, n, generator=gen, dtype=A.dtype, device=A.device), Q[:, : j + 1])
+            w = torch.where(dead[:, None], r / r.norm(dim=1, keepdim=True).clamp_min(tiny), w / bj.clamp_min(tiny)[:, None])
+            bj = torch.where(dead, torch.zeros_like(bj), bj)
         else:
-            w = w / b[:, None]
+            w = w / bj[:, None]
+        beta[:, j] = bj
         Q[:, j + 1] = w
-    T = torch.diag_embed(alpha) + torch.diag_embed(beta[:, :-1], 1) + torch.diag_embed(beta[:, :-1], -1)
-    theta, Y = torch.linalg.eigh(T)
-    idx = theta.abs().argmax(-1)
-    norm = theta.abs().gather(1, idx[:, None])[:, 0]
-    resid = (beta[:, -1] * Y[:, -1, :].gather(1, idx[:, None])[:, 0]).abs()
+        if j + 1 >= 8 and (j + 1) % 4 == 0 and j + 1 < m:
+            theta, res = ritz(j + 1)
+            if bool((res <= tol * theta.clamp_min(tiny)).all()):
+                m = j + 1
+                break
+    norm, resid = ritz(m)
     return SpectralNorm(norm.to(torch.float64).reshape(batch), resid.to(torch.float64).reshape(batch))
 
 
@@ -572,7 +625,8 @@ def per_sample_statistics(
     *,
     wrt=None,
     chunk_size: int = 8,
-    lanczos_iters: int | None = 48,
+    lanczos_iters: int | None = 64,
+    lanczos_tol: float = 1e-10,
     keep_grads: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> PerSampleStats:
@@ -604,7 +658,7 @@ def per_sample_statistics(
     for start in range(0, N, int(chunk_size)):
         sl = slice(start, min(start + int(chunk_size), N))
         vals, grads, H = _hessian_chunk(params, Xb[sl], _slice_target(target, sl), cfg, loss, names)
-        sn = spectral_norm(H, lanczos_iters, seed=start)
+        sn = _spectral_norm(H, lanczos_iters, start, lanczos_tol)
         out["loss"].append(vals)
         out["spectral"].append(sn.norm)
         out["spectral_residual"].append(sn.residual)
