@@ -1,0 +1,38 @@
+"""``blockhess validate`` end to end (quick grid) and the all-or-nothing output folder."""
+
+import json
+
+import pytest
+
+from blockhess.cli import main
+from blockhess.experiments.outputs import atomic_dir
+
+
+def test_validate_quick(tmp_path):
+    out = tmp_path / "val"
+    assert main(["validate", "--quick", "--quiet", "--out", str(out)]) == 0
+    data = json.loads((out / "validate.json").read_text())
+    assert data["passed"] and data["max_rel_error"] <= 1e-10
+    assert len(data["cases"]) == 18
+    assert {c["loss"] for c in data["cases"]} == {"mse", "ce", "custom"}
+    assert (out / "validate.md").read_text().startswith("# blockhess validate")
+
+
+def test_atomic_dir_leaves_nothing_on_error(tmp_path):
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "old.txt").write_text("previous results")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out) as tmp:
+            (tmp / "partial.json").write_text("{")
+            raise RuntimeError("failed half way")
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["res"]  # no temporary folder left behind
+
+
+def test_unwritable_out_is_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["validate", "--quick", "--quiet", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("blockhess validate: error: cannot write to --out") and "\n" not in err
