@@ -191,3 +191,24 @@ def test_bad_inputs_raise():
         bounds.spectral_bounds(bp, torch.ones(3, 4, dtype=torch.float64), bcfg, "mse",
                                torch.zeros(3, 4, dtype=torch.float64))
     assert math.isfinite(bounds.SOFTMAX_HESSIAN_BOUND)
+
+
+def test_bounds_command_random_part(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from blockhess.experiments import bounds as cmd
+
+    monkeypatch.setattr(cmd, "RANDOM_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
+    monkeypatch.setattr(cmd, "SWEEP_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
+    monkeypatch.setattr(cmd, "SWEEP_SCALES", (0.1, 10.0))
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    out = tmp_path / "b"
+    assert cmd.run(p.parse_args(["--out", str(out), "--no-trained", "--seeds", "1", "--quiet"])) == 0
+    res = json.loads((out / "bounds.json").read_text())
+    assert res["valid_violations"] == [] and len(res["tables"]) == 2
+    assert res["sweep"]["n_rows"] == 2 * 2 * (7 + 16)
+    assert (out / "bounds.png").stat().st_size > 0 and "Theorem 1" in (out / "bounds.md").read_text()
+    with pytest.raises(ValueError):
+        cmd.run(p.parse_args(["--out", str(out), "--batch", "0"]))

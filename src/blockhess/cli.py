@@ -13,6 +13,8 @@ import sys
 # subcommand -> module in blockhess.experiments (HELP, add_arguments, run)
 COMMANDS = {
     "report": "report",
+    "bounds": "bounds",
+    "scaling": "scaling",
 }
 
 

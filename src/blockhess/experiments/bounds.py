@@ -1,0 +1,305 @@
+r"""``blockhess bounds``: Theorems 1 and 6 beside the exact spectral norms they bound.
+
+What is computed (issue #6; the bounds themselves live in :mod:`blockhess.bounds`):
+
+1. **Random weights** (``init_params``, ``X, T ~ N(0, 1)``, one sequence, digits size
+   ``d_model = d_k = 16, d_ff = 32, L = 16``): the table of every Hessian block for the bare
+   attention layer (Theorem 1) and the post-LN block (Theorem 6, ``ln_eps = 0``), with the
+   ingredient checks (each ingredient bound beside its exact value).
+2. **A sweep** over input scales ``σ ∈ {0.1, 0.3, 1, 3, 10}``, seeds and two targets (random
+   ``T ~ N(0, 1)``, and the zero-residual ``T = output``, the paper's minimiser setting) on a
+   smaller config: the bound/norm ratios of the whole Hessian, every valid-bound violation
+   (there must be none) and every row where the printed constants fail.
+3. **Trained digits weights** (:func:`blockhess.experiments.vit.load_or_train`; a batch of
+   training images embedded by the model): MSE with a fixed random target ``T ~ N(0, 1)``
+   (the paper's loss, so Theorem 6 and its printed constants apply), and the model's own
+   cross-entropy through the head (general-loss Theorem 6 with the exact ``‖∇²ℓ‖₂``, ``‖∇ℓ‖₂``;
+   the printed bound does not apply); the same at the initial weights of that model.
+   The digits model uses ``ln_eps = 1e-5``; the valid bound includes it, the printed
+   constants ignore it (paper: ``eps = 0``).
+
+Writes ``bounds.json``, ``bounds.md`` and ``bounds.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure)"
+
+RANDOM_SIZE = {"d_model": 16, "d_k": 16, "d_ff": 32, "L": 16}
+SWEEP_SIZE = {"d_model": 8, "d_k": 4, "d_ff": 16, "L": 8}
+SWEEP_SCALES = (0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bounds", help="output folder (default: bounds)")
+    p.add_argument("--checkpoint", default=None,
+                   help="digits ViT checkpoint (default: checkpoints/digits_vit.pt, trained if missing)")
+    p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
+    p.add_argument("--batch", type=int, default=8, help="training images in the trained-model Hessian (default 8)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per point of the sweep (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small dense problems)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _table(name, rows, **meta) -> dict:
+    fails = [r["block"] for r in rows if r["paper_holds"] is False]
+    viol = [r["block"] for r in rows if not (r["bound"] >= r["norm"] * (1 - 1e-9))]
+    return {"name": name, **meta, "rows": rows, "paper_failures": fails, "valid_violations": viol}
+
+
+def _random_tables(quiet: bool) -> tuple[list[dict], list[dict]]:
+    import blockhess as bh
+    from blockhess import bounds
+
+    S = RANDOM_SIZE
+    tables, ingr = [], []
+    for kind, thm in (("attention", "Theorem 1"), ("block", "Theorem 6")):
+        cfg = bh.BlockConfig(d_model=S["d_model"], d_k=S["d_k"], d_ff=S["d_ff"], kind=kind)
+        params = bh.init_params(cfg, seed=0)
+        g = torch.Generator().manual_seed(0)
+        X = torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
+        T = torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
+        rows = bounds.spectral_bounds(params, X, cfg, "mse", T)
+        tables.append(_table(f"random weights, {kind} ({thm})", rows, weights="random (init_params seed 0)",
+                             kind=kind, theorem=thm, loss="mse", target="T ~ N(0,1)", config=dict(S), ln_eps=0.0))
+        ingr.append({"name": f"random weights, {kind}", "rows": bounds.ingredient_checks(params, X, cfg, T)})
+    return tables, ingr
+
+
+def _sweep(seeds: int, quiet: bool) -> dict:
+    import blockhess as bh
+    from blockhess import bounds
+    from tqdm.auto import tqdm
+
+    S = SWEEP_SIZE
+    pts = []
+    jobs = [(k, s, sd, t) for k in ("attention", "block") for s in SWEEP_SCALES for sd in range(seeds)
+            for t in ("random", "zero-residual")]
+    for kind, sigma, seed, tgt in tqdm(jobs, disable=quiet, desc="bounds sweep", leave=False):
+        cfg = bh.BlockConfig(d_model=S["d_model"], d_k=S["d_k"], d_ff=S["d_ff"], kind=kind)
+        params = bh.init_params(cfg, seed=seed)
+        g = torch.Generator().manual_seed(500 + seed)
+        X = sigma * torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
+        T = torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
+        if tgt == "zero-residual":
+            T = bh.forward(params, X, cfg)
+        rows = bounds.spectral_bounds(params, X, cfg, "mse", T)
+        pts.append({"kind": kind, "sigma": sigma, "seed": seed, "target": tgt, "rows": rows})
+    violations = [{"kind": p["kind"], "sigma": p["sigma"], "seed": p["seed"], "target": p["target"], **r}
+                  for p in pts for r in p["rows"] if not (r["bound"] >= r["norm"] * (1 - 1e-9))]
+    paper_fail = [{"kind": p["kind"], "sigma": p["sigma"], "seed": p["seed"], "target": p["target"], **r}
+                  for p in pts for r in p["rows"] if r["paper_holds"] is False]
+    n_rows = sum(len(p["rows"]) for p in pts)
+    return {"config": dict(S), "scales": list(SWEEP_SCALES), "seeds": seeds, "points": pts, "n_rows": n_rows,
+            "valid_violations": violations, "paper_failures": paper_fail}
+
+
+def _trained_tables(args) -> tuple[list[dict], list[dict], dict]:
+    from blockhess import bounds
+    from blockhess.experiments import vit as vitmod
+
+    vit = vitmod.load_or_train(args.checkpoint, quiet=args.quiet)
+    info = {"checkpoint": vit.checkpoint, "test_accuracy": vit.test_accuracy, "arch": vit.arch,
+            "batch": args.batch, "train_info": {k: v for k, v in vit.train_info.items() if isinstance(v, (int, float, str, bool))}}
+    imgs, labels = vit.train_images[: args.batch], vit.train_labels[: args.batch]
+    tables, ingr = [], []
+    for which, model in (("trained", vit), ("init", vit.at_init())):
+        params = model.block_params(torch.float64)
+        X = model.embed(imgs, torch.float64)
+        g = torch.Generator().manual_seed(1)
+        T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+        meta = {"weights": f"digits ViT, {which}", "kind": "block", "config": {"L": X.shape[1], **model.arch},
+                "ln_eps": model.cfg.ln_eps, "batch": X.shape[0]}
+        rows = bounds.spectral_bounds(params, X, model.cfg, "mse", T)
+        tables.append(_table(f"digits ViT ({which} weights), MSE, Theorem 6", rows, theorem="Theorem 6",
+                             loss="mse", target="T ~ N(0,1), fixed", **meta))
+        rows = bounds.spectral_bounds(params, X, model.cfg, model.head_loss, labels)
+        tables.append(_table(f"digits ViT ({which} weights), model CE through the head, general-loss Theorem 6",
+                             rows, theorem="Theorem 6 (general loss: exact ‖∇²ℓ‖, ‖∇ℓ‖)", loss="head CE",
+                             target="labels", **meta))
+        if which == "trained":
+            ingr.append({"name": "digits ViT (trained weights), first image",
+                         "rows": bounds.ingredient_checks(params, X[0], model.cfg, T[0])})
+    return tables, ingr, info
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _e(v) -> str:
+    return "—" if v is None else f"{v:.3g}"
+
+
+def markdown(res: dict) -> str:
+    """Tables, sweep summary and failures of the printed constants as markdown."""
+    L = ["# Spectral-norm bounds beside exact Hessian norms (Theorems 1 and 6)", "",
+         f"Run time {res['runtime_s']:.1f} s. `bound`: valid constants (docs/bounds.md); "
+         "`bound_paper`: constants as printed. Whole Hessian (`all`): valid bound = spectral norm of the matrix "
+         "of block bounds; printed = √(mn)·max (3·max, 5·max).", ""]
+    for t in res["tables"]:
+        L += [f"## {t['name']}", "",
+              f"Weights: {t['weights']}; loss {t['loss']}, target {t['target']}; ln_eps {t['ln_eps']}.", "",
+              "| block | norm | bound | bound/norm | bound_paper | paper/norm | paper holds | outer norm | functional norm |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        for r in t["rows"]:
+            holds = "—" if r["paper_holds"] is None else ("yes" if r["paper_holds"] else "**NO**")
+            L.append(f"| {r['block']} | {_e(r['norm'])} | {_e(r['bound'])} | {_e(r['ratio'])} | {_e(r['bound_paper'])} "
+                     f"| {_e(r['ratio_paper'])} | {holds} | {_e(r['outer_norm'])} | {_e(r['functional_norm'])} |")
+        L.append("")
+    sw = res.get("sweep")
+    if sw:
+        L += ["## Sweep: whole-Hessian bound/norm ratio", "",
+              f"Config {sw['config']}, {sw['seeds']} seeds per point, targets random and zero-residual; "
+              f"{sw['n_rows']} rows checked: {len(sw['valid_violations'])} valid-bound violations, "
+              f"{len(sw['paper_failures'])} rows where the printed bound is below the exact norm.", "",
+              "| kind | σ | target | bound/norm (median) | paper/norm (median) |", "|---|---|---|---|---|"]
+        for row in res["sweep_summary"]:
+            L.append(f"| {row['kind']} | {row['sigma']:g} | {row['target']} | {_e(row['ratio_median'])} | "
+                     f"{_e(row['ratio_paper_median'])} |")
+        L.append("")
+    L += ["## Ingredient checks (printed ingredient bounds that fail)", "",
+          "| case | ingredient | exact | valid bound | printed bound | note |", "|---|---|---|---|---|---|"]
+    for case in res["ingredients"]:
+        for r in case["rows"]:
+            if r["paper_holds"] is False:
+                L.append(f"| {case['name']} | {r['ingredient']} | {_e(r['exact'])} | {_e(r['bound'])} | "
+                         f"{_e(r['bound_paper'])} | {r['note']} |")
+    L += ["", "## Rows where the printed bound is below the exact norm", ""]
+    fails = res["paper_failures"]
+    if not fails:
+        L.append("None: in every table and sweep point the printed (Theorem 1 / 6) bound is above the exact norm, "
+                 "although some printed ingredients fail (above): their looseness elsewhere masks it.")
+    else:
+        for f in fails:
+            L.append(f"- {f}")
+    return "\n".join(L) + "\n"
+
+
+def _median(v):
+    v = sorted(x for x in v if x is not None)
+    return v[len(v) // 2] if v else None
+
+
+def _summary(sw: dict) -> list[dict]:
+    out = []
+    for kind in ("attention", "block"):
+        for s in sw["scales"]:
+            for tgt in ("random", "zero-residual"):
+                allr = [next(r for r in p["rows"] if r["block"] == "all") for p in sw["points"]
+                        if p["kind"] == kind and p["sigma"] == s and p["target"] == tgt]
+                out.append({"kind": kind, "sigma": s, "target": tgt,
+                            "ratio_median": _median([r["ratio"] for r in allr]),
+                            "ratio_min": min((r["ratio"] for r in allr if r["ratio"] is not None), default=None),
+                            "ratio_paper_median": _median([r["ratio_paper"] for r in allr])})
+    return out
+
+
+def figure(res: dict, path: Path) -> None:
+    """Per-block norm vs bounds for four tables, and whole-Hessian ratios vs σ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tabs = res["tables"][:2] + [t for t in res["tables"] if "trained weights" in t["name"]][:2]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    panels = list(axes.ravel())
+    for ax, t in zip(panels[: len(tabs)], tabs):
+        rows = t["rows"]
+        x = range(len(rows))
+        ax.semilogy(x, [r["norm"] if r["norm"] > 0 else float("nan") for r in rows], "ko", label="exact ‖H‖₂")
+        ax.semilogy(x, [r["bound"] for r in rows], "b^", label="valid bound")
+        if any(r["bound_paper"] is not None for r in rows):
+            ax.semilogy(x, [r["bound_paper"] if r["bound_paper"] is not None else float("nan") for r in rows],
+                        "rx", label="printed bound")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([r["block"].replace("W_", "") for r in rows], rotation=60, fontsize=7)
+        ax.set_title(t["name"], fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    sw = res.get("sweep_summary")
+    for ax, kind in zip(panels[4:], ("attention", "block")):
+        if not sw:
+            ax.axis("off")
+            continue
+        for tgt, mk in (("random", "-"), ("zero-residual", "--")):
+            rs = [r for r in sw if r["kind"] == kind and r["target"] == tgt]
+            ax.loglog([r["sigma"] for r in rs], [r["ratio_median"] for r in rs], "b" + mk, marker="^",
+                      label=f"valid / exact ({tgt} T)")
+            ax.loglog([r["sigma"] for r in rs], [r["ratio_paper_median"] for r in rs], "r" + mk, marker="x",
+                      label=f"printed / exact ({tgt} T)")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("input scale σ")
+        ax.set_ylabel("bound / ‖H‖₂ (whole Hessian, median over seeds)")
+        ax.set_title(f"{kind}: looseness of the bounds", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in panels[len(tabs):4]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    old = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        tables, ingr = _random_tables(args.quiet)
+        sw = _sweep(args.seeds, args.quiet)
+        trained_info, t_trained = None, None
+        if not args.no_trained:
+            t1 = time.perf_counter()
+            tt, ti, trained_info = _trained_tables(args)
+            tables += tt
+            ingr += ti
+            t_trained = time.perf_counter() - t1
+    finally:
+        torch.set_num_threads(old)
+    fails = [{"table": t["name"], "block": b} for t in tables for b in t["paper_failures"]]
+    fails += [{"table": "sweep", "kind": f["kind"], "sigma": f["sigma"], "seed": f["seed"], "target": f["target"],
+               "block": f["block"]} for f in sw["paper_failures"]]
+    viol = [{"table": t["name"], "block": b} for t in tables for b in t["valid_violations"]] + sw["valid_violations"]
+    res = {
+        "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
+        "paper_failures": fails, "valid_violations": viol, "trained": trained_info,
+        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads,
+                        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+        "trained_runtime_s": t_trained,
+    }
+    res["runtime_s"] = time.perf_counter() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".bounds-", dir=out) as tmp:
+        tmp = Path(tmp)
+        figure(res, tmp / "bounds.png")
+        (tmp / "bounds.md").write_text(markdown(res))
+        with open(tmp / "bounds.json", "w") as f:
+            json.dump(res, f, indent=1)
+        for name in ("bounds.png", "bounds.md", "bounds.json"):
+            os.replace(tmp / name, out / name)
+    if not args.quiet:
+        print(f"{sum(len(t['rows']) for t in tables) + sw['n_rows']} rows: {len(viol)} valid-bound violations, "
+              f"{len(fails)} rows where the printed bound fails; wrote {out}/bounds.json, bounds.md, bounds.png "
+              f"in {res['runtime_s']:.1f} s")
+    if viol:
+        raise RuntimeError(f"{len(viol)} rows where the valid bound is below the exact norm (a bug): see {out}/bounds.json")
+    return 0
