@@ -15,6 +15,7 @@ COMMANDS = {
     "report": "report",
     "bounds": "bounds",
     "scaling": "scaling",
+    "convergence": "convergence",
 }
 
 
