@@ -20,6 +20,7 @@ from .config import BlockConfig, init_params, param_shapes
 from .hessian import hessian
 from .validation import InsufficientMemoryError
 from . import bounds  # noqa: E402  (Theorems 1 and 6; after the core it uses)
+from . import convergence  # noqa: E402  (Theorem 7; after the core it uses)
 
 __all__ = [
     "BlockConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "InsufficientMemoryError",
     "attention",
     "bounds",
+    "convergence",
     "ffn",
     "forward",
     "hessian",
