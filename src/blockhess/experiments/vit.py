@@ -1,0 +1,541 @@
+r"""A one-block post-LN Vision Transformer on scikit-learn's digits: data, model, training, checkpoint.
+
+The paper's experiments (arXiv 2510.16927, §5.1–5.4) train a 1-block post-LN ViT on MNIST and
+study the Hessian of its block. Here the same model runs on the 1,797 handwritten 8×8 digits
+that ship with scikit-learn (``sklearn.datasets.load_digits``: nothing is downloaded):
+
+.. math::
+    X = \mathrm{patches}(x)\,W_E + b_E + P,\qquad
+    Z = \mathrm{Block}(X;\,W_Q, W_K, W_V, W_1, W_2),\qquad
+    \mathrm{logits} = \Big(\frac1L \sum_t z_t\Big) W_H + b_H,
+
+* ``patches``: non-overlapping ``p×p`` patches (``p = 2``: ``L = 16`` tokens of 4 pixels), patch
+  order and pixel order row-major; pixels scaled to ``[0, 1]``;
+* ``P``: fixed sinusoidal positions (base 10000), as in the paper's code;
+* ``Block``: one :mod:`blockhess` block in the paper's setting (one head, ReLU, no biases, no
+  ``W_O``, LayerNorm without affine), ``ln_eps = 1e-5`` (the paper's theory uses 0; a small
+  eps keeps LayerNorm smooth for any input). The forward pass uses the plain ops of
+  :func:`blockhess.reference.forward` (5–8× faster to train through than :func:`blockhess.forward`,
+  which also builds the derivative caches); both compute the same function;
+* mean-pool over tokens, linear head (with bias) to 10 classes, cross-entropy.
+
+Row vectors act on the right throughout (DESIGN.md §1): ``W_E`` is ``(p², d_model)``, ``W_H``
+is ``(d_model, 10)``.
+
+Everything after the block is a function of the block output ``Z`` alone, so the model's loss
+*is* a loss ``ℓ(Z)`` of the block, and :func:`blockhess.hessian` with
+``loss=vit.head_loss, target=labels`` gives the exact Hessian of the model's cross-entropy
+w.r.t. the block's weights, with the embedded patches ``vit.embed(images)`` as the block's
+input ``X``.
+
+The interface used by the ``report``, ``bounds`` and ``convergence`` commands:
+
+>>> vit = load_or_train()                         # doctest: +SKIP
+>>> X = vit.embed(vit.train_images[:128])          # (128, 16, 16) float64, the block's input
+>>> y = vit.train_labels[:128]
+>>> H = bh.hessian(vit.block_params(), X, vit.cfg, loss=vit.head_loss, target=y)   # doctest: +SKIP
+
+Seeds: one ``seed`` fixes the train/test split, the initial weights and the order of the
+training batches, each drawn from its own private generator (the global RNGs are untouched).
+Training is float32 on CPU; every analysis method works in the dtype it is asked for
+(float64 by default) from a float64 master copy of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as Fn
+
+from ..config import BlockConfig, init_params
+from ..reference import forward as block_forward
+
+__all__ = [
+    "DEFAULT_CHECKPOINT",
+    "DEFAULT_STEPS",
+    "BLOCK_NAMES",
+    "TrainedViT",
+    "load_data",
+    "split_data",
+    "patchify",
+    "sinusoidal_positions",
+    "init_model",
+    "train",
+    "save",
+    "load",
+    "load_or_train",
+]
+
+#: Where :func:`load_or_train` keeps the model when no path is given (relative to the working directory).
+DEFAULT_CHECKPOINT = "checkpoints/digits_vit.pt"
+#: Training steps (batches of 128) when :func:`load_or_train` has to train.
+DEFAULT_STEPS = 2000
+#: The block's weights, canonical order.
+BLOCK_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
+#: Every weight of the model, forward order.
+MODEL_NAMES = ("W_E", "b_E") + BLOCK_NAMES + ("W_H", "b_H")
+
+N_CLASSES = 10
+IMAGE_SIZE = 8
+TEST_FRACTION = 0.2
+FORMAT = "blockhess-digits-vit"
+FORMAT_VERSION = 1
+
+#: The model used by ``make run`` (d_ff = 32, not the paper's 64: see docs in README / report).
+DEFAULT_ARCH = {"patch": 2, "d_model": 16, "d_ff": 32, "d_k": 16, "ln_eps": 1e-5}
+
+#: Optimiser settings: the paper's (reconstruction §5.2) except the learning rate and no augmentation.
+DEFAULT_OPTIM = {
+    "lr": 3e-3,
+    "betas": (0.9, 0.95),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "warmup_steps": 100,
+    "batch_size": 128,
+}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 digits: images ``(N, 8, 8)`` float64 in ``[0, 1]`` (pixel / 16) and labels ``(N,)`` int64."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = torch.as_tensor(d.images, dtype=torch.float64) / 16.0
+    labels = torch.as_tensor(d.target, dtype=torch.int64)
+    return images, labels
+
+
+def split_data(labels: torch.Tensor, seed: int = 0, test_fraction: float = TEST_FRACTION):
+    """A stratified train/test split: ``(train_index, test_index)``, int64, each sorted.
+
+    Per class, a seeded permutation (private generator) puts ``round(test_fraction · n_c)``
+    images into the test set.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    train, test = [], []
+    for c in range(int(labels.max()) + 1):
+        idx = torch.nonzero(labels == c).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        k = int(round(test_fraction * len(idx)))
+        test.append(idx[:k])
+        train.append(idx[k:])
+    return torch.cat(train).sort().values, torch.cat(test).sort().values
+
+
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """``(N, H, W)`` images -> ``(N, (H/p)(W/p), p²)`` non-overlapping patches, both orders row-major."""
+    N, H, W = images.shape
+    if H % patch or W % patch:
+        raise ValueError(f"patch size {patch} must divide the image size {H}x{W}")
+    x = images.reshape(N, H // patch, patch, W // patch, patch).permute(0, 1, 3, 2, 4)
+    return x.reshape(N, (H // patch) * (W // patch), patch * patch)
+
+
+def sinusoidal_positions(L: int, d: int, dtype=torch.float64) -> torch.Tensor:
+    """Fixed positions ``(L, d)``: ``P[t, 2i] = sin(t / 10000^{2i/d})``, ``P[t, 2i+1] = cos(·)``."""
+    t = torch.arange(L, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    P = torch.zeros(L, d, dtype=torch.float64)
+    P[:, 0::2] = torch.sin(t * freq)
+    P[:, 1::2] = torch.cos(t * freq[: d // 2])
+    return P.to(dtype)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def _block_config(arch: dict) -> BlockConfig:
+    return BlockConfig(d_model=arch["d_model"], d_ff=arch["d_ff"], d_k=arch["d_k"], ln_eps=arch["ln_eps"])
+
+
+def init_model(arch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Initial weights (float64), :data:`MODEL_NAMES` order.
+
+    Block: :func:`blockhess.init_params` (``N(0, 1/fan_in)``) with ``seed``; patch embedding and
+    head: ``N(0, 1/fan_in)`` weights, zero biases, from a private generator seeded ``seed + 1``.
+    """
+    cfg = _block_config(arch)
+    d, p2 = arch["d_model"], arch["patch"] ** 2
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    params = {
+        "W_E": torch.randn(p2, d, generator=gen, dtype=torch.float64) / math.sqrt(p2),
+        "b_E": torch.zeros(d, dtype=torch.float64),
+    }
+    params.update(init_params(cfg, seed=int(seed), dtype=torch.float64))
+    params["W_H"] = torch.randn(d, N_CLASSES, generator=gen, dtype=torch.float64) / math.sqrt(d)
+    params["b_H"] = torch.zeros(N_CLASSES, dtype=torch.float64)
+    return {n: params[n] for n in MODEL_NAMES}
+
+
+def _shapes(arch: dict) -> dict[str, tuple[int, ...]]:
+    d, f, k, p2 = arch["d_model"], arch["d_ff"], arch["d_k"], arch["patch"] ** 2
+    return {
+        "W_E": (p2, d), "b_E": (d,), "W_Q": (d, k), "W_K": (d, k), "W_V": (d, d),
+        "W_1": (d, f), "W_2": (f, d), "W_H": (d, N_CLASSES), "b_H": (N_CLASSES,),
+    }
+
+
+def _embed(params: dict, images: torch.Tensor, patch: int) -> torch.Tensor:
+    x = patchify(images, patch)
+    P = sinusoidal_positions(x.shape[1], params["W_E"].shape[1], params["W_E"].dtype)
+    return x @ params["W_E"] + params["b_E"] + P
+
+
+def _head(params: dict, Z: torch.Tensor) -> torch.Tensor:
+    return Z.mean(-2) @ params["W_H"] + params["b_H"]
+
+
+def _logits(params: dict, images: torch.Tensor, cfg: BlockConfig, patch: int) -> torch.Tensor:
+    X = _embed(params, images.to(params["W_E"].dtype), patch)
+    return _head(params, block_forward({n: params[n] for n in BLOCK_NAMES}, X, cfg))
+
+
+# ----------------------------------------------------------------------------- the trained model
+
+
+@dataclass
+class TrainedViT:
+    """A digits ViT with its data split; the interface of the ``report``, ``bounds`` and ``convergence`` commands.
+
+    Attributes
+    ----------
+    cfg : blockhess.BlockConfig
+        The block's configuration (``d_model``, ``d_ff``, ``d_k``, ``ln_eps``).
+    arch : dict
+        ``patch``, ``d_model``, ``d_ff``, ``d_k``, ``ln_eps``.
+    params, init_params_ : dict[str, Tensor]
+        Every weight (:data:`MODEL_NAMES`, float64): trained, and at initialisation.
+    seed : int
+        The seed of the split, the initialisation and the batch order.
+    test_accuracy : float
+        Accuracy of ``params`` on the test split (fraction in ``[0, 1]``).
+    train_images, train_labels, test_images, test_labels : Tensor
+        The split: images ``(N, 8, 8)`` float64 in ``[0, 1]``, labels ``(N,)`` int64.
+    train_index, test_index : Tensor
+        Where the split's images sit in :func:`load_data` (int64, sorted).
+    train_info : dict
+        Steps, optimiser settings, seconds, final training loss, where the model came from.
+    checkpoint : str or None
+        The file it was loaded from or saved to.
+    """
+
+    cfg: BlockConfig
+    arch: dict
+    params: dict
+    init_params_: dict
+    seed: int
+    test_accuracy: float
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    train_index: torch.Tensor | None = None
+    test_index: torch.Tensor | None = None
+    train_info: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    _cast: dict = field(default_factory=dict, repr=False)
+
+    # -- weights ---------------------------------------------------------------------------
+    def _weights(self, dtype: torch.dtype) -> dict:
+        if dtype not in self._cast:
+            self._cast[dtype] = {n: v.to(dtype) for n, v in self.params.items()}
+        return self._cast[dtype]
+
+    def block_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """The block's weights ``{W_Q, W_K, W_V, W_1, W_2}`` in ``dtype`` (fresh copies)."""
+        return {n: self.params[n].to(dtype).clone() for n in BLOCK_NAMES}
+
+    def init_block_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """The block's weights at initialisation (same seed), in ``dtype``."""
+        return {n: self.init_params_[n].to(dtype).clone() for n in BLOCK_NAMES}
+
+    def at_init(self) -> "TrainedViT":
+        """The same model with *every* weight (embedding, block, head) at its initial value.
+
+        Its ``embed``, ``head_loss`` and ``block_params`` describe the untrained model; its
+        ``test_accuracy`` is that of the initial weights.
+        """
+        vit = replace(self, params=self.init_params_, _cast={})
+        vit.test_accuracy = vit.accuracy(self.test_images, self.test_labels)
+        return vit
+
+    # -- the model, piece by piece ---------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        """Tokens per image, ``(8/p)²``."""
+        return (IMAGE_SIZE // self.arch["patch"]) ** 2
+
+    def embed(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The block's input: patch embedding plus positions, ``(B, L, d_model)`` in ``dtype``.
+
+        ``images``: ``(B, 8, 8)`` (or one image ``(8, 8)`` -> ``(L, d_model)``).
+        """
+        one = images.ndim == 2
+        X = _embed(self._weights(dtype), (images[None] if one else images).to(dtype), self.arch["patch"])
+        return X[0] if one else X
+
+    def head_loss(self, Z: torch.Tensor, y) -> torch.Tensor:
+        r"""Cross-entropy of ``head(mean-pool(Z))`` against the class ``y``: the model's loss as a loss of the block output.
+
+        ``Z``: one sequence ``(L, d_model)`` and ``y`` an integer (or 0-d tensor) -> a scalar;
+        this is the callable-loss convention of :func:`blockhess.hessian`, so
+        ``bh.hessian(params, X, vit.cfg, loss=vit.head_loss, target=labels)`` is the exact
+        Hessian of the model's mean cross-entropy over the batch. Also accepts a batch
+        ``Z`` ``(B, L, d)`` with ``y`` ``(B,)`` and then returns the mean. Twice
+        differentiable in ``Z`` (``torch.func``-traceable, ``vmap``-able); computed in ``Z.dtype``.
+        """
+        w = self._weights(Z.dtype)
+        logits = _head(w, Z)  # (..., C)
+        y = torch.as_tensor(y, device=Z.device)
+        onehot = (torch.arange(N_CLASSES, device=Z.device) == y[..., None]).to(Z.dtype)
+        return (torch.logsumexp(logits, -1) - (logits * onehot).sum(-1)).mean()
+
+    def logits(self, images: torch.Tensor, block_params: dict | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Class logits ``(B, 10)``; ``block_params`` replaces the block's weights (their dtype wins)."""
+        if dtype is None:
+            dtype = next(iter(block_params.values())).dtype if block_params else torch.float64
+        w = dict(self._weights(dtype))
+        if block_params is not None:
+            w.update({n: block_params[n] for n in BLOCK_NAMES})
+        return _logits(w, images, self.cfg, self.arch["patch"])
+
+    def per_sample_losses(self, images: torch.Tensor, labels: torch.Tensor, block_params: dict | None = None) -> torch.Tensor:
+        """Cross-entropy of each image, ``(B,)``, in the dtype of ``block_params`` (float64 by default).
+
+        ``block_params`` (``{W_Q, ..., W_2}``) replaces the trained block weights, the embedding
+        and head staying as they are; the mean of this equals ``head_loss`` over the embedded batch.
+        """
+        return Fn.cross_entropy(self.logits(images, block_params), labels, reduction="none")
+
+    def accuracy(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        """Fraction of ``images`` classified as ``labels`` (float64 forward)."""
+        with torch.no_grad():
+            return float((self.logits(images).argmax(-1) == labels).double().mean())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _progress(iterable, quiet: bool, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=quiet, leave=False, dynamic_ncols=True, **kw)
+
+
+def train(
+    seed: int = 0,
+    *,
+    steps: int = DEFAULT_STEPS,
+    quiet: bool = False,
+    arch: dict | None = None,
+    optim: dict | None = None,
+) -> TrainedViT:
+    """Train the digits ViT on CPU in float32 with AdamW and return it (not saved; see :func:`save`).
+
+    Linear warm-up over ``warmup_steps``, then a constant learning rate; gradient clipping;
+    batches of ``batch_size`` drawn without replacement, reshuffled each epoch by a private
+    generator seeded ``seed + 2``. ``arch`` and ``optim`` override :data:`DEFAULT_ARCH` and
+    :data:`DEFAULT_OPTIM` key by key. A progress bar shows the loss unless ``quiet``.
+    """
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    arch = {**DEFAULT_ARCH, **(arch or {})}
+    opt = {**DEFAULT_OPTIM, **(optim or {})}
+    cfg = _block_config(arch)
+    images, labels = load_data()
+    tr, te = split_data(labels, seed)
+    init = init_model(arch, seed)
+    w = {n: v.to(torch.float32).clone().requires_grad_(True) for n, v in init.items()}
+    Xtr, ytr = images[tr].to(torch.float32), labels[tr]
+    optimizer = torch.optim.AdamW(
+        list(w.values()), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"], weight_decay=opt["weight_decay"]
+    )
+    warm = max(int(opt["warmup_steps"]), 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    gen = torch.Generator().manual_seed(int(seed) + 2)
+    bs = min(int(opt["batch_size"]), len(tr))
+    order, pos = torch.randperm(len(tr), generator=gen), 0
+    t0 = time.perf_counter()
+    losses = []
+    bar = _progress(range(steps), quiet, desc="train digits ViT", unit="step")
+    for step in bar:
+        if pos + bs > len(tr):
+            order, pos = torch.randperm(len(tr), generator=gen), 0
+        idx = order[pos : pos + bs]
+        pos += bs
+        loss = Fn.cross_entropy(_logits(w, Xtr[idx], cfg, arch["patch"]), ytr[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(w.values()), opt["grad_clip"])
+        optimizer.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    seconds = time.perf_counter() - t0
+    params = {n: v.detach().to(torch.float64) for n, v in w.items()}
+    if not all(torch.isfinite(v).all() for v in params.values()):
+        raise RuntimeError("training diverged: the weights contain NaN or Inf")
+    info = {
+        "steps": steps,
+        "optimizer": "AdamW",
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.items()},
+        "precision": "float32",
+        "train_seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "final_loss_mean_last_50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        "loss_history": losses[:: max(1, steps // 100)] if steps else [],
+        "torch_version": str(torch.__version__),
+    }
+    vit = _assemble(arch, params, init, int(seed), images, labels, tr, te, info, None)
+    info["test_accuracy"] = vit.test_accuracy
+    return vit
+
+
+def _assemble(arch, params, init, seed, images, labels, tr, te, info, path) -> TrainedViT:
+    vit = TrainedViT(
+        cfg=_block_config(arch), arch=dict(arch), params=params, init_params_=init, seed=seed, test_accuracy=float("nan"),
+        train_images=images[tr], train_labels=labels[tr], test_images=images[te], test_labels=labels[te],
+        train_index=tr, test_index=te, train_info=info, checkpoint=path,
+    )
+    vit.test_accuracy = vit.accuracy(vit.test_images, vit.test_labels)
+    return vit
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save(vit: TrainedViT, path: str | os.PathLike) -> Path:
+    """Write ``vit`` to ``path`` as a plain dict (``torch.save``), atomically (temporary file, then rename).
+
+    The dict: ``format``, ``version``, ``arch``, ``seed``, ``params``, ``init_params`` (float64
+    tensors), ``train_index``/``test_index`` (the split, int64), ``test_accuracy``, ``train_info``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "arch": dict(vit.arch),
+        "seed": vit.seed,
+        "params": {k: v.detach().to(torch.float64).contiguous() for k, v in vit.params.items()},
+        "init_params": {k: v.detach().to(torch.float64).contiguous() for k, v in vit.init_params_.items()},
+        "train_index": vit.train_index,
+        "test_index": vit.test_index,
+        "n_images": len(vit.train_index) + len(vit.test_index),
+        "test_accuracy": float(vit.test_accuracy),
+        "train_info": dict(vit.train_info),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    vit.checkpoint = str(path)
+    return path
+
+
+def _bad(path, reason: str) -> ValueError:
+    return ValueError(f"checkpoint {path} is not a usable digits-ViT checkpoint: {reason} (delete it to retrain)")
+
+
+def load(path: str | os.PathLike) -> TrainedViT:
+    """Read a checkpoint written by :func:`save`; ``ValueError`` (one line) if missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"checkpoint not found: {path}" if not path.exists() else f"checkpoint {path} is not a file")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle/zip errors come in many types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise _bad(path, f"cannot read it ({type(exc).__name__}: {first})") from None
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+        raise _bad(path, f"no '{FORMAT}' format tag")
+    if blob.get("version") != FORMAT_VERSION:
+        raise _bad(path, f"format version {blob.get('version')!r}, expected {FORMAT_VERSION}")
+    try:
+        arch = {k: blob["arch"][k] for k in DEFAULT_ARCH}
+        cfg = _block_config(arch)
+        seed = int(blob["seed"])
+        shapes = _shapes(arch)
+        params, init = {}, {}
+        for src, dst in ((blob["params"], params), (blob["init_params"], init)):
+            for name, shape in shapes.items():
+                t = src[name]
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.dtype.is_floating_point:
+                    raise _bad(path, f"weight {name} should be a float tensor of shape {shape}")
+                if not torch.isfinite(t).all():
+                    raise _bad(path, f"weight {name} contains NaN or Inf")
+                dst[name] = t.to(torch.float64)
+        tr, te = blob["train_index"], blob["test_index"]
+        images, labels = load_data()
+        if int(blob["n_images"]) != len(labels):
+            raise _bad(path, f"made for {blob['n_images']} images, this scikit-learn has {len(labels)}")
+        for t in (tr, te):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.ndim != 1 or (len(t) and (t.min() < 0 or t.max() >= len(labels))):
+                raise _bad(path, "the data split is damaged")
+        if len(tr) + len(te) != len(labels) or len(torch.cat([tr, te]).unique()) != len(labels):
+            raise _bad(path, "the data split is damaged")
+        info = dict(blob.get("train_info", {}))
+        patch = arch["patch"]
+        if IMAGE_SIZE % patch:
+            raise _bad(path, f"patch size {patch} does not divide {IMAGE_SIZE}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise _bad(path, f"missing or malformed entry {exc}") from None
+    except ValueError as exc:
+        if str(exc).startswith("checkpoint "):
+            raise
+        raise _bad(path, str(exc).splitlines()[0]) from None
+    info["trained_in_this_run"] = False
+    return _assemble(arch, params, init, seed, images, labels, tr, te, info, str(path))
+
+
+def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps: int | None = None) -> TrainedViT:
+    """The digits ViT: loaded from ``checkpoint``, or trained and saved there.
+
+    Parameters
+    ----------
+    checkpoint : str or path or None
+        An explicit file must exist and be a valid checkpoint (else ``ValueError``). ``None``
+        means :data:`DEFAULT_CHECKPOINT` (``checkpoints/digits_vit.pt``; for ``seed != 0``
+        ``checkpoints/digits_vit_seed{seed}.pt``): loaded when present, otherwise the model is
+        trained (:func:`train`, about a minute on 2 cores) and saved there.
+    quiet : bool
+        No progress bar.
+    seed : int
+        Seed of the split, initialisation and batch order when training; a loaded
+        checkpoint keeps its own seed.
+    steps : int or None
+        Training steps when training happens (default :data:`DEFAULT_STEPS`).
+
+    Raises
+    ------
+    ValueError
+        One line: an explicit path that does not exist, or a file that is not a valid checkpoint
+        (unreadable, wrong format, wrong shapes, NaN weights, damaged split).
+    """
+    if checkpoint is not None:
+        return load(checkpoint)
+    path = Path(DEFAULT_CHECKPOINT if seed == 0 else DEFAULT_CHECKPOINT.replace(".pt", f"_seed{seed}.pt"))
+    if path.exists():
+        return load(path)
+    vit = train(seed, steps=DEFAULT_STEPS if steps is None else steps, quiet=quiet)
+    save(vit, path)
+    vit.train_info["trained_in_this_run"] = True
+    return vit
