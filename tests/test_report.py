@@ -1,0 +1,131 @@
+"""``blockhess report`` end to end on a tiny checkpoint, and its one-line errors (no partial report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockhess.cli import main
+from blockhess.experiments import vit as V
+
+TINY = {"patch": 4, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    vit = V.train(0, steps=60, quiet=True, arch=TINY, optim={"warmup_steps": 5, "lr": 1e-2})
+    return str(V.save(vit, tmp_path_factory.mktemp("ck") / "tiny.pt"))
+
+
+def _report(tmp_path, checkpoint, *extra):
+    out = tmp_path / "rep"
+    rc = main(["report", "--checkpoint", checkpoint, "--out", str(out), "--batch", "5", "--quiet", "--repeats", "1", *extra])
+    return rc, out
+
+
+def _leftovers(folder):
+    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_report_end_to_end(tmp_path, checkpoint, capsys):
+    rc, out = _report(tmp_path, checkpoint)
+    assert rc == 0
+    assert capsys.readouterr().out == ""  # --quiet
+    rep = json.loads((out / "report.json").read_text())
+    v = rep["validation"]
+    assert v["max_rel_error"] <= 1e-10 and v["passed"] and v["tolerance"] == 1e-10
+    for phase in ("init", "trained"):
+        assert v[phase]["by_part"]["full"]["max_over_blocks"] <= 1e-10
+        assert len(v[phase]["by_part"]["outer"]["blocks"]) == 15
+        assert v[phase]["outer_plus_functional_rel_error"] < 1e-12
+        t = rep["timings"][phase]
+        assert t["closed_form_full_s"] > 0 and t["reference_s"] > 0 and t["speedup_total"] > 0
+        e = rep["eigenvalues"][phase]
+        n = rep["n_params"]
+        for part in ("full", "outer", "functional"):
+            assert e[part]["n_negative"] + e[part]["n_positive"] + e[part]["n_near_zero"] == n
+            assert e[part]["min"] <= e[part]["max"]
+        assert e["outer"]["n_negative"] == 0  # Gauss-Newton term is PSD
+        assert e["functional"]["n_negative"] > 0  # the functional term brings the non-convexity
+        blk = rep["norms"][phase]["blocks"]["W_Q,W_V"]
+        for part in ("full", "outer", "functional"):
+            assert 0 < blk[part]["spectral"] <= blk[part]["fro"] * (1 + 1e-12)
+    assert rep["n_params"] == 2 * 8 * 4 + 8 * 8 + 2 * 8 * 8
+    assert rep["model"]["tokens"] == 4 and rep["batch"] == 5 and len(rep["batch_indices"]) == 5
+    assert rep["dtype"] == "float64" and rep["environment"]["torch"] == torch.__version__
+    assert rep["checkpoint"] == checkpoint and rep["training"]["trained_in_this_run"] is False
+    assert 0 <= rep["test_accuracy"] <= 1 and rep["seeds"]["model"] == 0
+    for name in rep["figures"]:
+        assert (out / name).read_bytes()[:8] == PNG
+    assert set(rep["figures"]) == {"hessian_init.png", "hessian_trained.png", "block_norms.png", "spectrum.png"}
+    md = (out / "report.md").read_text()
+    for name in rep["figures"]:
+        assert f"({name})" in md
+    assert f"{v['max_rel_error']:.2e}" in md
+    assert _leftovers(tmp_path) == []
+
+    # a second run replaces the report as a whole
+    (out / "stale.txt").write_text("old")
+    rc, out = _report(tmp_path, checkpoint, "--seed", "1")
+    assert rc == 0 and not (out / "stale.txt").exists()
+    rep2 = json.loads((out / "report.json").read_text())
+    assert rep2["batch_indices"] != rep["batch_indices"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_report_float32(tmp_path, checkpoint):
+    rc, out = _report(tmp_path, checkpoint, "--dtype", "float32")
+    rep = json.loads((out / "report.json").read_text())
+    assert rc == 0 and rep["dtype"] == "float32" and rep["reference_dtype"] == "float64"
+    assert 1e-12 < rep["validation"]["max_rel_error"] <= 1e-4  # float32 rounding, checked against float64
+
+
+def _error(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("blockhess report: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("kind", ["missing", "corrupt"])
+def test_bad_checkpoint_is_one_line_error_and_no_report(tmp_path, capsys, kind):
+    ck = tmp_path / "ck.pt"
+    if kind == "corrupt":
+        ck.write_bytes(b"garbage" * 100)
+    out = tmp_path / "rep"
+    err = _error(capsys, ["report", "--checkpoint", str(ck), "--out", str(out), "--quiet"])
+    assert str(ck) in err
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_batch_larger_than_data(tmp_path, checkpoint, capsys):
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous report")
+    err = _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(out), "--batch", "5000", "--quiet"])
+    assert "5000" in err and "training images" in err
+    assert (out / "keep.txt").read_text() == "previous report"  # an older report stays intact
+    assert _leftovers(tmp_path) == []
+    _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(out), "--batch", "0", "--quiet"])
+
+
+def test_unwritable_out(tmp_path, checkpoint, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(afile / "rep"), "--quiet"])
+    assert "--out" in err
+    err = _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(afile), "--quiet"])
+    assert "not a folder" in err
+    assert afile.read_text() == "x"
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--out", "--checkpoint", "--batch", "--dtype", "--quiet"):
+        assert opt in text

@@ -1,0 +1,284 @@
+"""The digits ViT: data, the model against a plain ``nn.Module``, the loss-through-head Hessian
+against autograd, training, checkpoints and the ``load_or_train`` contract."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+import blockhess as bh
+from blockhess.experiments import vit as V
+
+TINY = {"patch": 2, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return V.train(0, steps=150, quiet=True, arch=TINY, optim={"warmup_steps": 10, "lr": 1e-2})
+
+
+class PlainViT(nn.Module):
+    """The same model written with torch.nn layers (nn.Linear stores (out, in): transposes here)."""
+
+    def __init__(self, vit: V.TrainedViT):
+        super().__init__()
+        a, p = vit.arch, vit.params
+        d = a["d_model"]
+        self.patch = a["patch"]
+        self.embed = nn.Linear(a["patch"] ** 2, d)
+        self.q = nn.Linear(d, a["d_k"], bias=False)
+        self.k = nn.Linear(d, a["d_k"], bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.ln1 = nn.LayerNorm(d, eps=a["ln_eps"], elementwise_affine=False)
+        self.ff1 = nn.Linear(d, a["d_ff"], bias=False)
+        self.ff2 = nn.Linear(a["d_ff"], d, bias=False)
+        self.ln2 = nn.LayerNorm(d, eps=a["ln_eps"], elementwise_affine=False)
+        self.head = nn.Linear(d, 10)
+        L = (8 // a["patch"]) ** 2
+        pos = torch.zeros(L, d, dtype=torch.float64)
+        for t in range(L):
+            for i in range(0, d, 2):
+                pos[t, i] = math.sin(t / 10000 ** (i / d))
+                pos[t, i + 1] = math.cos(t / 10000 ** (i / d))
+        self.register_buffer("pos", pos)
+        self.double()
+        with torch.no_grad():
+            self.embed.weight.copy_(p["W_E"].T)
+            self.embed.bias.copy_(p["b_E"])
+            for lin, name in ((self.q, "W_Q"), (self.k, "W_K"), (self.v, "W_V"), (self.ff1, "W_1"), (self.ff2, "W_2")):
+                lin.weight.copy_(p[name].T)
+            self.head.weight.copy_(p["W_H"].T)
+            self.head.bias.copy_(p["b_H"])
+        self.requires_grad_(False)
+
+    def block(self, x):
+        att = Fn.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+        y = self.ln1(x + att)
+        return self.ln2(y + self.ff2(torch.relu(self.ff1(y))))
+
+    def embed_images(self, images):
+        x = Fn.unfold(images[:, None], kernel_size=self.patch, stride=self.patch).transpose(1, 2)
+        return self.embed(x) + self.pos
+
+    def forward(self, images):
+        return self.head(self.block(self.embed_images(images)).mean(1))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_data_is_the_bundled_digits():
+    images, labels = V.load_data()
+    assert images.shape == (1797, 8, 8) and images.dtype == torch.float64
+    assert float(images.min()) == 0.0 and float(images.max()) == 1.0
+    assert labels.dtype == torch.int64 and set(labels.tolist()) == set(range(10))
+
+
+def test_split_is_stratified_disjoint_and_seeded():
+    _, labels = V.load_data()
+    tr, te = V.split_data(labels, seed=0)
+    assert len(tr) + len(te) == 1797 and len(set(tr.tolist()) & set(te.tolist())) == 0
+    assert abs(len(te) - 0.2 * 1797) <= 10
+    for c in range(10):
+        frac = (labels[te] == c).sum() / (labels == c).sum()
+        assert abs(float(frac) - 0.2) < 0.02
+    tr2, te2 = V.split_data(labels, seed=0)
+    assert torch.equal(te, te2)
+    assert not torch.equal(te, V.split_data(labels, seed=1)[1])
+
+
+def test_patchify_matches_unfold():
+    images = torch.arange(2 * 64, dtype=torch.float64).reshape(2, 8, 8)
+    for p in (1, 2, 4):
+        ref = Fn.unfold(images[:, None], kernel_size=p, stride=p).transpose(1, 2)
+        assert torch.equal(V.patchify(images, p), ref)
+    with pytest.raises(ValueError):
+        V.patchify(images, 3)
+
+
+def test_sinusoidal_positions():
+    P = V.sinusoidal_positions(16, 8)
+    assert torch.allclose(P[0], torch.tensor([0.0, 1.0] * 4, dtype=torch.float64))
+    assert math.isclose(float(P[5, 0]), math.sin(5))
+    assert math.isclose(float(P[5, 3]), math.cos(5 / 10000 ** (2 / 8)))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("at_init", [False, True])
+def test_vit_matches_plain_nn_module(tiny, at_init):
+    vit = tiny.at_init() if at_init else tiny
+    m = PlainViT(vit)
+    images, labels = vit.train_images[:40], vit.train_labels[:40]
+    with torch.no_grad():
+        ref = m(images)
+        assert torch.allclose(vit.embed(images), m.embed_images(images), rtol=0, atol=1e-13)
+        assert torch.allclose(bh.forward(vit.block_params(), vit.embed(images), vit.cfg), m.block(m.embed_images(images)),
+                              rtol=0, atol=1e-12)
+    got = vit.logits(images)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12)
+    assert torch.allclose(vit.per_sample_losses(images, labels), Fn.cross_entropy(ref, labels, reduction="none"), atol=1e-12)
+    acc = float((m(vit.test_images).argmax(-1) == vit.test_labels).double().mean())
+    assert vit.test_accuracy == pytest.approx(acc)
+
+
+def test_float32_paths(tiny):
+    images, labels = tiny.train_images[:8], tiny.train_labels[:8]
+    X = tiny.embed(images, torch.float32)
+    assert X.dtype == torch.float32 and X.shape == (8, tiny.n_tokens, 8)
+    losses = tiny.per_sample_losses(images, labels, tiny.block_params(torch.float32))
+    assert losses.dtype == torch.float32
+    assert torch.allclose(losses.double(), tiny.per_sample_losses(images, labels), atol=1e-5)
+
+
+def test_head_loss_is_the_model_loss(tiny):
+    images, labels = tiny.train_images[:12], tiny.train_labels[:12]
+    Z = bh.forward(tiny.block_params(), tiny.embed(images), tiny.cfg)
+    per = tiny.per_sample_losses(images, labels)
+    for b in range(12):
+        assert float(tiny.head_loss(Z[b], labels[b])) == pytest.approx(float(per[b]), abs=1e-13)
+        assert float(tiny.head_loss(Z[b], int(labels[b]))) == pytest.approx(float(per[b]), abs=1e-13)
+    assert float(tiny.head_loss(Z, labels)) == pytest.approx(float(per.mean()), abs=1e-13)
+    # one image at a time through embed
+    assert torch.equal(tiny.embed(images[3]), tiny.embed(images)[3])
+
+
+def test_other_block_weights_change_the_loss(tiny):
+    images, labels = tiny.train_images[:8], tiny.train_labels[:8]
+    a = tiny.per_sample_losses(images, labels)
+    b = tiny.per_sample_losses(images, labels, tiny.init_block_params())
+    assert not torch.allclose(a, b)
+    c = tiny.at_init().per_sample_losses(images, labels)
+    assert not torch.allclose(b, c)  # at_init also resets embedding and head
+
+
+@pytest.mark.parametrize("at_init", [False, True])
+def test_loss_through_head_hessian_matches_autograd(tiny, at_init):
+    """bh.hessian with loss=vit.head_loss == torch.func.hessian of the plain module's mean CE."""
+    vit = tiny.at_init() if at_init else tiny
+    m = PlainViT(vit)
+    images, labels = vit.train_images[:6], vit.train_labels[:6]
+    params = vit.block_params()
+    H = bh.hessian(params, vit.embed(images), vit.cfg, loss=vit.head_loss, target=labels)
+    lins = {"W_Q": "q", "W_K": "k", "W_V": "v", "W_1": "ff1", "W_2": "ff2"}
+
+    def mean_ce(p):
+        over = {f"{lins[n]}.weight": p[n].T for n in p}
+        return Fn.cross_entropy(torch.func.functional_call(m, over, (images,)), labels)
+
+    ref = torch.func.hessian(mean_ce)(params)
+    names = V.BLOCK_NAMES
+    R = torch.cat([torch.cat([ref[a][b].reshape(params[a].numel(), params[b].numel()) for b in names], 1) for a in names], 0)
+    D = H.dense()
+    assert D.shape == (sum(H.sizes), sum(H.sizes))
+    assert float((D - R).norm() / R.norm()) < 1e-10
+    for i, a in enumerate(names):  # every block on its own (the Q blocks are orders smaller than V's)
+        for b in names[i:]:
+            Rab = ref[a][b].reshape(params[a].numel(), params[b].numel())
+            assert float((H[a, b] - Rab).norm() / Rab.norm()) < 1e-9, (a, b)
+    assert torch.allclose(H.outer.dense() + H.functional.dense(), D, atol=1e-13 * float(D.abs().max()))
+    assert float(torch.linalg.eigvalsh(H.outer.dense()).min()) > -1e-12 * float(D.abs().max())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_training_learns_and_is_seeded(tiny):
+    assert tiny.test_accuracy > 0.35  # chance is 0.1; 150 steps of a d_model = 8 model reach about 0.5
+    assert tiny.at_init().test_accuracy < 0.25
+    assert tiny.train_info["final_loss_mean_last_50"] < 1.8 < math.log(10)
+    a = V.train(3, steps=5, quiet=True, arch=TINY)
+    b = V.train(3, steps=5, quiet=True, arch=TINY)
+    c = V.train(4, steps=5, quiet=True, arch=TINY)
+    for n in V.MODEL_NAMES:
+        assert torch.equal(a.params[n], b.params[n])
+    assert not torch.equal(a.params["W_Q"], c.params["W_Q"])
+    assert torch.equal(a.init_block_params()["W_Q"], bh.init_params(a.cfg, seed=3)["W_Q"])
+    rng = torch.get_rng_state()
+    V.train(3, steps=2, quiet=True, arch=TINY)
+    assert torch.equal(rng, torch.get_rng_state())  # private generators only
+
+
+def test_train_rejects_bad_steps():
+    with pytest.raises(ValueError):
+        V.train(0, steps=-1, quiet=True, arch=TINY)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_roundtrip(tiny, tmp_path):
+    path = V.save(tiny, tmp_path / "sub" / "ck.pt")
+    blob = torch.load(path, weights_only=True)
+    assert isinstance(blob, dict) and blob["format"] == V.FORMAT
+    back = V.load(path)
+    assert back.arch == tiny.arch and back.cfg == tiny.cfg and back.seed == tiny.seed
+    for n in V.MODEL_NAMES:
+        assert torch.equal(back.params[n], tiny.params[n]) and torch.equal(back.init_params_[n], tiny.init_params_[n])
+    assert torch.equal(back.test_images, tiny.test_images) and torch.equal(back.train_labels, tiny.train_labels)
+    assert back.test_accuracy == tiny.test_accuracy
+    assert back.train_info["trained_in_this_run"] is False
+    assert V.load_or_train(path).checkpoint == str(path)
+    assert not list((tmp_path / "sub").glob("*.tmp"))
+
+
+def _broken(tmp_path, tiny, mutate):
+    path = V.save(tiny, tmp_path / "ck.pt")
+    blob = torch.load(path, weights_only=True)
+    mutate(blob)
+    torch.save(blob, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b.update(format="other"), "format"),
+        (lambda b: b.update(version=99), "version"),
+        (lambda b: b["params"].pop("W_V"), "W_V"),
+        (lambda b: b["params"].update(W_1=torch.zeros(3, 3, dtype=torch.float64)), "W_1"),
+        (lambda b: b["init_params"]["W_2"].fill_(float("nan")), "NaN"),
+        (lambda b: b.update(test_index=b["test_index"][:5]), "split"),
+        (lambda b: b["arch"].update(d_model="x"), "checkpoint"),
+    ],
+)
+def test_corrupt_checkpoints_are_one_line_errors(tiny, tmp_path, mutate, message):
+    path = _broken(tmp_path, tiny, mutate)
+    with pytest.raises(ValueError, match=message) as err:
+        V.load_or_train(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_unreadable_and_missing_checkpoints(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x00not a checkpoint" * 10)
+    with pytest.raises(ValueError, match="cannot read") as err:
+        V.load_or_train(junk)
+    assert "\n" not in str(err.value)
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="cannot read"):
+        V.load_or_train(empty)
+    with pytest.raises(ValueError, match="not found"):
+        V.load_or_train(tmp_path / "nope.pt")
+    with pytest.raises(ValueError, match="not a file"):
+        V.load_or_train(tmp_path)
+
+
+def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(V, "DEFAULT_CHECKPOINT", str(tmp_path / "ck" / "digits_vit.pt"))
+    first = V.load_or_train(quiet=True, steps=3)
+    assert first.train_info["trained_in_this_run"] is True and first.train_info["steps"] == 3
+    assert (tmp_path / "ck" / "digits_vit.pt").is_file()
+    assert first.cfg == bh.BlockConfig(d_model=16, d_ff=32, d_k=16, ln_eps=1e-5)
+    second = V.load_or_train(quiet=True, steps=3)
+    assert second.train_info["trained_in_this_run"] is False
+    assert torch.equal(second.params["W_V"], first.params["W_V"])
+    other = V.load_or_train(quiet=True, steps=1, seed=2)
+    assert (tmp_path / "ck" / "digits_vit_seed2.pt").is_file() and other.seed == 2
