@@ -64,13 +64,14 @@ class Settings:
     paper_ema_alpha: float = 0.02  # the paper's (pandas ewm alpha, §4.2)
     taylor_orderings: int = 200
     lanczos_iters: int = 64
+    path_samples: int = 64  # Hessian-set images whose ‖H_i(w* + δ)‖ is also measured, per ‖δ‖
     theorem6: bool = True
     seed: int = 0
 
     def check(self) -> None:
         """Raise ``ValueError`` (one line) on a setting that cannot run."""
         for name in ("orderings", "directions", "batch_size", "epochs", "chunk_size", "taylor_orderings",
-                     "lanczos_iters", "k_min"):
+                     "lanczos_iters", "k_min", "path_samples"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.hessian_samples is not None and int(self.hessian_samples) < 3:
@@ -81,19 +82,19 @@ class Settings:
             raise ValueError("need at least one gradient seed")
 
 
-QUICK = Settings(orderings=500, hessian_samples=64, directions=2, deltas=(1e-3, 1e-2, 3e-2, 1e-1, 3e-1),
-                 epochs=10, taylor_orderings=100)
+QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+                 epochs=10, taylor_orderings=100, path_samples=16)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="convergence", help="output folder (default: convergence)")
     p.add_argument("--quick", action="store_true",
-                   help="exact Hessians of 64 training images (not all), fewer orderings and epochs: minutes on 2 cores")
+                   help="exact Hessians of 96 training images (not all), fewer orderings and epochs: about a minute")
     p.add_argument("--checkpoint", default=None,
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
     p.add_argument("--orderings", type=int, default=None, help="random orderings averaged (default 2000; quick 500)")
     p.add_argument("--hessian-samples", type=int, default=None,
-                   help="training images whose exact Hessians are computed (default all; quick 64)")
+                   help="training images whose exact Hessians are computed (default all; quick 96)")
     p.add_argument("--directions", type=int, default=None, help="random unit directions for δ (default 4; quick 2)")
     p.add_argument("--deltas", default=None,
                    help="comma-separated ‖δ‖/‖w*‖ (default 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1)")
@@ -101,7 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=None, help="epochs of the paper's running mean (default 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")
     p.add_argument("--seed", type=int, default=None, help="seed of orderings, subsets and directions (default 0)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: unchanged)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the per-sample matrices are small; more threads are slower "
+                        "on a busy machine)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -273,9 +276,12 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     Ms = {"exact": M_exact}
     if thm6["available"]:
         Ms["theorem6"] = thm6["M"]
-    taylor_rows, bound_rows, curves = [], [], []
+    taylor_rows, bound_rows, curves, path_rows = [], [], [], []
+    pidx = torch.arange(min(s.path_samples, m))  # within the Hessian set
+    spec0 = stats.spectral[pidx]
     Dh0 = cv.ordering_differences(l0h, t_orders).abs()
     bound_rows.append(_bound_row(0.0, 0.0, Dh0, kh, L_max, Ms))
+    curve0 = {"delta_rel": 0.0, "actual": Dh0.mean(0), "max_actual": Dh0.amax(0)}
     for rel in s.deltas:
         eps = rel * w_norm
         errs = {"second_order": [], "assumption1": [], "first_order": [], "loss_second_order": [], "loss_assumption1": []}
@@ -295,7 +301,16 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
             change = (actual - l0h).norm()
             errs["loss_second_order"].append(float((preds["second_order"] - actual).norm() / change))
             errs["loss_assumption1"].append(float((preds["assumption1"] - actual).norm() / change))
-            if j == 0:
+            if j == 0:  # per-sample Hessian norms at w* + δ (direction 0), on the path subset
+                sp = cv.per_sample_statistics(cv.perturb(params, delta), X[hidx][pidx], cfg, loss=loss,
+                                              target=labels[hidx][pidx], chunk_size=s.chunk_size,
+                                              lanczos_iters=s.lanczos_iters)
+                ratio = sp.spectral / spec0
+                path_rows.append({"delta_rel": rel, "delta_norm": eps, "samples": int(pidx.numel()),
+                                  "max_spectral_norm": float((sp.spectral + sp.spectral_residual).max()),
+                                  "max_spectral_norm_at_w_star": float(spec0.max()),
+                                  "ratio_median": float(ratio.median()), "ratio_min": float(ratio.min()),
+                                  "ratio_max": float(ratio.max())})
                 curves.append({
                     "delta_rel": rel, "actual": Da.abs().mean(0),
                     "second_order": cv.ordering_differences(preds["second_order"], t_orders).abs().mean(0),
@@ -380,6 +395,11 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
             "frobenius_norm": {"max": float(stats.frobenius.max()), "median": float(stats.frobenius.median())},
             "M_theorem6": thm6["M"], "M_theorem6_paper": thm6["M_paper"], "theorem6_note": thm6["note"],
             "theorem6_over_exact": (thm6["M"] / M_exact) if thm6["M"] else None,
+            "spectral_norm_at_w_star_plus_delta": path_rows,
+            "spectral_norm_at_w_star_plus_delta_note": (
+                "per-sample ‖H_i(w* + δ)‖₂ (direction 0) on the first path_samples images of the Hessian set; "
+                "ratio = ‖H_i(w* + δ)‖ / ‖H_i(w*)‖. Theorem 7 uses M at w* only (its Taylor step drops the "
+                "remainder); a rigorous remainder bound would need M along the segment."),
             "margin_w_star_all_samples": ratio0,
             "rows": bound_rows,
             "note": ("margin = min over orderings, k and directions of bound(k) / |L_{k+1}(w) - L_k(w)|; "
@@ -409,7 +429,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     arrays = {"k": k, "mean_abs": mean_abs, "max_abs": max_abs, "single": single, "single_paper": single_paper,
               "kb": kb, "smooth": smooth, "fit": fit, "mad": mad, "bound0": bound0, "nb": nb, "db": db,
               "db_paper": db_paper, "kbb": kbb, "db_log": db_log, "fit_batch": fit_batch, "bound_batch": bound_batch,
-              "kh": kh, "curves": curves, "bound_rows": bound_rows, "taylor_rows": taylor_rows, "Ms": Ms, "L_max": L_max,
+              "kh": kh, "curves": curves, "curve0": curve0, "bound_rows": bound_rows, "taylor_rows": taylor_rows, "Ms": Ms, "L_max": L_max,
               "w_norm": w_norm, "gn": gn, "expected": expected, "Ns": Ns, "g_full": float(g_mean.norm()),
               "g_each": float(G.norm(dim=1).mean()), "spectral": stats.spectral,
               "thm6": thm6.get("per_sample"), "M_exact": M_exact}
@@ -457,7 +477,7 @@ def figures(arrays: dict, out: Path) -> list[str]:
     ax = axes[0]
     k = a["k"]
     ax.loglog(k, a["single"], color="C1", alpha=0.15, lw=0.6, label="|ΔL|, one ordering")
-    ax.loglog(k, a["single_paper"], color="C1", lw=1.0, label="one ordering, index EMA (paper, α=0.02)")
+    ax.loglog(k, a["single_paper"], color="C1", lw=1.0, label="one ordering, index EMA as the paper (α=0.02; lags ~1/α steps)")
     ax.loglog(k, a["mean_abs"], color="C0", alpha=0.35, lw=1.0, label="mean over orderings")
     ax.loglog(a["kb"], a["smooth"], color="C0", lw=2, label="mean, EMA on log-k grid")
     f = a["fit"]
@@ -473,7 +493,7 @@ def figures(arrays: dict, out: Path) -> list[str]:
     ax.legend(fontsize=7, loc="lower left")
     ax = axes[1]
     ax.loglog(a["nb"], a["db"], color="C0", alpha=0.25, lw=0.6, label="|ΔL| per batch")
-    ax.loglog(a["nb"], a["db_paper"], color="C1", lw=1.2, label="index EMA (paper, α=0.02)")
+    ax.loglog(a["nb"], a["db_paper"], color="C1", lw=1.2, label="index EMA as the paper (α=0.02; lags ~1/α batches)")
     ax.loglog(a["kbb"], a["db_log"], color="C0", lw=2, label="EMA on log-N grid")
     fb = a["fit_batch"]
     kk = torch.logspace(math.log10(fb["k_min"]), math.log10(fb["k_max"]), 20, dtype=torch.float64)
@@ -495,16 +515,15 @@ def figures(arrays: dict, out: Path) -> list[str]:
     nrow = math.ceil((len(curves) + 1) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.6 * nrow), squeeze=False)
     kh = a["kh"]
-    for ax, (i, cur) in zip(axes.flat, enumerate([None] + curves)):
-        rel = 0.0 if cur is None else cur["delta_rel"]
+    for ax, (i, cur) in zip(axes.flat, enumerate([a["curve0"]] + curves)):
+        rel = cur["delta_rel"]
         eps = rel * a["w_norm"]
-        if cur is not None:
-            ax.loglog(kh, cur["max_actual"], color="C3", lw=1, label="max |ΔL(w)| over orderings")
-            ax.loglog(kh, cur["actual"], color="C0", lw=1.5, label="mean |ΔL(w)|")
+        ax.loglog(kh, cur["max_actual"], color="C3", lw=1, label="max |ΔL(w)| over orderings")
+        ax.loglog(kh, cur["actual"], color="C0", lw=1.5, label="mean |ΔL(w)|")
         for name, M in a["Ms"].items():
             ax.loglog(kh, cv.theorem7_bound(kh, a["L_max"], M, eps), lw=1.2, ls="-" if name == "exact" else "--",
                       color="k" if name == "exact" else "C4", label=f"bound, M {name} = {M:.3g}")
-        ax.set_title(f"‖δ‖/‖w*‖ = {rel:g}" if cur is not None else "w* (see differences.png)", fontsize=9)
+        ax.set_title(f"‖δ‖/‖w*‖ = {rel:g}" if rel else "at w* (δ = 0)", fontsize=9)
         ax.set_xlabel("k")
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(curves) + 1:]:
@@ -529,9 +548,9 @@ def figures(arrays: dict, out: Path) -> list[str]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax = axes[1]
-    for j, cur in enumerate(curves):
-        if j % max(1, len(curves) // 3):
-            continue
+    show = sorted({0, len(curves) // 2, len(curves) - 1})
+    for j in show:
+        cur = curves[j]
         c = f"C{j}"
         ax.loglog(kh, cur["actual"], color=c, lw=1.8, label=f"actual, ‖δ‖/‖w*‖={cur['delta_rel']:g}")
         ax.loglog(kh, cur["second_order"], color=c, ls="--", lw=1.2, label="2nd-order prediction")
@@ -547,10 +566,9 @@ def figures(arrays: dict, out: Path) -> list[str]:
     # assumption 1
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     Ns, gn = a["Ns"], a["gn"]
-    mean = gn.mean(0)
-    std = gn.std(0) if gn.shape[0] > 1 else torch.zeros_like(mean)
-    ax.loglog(Ns, mean, color="C0", lw=1.5, label=f"‖∇L_N(w*)‖, mean over {gn.shape[0]} orderings")
-    ax.fill_between(Ns.numpy(), (mean - std).clamp_min(1e-12).numpy(), (mean + std).numpy(), color="C0", alpha=0.2)
+    for r in range(gn.shape[0]):
+        ax.loglog(Ns, gn[r], color="C0", lw=0.6, alpha=0.5, label="‖∇L_N(w*)‖, one ordering each" if r == 0 else None)
+    ax.loglog(Ns, gn.mean(0), color="C0", lw=1.8, label=f"mean over {gn.shape[0]} orderings")
     ax.loglog(Ns, a["expected"], color="C2", ls="--", label="expected for random subsets")
     ax.axhline(a["g_full"], color="k", lw=1, label=f"‖∇L_full(w*)‖ = {a['g_full']:.2e}")
     ax.axhline(a["g_each"], color="C3", lw=1, ls=":", label=f"mean ‖∇l_i(w*)‖ = {a['g_each']:.2e}")
@@ -597,10 +615,9 @@ def run_experiment(model, out, settings: Settings, quiet: bool = True) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     from . import vit as vit_mod
 
