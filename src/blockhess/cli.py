@@ -16,6 +16,8 @@ COMMANDS = {
     "bounds": "bounds",
     "scaling": "scaling",
     "convergence": "convergence",
+    "validate": "validate",
+    "bench": "bench",
 }
 
 

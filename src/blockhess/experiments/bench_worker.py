@@ -340,10 +340,10 @@ def setup_jax(P: Problem):
     hess = bench_jax.make_hessian(P.shapes, P.loss, P.cfg.ln_eps)
     theta = jax.numpy.asarray(P.theta().numpy())
     X = jax.numpy.asarray(P.X.numpy() if P.X.ndim == 3 else P.X.numpy()[None])
-    if P.loss == "mse":
-        tgt = jax.numpy.asarray(P.target.numpy() if P.target.ndim == 3 else P.target.numpy()[None])
-    else:
+    if P.loss == "digits":
         tgt = jax.numpy.asarray(P.target.numpy())
+    else:  # give a single sequence its batch axis, as X
+        tgt = jax.numpy.asarray(P.target.numpy() if P.X.ndim == 3 else P.target.numpy()[None])
     head = jax.numpy.asarray(P.head.numpy()) if P.head is not None else None
     t0 = time.perf_counter()
     compiled = hess.lower(theta, X, tgt, head).compile()
@@ -353,7 +353,7 @@ def setup_jax(P: Problem):
         return compiled(theta, X, tgt, head).block_until_ready()
 
     def canon(out):
-        return torch.from_numpy(np.asarray(out))
+        return torch.from_numpy(np.array(out))
 
     return call, canon, {"compile_s": compile_s, "version": jax.__version__, "devices": str(jax.devices())}
 
@@ -477,7 +477,7 @@ def run_time(job: dict) -> dict:
         inner = max(1, min(1000, math.ceil(min_sample / max(t_call, 1e-7))))
         samples = max(1, min(rounds, int(budget // max(t_call * inner, 1e-9))))
         plan[name] = [inner, samples]
-        res[name].update(inner=inner, times=[])
+        res[name].update(inner=inner, times=[], cpu_times=[])
     # interleaved rounds
     order = list(ready)
     for r in range(rounds):
@@ -489,18 +489,21 @@ def run_time(job: dict) -> dict:
             call = ready[name][0]
             gc.collect()
             gc.disable()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(inner):
                 call()
             dt = (time.perf_counter() - t0) / inner
+            dc = (time.process_time() - c0) / inner
             gc.enable()
             res[name]["times"].append(dt)
+            res[name]["cpu_times"].append(dc)
             plan[name][1] -= 1
     for name in ready:
         t = res[name]["times"]
         if t:
-            q = statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0]] * 3
-            res[name].update(median_s=statistics.median(t), p25_s=q[0], p75_s=q[2], min_s=min(t), max_s=max(t), samples=len(t))
+            q = statistics.quantiles(t, n=4, method="inclusive") if len(t) >= 2 else [t[0]] * 3
+            res[name].update(median_s=statistics.median(t), p25_s=q[0], p75_s=q[2], min_s=min(t), max_s=max(t), samples=len(t),
+                             median_cpu_s=statistics.median(res[name]["cpu_times"]))
     return res
 
 
@@ -519,11 +522,7 @@ def run_memory(job: dict) -> dict:
 
 
 def environment() -> dict:
-    return {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "pid": os.getpid(),
-    }
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,749 @@
+"""``blockhess bench``: the closed forms against autograd, for speed, memory and agreement.
+
+What is measured (issue #5, DESIGN.md §5):
+
+(a) the paper's size (L, d, d_ff) = (8, 16, 32), float32 and float64: the LayerNorm
+    Jacobian, dZ/dW_1, dZ/dW_2 and the full block Jacobian, dense on both sides, against
+    ``torch.autograd.functional.jacobian`` (the paper's baseline) and ``torch.func``
+    ``jacrev`` / ``jacfwd``;
+(b) the full loss Hessian in float64, MSE and CE, at (8, 16, 32), (16, 32, 64),
+    (32, 64, 128), and a batch of 128 scikit-learn digits (the report's setting), against
+    ``torch.autograd.functional.hessian``, ``torch.func.hessian``, curvlinops
+    ``HessianLinearOperator @ I`` and JAX ``jit(hessian)`` (compile time apart), with the
+    floor: allocating and filling the dense n×n output;
+(c) the largest n whose full Hessian the closed form computes within the memory cap, and
+    whether each baseline can.
+
+How: every job runs in a fresh subprocess (:mod:`blockhess.experiments.bench_worker`)
+watched by this process, which kills it when its resident memory passes the cap or the
+machine runs low (recorded as out of memory) or when it runs past its time limit. Within
+a job the methods are warmed up and timed in interleaved rounds (median and quartiles);
+ratios compare methods timed in the same process. Peak memory is each method's first
+call in a fresh process (the kernel's high-water mark, reset just before the call). Every
+output is checked against the closed form's (relative Frobenius error, or a fixed random
+sketch when the two cannot be held at once). Baselines that are not installed are
+reported as skipped, with the reason.
+
+Writes ``bench.json`` (everything, with the environment), ``bench.md`` (tables, the
+paper's figures beside ours, the targets) and ``bench.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
+
+GiB = 2**30
+
+# the paper's timing table (reconstruction §5.7; thesis slides, CUDA, FP32, mean ± std)
+PAPER = {
+    "ln": {"autograd_ms": 55.96, "closed_ms": 0.80, "speedup": 70.0, "target": 82.0},
+    "W_1": {"autograd_ms": 55.85, "closed_ms": 0.45, "speedup": 124.0, "target": 124.0},
+    "W_2": {"autograd_ms": 57.81, "closed_ms": 0.13, "speedup": 445.0, "target": 445.0},
+}
+# the issue's measurements on a 2-core, 24 GB machine (float64, MSE, warm)
+ISSUE_HESSIAN = {
+    (8, 16, 32): {"func_hessian": "≈0.03 s", "jax": "≈0.04 s"},
+    (16, 32, 64): {"func_hessian": "0.6–1.2 s", "jax": "≈0.7 s", "floor": "0.1–0.2 s"},
+    (32, 64, 128): {"func_hessian": "≈40 s, 21 GB peak", "jax": "≈19 s, 19.6 GB peak", "floor": "1.2–1.7 s"},
+}
+
+METHOD_LABEL = {
+    "closed_form": "closed form (blockhess)",
+    "floor": "floor: allocate + fill n×n",
+    "autograd": "torch.autograd.functional",
+    "jacrev": "torch.func.jacrev",
+    "jacfwd": "torch.func.jacfwd",
+    "func_hessian": "torch.func.hessian",
+    "curvlinops": "curvlinops H @ I",
+    "jax": "jax.jit(jax.hessian)",
+}
+JAC_METHODS = ["closed_form", "autograd", "jacrev", "jacfwd"]
+HESS_METHODS = ["closed_form", "floor", "func_hessian", "jax", "curvlinops", "autograd"]
+JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "block": "full block Jacobian dZ/dW"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench-results", help="output folder (default: bench-results)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of every path (a couple of minutes)")
+    p.add_argument("--cases", default="a,b,c", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n); default a,b,c")
+    p.add_argument("--mem-cap-gb", type=float, default=20.0, help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default 20)")
+    p.add_argument("--slow", action="store_true", help="also run torch.autograd.functional.hessian at (32, 64, 128) (n Hessian-vector passes: many minutes)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses of groups a and b")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads per worker for torch and JAX (default 0: torch's default, or 1 when the machine is oversubscribed "
+                   "at start, load average >= CPUs, where OpenMP barriers stall multi-threaded runs)")
+    p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
+
+
+# ---------------------------------------------------------------------------------------
+# environment
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(args) -> dict:
+    import torch
+
+    vm = psutil.virtual_memory()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "memory_total_gib": round(vm.total / GiB, 2),
+        "memory_available_gib_at_start": round(vm.available / GiB, 2),
+        "load_average_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": args.effective_threads,
+        "threads_reason": args.threads_reason,
+        "numpy": _version("numpy"),
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "curvlinops": _version("curvlinops-for-pytorch"),
+        "blockhess_commit": _git_commit(),
+        "mem_cap_gib": args.mem_cap_gb,
+        "disabled": [d for d in args.disable.split(",") if d],
+        "note": "timings are wall-clock medians of interleaved rounds after warm-up; a shared machine adds noise, "
+        "see load averages per job",
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# the plan
+
+
+def _problem(kind, L, d, d_ff, dtype="float64", loss="mse", B=0, of=None):
+    p = {"kind": kind, "L": L, "d": d, "d_ff": d_ff, "B": B, "dtype": dtype, "loss": loss, "seed": 0}
+    if of:
+        p["of"] = of
+    return p
+
+
+def _n(L, d, d_ff):
+    return 3 * d * d + 2 * d * d_ff
+
+
+def build_plan(args) -> list[dict]:
+    """The list of cases; each has an id, a group, its problem and its jobs."""
+    groups = {g.strip() for g in args.cases.split(",") if g.strip()}
+    bad = groups - {"a", "b", "c"}
+    if bad:
+        raise ValueError(f"--cases must be a comma-separated subset of a,b,c; got {sorted(bad)}")
+    q = args.quick
+    mem = not args.no_memory
+    cases = []
+    if "a" in groups:
+        for dtype in ("float32",) if q else ("float32", "float64"):
+            for of in ("ln", "W_1", "W_2", "block"):
+                prob = _problem("jacobian", 8, 16, 32, dtype, of=of)
+                cases.append({
+                    "id": f"a/{of}/{dtype}", "group": "a", "problem": prob, "layout": "interleaved",
+                    "methods": JAC_METHODS, "memory": mem and not q,
+                    "time": {"rounds": 3 if q else 15, "min_sample_s": 0.005 if q else 0.05, "method_budget_s": 1 if q else 20, "warmup": 1 if q else 2},
+                    "timeout_s": 300 if q else 900,
+                })
+    if "b" in groups:
+        sizes = [(4, 8, 16)] if q else [(8, 16, 32), (16, 32, 64)]
+        for L, d, d_ff in sizes:
+            for loss in ("mse", "ce"):
+                big = d >= 32
+                cases.append({
+                    "id": f"b/{loss}/{L}x{d}x{d_ff}", "group": "b", "problem": _problem("hessian", L, d, d_ff, loss=loss),
+                    "layout": "interleaved", "methods": HESS_METHODS, "memory": mem,
+                    "memory_methods": ["closed_form", "func_hessian"] if q else None,
+                    "time": {"rounds": 3 if q else (7 if big else 15), "min_sample_s": 0.01 if q else 0.05,
+                             "method_budget_s": 2 if q else (60 if big else 20), "warmup": 1 if q else 2},
+                    "timeout_s": 300 if q else 1800,
+                })
+        dig = (4, 4, 8, 16) if q else (128, 16, 16, 64)
+        cases.append({
+            "id": f"b/digits/B{dig[0]}", "group": "b", "problem": _problem("hessian", dig[1], dig[2], dig[3], loss="digits", B=dig[0]),
+            "layout": "interleaved", "methods": HESS_METHODS, "memory": mem, "memory_methods": ["closed_form"] if q else None,
+            "time": {"rounds": 3 if q else 11, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 30, "warmup": 1 if q else 2},
+            "timeout_s": 300 if q else 1800,
+        })
+        # the large size: one process per baseline, each with the closed form interleaved
+        L, d, d_ff = (4, 8, 16) if q else (32, 64, 128)
+        for loss in ("mse",) if q else ("mse", "ce"):
+            pairs = ["floor", "func_hessian", "jax"]
+            if loss == "mse" and not q:
+                pairs += ["curvlinops"] + (["autograd"] if args.slow else [])
+            cases.append({
+                "id": f"b/{loss}/{L}x{d}x{d_ff}" + ("/paired" if q else ""), "group": "b", "problem": _problem("hessian", L, d, d_ff, loss=loss),
+                "layout": "paired", "methods": ["closed_form"] + pairs, "pairs": pairs, "memory": False,
+                "time": {"rounds": 2 if q else 3, "min_sample_s": 0.0, "method_budget_s": 5 if q else 400, "warmup": 1, "exact": False},
+                "timeout_s": 300 if q else 1500,
+                "skipped": {} if (args.slow or q or loss != "mse") else {"autograd": "not run at this size without --slow: n = 28,672 Hessian-vector passes (see its time at (16, 32, 64))"},
+            })
+    if "c" in groups:
+        sizes = [(4, 8, 16)] if q else [(32, 72, 144), (32, 80, 160), (32, 84, 168)]
+        cases.append({
+            "id": "c/largest", "group": "c", "sizes": sizes, "layout": "largest",
+            "baselines": ["func_hessian"] if q else ["func_hessian", "jax", "curvlinops"], "timeout_s": 300 if q else 1200,
+        })
+    return cases
+
+
+# ---------------------------------------------------------------------------------------
+# running jobs
+
+
+class Runner:
+    """Starts worker subprocesses one at a time and watches their memory and time."""
+
+    def __init__(self, args, workdir: str):
+        self.args = args
+        self.workdir = workdir
+        self.cap = int(args.mem_cap_gb * GiB)
+        self.count = 0
+        self.disabled = {d.strip() for d in args.disable.split(",") if d.strip()}
+
+    def run(self, job: dict, timeout_s: float) -> dict:
+        self.count += 1
+        job = dict(job)
+        job["disabled"] = sorted(self.disabled)
+        job["threads"] = self.args.effective_threads
+        jp = os.path.join(self.workdir, f"job{self.count}.json")
+        op = os.path.join(self.workdir, f"out{self.count}.json")
+        lp = os.path.join(self.workdir, f"log{self.count}.txt")
+        with open(jp, "w") as f:
+            json.dump(job, f)
+        vm = psutil.virtual_memory()
+        info = {"load_before": list(os.getloadavg()), "available_gib_before": round(vm.available / GiB, 2)}
+        cap = self.cap
+        env = dict(os.environ)
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        nt = str(self.args.effective_threads)
+        env.update(OMP_NUM_THREADS=nt, MKL_NUM_THREADS=nt, OPENBLAS_NUM_THREADS=nt)
+        if self.args.effective_threads == 1:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+        t0 = time.perf_counter()
+        with open(lp, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "blockhess.experiments.bench_worker", jp, op], stdout=log, stderr=subprocess.STDOUT, env=env)
+            killed, max_rss = None, 0
+            ps = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                try:
+                    rss = ps.memory_info().rss
+                except psutil.Error:
+                    rss = 0
+                max_rss = max(max_rss, rss)
+                avail = psutil.virtual_memory().available
+                if rss > cap:
+                    killed = f"out of memory: resident memory passed the cap of {cap / GiB:.1f} GiB"
+                elif avail < 0.6 * GiB:
+                    killed = f"out of memory: the machine ran low (available {avail / GiB:.2f} GiB, process at {rss / GiB:.1f} GiB)"
+                elif time.perf_counter() - t0 > timeout_s:
+                    killed = f"timeout: still running after {timeout_s:.0f} s"
+                if killed:
+                    proc.kill()
+                    proc.wait()
+                    break
+                time.sleep(0.05)
+        info.update(wall_s=round(time.perf_counter() - t0, 2), load_after=list(os.getloadavg()), watched_max_rss_gib=round(max_rss / GiB, 3))
+        result = None
+        if not killed and os.path.exists(op):
+            with open(op) as f:
+                result = json.load(f)
+        if result is None:
+            with open(lp) as f:
+                tail = f.read()[-1500:]
+            result = {"status": "killed" if killed else "error", "error": killed or f"worker exited with {proc.returncode}", "log_tail": tail}
+        result["watch"] = info
+        return result
+
+
+# ---------------------------------------------------------------------------------------
+# cases
+
+
+def _sketch_err(a: dict, b: dict) -> float | None:
+    if not a or not b or "sketch" not in a or "sketch" not in b:
+        return None
+    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a["sketch"], b["sketch"])))
+    den = math.sqrt(sum(y * y for y in b["sketch"]))
+    return num / den if den else None
+
+
+def _strip(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k != "sketch"}
+
+
+def run_interleaved(case: dict, runner: Runner, progress) -> dict:
+    methods = [m for m in case["methods"] if m not in runner.disabled]
+    skipped = {m: "disabled (--disable / BLOCKHESS_BENCH_DISABLE): treated as not installed" for m in case["methods"] if m in runner.disabled}
+    job = {"mode": "time", "problem": case["problem"], "methods": methods, **case["time"]}
+    progress(f"{case['id']}: timing {', '.join(methods)}")
+    res = runner.run(job, case["timeout_s"])
+    out = {"time_job": {k: v for k, v in res.items() if k not in ("methods", "job")}, "methods": {}}
+    for k in ("n", "rows", "cols", "out_bytes"):
+        out[k] = res.get(k)
+    ms = res.get("methods", {})
+    cf = ms.get("closed_form", {})
+    for m in case["methods"]:
+        e = dict(ms.get(m, {}))
+        if m in skipped:
+            e = {"available": False, "skip_reason": skipped[m]}
+        elif not e:
+            e = {"available": False, "error": res.get("error", "not run")}
+        if m not in ("closed_form", "floor") and "sketch" in e:
+            e["sketch_rel_err"] = _sketch_err(e, cf)
+        out["methods"][m] = _strip(e)
+    if case.get("memory"):
+        for m in case.get("memory_methods") or methods:
+            if m not in methods:
+                continue
+            if not out["methods"][m].get("available", False):
+                continue
+            progress(f"{case['id']}: peak memory of {m} (fresh process)")
+            r = runner.run({"mode": "memory", "problem": case["problem"], "methods": [m]}, case["timeout_s"])
+            e = r.get("methods", {}).get(m, {})
+            mem = {k: e.get(k) for k in ("peak_rss_bytes", "peak_delta_bytes", "rss_before_bytes", "first_call_s", "compile_s", "peak_reset")}
+            mem["status"] = r.get("status") if "error" not in e else "error"
+            if r.get("status") != "ok" or "error" in e:
+                mem["error"] = e.get("error") or r.get("error")
+            mem["watch"] = r.get("watch")
+            out["methods"][m]["memory"] = mem
+    return out
+
+
+def run_paired(case: dict, runner: Runner, progress) -> dict:
+    out = {"methods": {}, "pairs": {}}
+    cf_times, cf_mem = [], None
+    for m in case["pairs"]:
+        if m in case.get("skipped", {}):
+            out["methods"][m] = {"available": False, "skip_reason": case["skipped"][m]}
+            continue
+        if m in runner.disabled:
+            out["methods"][m] = {"available": False, "skip_reason": "disabled (--disable / BLOCKHESS_BENCH_DISABLE): treated as not installed"}
+            continue
+        # the floor's job starts with the closed form (its peak memory); the others start with the baseline
+        first = ["closed_form", "floor"] if m == "floor" else [m, "closed_form"]
+        progress(f"{case['id']}: {first[0]} then interleaved with {first[1]} (fresh process)")
+        job = {"mode": "time", "problem": case["problem"], "methods": first, **case["time"]}
+        res = runner.run(job, case["timeout_s"])
+        for k in ("n", "rows", "cols", "out_bytes"):
+            if res.get(k) is not None:
+                out[k] = res[k]
+        ms = res.get("methods", {})
+        cf = ms.get("closed_form", {})
+        e = dict(ms.get(m, {}))
+        if res.get("status") != "ok" or not e:
+            e = {"available": e.get("available", True), "error": res.get("error", "not run"), **({"log_tail": res["log_tail"]} if "log_tail" in res else {})}
+        if m != "floor" and "sketch" in e:
+            e["sketch_rel_err"] = _sketch_err(e, cf)
+        first_m = first[0]
+        peak_src = ms.get(first_m, {})
+        mem = {k: peak_src.get(k) for k in ("peak_rss_bytes", "peak_delta_bytes", "rss_before_bytes", "first_call_s", "peak_reset")}
+        if first_m == m:
+            e["memory"] = {**mem, "status": "ok" if "peak_rss_bytes" in peak_src else "error", "watch": res.get("watch")}
+            if res.get("status") == "killed":
+                e["memory"]["error"] = res.get("error")
+        elif first_m == "closed_form":
+            cf_mem = {**mem, "status": "ok" if "peak_rss_bytes" in peak_src else "error", "watch": res.get("watch")}
+            if res.get("status") != "ok":
+                cf_mem["error"] = res.get("error")
+        e["watch"] = res.get("watch")
+        out["methods"][m] = _strip(e)
+        if cf.get("median_s") is not None:
+            cf_times.append(cf["median_s"])
+            out["pairs"][m] = {"closed_form_median_s": cf["median_s"], "closed_form_p25_s": cf.get("p25_s"), "closed_form_p75_s": cf.get("p75_s"),
+                               "closed_form_times": cf.get("times"), "closed_form_first_call_s": cf.get("first_call_s")}
+            if e.get("median_s"):
+                out["pairs"][m]["ratio"] = e["median_s"] / cf["median_s"]
+        if m == "floor" and cf:
+            out["methods"]["closed_form"] = _strip(cf)
+    c = out["methods"].setdefault("closed_form", {"available": True})
+    if cf_mem:
+        c["memory"] = cf_mem
+    if cf_times:
+        c["median_over_pairs_s"] = statistics.median(cf_times)
+        c.setdefault("median_s", statistics.median(cf_times))
+    return out
+
+
+def run_largest(case: dict, runner: Runner, progress) -> dict:
+    out = {"cap_gib": runner.args.mem_cap_gb, "closed_form": [], "baselines": {}}
+    largest = None
+    for L, d, d_ff in case["sizes"]:
+        n = _n(L, d, d_ff)
+        progress(f"c: closed form at (L, d, d_ff) = ({L}, {d}, {d_ff}), n = {n:,} (fresh process, cap {runner.args.mem_cap_gb:g} GiB)")
+        prob = _problem("hessian", L, d, d_ff)
+        r = runner.run({"mode": "memory", "problem": prob, "methods": ["closed_form"]}, case["timeout_s"])
+        e = r.get("methods", {}).get("closed_form", {})
+        ok = r.get("status") == "ok" and "error" not in e and e.get("first_call_s") is not None
+        out["closed_form"].append({"size": [L, d, d_ff], "n": n, "dense_gib": n * n * 8 / GiB, "ok": ok, "time_s": e.get("first_call_s"),
+                                   "peak_rss_gib": (e.get("peak_rss_bytes") or 0) / GiB, "peak_delta_gib": (e.get("peak_delta_bytes") or 0) / GiB,
+                                   "error": None if ok else (e.get("error") or r.get("error")), "watch": r.get("watch")})
+        if not ok:
+            break
+        largest = (L, d, d_ff)
+    out["largest"] = {"size": list(largest), "n": _n(*largest)} if largest else None
+    # each baseline at the largest size the closed form managed (or the first one tried)
+    L, d, d_ff = largest or case["sizes"][0]
+    prob = _problem("hessian", L, d, d_ff)
+    for m in case["baselines"]:
+        if m in runner.disabled:
+            out["baselines"][m] = {"size": [L, d, d_ff], "ok": None, "skip_reason": "disabled (treated as not installed)"}
+            continue
+        progress(f"c: {m} at (L, d, d_ff) = ({L}, {d}, {d_ff}), n = {_n(L, d, d_ff):,} (fresh process, cap {runner.args.mem_cap_gb:g} GiB)")
+        r = runner.run({"mode": "memory", "problem": prob, "methods": [m]}, case["timeout_s"])
+        e = r.get("methods", {}).get(m, {})
+        ok = r.get("status") == "ok" and "error" not in e and e.get("first_call_s") is not None
+        out["baselines"][m] = {"size": [L, d, d_ff], "n": _n(L, d, d_ff), "ok": ok if e.get("available", True) else None,
+                               "skip_reason": e.get("skip_reason"), "time_s": e.get("first_call_s"),
+                               "peak_rss_gib": (e.get("peak_rss_bytes") or 0) / GiB, "error": None if ok else (e.get("error") or r.get("error")),
+                               "watch": r.get("watch")}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# summaries
+
+
+def _med(e: dict | None):
+    return None if not e else e.get("median_s")
+
+
+def _ratio(case: dict, m: str):
+    """Median of baseline ``m`` over the closed form's, both timed in the same process."""
+    if case.get("layout") == "paired":
+        return case.get("pairs", {}).get(m, {}).get("ratio")
+    ms = case.get("methods", {})
+    a, b = _med(ms.get(m)), _med(ms.get("closed_form"))
+    return a / b if a and b else None
+
+
+def _peak_delta(case: dict, m: str):
+    mem = case.get("methods", {}).get(m, {}).get("memory") or {}
+    return mem.get("peak_delta_bytes")
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    cases = {c["id"]: c for c in results["cases"]}
+    t = []
+
+    def add(name, value, ok, note=""):
+        t.append({"target": name, "measured": value, "met": ok, "note": note})
+
+    for of, goal in (("ln", 82), ("W_2", 445), ("W_1", 124)):
+        c = cases.get(f"a/{of}/float32")
+        if not c:
+            continue
+        r = _ratio(c, "autograd")
+        rj = _ratio(c, "jacrev")
+        add(f"{JAC_LABEL[of]}, float32, vs torch.autograd.functional.jacobian >= {goal}×",
+            None if r is None else round(r, 1), None if r is None else r >= goal,
+            "" if rj is None else f"vs torch.func.jacrev: {rj:.1f}×")
+    big = next((c for c in results["cases"] if c["id"].startswith("b/mse/") and c.get("layout") == "paired"), None)
+    if big:
+        r = _ratio(big, "func_hessian")
+        add(f"{big['id']}: >= 20× faster than torch.func.hessian", None if r is None else round(r, 2), None if r is None else r >= 20,
+            big["methods"].get("func_hessian", {}).get("error") or "")
+        r = _ratio(big, "jax")
+        add(f"{big['id']}: >= 5× faster than jax.jit(jax.hessian)", None if r is None else round(r, 2), None if r is None else r >= 5,
+            big["methods"].get("jax", {}).get("error") or big["methods"].get("jax", {}).get("skip_reason") or "")
+        fl = big.get("pairs", {}).get("floor")
+        if fl and fl.get("ratio"):
+            k = 1 / fl["ratio"]
+            add(f"{big['id']}: within 3× of the floor (allocate + fill n×n)", round(k, 2), k <= 3)
+    for cid, goal in (("b/mse/16x32x64", 3.0), ("b/mse/8x16x32", 1.0)):
+        c = cases.get(cid)
+        if not c:
+            continue
+        for m in ("func_hessian", "jax"):
+            r = _ratio(c, m)
+            label = f">= {goal:g}× faster than" if goal > 1 else "no slower than"
+            add(f"{cid}: {label} {METHOD_LABEL[m]}", None if r is None else round(r, 2), None if r is None else r >= goal,
+                c["methods"].get(m, {}).get("skip_reason") or "")
+    for c in results["cases"]:
+        if c["group"] != "b":
+            continue
+        pd = _peak_delta(c, "closed_form")
+        ob = c.get("out_bytes")
+        if pd and ob and ob >= 64 * 2**20:  # below 64 MiB the process's own noise dominates
+            add(f"{c['id']}: closed-form peak memory <= 1.5× the dense Hessian", round(pd / ob, 2), pd / ob <= 1.5)
+    lc = cases.get("c/largest")
+    if lc:
+        fh = lc["baselines"].get("func_hessian", {})
+        ok = bool(lc.get("largest")) and fh.get("ok") is False
+        add("a size where torch.func.hessian runs out of memory and the closed form finishes",
+            None if not lc.get("largest") else f"n = {lc['largest']['n']:,}: closed form ok, torch.func.hessian {'out of memory' if fh.get('ok') is False else 'ok' if fh.get('ok') else 'not run'}",
+            ok if fh.get("ok") is not None else None)
+    return t
+
+
+def _fmt_t(s) -> str:
+    if s is None:
+        return "—"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms" if s < 0.01 else f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _fmt_spread(e: dict) -> str:
+    if not e or e.get("median_s") is None:
+        return ""
+    return f" [{_fmt_t(e.get('p25_s'))}–{_fmt_t(e.get('p75_s'))}]"
+
+
+def _fmt_x(r) -> str:
+    return "—" if r is None else (f"{r:.0f}×" if r >= 100 else f"{r:.1f}×" if r >= 1 else f"{r:.2f}×")
+
+
+def _fmt_gib(b) -> str:
+    return "—" if b is None else f"{b / GiB:.2f} GiB" if b >= 0.1 * GiB else f"{b / 2**20:.1f} MiB"
+
+
+def _fmt_err(e: dict) -> str:
+    v = e.get("rel_err")
+    if v is None:
+        v = e.get("sketch_rel_err")
+        return "—" if v is None else f"{v:.1e} (sketch)"
+    return f"{v:.1e}"
+
+
+def _cell(case, m) -> str:
+    e = case["methods"].get(m, {})
+    if not e.get("available", True) and e.get("skip_reason"):
+        return "skipped"
+    if e.get("error") and e.get("median_s") is None:
+        return "OOM" if "out of memory" in str(e["error"]) else "timeout" if "timeout" in str(e["error"]) else "error"
+    if m == "closed_form" and case.get("layout") == "paired":
+        return _fmt_t(e.get("median_s")) + " (median over its pair runs)"
+    return _fmt_t(e.get("median_s")) + _fmt_spread(e)
+
+
+def markdown(results: dict) -> str:
+    env = results["env"]
+    L = []
+    w = L.append
+    w(f"Environment: {env['cpu_model']}, {env['logical_cpus']} logical CPUs, {env['memory_total_gib']} GiB RAM "
+      f"({env['memory_available_gib_at_start']} GiB available at start, load average {env['load_average_at_start'][0]:.1f}); "
+      f"torch {env['torch']} ({env['torch_threads']} threads), jax {env['jax'] or 'not installed'}, "
+      f"curvlinops {env['curvlinops'] or 'not installed'}; blockhess {env['blockhess_commit'] or '?'}; {env['date']}; "
+      f"memory cap per job {env['mem_cap_gib']:g} GiB{'; QUICK run (small sizes)' if results.get('quick') else ''}.")
+    w("")
+    w("Times are medians of interleaved rounds after warm-up, [quartiles] beside them; a ratio is the baseline's median over "
+      "the closed form's, both measured in the same process. Peak memory is the increase of the process's resident memory "
+      "during a method's first call in a fresh process. Errors are relative Frobenius errors against the closed form.")
+    w("")
+    acases = [c for c in results["cases"] if c["group"] == "a"]
+    if acases:
+        w("### (a) Component Jacobians at the paper's size (L, d, d_ff) = (8, 16, 32)")
+        w("")
+        w("| quantity | dtype | closed form | torch.autograd.functional.jacobian | × | jacrev | × | jacfwd | × | paper (CUDA, FP32): autograd / closed / × | max rel. err |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|")
+        for c in acases:
+            of, dt = c["problem"]["of"], c["problem"]["dtype"]
+            pp = PAPER.get(of)
+            paper = f"{pp['autograd_ms']} ms / {pp['closed_ms']} ms / {pp['speedup']:.0f}×" if pp else "—"
+            errs = [c["methods"][m].get("rel_err") for m in ("autograd", "jacrev", "jacfwd") if c["methods"].get(m, {}).get("rel_err") is not None]
+            err = f"{max(errs):.1e}" if errs else "—"
+            w(f"| {JAC_LABEL[of]} | {dt} | {_cell(c, 'closed_form')} | {_cell(c, 'autograd')} | {_fmt_x(_ratio(c, 'autograd'))} | "
+              f"{_cell(c, 'jacrev')} | {_fmt_x(_ratio(c, 'jacrev'))} | {_cell(c, 'jacfwd')} | {_fmt_x(_ratio(c, 'jacfwd'))} | {paper} | {err} |")
+        w("")
+    bcases = [c for c in results["cases"] if c["group"] == "b"]
+    if bcases:
+        w("### (b) Full loss Hessian, float64, dense n×n")
+        w("")
+        w("| case | n | closed form | floor | closed / floor | torch.func.hessian | × | jax.jit(hessian) (compile) | × | curvlinops H @ I | × | autograd.functional.hessian | × | issue's figures |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for c in bcases:
+            p = c["problem"]
+            key = (p["L"], p["d"], p["d_ff"])
+            fl = _ratio(c, "floor")
+            jx = c["methods"].get("jax", {})
+            comp = f" ({_fmt_t(jx.get('compile_s'))})" if jx.get("compile_s") else ""
+            issue = "; ".join(f"{METHOD_LABEL[k].split(':')[0]} {v}" for k, v in ISSUE_HESSIAN.get(key, {}).items()) if p["loss"] == "mse" else ""
+            w(f"| {c['id']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | {_fmt_x(None if not fl else 1 / fl)} | "
+              f"{_cell(c, 'func_hessian')} | {_fmt_x(_ratio(c, 'func_hessian'))} | {_cell(c, 'jax')}{comp} | {_fmt_x(_ratio(c, 'jax'))} | "
+              f"{_cell(c, 'curvlinops')} | {_fmt_x(_ratio(c, 'curvlinops'))} | {_cell(c, 'autograd')} | {_fmt_x(_ratio(c, 'autograd'))} | {issue} |")
+        w("")
+        w("Peak memory (increase during the first call, fresh process), and as a multiple of the dense output; agreement with the closed form:")
+        w("")
+        w("| case | dense output | " + " | ".join(METHOD_LABEL[m] for m in HESS_METHODS if m != "floor") + " |")
+        w("|---|---|" + "---|" * (len(HESS_METHODS) - 1))
+        for c in bcases:
+            ob = c.get("out_bytes")
+            cells = []
+            for m in HESS_METHODS:
+                if m == "floor":
+                    continue
+                e = c["methods"].get(m, {})
+                mem = e.get("memory") or {}
+                pd = mem.get("peak_delta_bytes")
+                if pd is not None and mem.get("status") == "ok":
+                    s = f"{_fmt_gib(pd)} ({pd / ob:.2f}×)" if ob else _fmt_gib(pd)
+                elif mem.get("error"):
+                    s = "OOM" if "out of memory" in mem["error"] else mem["error"][:40]
+                elif not e.get("available", True):
+                    s = "skipped"
+                else:
+                    s = "—"
+                if m != "closed_form":
+                    s += f"; err {_fmt_err(e)}"
+                cells.append(s)
+            w(f"| {c['id']} | {_fmt_gib(ob)} | " + " | ".join(cells) + " |")
+        w("")
+    lc = next((c for c in results["cases"] if c["group"] == "c"), None)
+    if lc:
+        w(f"### (c) Largest full Hessian within {lc['cap_gib']:g} GiB")
+        w("")
+        w("| method | (L, d, d_ff) | n | dense | result | time | peak RSS |")
+        w("|---|---|---|---|---|---|---|")
+        for r in lc["closed_form"]:
+            res = "ok" if r["ok"] else (r["error"] or "failed")[:80]
+            w(f"| closed form | {tuple(r['size'])} | {r['n']:,} | {r['dense_gib']:.1f} GiB | {res} | {_fmt_t(r['time_s'])} | {r['peak_rss_gib']:.1f} GiB |")
+        for m, r in lc["baselines"].items():
+            res = "skipped: " + r["skip_reason"] if r.get("skip_reason") else "ok" if r.get("ok") else (r.get("error") or "failed")[:80]
+            w(f"| {METHOD_LABEL[m]} | {tuple(r['size'])} | {r.get('n', 0):,} | {r.get('n', 0) ** 2 * 8 / GiB:.1f} GiB | {res} | {_fmt_t(r.get('time_s'))} | {r.get('peak_rss_gib', 0):.1f} GiB |")
+        w("")
+    w("### Targets (issue #5)")
+    w("")
+    w("| target | measured | met |")
+    w("|---|---|---|")
+    for t in results["targets"]:
+        met = "yes" if t["met"] else "no" if t["met"] is False else "not measured"
+        note = f" ({t['note']})" if t.get("note") else ""
+        w(f"| {t['target']} | {t['measured'] if t['measured'] is not None else '—'}{note} | {met} |")
+    w("")
+    return "\n".join(L)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [("a", "Component Jacobians, (8, 16, 32)", JAC_METHODS), ("b", "Full loss Hessian, float64", HESS_METHODS)]
+    groups = [(g, t, ms) for g, t, ms in groups if any(c["group"] == g for c in results["cases"])]
+    if not groups:
+        return
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 4.2 * len(groups)), squeeze=False)
+    for ax, (g, title, ms) in zip(axes[:, 0], groups):
+        cases = [c for c in results["cases"] if c["group"] == g]
+        width = 0.8 / len(ms)
+        for j, m in enumerate(ms):
+            xs, ys = [], []
+            for i, c in enumerate(cases):
+                v = c["methods"].get(m, {}).get("median_s")
+                if v:
+                    xs.append(i + (j - (len(ms) - 1) / 2) * width)
+                    ys.append(v)
+            ax.bar(xs, ys, width, label=METHOD_LABEL[m])
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([c["id"].split("/", 1)[1] for c in cases], rotation=20, fontsize=8)
+        ax.set_ylabel("median time (s)")
+        ax.set_title(title)
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _choose_threads(args) -> None:
+    import torch
+
+    cpus = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if args.threads:
+        args.effective_threads, args.threads_reason = args.threads, "--threads"
+    elif load >= cpus and cpus > 1:
+        args.effective_threads = 1
+        args.threads_reason = (f"auto: load average {load:.1f} >= {cpus} CPUs at start (shared machine); multi-threaded "
+                               "OpenMP runs stall there, so every method runs single-threaded")
+    else:
+        args.effective_threads, args.threads_reason = torch.get_num_threads(), "torch default"
+
+
+def run(args) -> int:
+    if args.mem_cap_gb <= 0:
+        raise ValueError(f"--mem-cap-gb must be positive, got {args.mem_cap_gb}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    plan = build_plan(args)
+    _choose_threads(args)
+    os.makedirs(args.out, exist_ok=True)
+    results = {"quick": args.quick, "env": environment(args), "cases": []}
+    t_start = time.perf_counter()
+
+    def progress(msg):
+        print(f"[bench {time.perf_counter() - t_start:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    def save():
+        results["targets"] = evaluate_targets(results)
+        results["total_s"] = round(time.perf_counter() - t_start, 1)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    with tempfile.TemporaryDirectory(prefix="blockhess-bench-") as wd:
+        runner = Runner(args, wd)
+        for case in plan:
+            body = {"interleaved": run_interleaved, "paired": run_paired, "largest": run_largest}[case["layout"]](case, runner, progress)
+            entry = {k: v for k, v in case.items() if k not in ("time",)}
+            entry.update(body)
+            results["cases"].append(entry)
+            save()
+    results["env"]["load_average_at_end"] = list(os.getloadavg())
+    save()
+    md = markdown(results)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write("# blockhess bench\n\n" + md)
+    plot(results, os.path.join(args.out, "bench.png"))
+    progress(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png")
+    print(md)
+    return 0
