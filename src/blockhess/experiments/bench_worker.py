@@ -466,7 +466,8 @@ def run_time(job: dict) -> dict:
     plan = {}
     for name, (call, _) in ready.items():
         warm = []
-        for _ in range(job.get("warmup", 2)):
+        slow = res[name]["first_call_s"] > budget / 2  # its first call was its warm-up
+        for _ in range(0 if slow else job.get("warmup", 2)):
             if warm and sum(warm) > budget / 4:
                 break
             t0 = time.perf_counter()
