@@ -158,8 +158,8 @@ def environment(args) -> dict:
 # the plan
 
 
-def _problem(kind, L, d, d_ff, dtype="float64", loss="mse", B=0, of=None):
-    p = {"kind": kind, "L": L, "d": d, "d_ff": d_ff, "B": B, "dtype": dtype, "loss": loss, "seed": 0}
+def _problem(kind, L, d, d_ff, dtype="float64", loss="mse", B=0, of=None, ln_eps=0.0):
+    p = {"kind": kind, "L": L, "d": d, "d_ff": d_ff, "B": B, "dtype": dtype, "loss": loss, "seed": 0, "ln_eps": ln_eps}
     if of:
         p["of"] = of
     return p
@@ -201,9 +201,12 @@ def build_plan(args) -> list[dict]:
                              "method_budget_s": 2 if q else (60 if big else 20), "warmup": 1 if q else 2},
                     "timeout_s": 300 if q else 1800,
                 })
-        dig = (4, 4, 8, 16) if q else (128, 16, 16, 64)
+        # the report's digits ViT (experiments/vit.py DEFAULT_ARCH): 2x2 patches -> L = 16, d = 16, d_ff = 32, eps 1e-5,
+        # loss = cross-entropy of a linear head on the mean-pooled tokens, one batch of 128
+        dig = (4, 4, 8, 16) if q else (128, 16, 16, 32)
         cases.append({
-            "id": f"b/digits/B{dig[0]}", "group": "b", "problem": _problem("hessian", dig[1], dig[2], dig[3], loss="digits", B=dig[0]),
+            "id": f"b/digits/B{dig[0]}", "group": "b",
+            "problem": _problem("hessian", dig[1], dig[2], dig[3], loss="digits", B=dig[0], ln_eps=1e-5),
             "layout": "interleaved", "methods": HESS_METHODS, "memory": mem, "memory_methods": ["closed_form"] if q else None,
             "time": {"rounds": 3 if q else 11, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 30, "warmup": 1 if q else 2},
             "timeout_s": 300 if q else 1800,

@@ -82,7 +82,7 @@ class Problem:
 
     ``spec``: ``kind`` ("jacobian" | "hessian"), ``of`` (jacobian: "ln" | "W_1" | "W_2" |
     "block"), ``L``, ``d``, ``d_ff``, ``B`` (0: one sequence ``(L, d)``), ``dtype``, ``loss``
-    ("mse" | "ce" | "digits"), ``seed``.
+    ("mse" | "ce" | "digits"), ``seed``, ``ln_eps`` (default 0, the paper's).
     """
 
     def __init__(self, spec: dict):
@@ -92,7 +92,7 @@ class Problem:
         self.kind = spec["kind"]
         self.dtype = DTYPES[spec["dtype"]]
         L, d, d_ff, B = spec["L"], spec["d"], spec["d_ff"], spec.get("B", 0)
-        self.cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d)
+        self.cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d, ln_eps=float(spec.get("ln_eps", 0.0)))
         self.params = bh.init_params(self.cfg, seed=spec.get("seed", 0), dtype=self.dtype)
         self.names = list(self.params)
         self.shapes = [(k, tuple(v.shape)) for k, v in self.params.items()]
