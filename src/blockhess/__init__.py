@@ -13,7 +13,7 @@ torch.Size([144, 144])
 """
 
 from . import reference
-from .block import forward, jacobian, second_derivative
+from .block import forward, input_jacobian, jacobian, second_derivative
 from .blocks import HessianBlocks
 from .components import attention, ffn, layernorm, softmax
 from .config import BlockConfig, init_params, param_shapes
@@ -33,6 +33,7 @@ __all__ = [
     "forward",
     "hessian",
     "init_params",
+    "input_jacobian",
     "jacobian",
     "layernorm",
     "param_shapes",

@@ -1,27 +1,37 @@
-r"""The post-LN Transformer block: forward, Jacobian (Theorem 4), second derivatives (Theorem 5).
+r"""The Transformer block: forward, Jacobian (Theorem 4), second derivatives (Theorem 5), any setting.
+
+Post-LN (the paper's, §1.3) and pre-LN blocks:
 
 .. math::
-    U = X + F(X),\quad Y = \mathrm{LN}(U),\quad S = \mathrm{relu}(YW_1)W_2 + Y,\quad Z = \mathrm{LN}(S).
+    \text{post: } R = X + P(X),\ Y = \mathrm{LN}_1(R),\ S = Y + \mathrm{FFN}(Y),\ Z = \mathrm{LN}_2(S);\qquad
+    \text{pre: } R = Y = X + P(\mathrm{LN}_1(X)),\ Z = S = Y + \mathrm{FFN}(\mathrm{LN}_2(Y)),
 
-Every map after the attention scores acts token by token, so (Theorem 4), per token,
-
-.. math::
-    \frac{\partial Z}{\partial W_i} = J_Z B_i\ (i = 1, 2),\qquad
-    \frac{\partial Z}{\partial W_k} = J_Z J_{SY} J_Y G_k\ (k = Q, K, V),
-
-with per-token ``d×d`` factors :math:`J_Z, J_{SY}, J_Y` and :math:`G_k` from
-:mod:`~blockhess.components.attention`. Theorem 5 (eq. 9),
-:math:`\partial^2 Z/\partial W_i\partial W_j = (J_Z\otimes I)\xi_{ij} + (I\otimes B_i^\top) H_Z B_j`,
-is evaluated contracted with an output weight ``g`` (what the loss Hessian needs):
+``P`` the (multi-head, optionally biased, masked and projected) self-attention. Every map after
+the attention scores acts token by token, so every Jacobian w.r.t. a weight is, per token, a
+Kronecker factor premultiplied by per-token ``d×d`` matrices (Theorem 4):
 
 .. math::
-    \sum_o g_o \nabla^2 Z_o = B^\top \Gamma_Z(g) B + \xi(J_Z^\top g),\qquad
-    \xi(g_S) = \text{FFN}(g_S) + G'^\top \Gamma_Y(g_Y) G' + \Phi(g_U),
+    \frac{\partial Z}{\partial W_i} = J_Z B_i\ (\text{FFN}),\qquad
+    \frac{\partial Z}{\partial W_k} = J_Z J_{SY} J_Y G_k\ (\text{attention}),
 
-:math:`g_Y = J_{SY}^\top g_S`, :math:`g_U = J_Y^\top g_Y`, :math:`\Gamma` the contracted LayerNorm
-Hessians, Φ the contracted attention second derivatives. Contracting with every basis vector
-gives the paper's dense layouts (:func:`second_derivative`). Derivation and the paper's
-typos fixed on the way: docs/derivations.md.
+and every second derivative contracted with an output weight ``g`` (Theorem 5, eq. 9, what the
+loss Hessian needs) is a sum over the nodes of the block of
+(node input Jacobian)ᵀ (node's second derivative contracted with its back-propagated gradient)
+(node input Jacobian). The block is a chain of *stages* (attention, LN_1, FFN, LN_2 for post-LN;
+attention, FFN for pre-LN); walking it backwards with the loss Hessian at each level,
+:math:`\Omega_{k-1} = E_k^\top\Omega_k E_k + \Gamma_k` (``E_k`` the stage's per-token Jacobian,
+``Γ_k`` its contracted input curvature), the Hessian block of a pair ``(θ, φ)`` whose later
+member ``φ`` enters at stage ``k`` is one Kronecker sandwich at the stage's output,
+:math:`\sum_t F_{θ,t}^\top \Omega_k F_{φ,t}`, plus the stage's own cross term
+:math:`\sum_t F^{in}_{θ,t}{}^\top \partial^2_{v\varphi}` (or its own second derivative when both
+enter there). The outer (Gauss–Newton) term rides on the same pass. Contracting with every
+basis vector gives the paper's dense layouts (:func:`second_derivative`). Derivations and the
+paper's typos fixed on the way: docs/derivations.md.
+
+Internally the attention weights of several heads are split into their column groups
+(``W_Q#h``, ``b_Q#h``, ``W_K#h``, ``W_V#h``), each a plain Kronecker factor; the accumulator
+writes their blocks into the column slices of the public blocks. The block input ``X`` is a
+variable too (``wrt_input``): its Jacobian is dense within a sequence (:class:`~blockhess.kronecker.SeqFactor`).
 """
 
 from __future__ import annotations
@@ -29,27 +39,35 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as Fn
 
 from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
-from .kronecker import TokenKron, sandwich
+from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich
 from .validation import check_ln_variance, check_params, check_tensor
 
-__all__ = ["forward", "jacobian", "second_derivative"]
+__all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
+
 
 class Cache(NamedTuple):
     """Forward quantities of a batch; token axes merged to ``T = B·L`` where noted."""
 
     cfg: BlockConfig
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # public names of the variables (``"X"`` first with wrt_input)
     att: attention.Cache
-    U: torch.Tensor | None  # (T, d) LN_1 input
+    U: torch.Tensor | None  # (T, d) LN_1 input, post-LN (the residual sum R)
     fc: ffn.Cache | None
-    E_Y: torch.Tensor | None  # (T, d, d) J_Y per token
-    E_Z: torch.Tensor | None  # (T, d, d) J_Z per token
+    E_Y: torch.Tensor | None  # (T, d, d) J_Y per token (post-LN; None pre-LN: Y = R)
+    E_Z: torch.Tensor | None  # (T, d, d) J_Z per token (identity pre-LN: Z = S)
     J_SY: torch.Tensor | None  # (T, d, d)
-    out: torch.Tensor  # (B, L, d): Z (block) or F (attention)
+    out: torch.Tensor  # (B, L, d): Z (block) or P (attention)
+    params: dict | None = None
+    X: torch.Tensor | None = None  # (B, L, d) block input
+    ln1: tuple | None = None  # post: (y_1, J_y1) of R; pre: (n_1, J_n1) of X (unscaled)
+    ln2: tuple | None = None  # post: (y_2, J_y2) of S
+    P: torch.Tensor | None = None  # (T, d) attention output after W_O
+    x_shape: tuple | None = None  # shape of X as given: (L, d) or (B, L, d)
 
 
 def _as_batch(X: torch.Tensor) -> torch.Tensor:
@@ -69,101 +87,540 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
     check_params(params, param_shapes(cfg), X)
 
 
-def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> Cache:
+def _pre(cfg: BlockConfig) -> bool:
+    return cfg.kind == "block" and cfg.norm == "pre"
+
+
+def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False) -> Cache:
     """Forward pass keeping what the derivatives need. No checks (kernel)."""
+    p = params
     Xb = _as_batch(X)
     names = tuple(param_shapes(cfg))
-    att = attention.forward(Xb, params["W_Q"], params["W_K"], params["W_V"])
+    if wrt_input:
+        names = ("X",) + names
+    d, eps = cfg.d_model, cfg.ln_eps
+    ln1 = None
+    Xa = Xb
+    if _pre(cfg):
+        n1, _ = layernorm._normalise(Xb, eps)
+        ln1 = (n1.reshape(-1, d), layernorm._compact_jacobian(Xb.reshape(-1, d), eps, None))
+        Xa = n1 if "gamma_1" not in p else n1 * p["gamma_1"]
+        if "beta_1" in p:
+            Xa = Xa + p["beta_1"]
+    att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
+                            cfg.n_heads, cfg.causal)
+    P = att.F
+    if cfg.out_proj:
+        P = P @ p["W_O"]
+        if "b_O" in p:
+            P = P + p["b_O"]
     if cfg.kind == "attention":
-        return Cache(cfg, names, att, None, None, None, None, None, att.F)
-    eps = cfg.ln_eps
-    U = (Xb + att.F).reshape(-1, cfg.d_model)
-    Y = layernorm.forward(U, eps)
-    fc = ffn.forward(Y, params["W_1"], params["W_2"])
-    Z = layernorm.forward(fc.S, eps)
-    E_Y = layernorm._compact_jacobian(U, eps, None)
-    E_Z = layernorm._compact_jacobian(fc.S, eps, None)
-    return Cache(cfg, names, att, U, fc, E_Y, E_Z, ffn.input_jacobian(fc), Z.reshape(Xb.shape))
+        return Cache(cfg, names, att, None, None, None, None, None, P, p, Xb, None, None, P.reshape(-1, d), tuple(X.shape))
+    U = (Xb + P).reshape(-1, d)
+    g1, g2 = p.get("gamma_1"), p.get("gamma_2")
+    if cfg.norm == "post":
+        Y = layernorm.forward(U, eps, g1, p.get("beta_1"))
+        fc = ffn.forward(Y, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation)
+        Z = layernorm.forward(fc.S, eps, g2, p.get("beta_2"))
+        J1 = layernorm._compact_jacobian(U, eps, None)
+        J2 = layernorm._compact_jacobian(fc.S, eps, None)
+        E_Y = J1 if g1 is None else g1[:, None] * J1
+        E_Z = J2 if g2 is None else g2[:, None] * J2
+        if g1 is not None or g2 is not None or "beta_1" in p:
+            ln1 = (layernorm._normalise(U, eps)[0], J1)
+            ln2 = (layernorm._normalise(fc.S, eps)[0], J2)
+        else:
+            ln2 = None
+        return Cache(cfg, names, att, U, fc, E_Y, E_Z, ffn.input_jacobian(fc), Z.reshape(Xb.shape), p, Xb, ln1, ln2,
+                     P.reshape(-1, d), tuple(X.shape))
+    fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
+                     gamma=g2, beta=p.get("beta_2"))
+    eye = torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
+    return Cache(cfg, names, att, U, fc, None, eye, ffn.input_jacobian(fc), fc.S.reshape(Xb.shape), p, Xb, ln1, None,
+                 P.reshape(-1, d), tuple(X.shape))
 
 
 def _check_variance(c: Cache) -> None:
-    if c.cfg.kind == "block":
+    if c.cfg.kind != "block":
+        return
+    if c.cfg.norm == "post":
         check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, c.cfg.ln_eps)
         check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, c.cfg.ln_eps)
+    else:
+        check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, c.cfg.ln_eps)
+        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, c.cfg.ln_eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# stages and per-level factors
+
+
+class Stage(NamedTuple):
+    kind: str  # "attn", "ln1", "ffn", "ln2"
+    inp: str | None  # level of the stage input
+    out: str  # level of the stage output
+    new: tuple[str, ...]  # internal names of the variables entering here
+    E: torch.Tensor | None  # per-token Jacobian out/in (None: identity)
+
+
+def _split_names(cfg: BlockConfig) -> dict[str, tuple[str, tuple, tuple]]:
+    """Internal head-split name → (public name, refined public shape, index into it)."""
+    H = cfg.n_heads
+    if H == 1:
+        return {}
+    d, dk, dv = cfg.d_model, cfg.head_dim, cfg.value_dim
+    out = {}
+    for h in range(H):
+        nm = attention.head_names(H, h)
+        out[nm["W_Q"]] = ("W_Q", (d, H, dk), (slice(None), h, slice(None)))
+        out[nm["b_Q"]] = ("b_Q", (H, dk), (h, slice(None)))
+        out[nm["W_K"]] = ("W_K", (d, H, dk), (slice(None), h, slice(None)))
+        out[nm["W_V"]] = ("W_V", (d, H, dv), (slice(None), h, slice(None)))
+    return out
+
+
+def _attn_internal(cfg: BlockConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Internal names of the attention stage's variables, in processing order."""
+    H = cfg.n_heads
+    out = ["X"] if "X" in names else []
+    for h in range(H):
+        nm = attention.head_names(H, h)
+        out += [nm["W_Q"]] + ([nm["b_Q"]] if "b_Q" in names else []) + [nm["W_K"]]
+    out += [attention.head_names(H, h)["W_V"] for h in range(H)]
+    out += [n for n in ("b_V", "W_O", "b_O") if n in names]
+    if _pre(cfg):
+        out += [n for n in ("gamma_1", "beta_1") if n in names]
+    return tuple(out)
+
+
+def _stages(c: Cache, lv: dict | None = None) -> list[Stage]:
+    cfg, names = c.cfg, c.names
+    st = [Stage("attn", None, "R", _attn_internal(cfg, names), None)]
+    if cfg.kind == "attention":
+        return st
+    if cfg.norm == "post":
+        st.append(Stage("ln1", "R", "Y", tuple(n for n in ("gamma_1", "beta_1") if n in names), c.E_Y))
+        st.append(Stage("ffn", "Y", "S", tuple(n for n in ("W_1", "b_1", "W_2", "b_2") if n in names), c.J_SY))
+        st.append(Stage("ln2", "S", "Z", tuple(n for n in ("gamma_2", "beta_2") if n in names), c.E_Z))
+    else:
+        st.append(Stage("ffn", "R", "Z", tuple(n for n in ("gamma_2", "beta_2", "W_1", "b_1", "W_2", "b_2") if n in names),
+                        c.J_SY))
+    return st
 
 
 class Factors(NamedTuple):
-    """Per-token Kronecker factors of the Jacobians of the intermediates w.r.t. the weights."""
+    """Per-token Kronecker factors of the Jacobians of the intermediates w.r.t. the variables.
 
-    J: dict[str, TokenKron]  # dZ/dW (block) or dF/dW (attention)
-    B: dict[str, TokenKron]  # dS/dW, the paper's B_i
-    G_Y: dict[str, TokenKron]  # dY/dW_k = J_Y G_k, the paper's G'_k
-    G: dict[str, TokenKron]  # dU/dW_k = G_k
+    ``J``: public name → ``∂Z/∂W`` (or ``∂P/∂W`` for ``kind="attention"``): a
+    :class:`~blockhess.kronecker.TokenKron`, a :class:`~blockhess.kronecker.SplitKron` (several
+    heads), a :class:`~blockhess.kronecker.ZeroKron` (``b_K``) or a
+    :class:`~blockhess.kronecker.SeqFactor` (``X``). ``lv``: level → internal name → factor, levels
+    ``"O"`` (concatenated heads), ``"R"`` (``X + P``; ``P`` for the bare layer), ``"Y"``, ``"S"``, ``"Z"``.
+    """
+
+    J: dict
+    lv: dict
+
+    @property
+    def G(self) -> dict:  # dR/dW, the paper's G_k (extended)
+        return self.lv["R"]
+
+    @property
+    def G_Y(self) -> dict:  # dY/dW, the paper's G'_k
+        return self.lv.get("Y", {})
+
+    @property
+    def B(self) -> dict:  # dS/dW, the paper's B_i
+        return self.lv.get("S", {})
+
+
+def _input_jac_O(c: Cache) -> torch.Tensor:
+    """``dO/dX_a`` per token, ``(B, L, d, L, d)`` (``X_a`` the attention input)."""
+    p = c.params
+    return attention.input_jacobian(c.att, p["W_Q"], p["W_K"], p["W_V"], compact=True)
 
 
 def _factors(c: Cache) -> Factors:
     """The :class:`Factors` of a forward pass (Theorem 4 in per-token form)."""
-    G = attention.weight_jacobians(c.att)
-    if c.cfg.kind == "attention":
-        return Factors(G, {}, {}, G)
-    G_Y = {k: f.premul(c.E_Y) for k, f in G.items()}
-    B = {k: f.premul(c.J_SY) for k, f in G_Y.items()}
-    B.update(ffn.weight_jacobians(c.fc))
-    J = {k: f.premul(c.E_Z) for k, f in B.items()}
-    return Factors(J, B, G_Y, G)
+    cfg, p = c.cfg, c.params
+    d = cfg.d_model
+    T = c.P.shape[0]
+    B, L = c.X.shape[:2]
+    dt, dev = c.P.dtype, c.P.device
+    eye = torch.eye(d, dtype=dt, device=dev)
+    O = attention.weight_jacobians(c.att, c.names)
+    need_x = "X" in c.names or (_pre(cfg) and ("gamma_1" in c.names or "beta_1" in c.names))
+    if need_x:
+        dOdXa = _input_jac_O(c)  # (B, L, d, L, d)
+        if "X" in c.names:
+            dOdX = dOdXa
+            if _pre(cfg):
+                J_a = c.ln1[1].reshape(B, L, d, d)
+                if "gamma_1" in p:
+                    J_a = p["gamma_1"][:, None] * J_a
+                dOdX = torch.einsum("blcma,bmae->blcme", dOdXa, J_a)
+            O["X"] = SeqFactor(dOdX.reshape(T, d, L * d), B, c.x_shape)
+        if _pre(cfg):
+            n1 = c.ln1[0].reshape(B, L, d)
+            if "gamma_1" in c.names:
+                O["gamma_1"] = TokenKron("vector", None, torch.einsum("blcma,bma->blca", dOdXa, n1).reshape(T, d, d))
+            if "beta_1" in c.names:
+                O["beta_1"] = TokenKron("vector", None, dOdXa.sum(3).reshape(T, d, d))
+    R = dict(O)
+    if cfg.out_proj:
+        WOt = p["W_O"].T
+        R = {k: f.premul(WOt) for k, f in O.items()}
+        R["W_O"] = TokenKron("left", c.att.F.reshape(T, d), eye.expand(T, d, d))
+        if "b_O" in c.names:
+            R["b_O"] = TokenKron("vector", None, eye.expand(T, d, d))
+    if "X" in R and cfg.kind == "block":  # the residual: R_t = X_t + P_t
+        ident = (torch.eye(L, dtype=dt, device=dev)[:, None, :, None] * eye[None, :, None, :]).reshape(L, d, L * d)
+        R["X"] = SeqFactor(R["X"].mat + ident.repeat(B, 1, 1), B, R["X"].shape)
+    lv = {"O": O, "R": R}
+    if cfg.kind == "attention":
+        lv["Z"] = R
+    elif cfg.norm == "post":
+        Y = {k: f.premul(c.E_Y) for k, f in R.items()}
+        if "gamma_1" in c.names:
+            Y["gamma_1"] = TokenKron("vector", None, torch.diag_embed(c.ln1[0]))
+        if "beta_1" in c.names:
+            Y["beta_1"] = TokenKron("vector", None, eye.expand(T, d, d))
+        S = {k: f.premul(c.J_SY) for k, f in Y.items()}
+        S.update(ffn.weight_jacobians(c.fc, c.names))
+        Z = {k: f.premul(c.E_Z) for k, f in S.items()}
+        if "gamma_2" in c.names:
+            Z["gamma_2"] = TokenKron("vector", None, torch.diag_embed(c.ln2[0]))
+        if "beta_2" in c.names:
+            Z["beta_2"] = TokenKron("vector", None, eye.expand(T, d, d))
+        lv.update(Y=Y, S=S, Z=Z)
+    else:
+        S = {k: f.premul(c.J_SY) for k, f in R.items()}
+        S.update(ffn.weight_jacobians(c.fc, c.names))
+        lv.update(Y=R, S=S, Z=S)
+    Zf = lv["Z"]
+    split = _split_names(cfg)
+    J = {}
+    for n in c.names:
+        if n == "b_K":
+            J[n] = ZeroKron(tuple(p["b_K"].shape), T, d, c.P)
+        elif n in ("W_Q", "b_Q", "W_K", "W_V") and split:
+            parts = tuple(Zf[k] for k, (pub, _, _) in split.items() if pub == n)
+            J[n] = SplitKron(parts, tuple(p[n].shape))
+        else:
+            J[n] = Zf[n]
+    return Factors(J, lv)
 
 
-def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc: BlockSum, omega_S: torch.Tensor | None = None) -> None:
-    r"""Add ξ contracted with ``g_S`` (``(T, d)``), the blocks of :math:`\sum g_S \nabla^2 S`
-    (Theorem 5's ξ_ij), plus :math:`B^\top \Omega_S B` when a per-token ``omega_S`` (``(T, d, d)``)
-    is given. Each pair's Kronecker sandwiches with the same factors are merged: for two
-    attention weights :math:`B_k = J_{SY} J_Y G_k`, so :math:`B^\top\Omega_S B` and
-    :math:`G^\top \Gamma_Y G` share one pass with :math:`\Omega_U = J_Y^\top J_{SY}^\top \Omega_S J_{SY} J_Y + \Gamma_Y`.
-    """
-    cross = ffn.contract_hessian(c.fc, g_S, acc)
-    for i, a in enumerate(c.names):
-        for b in c.names[i:]:
-            if b in cross and acc.wants(a, b):
-                if omega_S is not None:
-                    acc.add(a, b, sandwich(f.B[a], f.B[b], omega_S))
-                if a in f.G_Y:
-                    acc.add(a, b, sandwich(f.G_Y[a], cross[b]))
-    g_Y = (c.J_SY.transpose(1, 2) @ g_S[..., None])[..., 0]
-    omega_U = layernorm.contract_hessian(c.U, g_Y, c.cfg.ln_eps)
-    if omega_S is not None:
-        M = c.J_SY @ c.E_Y
-        omega_U = omega_U + M.transpose(1, 2) @ omega_S @ M
-    for i, k in enumerate(attention.NAMES):
-        for l in attention.NAMES[i:]:
-            if acc.wants(k, l):
-                acc.add(k, l, sandwich(f.G[k], f.G[l], omega_U))
-    g_U = (c.E_Y.transpose(1, 2) @ g_Y[..., None])[..., 0]
-    attention.contract_hessian(c.att, g_U.reshape(c.att.F.shape), acc)
+# ----------------------------------------------------------------------------------------------
+# the accumulator over internal names
 
 
-def contract_output(c: Cache, g: torch.Tensor, f: Factors, acc: BlockSum, omega_S: torch.Tensor | None = None) -> None:
+def _embed(value: torch.Tensor, ref: tuple, idx: tuple) -> torch.Tensor:
+    """Zero-pad ``value`` (shape of ``ref`` with the integer-indexed axes removed) into shape ``ref``."""
+    dim = 0
+    for r, i in zip(ref, idx):
+        if isinstance(i, int):
+            value = value.unsqueeze(dim)
+            shp = list(value.shape)
+            parts = []
+            if i:
+                shp[dim] = i
+                parts.append(value.new_zeros(shp))
+            parts.append(value)
+            if r - i - 1:
+                shp[dim] = r - i - 1
+                parts.append(value.new_zeros(shp))
+            value = torch.cat(parts, dim) if len(parts) > 1 else value
+        dim += 1
+    return value
+
+
+class _Acc:
+    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`."""
+
+    def __init__(self, acc: BlockSum, cfg: BlockConfig):
+        self.acc = acc
+        self.split = _split_names(cfg)
+        self.dense = acc.buffer is not None
+        self.pending: dict[tuple[str, str], torch.Tensor] = {}
+
+    def pub(self, n: str) -> str:
+        return self.split[n][0] if n in self.split else n
+
+    def wants(self, a: str, b: str) -> bool:
+        return self.acc.wants(self.pub(a), self.pub(b))
+
+    def _ordered(self, a: str, b: str) -> bool:
+        A, B = self.pub(a), self.pub(b)
+        return self.acc.names.index(A) <= self.acc.names.index(B)
+
+    def _ref(self, n: str):
+        if n in self.split:
+            return self.split[n][1], self.split[n][2]
+        shape = self.acc.shapes[n]
+        return shape, tuple(slice(None) for _ in shape)
+
+    def _sub(self, n: str) -> tuple:
+        ref, idx = self._ref(n)
+        return tuple(r for r, i in zip(ref, idx) if not isinstance(i, int))
+
+    def add(self, a: str, b: str, value: torch.Tensor, diag: tuple[int, int] | None = None) -> None:
+        """Add ``value`` (shape ``sub_a + sub_b``, or a :func:`torch.diagonal` layout of it over ``diag``)."""
+        if not self.wants(a, b):
+            return
+        A, B = self.pub(a), self.pub(b)
+        if A == "X" and B == "X":
+            self._add_xx(value if diag is None else torch.diag_embed(value, 0, *diag))
+            return
+        if a not in self.split and b not in self.split:
+            if diag is None:
+                self.acc.add(A, B, value)
+            elif self.dense and self._ordered(a, b):
+                self.acc.add_diagonal(A, B, diag[0], diag[1], value)
+            else:
+                self.acc.add(A, B, torch.diag_embed(value, 0, *diag))
+            return
+        if not self._ordered(a, b) or (A == B and a != b and diag is not None):
+            if diag is not None:
+                value, diag = torch.diag_embed(value, 0, *diag), None
+            if not self._ordered(a, b):
+                ka = len(self._sub(a))
+                value = value.permute(*range(ka, value.ndim), *range(ka))
+                a, b, A, B = b, a, B, A
+        self._add_split(a, b, A, B, value, diag)
+        if A == B and a != b:  # a diagonal public block is stored whole: mirror the sub-block
+            kb = len(self._sub(a))
+            self._add_split(b, a, B, A, value.permute(*range(kb, value.ndim), *range(kb)), None)
+
+    def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
+        """:meth:`BlockSum.add_diagonal` over internal names."""
+        self.add(a, b, value, (dim1, dim2))
+
+    def _add_split(self, a, b, A, B, value, diag):
+        (ra, ia), (rb, ib) = self._ref(a), self._ref(b)
+        if self.dense:
+            view = self.acc._view(A, B).view(*ra, *rb)[ia + ib]
+            if diag is None:
+                view.add_(value.reshape(view.shape))
+            else:
+                torch.diagonal(view, 0, *diag).add_(value)
+            return
+        if diag is not None:
+            value = torch.diag_embed(value, 0, *diag)
+        sa, sb = self._sub(a), self._sub(b)
+        full = _embed(value.reshape(*sa, *sb), ra, ia)  # ra + sb
+        full = full.movedim(tuple(range(len(ra), len(ra) + len(sb))), tuple(range(len(sb))))  # sb + ra
+        full = _embed(full, rb, ib)  # rb + ra
+        full = full.movedim(tuple(range(len(rb), len(rb) + len(ra))), tuple(range(len(ra))))  # ra + rb
+        key = (A, B)
+        self.pending[key] = self.pending[key] + full if key in self.pending else full
+
+    def _add_xx(self, value: torch.Tensor) -> None:
+        shape = self.acc.shapes["X"]
+        if len(shape) == 2:
+            self.acc.add("X", "X", value.reshape(*shape, *shape))
+            return
+        Bn, L, d = shape
+        v = value.reshape(Bn, L, d, L, d)
+        if self.dense:
+            self.acc.add_diagonal("X", "X", 0, 3, v.permute(1, 2, 3, 4, 0))
+        else:
+            self.acc.add("X", "X", torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
+
+    def finish(self) -> None:
+        for (A, B), v in self.pending.items():
+            self.acc.add(A, B, v.reshape(self.acc.sizes[A], self.acc.sizes[B]))
+        self.pending = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward walk: outer + functional terms, stage by stage
+
+
+def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
+    """LN stage (post-LN): input curvature Γ and the ``(v, gamma)`` cross factor."""
+    i = 1 if st.kind == "ln1" else 2
+    X_in = c.U if i == 1 else c.fc.S
+    gamma = c.params.get(f"gamma_{i}")
+    Gam = layernorm.contract_hessian(X_in, g, c.cfg.ln_eps, gamma)
+    cross = {}
+    if f"gamma_{i}" in st.new:
+        J = (c.ln1 if i == 1 else c.ln2)[1]
+        cross[f"gamma_{i}"] = [TokenKron("vector", None, J * g[:, None, :])]
+    return Gam, cross
+
+
+def _walk(c: Cache, f: Factors, acc: _Acc, g, omega, start: str | None = None) -> None:
+    """Add the Hessian blocks to ``acc``: outer term with per-token ``omega`` at the top level
+    (``None``: none), functional term with gradient ``g`` (``(T, d)``; ``None``: none)."""
+    stages = _stages(c)
+    if start is not None:
+        stages = stages[: [s.kind for s in stages].index(start) + 1]
+    earlier = {s.kind: tuple(n for t in stages[:k] for n in t.new) for k, s in enumerate(stages)}
+    for st in reversed(stages):
+        if st.kind == "attn":
+            _attn_stage(c, f, acc, st, g, omega)
+            return
+        Fo, Fi = f.lv[st.out], f.lv[st.inp]
+        Gam, cross, core, own = None, {}, {}, []
+        if g is not None:
+            if st.kind == "ffn":
+                con = ffn.contract_hessian(c.fc, g, st.new)
+                Gam, cross, core, own = con.gamma, con.cross, con.core, con.own
+            else:
+                Gam, cross = _ln_stage(c, st, g)
+        old = earlier[st.kind]
+        for j, phi in enumerate(st.new):
+            for theta in old + st.new[: j + 1]:
+                if not acc.wants(theta, phi):
+                    continue
+                cr = core.get((theta, phi))
+                if omega is not None or cr is not None:
+                    acc.add(theta, phi, sandwich(Fo[theta], Fo[phi], omega if omega is not None else False, cr))
+                if theta in old:
+                    for part in cross.get(phi, ()):
+                        acc.add(theta, phi, sandwich(Fi[theta], part))
+        for a, b, value, dims in own:
+            acc.add(a, b, value, dims)
+        E = st.E
+        if omega is not None and E is not None:
+            omega = E.transpose(1, 2) @ omega @ E
+        if Gam is not None:
+            omega = Gam if omega is None else omega + Gam
+        if g is not None and E is not None:
+            g = (E.transpose(1, 2) @ g[..., None])[..., 0]
+
+
+def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
+    """Pairs of attention-stage variables: sandwiches at level R, the attention's own second
+    derivatives, the ``(O, W_O)`` cross term, and the ``X`` / pre-LN ``gamma_1, beta_1`` terms."""
+    cfg, p = c.cfg, c.params
+    Fr, Fo = f.lv["R"], f.lv["O"]
+    new = st.new
+    if omega is not None:
+        for j, phi in enumerate(new):
+            for theta in new[: j + 1]:
+                if acc.wants(theta, phi):
+                    acc.add(theta, phi, sandwich(Fr[theta], Fr[phi], omega))
+    if g is None:
+        return
+    d = cfg.d_model
+    B, L = c.X.shape[:2]
+    g_O = g @ p["W_O"].T if cfg.out_proj else g
+    G = g_O.reshape(B, L, d)
+    attention.contract_hessian(c.att, G, acc, c.names)
+    if cfg.out_proj:  # P = O W_O: (O, W_O) cross term I ⊗ g_P^T
+        T = g.shape[0]
+        crossWO = TokenKron("right", g, torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d))
+        for theta in new:
+            if theta in Fo and acc.wants(theta, "W_O"):
+                acc.add(theta, "W_O", sandwich(Fo[theta], crossWO))
+    pre = _pre(cfg)
+    has = {n for n in ("X", "gamma_1", "beta_1") if n in new}
+    if not has:
+        return
+    heads = [n for n in new if n not in ("X", "gamma_1", "beta_1", "b_V", "W_O", "b_O")]
+    want_w = any(acc.wants(a, w) for a in has for w in heads)
+    XX, XW = attention.contract_input_hessian(c.att, G, p["W_Q"], p["W_K"], p["W_V"], c.names, weights=want_w)
+    n1 = c.ln1[0].reshape(B, L, d) if pre else None
+    if "X" in has:
+        if pre:
+            J_a = c.ln1[1].reshape(B, L, d, d)
+            if "gamma_1" in p:
+                J_a = p["gamma_1"][:, None] * J_a
+        for w in heads:
+            if w in XW and acc.wants("X", w):
+                v = XW[w]
+                if pre:
+                    v = torch.einsum("bmae,bma...->bme...", J_a, v)
+                acc.add("X", w, v.reshape(*c.x_shape, *v.shape[3:]))
+        if acc.wants("X", "X"):
+            v = XX
+            if pre:
+                v = torch.einsum("bmae,bmanc,bncf->bmenf", J_a, XX, J_a)
+                g_Xa = torch.einsum("blcma,blc->bma", _input_jac_O(c), G)  # gradient at the attention input
+                Gam = layernorm.contract_hessian(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
+                v = v + torch.diag_embed(Gam.permute(0, 2, 3, 1), dim1=1, dim2=3)
+            acc.add("X", "X", v)
+    if not pre:
+        return
+    for k in ("gamma_1", "beta_1"):
+        if k not in has:
+            continue
+        for w in heads:
+            if w in XW and acc.wants(k, w):
+                v = XW[w]
+                acc.add(k, w, torch.einsum("bma,bma...->a...", n1, v) if k == "gamma_1" else v.sum((0, 1)))
+    XXn = None
+    if "gamma_1" in has:
+        XXn = torch.einsum("bmanc,bnc->bmac", XX, n1)  # XX diag(n) summed over the second token
+        if acc.wants("gamma_1", "gamma_1"):
+            acc.add("gamma_1", "gamma_1", torch.einsum("bma,bmac->ac", n1, XXn))
+    if "beta_1" in has:
+        XX1 = XX.sum(3)  # (B, L, d, d)
+        if acc.wants("beta_1", "beta_1"):
+            acc.add("beta_1", "beta_1", XX1.sum((0, 1)))
+        if "gamma_1" in has and acc.wants("gamma_1", "beta_1"):
+            acc.add("gamma_1", "beta_1", torch.einsum("bma,bmac->ac", n1, XX1))
+    if "X" in has:
+        if "gamma_1" in has and acc.wants("X", "gamma_1"):
+            dOdXa = _input_jac_O(c)
+            g_Xa = torch.einsum("blcma,blc->bma", dOdXa, G)
+            v = torch.einsum("bmae,bmac->bmec", J_a, XXn)
+            v = v + c.ln1[1].reshape(B, L, d, d) * g_Xa[:, :, None, :]  # LN_1's own (X, gamma_1): J_n^T diag(g)
+            acc.add("X", "gamma_1", v.reshape(*c.x_shape, d))
+        if "beta_1" in has and acc.wants("X", "beta_1"):
+            acc.add("X", "beta_1", torch.einsum("bmae,bmac->bmec", J_a, XX1).reshape(*c.x_shape, d))
+
+
+def contract_output(c: Cache, g, f: Factors, acc, omega_S: torch.Tensor | None = None,
+                    omega_Z: torch.Tensor | None = None) -> None:
     r"""Add the blocks of :math:`\sum_o g_o \nabla^2_W \mathrm{out}_o` (the functional term of eq. 10) to ``acc``.
 
-    ``g`` has the shape of the output, ``(B, L, d)``. For the block, Theorem 5 contracted:
-    :math:`B^\top \Gamma_Z(g) B + \xi(J_Z^\top g)`; for the bare attention layer, Φ(g).
-    ``omega_S`` (``(T, d, d)``, block only) is added to :math:`\Gamma_Z` so that a per-token
-    outer term :math:`B^\top J_Z^\top \Omega J_Z B` rides on the same pass. No checks (kernel).
+    ``g`` has the shape of the output, ``(B, L, d)`` (``None``: no functional term). ``omega_Z``
+    (``(T, d, d)``, per token) adds the outer term :math:`J^\top \Omega J` on the same pass.
+    ``omega_S`` (legacy, post-LN): :math:`J_Z^\top \Omega J_Z` already at the LN_2 input; only
+    when ``LN_2`` has no parameters. ``acc`` is a :class:`~blockhess.blocks.BlockSum` over the
+    public names. No checks (kernel).
     """
-    if c.cfg.kind == "attention":
-        attention.contract_hessian(c.att, g, acc)
-        return
-    g = g.reshape(-1, c.cfg.d_model)
-    Om = layernorm.contract_hessian(c.fc.S, g, c.cfg.ln_eps)
-    if omega_S is not None:
-        Om = Om + omega_S
-    _contract_S(c, f, (c.E_Z.transpose(1, 2) @ g[..., None])[..., 0], acc, Om)
+    cfg = c.cfg
+    wrap = acc if isinstance(acc, _Acc) else _Acc(acc, cfg)
+    d = cfg.d_model
+    gf = None if g is None else g.reshape(-1, d)
+    if omega_S is not None and omega_Z is None:
+        if cfg.kind == "block" and cfg.norm == "post":
+            if "gamma_2" in c.names or "beta_2" in c.names:
+                raise ValueError("contract_output: pass omega_Z (the loss Hessian w.r.t. Z) when LN_2 has parameters")
+            Om = omega_S
+            if gf is not None:
+                Om = Om + layernorm.contract_hessian(c.fc.S, gf, cfg.ln_eps, c.params.get("gamma_2"))
+                gf = (c.E_Z.transpose(1, 2) @ gf[..., None])[..., 0]
+            _walk(c, f, wrap, gf, Om, start="ffn")
+        else:
+            _walk(c, f, wrap, gf, omega_S)
+    else:
+        _walk(c, f, wrap, gf, omega_Z)
+    if wrap is not acc:
+        wrap.finish()
+
+
+def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc, omega_S: torch.Tensor | None = None) -> None:
+    r"""Add ξ contracted with ``g_S`` (``(T, d)``): the blocks of :math:`\sum g_S \nabla^2 S`
+    (Theorem 5's ξ_ij), plus :math:`B^\top \Omega_S B` when ``omega_S`` is given (post-LN)."""
+    wrap = _Acc(acc, c.cfg)
+    _walk(c, f, wrap, g_S, omega_S, start="ffn")
+    wrap.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
 
 
 def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
-    """The block's output ``Z`` (or ``F`` for ``kind="attention"``), same shape as ``X``.
+    """The block's output ``Z`` (or ``P`` for ``kind="attention"``), same shape as ``X``.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``, float32/float64; ``params`` as
-    :func:`~blockhess.config.param_shapes`. Source: paper §1.3.
+    :func:`~blockhess.config.param_shapes`. Source: paper §1.3 and DESIGN.md §1.
 
     Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, or a zero-variance
     LayerNorm input row with ``ln_eps = 0``.
@@ -182,6 +639,12 @@ def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
     if unknown or not wrt:
         raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}")
     return tuple(n for n in names if n in wrt)
+
+
+def _shapes(c: Cache) -> dict[str, tuple[int, ...]]:
+    """Shapes of the variables of ``c`` (``X`` first when present)."""
+    shapes = dict(param_shapes(c.cfg))
+    return {"X": c.x_shape, **shapes} if "X" in c.names else shapes
 
 
 def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[str, torch.Tensor]:
@@ -203,11 +666,25 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     return {n: (v[0] if X.ndim == 2 else v) for n, v in out.items()}
 
 
+def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
+    r"""Jacobian of the block output w.r.t. its input, per sequence: ``(L·d, L·d)`` or ``(B, L·d, L·d)``.
+
+    Rows ``(l, c)`` of ``Z``, columns ``(m, a)`` of ``X`` (``vec_r``); sequences do not mix.
+    Closed form: :math:`\partial Z_t/\partial X = J_{Z,t} J_{SY,t} J_{Y,t} (e_t^\top\otimes I + \partial P_t/\partial X)`
+    with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). Same errors as :func:`forward`.
+    """
+    check_inputs(params, X, cfg)
+    c = _forward(params, X, cfg, wrt_input=True)
+    _check_variance(c)
+    J = _factors(c).J["X"].dense()
+    return J[0] if X.ndim == 2 else J
+
+
 def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b: str, of: str = "Z") -> torch.Tensor:
     r"""A second derivative of the block in the paper's dense layout, shape ``(N·n_a, n_b)``.
 
     ``of="Z"``: :math:`H_{tr}^{(a,b)} = \partial^2 Z/\partial W_a \partial W_b` (Theorem 5, eq. 9);
-    ``of="S"``: :math:`\xi_{ab} = \partial B_a/\partial W_b`, ``S = Y + FFN(Y)`` (Theorem 5's ξ,
+    ``of="S"`` (post-LN): :math:`\xi_{ab} = \partial B_a/\partial W_b`, ``S = Y + FFN(Y)`` (Theorem 5's ξ,
     including ξ_k1, ξ_k2 that the paper leaves out); for ``kind="attention"`` use ``of="F"``:
     :math:`\Phi_{ab} = \partial^2 F/\partial W_a\partial W_b` (§2.3). Rows ``(o, i)`` o-major over
     output entries ``o`` (``N = L·d_model``) and entries ``i`` of ``W_a``; columns entries of
@@ -219,9 +696,9 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     check_inputs(params, X, cfg)
     if X.ndim != 2:
         raise ValueError(f"X must be one sequence (L, d_model) for a dense second derivative, got {tuple(X.shape)}")
-    allowed = ("F",) if cfg.kind == "attention" else ("Z", "S")
+    allowed = ("F",) if cfg.kind == "attention" else (("Z", "S") if cfg.norm == "post" else ("Z",))
     if of not in allowed:
-        raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, got {of!r}")
+        raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, norm={cfg.norm!r}, got {of!r}")
     c = _forward(params, X, cfg)
     _check_variance(c)
     for n in (a, b):

@@ -59,9 +59,9 @@ class BlockSum:
         if not self.wants(a, b):
             return
         if self.names.index(a) > self.names.index(b):
-            value = value.reshape(*self.shapes[b], *self.shapes[a]) if value.ndim == 2 else value
-            rb = len(self.shapes[b])
-            a, b, value = b, a, value.permute(*range(rb, value.ndim), *range(rb))
+            value = value.reshape(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value
+            ra = len(self.shapes[a])
+            a, b, value = b, a, value.permute(*range(ra, value.ndim), *range(ra))
         if self.buffer is None:
             value = value.reshape(self.sizes[a], self.sizes[b])
             self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value

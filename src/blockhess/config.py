@@ -16,8 +16,8 @@ import torch
 __all__ = ["BlockConfig", "param_shapes", "init_params"]
 
 _KINDS = ("block", "attention")
-_NORMS = ("post",)
-_ACTIVATIONS = ("relu",)
+_NORMS = ("post", "pre")
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -33,25 +33,42 @@ class BlockConfig:
     d_k : int or None
         Query/key width per head; ``None`` means ``d_model // n_heads``.
     n_heads : int
-        Number of attention heads. Only ``1`` (the paper's setting) is implemented.
+        Number of attention heads; head ``h`` uses the column groups
+        ``W_Q[:, h*d_k:(h+1)*d_k]``, ``W_K[:, h*d_k:(h+1)*d_k]`` and ``W_V[:, h*d_v:(h+1)*d_v]``,
+        ``d_v = d_model / n_heads`` (which must divide); its output fills columns
+        ``h*d_v:(h+1)*d_v`` of the concatenated attention output.
     norm : str
-        ``"post"``: ``Y = LN(X + SA(X))``, ``Z = LN(Y + FFN(Y))`` (paper §1.3).
+        ``"post"`` (the paper's): ``Y = LN_1(X + SA(X))``, ``Z = LN_2(Y + FFN(Y))``;
+        ``"pre"``: ``Y = X + SA(LN_1(X))``, ``Z = Y + FFN(LN_2(Y))``.
     activation : str
-        FFN activation; ``"relu"`` (Lemma 1: results hold almost everywhere, off the kinks).
-    bias, out_proj, ln_affine, causal : bool
-        Extensions beyond the paper; not implemented yet, must be ``False``.
+        FFN activation: ``"relu"`` (Lemma 1: results hold almost everywhere, off the kinks),
+        ``"gelu"`` (exact, erf) or ``"gelu_tanh"`` (the tanh approximation).
+    bias : bool
+        Add every additive bias: ``b_Q, b_K, b_V`` (and ``b_O`` with ``out_proj``), ``b_1, b_2``
+        and the LayerNorm shifts ``beta_1, beta_2`` (as ``nn.TransformerEncoderLayer(bias=...)``).
+    out_proj : bool
+        Add the attention output projection ``W_O`` (``P = O W_O [+ b_O]``).
+    ln_affine : bool
+        Add the LayerNorm scales ``gamma_1, gamma_2``.
     ln_eps : float
         LayerNorm ``eps >= 0``; ``0`` is the paper's setting (Assumption 2 then requires
         every LayerNorm input row to have non-zero variance).
+    causal : bool
+        Mask the attention scores above the diagonal (token ``l`` attends to ``m <= l``).
     kind : str
-        ``"block"`` (post-LN Transformer block, params ``W_Q, W_K, W_V, W_1, W_2``) or
-        ``"attention"`` (the bare layer of Theorem 1, params ``W_Q, W_K, W_V``).
+        ``"block"`` (Transformer block) or ``"attention"`` (the bare self-attention layer of
+        Theorem 1: ``F = SA(X)``, params ``W_Q, W_K, W_V`` and, with the options above,
+        ``b_Q, b_K, b_V, W_O, b_O``; it has no LayerNorm and no FFN).
+
+    The defaults are the paper's exact setting: one head, no biases, no ``W_O``, ReLU,
+    LayerNorm without affine and with ``eps = 0``, post-LN, no mask.
 
     Raises
     ------
     ValueError
         On a non-positive size, an unknown ``kind``/``norm``/``activation``, ``ln_eps < 0``,
-        or an option this version does not implement (named in the message).
+        ``n_heads`` not dividing ``d_model``, or a LayerNorm/FFN option with ``kind="attention"``
+        (each named in the message).
     """
 
     d_model: int = 16
@@ -84,11 +101,16 @@ class BlockConfig:
             )
         if not (isinstance(self.ln_eps, (int, float)) and self.ln_eps >= 0 and math.isfinite(self.ln_eps)):
             raise ValueError(f"BlockConfig.ln_eps must be a finite float >= 0, got {self.ln_eps!r}")
-        if self.n_heads != 1:
-            raise ValueError("BlockConfig.n_heads: only n_heads=1 (the paper's setting) is implemented")
         for flag in ("bias", "out_proj", "ln_affine", "causal"):
-            if getattr(self, flag):
-                raise ValueError(f"BlockConfig.{flag}=True is not implemented yet; use False")
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"BlockConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.kind == "attention":
+            for name, default in (("norm", "post"), ("ln_affine", False), ("activation", "relu")):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"BlockConfig.{name}={getattr(self, name)!r} has no meaning for kind='attention' "
+                        "(the bare attention layer has no LayerNorm and no FFN); use kind='block'"
+                    )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"BlockConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
@@ -99,18 +121,37 @@ class BlockConfig:
         """Query/key width per head, ``d_k`` (defaults to ``d_model // n_heads``)."""
         return self.d_k if self.d_k is not None else self.d_model // self.n_heads
 
+    @property
+    def value_dim(self) -> int:
+        """Value/output width per head, ``d_v = d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def is_paper(self) -> bool:
+        """Whether this is the paper's exact setting (the defaults, any sizes and ``d_k``)."""
+        return (self.n_heads == 1 and self.norm == "post" and self.activation == "relu" and not self.bias
+                and not self.out_proj and not self.ln_affine and self.ln_eps == 0 and not self.causal)
+
 
 def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the parameters of ``cfg``, in canonical (forward) order.
+    """Names and shapes of the parameters of ``cfg``, in canonical order (DESIGN.md §1).
 
-    Returns ``{"W_Q": (d_model, d_k), "W_K": (d_model, d_k), "W_V": (d_model, d_model)}``
-    plus ``"W_1": (d_model, d_ff), "W_2": (d_ff, d_model)`` for ``kind="block"``.
+    The order is ``W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O, gamma_1, beta_1, W_1, b_1, W_2,
+    b_2, gamma_2, beta_2``, restricted to the names ``cfg`` has: ``W_Q, W_K`` are
+    ``(d_model, n_heads*d_k)``, ``W_V, W_O`` ``(d_model, d_model)``, ``W_1`` ``(d_model, d_ff)``,
+    ``W_2`` ``(d_ff, d_model)``, vectors ``(n,)``. The paper's setting gives
+    ``W_Q, W_K, W_V, W_1, W_2`` (``kind="block"``) or ``W_Q, W_K, W_V`` (``kind="attention"``).
     """
-    d, dk = cfg.d_model, cfg.n_heads * cfg.head_dim
-    shapes = {"W_Q": (d, dk), "W_K": (d, dk), "W_V": (d, d)}
-    if cfg.kind == "block":
-        shapes.update({"W_1": (d, cfg.d_ff), "W_2": (cfg.d_ff, d)})
-    return shapes
+    d, dk, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_ff
+    b, block = cfg.bias, cfg.kind == "block"
+    spec = [
+        ("W_Q", (d, dk), True), ("b_Q", (dk,), b), ("W_K", (d, dk), True), ("b_K", (dk,), b),
+        ("W_V", (d, d), True), ("b_V", (d,), b), ("W_O", (d, d), cfg.out_proj), ("b_O", (d,), b and cfg.out_proj),
+        ("gamma_1", (d,), block and cfg.ln_affine), ("beta_1", (d,), block and b),
+        ("W_1", (d, ff), block), ("b_1", (ff,), block and b), ("W_2", (ff, d), block), ("b_2", (d,), block and b),
+        ("gamma_2", (d,), block and cfg.ln_affine), ("beta_2", (d,), block and b),
+    ]
+    return {name: shape for name, shape, present in spec if present}
 
 
 def init_params(
@@ -121,8 +162,10 @@ def init_params(
 ) -> dict[str, torch.Tensor]:
     """Random parameters for ``cfg``: a ``dict`` of tensors in canonical order.
 
-    Each ``W`` of shape ``(fan_in, fan_out)`` is drawn i.i.d. ``N(0, 1/fan_in)`` from a
-    private ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched).
+    Each matrix ``W`` of shape ``(fan_in, fan_out)`` is drawn i.i.d. ``N(0, 1/fan_in)`` from a
+    private ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched), in
+    canonical order (so the paper's setting gets the same weights whatever options exist).
+    Vectors take the usual initial values: biases and ``beta`` zero, ``gamma`` one.
 
     Raises
     ------
@@ -134,6 +177,9 @@ def init_params(
     gen = torch.Generator().manual_seed(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
-        w = torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])
+        if len(shape) == 2:
+            w = torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])
+        else:
+            w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
         params[name] = w.to(dtype=dtype, device=device)
     return params

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from . import losses
-from .block import _check_variance, _factors, _forward, _select, check_inputs, contract_output
+from .block import _check_variance, _factors, _forward, _select, _shapes, check_inputs, contract_output
 from .blocks import BlockSum, HessianBlocks
-from .config import BlockConfig, param_shapes
-from .kronecker import TokenKron, sandwich
+from .config import BlockConfig
+from .kronecker import TokenKron
 
 __all__ = ["hessian"]
 
@@ -54,21 +54,17 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
     """Add the outer and/or functional term to ``acc``; with both and a per-token loss
     Hessian, the outer term is folded into the functional pass (one sandwich per pair)."""
     Bsz, L, d = c.out.shape
-    if outer and functional and ld.per_token and c.cfg.kind == "block":
-        omega_S = c.E_Z.transpose(1, 2) @ ld.hess @ c.E_Z
-        contract_output(c, ld.grad, f, acc, omega_S)
+    if ld.per_token:
+        contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
-    if outer and ld.per_token:
-        for i, a in enumerate(acc.names):
-            for b in acc.names[i:]:
-                acc.add(a, b, sandwich(f.J[a], f.J[b], ld.hess))
-    elif outer:
+    if outer:
         _add_outer_lowrank(f.J, ld.hess, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
-def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None) -> HessianBlocks:
+def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
+            wrt_input: bool = False) -> HessianBlocks:
     r"""Exact Hessian of the loss of the block's output w.r.t. its weights, by the closed form.
 
     Parameters
@@ -90,6 +86,9 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         the callable takes, with a leading batch axis when ``X`` is a batch.
     wrt : str or list of str or None
         Restrict to these weights (only their blocks are computed).
+    wrt_input : bool
+        Also differentiate w.r.t. the block input: a variable named ``"X"`` (first), of
+        ``X``'s shape; its blocks with itself (zero across sequences) and with every weight.
 
     Returns
     -------
@@ -108,13 +107,13 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     check_inputs(params, X, cfg)
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
-    c = _forward(params, X, cfg)
+    c = _forward(params, X, cfg, wrt_input=wrt_input)
     _check_variance(c)
     losses.check(loss, target, c.out)
     names = _select(c.names, wrt)
     f = _factors(c)
     ld = losses.derivatives(loss, target, c.out)
-    shapes = param_shapes(cfg)
+    shapes = _shapes(c)
 
     def assemble(which: str, dense: bool) -> HessianBlocks:
         acc = BlockSum(c.names, shapes, wanted=names, dense=dense, dtype=X.dtype, device=X.device)

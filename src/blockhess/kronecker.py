@@ -7,12 +7,20 @@ Jacobian of a per-token quantity ``o_t`` (``r`` entries) w.r.t. a weight ``W`` o
 * ``left``:  :math:`J_t = u_t^\top \otimes N_t`, entry ``[c, (a, b)] = u_t[a] N_t[c, b]``
   (``W_Q``: ``u = x_t``; ``W_V``: ``u = (AX)_t``; ``W_1``: ``u = y_t``; ``W_2``: ``u = relu_t``);
 * ``right``: :math:`J_t = N_t \otimes v_t^\top`, entry ``[c, (a, b)] = N_t[c, a] v_t[b]``
-  (``W_K``: ``v = q_t``).
+  (``W_K``: ``v = q_t``);
+
+and a vector parameter (a bias, a LayerNorm scale or shift, shape ``(q,)``) has a plain
+per-token matrix, ``vector``: :math:`J_t = N_t` (the left form with ``u_t = 1``).
 
 A Hessian term :math:`\sum_t J_{i,t}^\top \Omega_t J_{j,t}` then costs one small product
 ``C_t = N_i^T Ω_t N_j`` per token and one GEMM over the token index — about
 ``T·n_i·n_j`` multiply-adds instead of the ``T·r·n_i·n_j`` of a dense ``J^T Ω J`` — and no
 Kronecker product or commutation matrix is ever formed.
+
+Two more factor kinds complete the picture: :class:`SeqFactor`, the Jacobian w.r.t. the
+block *input* ``X`` (dense within a sequence: attention mixes tokens), and
+:class:`SplitKron`, a weight whose column groups (attention heads) each have their own
+Kronecker factor.
 """
 
 from __future__ import annotations
@@ -21,58 +29,67 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenKron", "sandwich"]
+__all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich"]
 
 
 @dataclass(frozen=True)
 class TokenKron:
-    """Jacobian rows of ``T`` tokens w.r.t. one ``(p, q)`` weight, in Kronecker form.
+    """Jacobian rows of ``T`` tokens w.r.t. one ``(p, q)`` weight (or ``(q,)`` vector), in Kronecker form.
 
     Attributes
     ----------
     side : str
-        ``"left"`` (``J_t = u_t^T ⊗ N_t``) or ``"right"`` (``J_t = N_t ⊗ v_t^T``).
-    vec : Tensor
-        ``u``, shape ``(T, p)`` (left) or ``v``, shape ``(T, q)`` (right).
+        ``"left"`` (``J_t = u_t^T ⊗ N_t``), ``"right"`` (``J_t = N_t ⊗ v_t^T``) or
+        ``"vector"`` (``J_t = N_t``; a parameter of shape ``(q,)``).
+    vec : Tensor or None
+        ``u``, shape ``(T, p)`` (left) or ``v``, shape ``(T, q)`` (right); ``None`` for a vector.
     mat : Tensor
-        ``N``, shape ``(T, r, q)`` (left) or ``(T, r, p)`` (right); ``r`` = rows per token.
+        ``N``, shape ``(T, r, q)`` (left, vector) or ``(T, r, p)`` (right); ``r`` = rows per token.
     """
 
     side: str
-    vec: torch.Tensor
+    vec: torch.Tensor | None
     mat: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """``(p, q)``, the shape of the weight."""
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the parameter: ``(p, q)``, or ``(q,)`` for a vector."""
         if self.side == "left":
             return self.vec.shape[-1], self.mat.shape[-1]
-        return self.mat.shape[-1], self.vec.shape[-1]
+        if self.side == "right":
+            return self.mat.shape[-1], self.vec.shape[-1]
+        return (self.mat.shape[-1],)
 
     @property
     def numel(self) -> int:
-        p, q = self.shape
-        return p * q
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
     def premul(self, E: torch.Tensor) -> "TokenKron":
-        """Chain rule through a per-token map: rows ``E_t J_t``; ``E`` of shape ``(T, r', r)``."""
+        """Chain rule through a per-token map: rows ``E_t J_t``; ``E`` of shape ``(T, r', r)`` or ``(r', r)``."""
         return TokenKron(self.side, self.vec, E @ self.mat)
 
     def dense(self) -> torch.Tensor:
-        """The Jacobian rows as a dense tensor ``(T, r, p*q)``."""
+        """The Jacobian rows as a dense tensor ``(T, r, numel)``."""
         T, r = self.mat.shape[:2]
         if self.side == "left":
             J = self.vec[:, None, :, None] * self.mat[:, :, None, :]
-        else:
+        elif self.side == "right":
             J = self.mat[:, :, :, None] * self.vec[:, None, None, :]
+        else:
+            J = self.mat
         return J.reshape(T, r, self.numel)
 
     def vjp(self, w: torch.Tensor) -> torch.Tensor:
         r"""Per sequence :math:`\sum_{t \in b} J_t^\top w_{b,k,t}`: ``w`` of shape ``(B, K, L, r)``
         (``K`` weights per sequence; the factor's tokens are ordered ``(B, L)``); returns
-        ``(B, K, p*q)``."""
+        ``(B, K, numel)``."""
         B, K, L, r = w.shape
         mat = self.mat.reshape(B, L, r, self.mat.shape[-1])
+        if self.side == "vector":
+            return torch.einsum("blrq,bklr->bkq", mat, w)
         vec = self.vec.reshape(B, L, self.vec.shape[-1])
         Nw = torch.einsum("blrq,bklr->bklq", mat, w)
         if self.side == "left":
@@ -82,24 +99,155 @@ class TokenKron:
         return out.reshape(B, K, self.numel)
 
 
-def sandwich(F1: TokenKron, F2: TokenKron, omega: torch.Tensor | None = None) -> torch.Tensor:
-    r"""The Hessian block :math:`\sum_t J_{1,t}^\top \Omega_t J_{2,t}` as a 4-D tensor ``(p1, q1, p2, q2)``.
+@dataclass(frozen=True)
+class SeqFactor:
+    """Jacobian rows of ``T = B·L`` tokens w.r.t. the block input ``X`` (per sequence, dense).
+
+    ``mat`` has shape ``(T, r, n)``, ``n = L·d``: row block of token ``t`` of sequence ``b``
+    w.r.t. the entries of ``X[b]`` (the other sequences do not enter). ``shape`` is the
+    shape of ``X`` itself, ``(L, d)`` or ``(B, L, d)``.
+    """
+
+    mat: torch.Tensor
+    B: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.B * self.mat.shape[-1]
+
+    def premul(self, E: torch.Tensor) -> "SeqFactor":
+        return SeqFactor(E @ self.mat, self.B, self.shape)
+
+    def seq(self) -> torch.Tensor:
+        """``(B, L, r, n)``."""
+        T, r, n = self.mat.shape
+        return self.mat.reshape(self.B, T // self.B, r, n)
+
+    def dense(self) -> torch.Tensor:
+        """Per sequence ``(B, L·r, n)``: the Jacobian of a sequence's outputs w.r.t. its input."""
+        T, r, n = self.mat.shape
+        return self.mat.reshape(self.B, (T // self.B) * r, n)
+
+    def vjp(self, w: torch.Tensor) -> torch.Tensor:
+        """``(B, K, B·n)``: per sequence ``J_b^T w_bk``, zero outside the sequence's own ``X[b]``."""
+        out = torch.einsum("blrn,bklr->bkn", self.seq(), w)
+        eye = torch.eye(self.B, dtype=w.dtype, device=w.device)
+        return torch.einsum("bkn,bc->bkcn", out, eye).reshape(self.B, w.shape[1], -1)
+
+
+@dataclass(frozen=True)
+class SplitKron:
+    """A weight whose last-axis column groups (attention heads) each have their own factor.
+
+    ``parts[h]`` is the factor of columns ``h*c:(h+1)*c`` of the last axis; ``shape`` is the
+    full parameter's shape. Offers :meth:`dense` and :meth:`vjp` like :class:`TokenKron`.
+    """
+
+    parts: tuple
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def _merge(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        lead = pieces[0].shape[:-1]
+        sub = self.parts[0].shape
+        pieces = [p.reshape(*lead, *sub) for p in pieces]
+        return torch.cat(pieces, -1).reshape(*lead, self.numel)
+
+    def dense(self) -> torch.Tensor:
+        return self._merge([p.dense() for p in self.parts])
+
+    def vjp(self, w: torch.Tensor) -> torch.Tensor:
+        return self._merge([p.vjp(w) for p in self.parts])
+
+
+@dataclass(frozen=True)
+class ZeroKron:
+    """An exactly zero Jacobian (``b_K``: softmax is shift-invariant per row)."""
+
+    shape: tuple[int, ...]
+    T: int
+    r: int
+    like: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def dense(self) -> torch.Tensor:
+        return self.like.new_zeros(self.T, self.r, self.numel)
+
+    def vjp(self, w: torch.Tensor) -> torch.Tensor:
+        return w.new_zeros(w.shape[0], w.shape[1], self.numel)
+
+
+def _cmat(F1, F2, omega, core):
+    """``C_t = N_1^T Ω_t N_2 (+ core_t)``; ``omega`` ``None`` = identity, ``False`` = zero."""
+    if omega is False:
+        return core
+    M2 = F2.mat if omega is None else omega @ F2.mat
+    C = F1.mat.transpose(-1, -2) @ M2
+    return C if core is None else C + core
+
+
+def sandwich(F1, F2, omega: torch.Tensor | None = None, core: torch.Tensor | None = None) -> torch.Tensor:
+    r"""The Hessian block :math:`\sum_t J_{1,t}^\top \Omega_t J_{2,t}` as a tensor ``shape_1 + shape_2``.
 
     ``omega`` has shape ``(T, r, r)`` (one matrix per token); ``None`` means the identity.
-    Cost: ``T·(r²·q + r·q²)`` for the per-token cores plus one GEMM with ``T·n_1·n_2``
+    ``core`` (``(T, x_1, x_2)``), if given, is added to the per-token core
+    ``C_t = N_{1,t}^T Ω_t N_{2,t}`` (a second term with the same ``u``/``v`` vectors, e.g. the
+    activation's curvature); with ``omega=False`` the core is used alone.
+    Cost: ``T·(r²·x + r·x²)`` for the per-token cores plus one GEMM with ``T·n_1·n_2``
     multiply-adds; nothing of size ``T·r·n`` is formed. The result is usually a permuted
-    view of the GEMM output (``reshape(p1*q1, p2*q2)`` gives the 2-D block); writing it
-    into its place costs one pass.
+    view of the GEMM output; writing it into its place costs one pass.
+
+    For a :class:`SeqFactor` (the input ``X``) the result is per sequence: ``(B, n) + shape_2``
+    against a weight, ``(B, n, n)`` against ``X`` itself (the cross-sequence blocks are zero).
     """
+    if isinstance(F1, SeqFactor) or isinstance(F2, SeqFactor):
+        return _seq_sandwich(F1, F2, omega)
+    C = _cmat(F1, F2, omega, core)
+    ops, idx = [], []
+    p1 = {"left": "ab", "right": "ab", "vector": "b"}[F1.side]
+    p2 = {"left": "cd", "right": "cd", "vector": "d"}[F2.side]
+    if F1.side != "vector":
+        ops.append(F1.vec)
+        idx.append("ta" if F1.side == "left" else "tb")
+    if F2.side != "vector":
+        ops.append(F2.vec)
+        idx.append("tc" if F2.side == "left" else "td")
+    x1 = "a" if F1.side == "right" else "b"
+    x2 = "c" if F2.side == "right" else "d"
+    ops.append(C)
+    idx.append("t" + x1 + x2)
+    return torch.einsum(",".join(idx) + "->" + p1 + p2, *ops)
+
+
+def _seq_sandwich(F1, F2, omega):
+    if not isinstance(F1, SeqFactor):  # (W, X): transpose of (X, W)
+        out = _seq_sandwich(F2, F1, None if omega is None else omega.transpose(-1, -2))
+        k = len(F1.shape)
+        return out.permute(*range(out.ndim - k, out.ndim), *range(out.ndim - k))
+    B = F1.B
     M2 = F2.mat if omega is None else omega @ F2.mat
-    C = F1.mat.transpose(1, 2) @ M2  # (T, x1, x2): x = q (left) or p (right)
-    u1, u2 = F1.vec, F2.vec
-    if F1.side == "left" and F2.side == "left":
-        out = torch.einsum("ta,tc,tbd->abcd", u1, u2, C)
-    elif F1.side == "left":
-        out = torch.einsum("ta,td,tbc->abcd", u1, u2, C)
-    elif F2.side == "left":
-        out = torch.einsum("tb,tc,tad->abcd", u1, u2, C)
+    if isinstance(F2, SeqFactor) or F2.side == "vector":  # one GEMM per sequence over (L, r)
+        T, r, n = F1.mat.shape
+        out = F1.mat.reshape(B, -1, n).transpose(1, 2) @ M2.reshape(B, -1, M2.shape[-1])
+        return out if isinstance(F2, SeqFactor) else out.reshape(*F1.shape, *F2.shape)
+    C = F1.mat.transpose(-1, -2) @ M2  # (T, n, x2)
+    C = C.reshape(B, -1, *C.shape[1:])  # (B, L, n, x2)
+    vec = F2.vec.reshape(B, -1, F2.vec.shape[-1])
+    if F2.side == "left":
+        out = torch.einsum("blc,blxd->bxcd", vec, C)
     else:
-        out = torch.einsum("tb,td,tac->abcd", u1, u2, C)
-    return out
+        out = torch.einsum("bld,blxc->bxcd", vec, C)
+    return out.reshape(*F1.shape, *F2.shape)

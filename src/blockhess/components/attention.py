@@ -1,24 +1,32 @@
-r"""Single-head softmax self-attention and its closed-form derivatives (paper §2.2–2.3).
+r"""Multi-head softmax self-attention and its closed-form derivatives (paper §2.2–2.3, extended).
 
-:math:`F(X) = A X W_V`, :math:`A = \mathrm{softmax}_{row}(T)`, :math:`T = X W_Q W_K^\top X^\top/\sqrt{d_k}`,
-``X`` of shape ``(L, d)`` or a batch ``(B, L, d)``. Notation: :math:`Q = XW_Q`, :math:`K = XW_K`,
-:math:`V = XW_V`, :math:`S_l = \mathrm{diag}(a_l) - a_l a_l^\top` (softmax Jacobian of row ``l``),
-:math:`s = 1/\sqrt{d_k}`.
+Per head ``h`` (columns ``h·d_k:(h+1)·d_k`` of ``W_Q, W_K``, ``h·d_v:(h+1)·d_v`` of ``W_V``):
+:math:`O_h = A_h V_h`, :math:`A_h = \mathrm{softmax}_{row}(T_h [+ \text{causal mask}])`,
+:math:`T_h = Q_h K_h^\top/\sqrt{d_k}`, :math:`Q = XW_Q + b_Q`, :math:`K = XW_K + b_K`,
+:math:`V = XW_V + b_V`; the output ``O`` concatenates the heads (``F`` in the paper's
+one-head notation). Notation per head: :math:`S_l = \mathrm{diag}(a_l) - a_l a_l^\top`
+(softmax Jacobian of row ``l``), :math:`s = 1/\sqrt{d_k}`. A causal mask sets ``a_lm = 0`` for
+``m > l``; every formula below holds unchanged (``S_l`` and ``Ψ_l`` vanish on masked entries).
 
-First derivatives (Noci et al. Lemma A.2 as in the paper, §2.2), per output token ``l``:
+First derivatives (Noci et al. Lemma A.2 as in the paper, §2.2), per output token ``l``,
+rows of head ``h``'s output block:
 
-* :math:`G_Q`: rows :math:`x_l^\top \otimes s V^\top S_l K`;
-* :math:`G_K`: rows :math:`s V^\top S_l X \otimes q_l^\top` (the paper's :math:`K_{d_K,d_V}` factor,
-  typo 2 of §2.10, is absorbed in the right-Kronecker layout);
-* :math:`G_V`: rows :math:`(AX)_l^\top \otimes I` (:math:`G_V = AX \otimes I`).
+* :math:`G_Q`: :math:`x_l^\top \otimes s V_h^\top S_l K_h` (``b_Q``: the same without ``x_l``);
+* :math:`G_K`: :math:`s V_h^\top S_l X \otimes q_{l,h}^\top` (the paper's :math:`K_{d_K,d_V}` factor,
+  typo 2 of §2.10, is absorbed in the right-Kronecker layout); ``b_K``: exactly zero
+  (:math:`S_l \mathbf 1 = 0`: softmax is shift-invariant per row);
+* :math:`G_V`: :math:`(A_h X)_l^\top \otimes I_{d_v}`; ``b_V``: the identity (rows of ``A`` sum to 1).
 
 Second derivatives contracted with an output weight ``G`` (the Φ blocks of §2.3 with
-:math:`R` applied; derived here, docs/derivations.md §attention): with
-:math:`\phi = \sum_{lj} A_{lj} B_{lj}`, :math:`B = G V^\top`,
+:math:`R` applied; derived here, docs/derivations.md §4): per head, with
+:math:`\phi = \sum_{lj} A_{lj} B_{lj}`, :math:`B = G_h V_h^\top`,
 
 * T–T curvature :math:`\Psi_l = \sum_j B_{lj}\nabla^2 A_{lj}` sandwiched by :math:`\partial T_l/\partial W_{Q,K}`;
 * the bilinear Q–K term :math:`\delta_{bb'}\,s\,(X^\top \Gamma_T X)_{aa'}`, :math:`\Gamma_T = \partial\phi/\partial T`;
 * the T–W_V cross term, rows :math:`S_l X \otimes G_l^\top`; and :math:`\Phi_{VV} = 0`.
+
+Derivatives w.r.t. the input ``X`` (dense within a sequence): :func:`input_jacobian` and
+:func:`contract_input_hessian`.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as Fn
 
 from ..kronecker import TokenKron, sandwich
 from . import softmax
 
-__all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian", "NAMES"]
+__all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian",
+           "contract_input_hessian", "head_names", "NAMES"]
 
 NAMES = ("W_Q", "W_K", "W_V")
 
@@ -39,22 +49,77 @@ NAMES = ("W_Q", "W_K", "W_V")
 class Cache(NamedTuple):
     """Forward quantities of one batch of sequences, all with leading batch axis ``B``."""
 
-    X: torch.Tensor  # (B, L, d)
-    Q: torch.Tensor  # (B, L, d_k)
-    K: torch.Tensor  # (B, L, d_k)
+    X: torch.Tensor  # (B, L, d) attention input
+    Q: torch.Tensor  # (B, L, H*d_k), bias included
+    K: torch.Tensor  # (B, L, H*d_k)
     V: torch.Tensor  # (B, L, d)
-    A: torch.Tensor  # (B, L, L)
-    F: torch.Tensor  # (B, L, d)
+    A: torch.Tensor  # (B, L, L) for one head, (B, H, L, L) for several
+    F: torch.Tensor  # (B, L, d): the concatenated head outputs O
     scale: float  # 1/sqrt(d_k)
+    n_heads: int = 1
 
 
-def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor) -> Cache:
-    """Self-attention ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V`` on ``X`` of shape
-    ``(B, L, d)``; returns the :class:`Cache` (``.F`` is the output). No checks (kernel)."""
-    scale = 1.0 / math.sqrt(W_Q.shape[1])
+class Head(NamedTuple):
+    """One head's slices of a :class:`Cache` (views; the whole cache for one head)."""
+
+    X: torch.Tensor
+    Q: torch.Tensor  # (B, L, d_k)
+    K: torch.Tensor
+    V: torch.Tensor  # (B, L, d_v)
+    A: torch.Tensor  # (B, L, L)
+    F: torch.Tensor  # (B, L, d_v)
+    scale: float
+    cols: slice  # this head's output columns (of O, W_V)
+    qk: slice  # this head's query/key columns (of W_Q, W_K)
+
+
+def head_names(n_heads: int, h: int) -> dict[str, str]:
+    """Internal names of head ``h``'s column groups: ``W_Q#h`` etc. (the public names for one head)."""
+    if n_heads == 1:
+        return {n: n for n in ("W_Q", "b_Q", "W_K", "W_V")}
+    return {n: f"{n}#{h}" for n in ("W_Q", "b_Q", "W_K", "W_V")}
+
+
+def head(c: Cache, h: int) -> Head:
+    """Head ``h`` of ``c`` as a single-head cache (views)."""
+    H = c.n_heads
+    dk, dv = c.Q.shape[-1] // H, c.V.shape[-1] // H
+    qk, cols = slice(h * dk, (h + 1) * dk), slice(h * dv, (h + 1) * dv)
+    A = c.A if H == 1 else c.A[:, h]
+    if H == 1:
+        return Head(c.X, c.Q, c.K, c.V, A, c.F, c.scale, cols, qk)
+    return Head(c.X, c.Q[..., qk], c.K[..., qk], c.V[..., cols], A, c.F[..., cols], c.scale, cols, qk)
+
+
+def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, b_Q=None, b_K=None,
+            b_V=None, n_heads: int = 1, causal: bool = False) -> Cache:
+    """Self-attention on ``X`` of shape ``(B, L, d)``; returns the :class:`Cache` (``.F`` is the
+    concatenated output ``O``). One head, no biases, no mask: the paper's
+    ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``. No checks (kernel)."""
+    H = n_heads
+    scale = 1.0 / math.sqrt(W_Q.shape[1] // H)
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
-    A = torch.softmax(Q @ K.transpose(-1, -2) * scale, dim=-1)
-    return Cache(X, Q, K, V, A, A @ V, scale)
+    if b_Q is not None:
+        Q = Q + b_Q
+    if b_K is not None:
+        K = K + b_K
+    if b_V is not None:
+        V = V + b_V
+    B, L, _ = X.shape
+    if H == 1:
+        T = Q @ K.transpose(-1, -2) * scale
+    else:
+        Qh = Q.reshape(B, L, H, -1).transpose(1, 2)
+        Kh = K.reshape(B, L, H, -1).transpose(1, 2)
+        T = Qh @ Kh.transpose(-1, -2) * scale
+    if causal:
+        T = T.masked_fill(torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1), float("-inf"))
+    A = torch.softmax(T, dim=-1)
+    if H == 1:
+        F = A @ V
+    else:
+        F = (A @ V.reshape(B, L, H, -1).transpose(1, 2)).transpose(1, 2).reshape(B, L, -1)
+    return Cache(X, Q, K, V, A, F, scale, H)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -62,71 +127,199 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[2:])
 
 
-def _vt_s(c: Cache, M: torch.Tensor) -> torch.Tensor:
-    """``V^T S_l M`` for every token ``l``: ``(B, L, d, m)`` for ``M`` of shape ``(B, L, m)``."""
+def _vt_s(c, M: torch.Tensor) -> torch.Tensor:
+    """``V^T S_l M`` for every token ``l``: ``(B, L, d_v, m)`` for ``M`` of shape ``(B, L, m)``."""
     first = torch.einsum("blj,bjc,bjm->blcm", c.A, c.V, M)
     return first - c.F[..., :, None] * (c.A @ M)[..., None, :]
 
 
-def weight_jacobians(c: Cache) -> dict[str, TokenKron]:
-    """``G_Q, G_K, G_V`` (∂F/∂W, paper §2.2) as per-token Kronecker factors over ``B·L`` tokens."""
-    d = c.X.shape[-1]
-    eye = torch.eye(d, dtype=c.X.dtype, device=c.X.device).expand(c.X.shape[0] * c.X.shape[1], d, d)
-    return {
-        "W_Q": TokenKron("left", _flat(c.X), _flat(_vt_s(c, c.K)) * c.scale),
-        "W_K": TokenKron("right", _flat(c.Q), _flat(_vt_s(c, c.X)) * c.scale),
-        "W_V": TokenKron("left", _flat(c.A @ c.X), eye),
-    }
+def _pad_rows(t: torch.Tensor, cols: slice, d: int) -> torch.Tensor:
+    """Place a head's output rows ``(…, d_v, m)`` at rows ``cols`` of a ``(…, d, m)`` block."""
+    if t.shape[-2] == d:
+        return t
+    return Fn.pad(t, (0, 0, cols.start, d - cols.stop))
 
 
-def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor) -> torch.Tensor:
-    r"""``dF/dX`` in the paper's layout, shape ``(B, L·d, L·d)``, rows ``(l, c)``, columns ``(m, a)``.
+def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
+    """``∂O/∂W`` per token over ``B·L`` tokens, keyed by internal name (per head ``W_Q#h``, ``b_Q#h``,
+    ``W_K#h``, ``W_V#h`` for several heads; ``W_Q`` etc. for one), plus ``b_V``.
 
-    :math:`\partial F_{lc}/\partial X_{ma} = A_{lm} (W_V)_{ac} + \delta_{lm}(V^\top S_l X M^\top)_{ca}
-    + (V^\top S_l)_{cm} (x_l M)_a`, :math:`M = s W_Q W_K^\top`. Derived here (docs/derivations.md).
+    ``names``: the public parameter names present (default ``W_Q, W_K, W_V``). ``b_K`` gets no
+    factor: its Jacobian is exactly zero (softmax is shift-invariant per row).
+    """
+    names = NAMES if names is None else names
+    B, L, d = c.X.shape
+    eye = torch.eye(d, dtype=c.X.dtype, device=c.X.device)
+    out = {}
+    for h in range(c.n_heads):
+        hd, nm = head(c, h), head_names(c.n_heads, h)
+        GQ = _pad_rows(_flat(_vt_s(hd, hd.K)) * c.scale, hd.cols, d)
+        out[nm["W_Q"]] = TokenKron("left", _flat(c.X), GQ)
+        if "b_Q" in names:
+            out[nm["b_Q"]] = TokenKron("vector", None, GQ)
+        out[nm["W_K"]] = TokenKron("right", _flat(hd.Q), _pad_rows(_flat(_vt_s(hd, c.X)) * c.scale, hd.cols, d))
+        out[nm["W_V"]] = TokenKron("left", _flat(hd.A @ c.X), eye[:, hd.cols].expand(B * L, d, hd.cols.stop - hd.cols.start))
+    if "b_V" in names:
+        out["b_V"] = TokenKron("vector", None, eye.expand(B * L, d, d))
+    return out
+
+
+def _input_terms(hd: Head, W_Q, W_K):
+    """``κ = s K W_Q^T`` and ``w = s Q W_K^T`` (``(B, L, d)`` each) for one head:
+    ``∂T_lm/∂X_pa = δ_lp κ_ma + δ_mp w_la``."""
+    return hd.K @ W_Q[:, hd.qk].T * hd.scale, hd.Q @ W_K[:, hd.qk].T * hd.scale
+
+
+def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, compact: bool = False) -> torch.Tensor:
+    r"""``dO/dX`` per sequence: ``(B, L·d, L·d)``, rows ``(l, c)``, columns ``(m, a)``; or
+    ``(B, L, d, L, d)`` with ``compact=True``.
+
+    Per head, :math:`\partial O_{lc}/\partial X_{ma} = A_{lm} (W_V)_{ac} + \delta_{lm}(V^\top S_l \kappa)_{ca}
+    + (V^\top S_l)_{cm}\, w_{la}`, :math:`\kappa = s K W_Q^\top`, :math:`w = s Q W_K^\top`
+    (biases included in ``Q``, ``K``, ``V``). Derived here (docs/derivations.md §4).
     """
     B, L, d = c.X.shape
-    M = c.scale * W_Q @ W_K.T
-    S = softmax.jacobian(c.A)  # (B, L, L, L)
-    VtS = torch.einsum("bjc,bljm->blcm", c.V, S)  # (B, L, d, L): V^T S_l
-    J = c.A[:, :, None, :, None] * W_V.T[None, None, :, None, :]
     eye = torch.eye(L, dtype=c.X.dtype, device=c.X.device)
-    J = J + eye[None, :, None, :, None] * (VtS @ (c.X @ M.T)[:, None])[:, :, :, None, :]
-    J = J + VtS[..., None] * (c.X @ M)[:, :, None, None, :]
-    return J.reshape(B, L * d, L * d)
+    parts = []
+    for h in range(c.n_heads):
+        hd = head(c, h)
+        kappa, w = _input_terms(hd, W_Q, W_K)
+        S = softmax.jacobian(hd.A)  # (B, L, L, L)
+        VtS = torch.einsum("bjc,bljm->blcm", hd.V, S)  # (B, L, d_v, L): V^T S_l
+        J = hd.A[:, :, None, :, None] * W_V[:, hd.cols].T[None, None, :, None, :]
+        J = J + eye[None, :, None, :, None] * (VtS @ kappa[:, None])[:, :, :, None, :]
+        J = J + VtS[..., None] * w[:, :, None, None, :]
+        parts.append(J)
+    J = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+    return J if compact else J.reshape(B, L * d, L * d)
 
 
-def contract_hessian(c: Cache, G: torch.Tensor, acc) -> None:
-    r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} F_{blc}` over ``(W_Q, W_K, W_V)`` to ``acc``.
+def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> None:
+    r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} O_{blc}` over the attention weights to ``acc``.
 
-    ``G`` has the shape of ``F``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
-    :class:`~blockhess.blocks.BlockSum`; only the pairs it wants are computed. The
-    ``(W_V, W_V)`` block is exactly zero (F is linear in ``W_V``) and is never added.
+    ``G`` has the shape of ``O``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
+    :class:`~blockhess.blocks.BlockSum` (or anything with its ``wants``/``add``/``add_diagonal``)
+    over internal names (:func:`head_names`); only the pairs it wants are computed.
+    ``names``: the public names present (``b_Q`` is the only bias with curvature here:
+    ``b_K`` has none and ``b_V`` enters linearly with :math:`S_l\mathbf 1 = 0`). The
+    ``(W_V, W_V)`` block is exactly zero (O is linear in ``W_V``) and is never added.
     With ``G = (2/(L d)) (F - Target)`` this is Ormaniec et al.'s functional Hessian
     (Theorem 3.2); with one-hot ``G`` it gives the Φ blocks of paper §2.3.
-    Derived here (docs/derivations.md §attention). No checks (kernel).
+    Derived here (docs/derivations.md §4). No checks (kernel).
     """
+    names = NAMES if names is None else names
+    for h in range(c.n_heads):
+        _contract_head(head(c, h), G[..., head(c, h).cols], acc, head_names(c.n_heads, h), "b_Q" in names)
+
+
+def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> None:
     B, L, d = c.X.shape
+    nQ, nbQ, nK, nV = nm["W_Q"], nm["b_Q"], nm["W_K"], nm["W_V"]
     Bm = G @ c.V.transpose(-1, -2)  # (B, L, L): B_lj = G_l . V_j
     Psi = _flat(softmax.contract_hessian(c.A, Bm))  # (B*L, L, L)
 
     def per_token(t):  # the sequence's (L, m) matrix, once per token: (B*L, L, m)
         return _flat(t[:, None].expand(B, L, *t.shape[1:]))
 
+    sK = per_token(c.K) * c.scale
     dT = {  # ∂T_l/∂W per token, rows = the L keys
-        "W_Q": TokenKron("left", _flat(c.X), per_token(c.K) * c.scale),
-        "W_K": TokenKron("right", _flat(c.Q), per_token(c.X) * c.scale),
+        nQ: TokenKron("left", _flat(c.X), sK),
+        nK: TokenKron("right", _flat(c.Q), per_token(c.X) * c.scale),
     }
-    for a, b in (("W_Q", "W_Q"), ("W_Q", "W_K"), ("W_K", "W_K")):
-        if acc.wants(a, b):
-            acc.add(a, b, sandwich(dT[a], dT[b], Psi))
-    if acc.wants("W_Q", "W_K"):  # T is bilinear in (W_Q, W_K): δ_bb' s (X^T Γ_T X)_aa'
+    order = [nQ, nK]
+    if has_bQ:
+        dT[nbQ] = TokenKron("vector", None, sK)
+        order = [nQ, nbQ, nK]
+    for i, a in enumerate(order):
+        for b in order[i:]:
+            if acc.wants(a, b):
+                acc.add(a, b, sandwich(dT[a], dT[b], Psi))
+    want_qk, want_bk = acc.wants(nQ, nK), has_bQ and acc.wants(nbQ, nK)
+    if want_qk or want_bk:  # T is bilinear in (Q, K): δ_bb' s (X^T Γ_T X)_aa'
         grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
-        P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale
-        acc.add_diagonal("W_Q", "W_K", 1, 3, P[:, :, None].expand(*P.shape, c.Q.shape[-1]))
-    if acc.wants("W_Q", "W_V") or acc.wants("W_K", "W_V"):
+        dk = c.Q.shape[-1]
+        if want_qk:
+            P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale
+            acc.add_diagonal(nQ, nK, 1, 3, P[:, :, None].expand(*P.shape, dk))
+        if want_bk:
+            p = torch.einsum("blj,bja->a", grad_T, c.X) * c.scale
+            acc.add_diagonal(nbQ, nK, 0, 2, p[:, None].expand(d, dk))
+    cross = [a for a in order if acc.wants(a, nV)]
+    if cross:
         SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
         cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys
-        for a in ("W_Q", "W_K"):
-            if acc.wants(a, "W_V"):
-                acc.add(a, "W_V", sandwich(dT[a], cross_V))
+        for a in cross:
+            acc.add(a, nV, sandwich(dT[a], cross_V))
+
+
+def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None, weights: bool = True):
+    r"""Second derivatives of :math:`\phi = \sum G \odot O` involving the input ``X`` (per sequence).
+
+    Returns ``(XX, XW)``: ``XX`` of shape ``(B, L, d, L, d)`` (:math:`\partial^2\phi/\partial X\partial X`),
+    and ``XW`` a dict internal name → ``(B, L, d, *shape)`` (:math:`\partial^2\phi/\partial X\partial W`) for
+    ``W_Q``, ``b_Q``, ``W_K``, ``W_V`` of every head (``weights=False`` skips them); the
+    other biases have none. Per head, with :math:`D_l[m,(p,a)] = \delta_{lp}\kappa_{ma} + \delta_{mp} w_{la}`
+    (:math:`\partial T_l/\partial X`), :math:`\Gamma_T`, :math:`\Psi_l` as in :func:`contract_hessian`:
+    :math:`\sum_l D_l^\top \Psi_l D_l + \sum_l (D_l^\top S_l e\, (W_V G_l)^\top + \text{transpose})
+    + s(\Gamma_T \otimes W_QW_K^\top + \text{transpose})` and the matching terms per weight
+    (docs/derivations.md §4). No checks (kernel).
+    """
+    names = NAMES if names is None else names
+    B, L, d = c.X.shape
+    X = c.X
+    eye_d = torch.eye(d, dtype=X.dtype, device=X.device)
+    XX = X.new_zeros(B, L, d, L, d)
+    XW = {}
+    for h in range(c.n_heads):
+        hd, nm = head(c, h), head_names(c.n_heads, h)
+        Gh = G[..., hd.cols]
+        s = hd.scale
+        kappa, w = _input_terms(hd, W_Q, W_K)  # (B, L, d)
+        Bm = Gh @ hd.V.transpose(-1, -2)
+        Psi = softmax.contract_hessian(hd.A, Bm)  # (B, L, L, L) [l, m, n]
+        S = softmax.jacobian(hd.A)  # (B, L, L, L)
+        Gam = hd.A * (Bm - (hd.A * Bm).sum(-1, keepdim=True))  # (B, L, L)
+        gv = Gh @ W_V[:, hd.cols].T  # (B, L, d): W_V G_l
+        M = W_Q[:, hd.qk] @ W_K[:, hd.qk].T  # (d, d)
+        # X–X: T–T curvature
+        PsiK = torch.einsum("bpmn,bma->bpan", Psi, kappa)  # (κ^T Ψ_p)[a, n]
+        t = torch.einsum("bpan,bnc->bpac", PsiK, kappa)  # κ^T Ψ_p κ on the (p, p) diagonal
+        XXh = torch.diag_embed(t.permute(0, 2, 3, 1), dim1=1, dim2=3)  # (B, L, d, L, d)
+        t2 = PsiK[..., None] * w[:, :, None, None, :]  # [(p,a),(q,b)] = (κ^TΨ_p)[a,q] w_p[b]
+        t4 = torch.einsum("blpq,bla,blc->bpaqc", Psi, w, w)
+        # T–V cross: (D_l^T S_l)[(p,a), q] (W_V G_l)[b]
+        SK = torch.einsum("bpmq,bma->bpaq", S, kappa)  # (κ^T S_p)[a, q]
+        t5 = SK[..., None] * gv[:, :, None, None, :] + torch.einsum("blpq,bla,blc->bpaqc", S, w, gv)
+        t3 = s * Gam[:, :, None, :, None] * M[None, None, :, None, :]
+        sym = t2 + t5 + t3
+        XXh = XXh + t4 + sym + sym.permute(0, 3, 4, 1, 2)
+        XX = XX + XXh
+        if not weights:
+            continue
+        # X–W blocks, layout (z, p, e, *W) with (p, e) the entry of X (batch axis z)
+        sKm = hd.K * s  # (B, L, dk)
+        PsiKs = Psi @ sKm[:, None]  # (B, L, L, dk): Ψ_l sK
+        SKs = S @ sKm[:, None]  # S_l sK
+        W_Qh, W_Kh = W_Q[:, hd.qk], W_K[:, hd.qk]
+        t1 = torch.einsum("zme,zpmc->zpec", kappa, PsiKs)  # (κ^T Ψ_p sK)[e, c]
+        tw = torch.einsum("zle,zlpc->zpec", w, PsiKs) + torch.einsum("zlpc,zle->zpec", SKs, gv)
+        XQ = torch.einsum("zpa,zpec->zpeac", X, t1)
+        XQ = XQ + torch.einsum("zla,zle,zlpc->zpeac", X, w, PsiKs) + torch.einsum("zla,zlpc,zle->zpeac", X, SKs, gv)
+        XQ = XQ + (Gam @ sKm)[:, :, None, None, :] * eye_d[None, None, :, :, None]
+        XQ = XQ + s * torch.einsum("zla,zlp,ec->zpeac", X, Gam, W_Kh)
+        XW[nm["W_Q"]] = XQ
+        if "b_Q" in names:
+            XW[nm["b_Q"]] = t1 + tw + s * Gam.sum(1)[:, :, None, None] * W_Kh[None, None]
+        sX = X * s
+        PsiX = Psi @ sX[:, None]  # (B, L, L, d): Ψ_l sX
+        SXs = S @ sX[:, None]
+        XK = torch.einsum("zme,zpma,zpc->zpeac", kappa, PsiX, hd.Q) + torch.einsum("zle,zlpa,zlc->zpeac", w, PsiX, hd.Q)
+        XK = XK + torch.einsum("zlc,zlpa,zle->zpeac", hd.Q, SXs, gv)
+        XK = XK + s * (Gam @ X)[:, :, None, :, None] * W_Qh[None, None, :, None, :]
+        XK = XK + s * (Gam.transpose(1, 2) @ hd.Q)[:, :, None, None, :] * eye_d[None, None, :, :, None]
+        XW[nm["W_K"]] = XK
+        SX1 = S @ X[:, None]  # (B, L, L, d): S_l X
+        XV = torch.einsum("zme,zpma,zpc->zpeac", kappa, SX1, Gh) + torch.einsum("zle,zlpa,zlc->zpeac", w, SX1, Gh)
+        XV = XV + (hd.A.transpose(1, 2) @ Gh)[:, :, None, None, :] * eye_d[None, None, :, :, None]
+        XW[nm["W_V"]] = XV
+    return XX, XW

@@ -1,82 +1,217 @@
-r"""The ReLU FFN with its residual, :math:`S = \mathrm{relu}(Y W_1) W_2 + Y`, and its derivatives (§2.6).
+r"""The FFN with its residual, :math:`S = \mathrm{act}(Y_f W_1 + b_1) W_2 + b_2 + Y`, and its derivatives (§2.6).
 
-With :math:`D_t = \mathbb 1[y_t W_1 > 0]` (Lemma 1; all results hold almost everywhere, off
-the kinks) and :math:`h = \mathrm{relu}(YW_1)`, per token ``t``:
+``Y_f = Y`` in a post-LN block (the paper's) and :math:`Y_f = \mathrm{LN}_2(Y) = \gamma_2\odot n + \beta_2`
+in a pre-LN block. With :math:`H_1 = Y_f W_1 + b_1`, :math:`h = \mathrm{act}(H_1)`,
+:math:`a' = \mathrm{act}'(H_1)`, :math:`a'' = \mathrm{act}''(H_1)` (ReLU: :math:`a' = D_t = \mathbb 1[H_1 > 0]`,
+:math:`a'' = 0`, Lemma 1: results hold almost everywhere, off the kinks), per token ``t``:
 
-* :math:`B_1 = \partial S/\partial W_1`: rows :math:`y_t^\top \otimes W_2^\top \mathrm{diag}(D_t)`
-  (paper: :math:`(I_L\otimes W_2^\top) D_\sigma (Y\otimes I_{d_{ff}})`);
-* :math:`B_2 = \partial S/\partial W_2`: rows :math:`h_t^\top \otimes I` (paper: :math:`h \otimes I_{d_V}`);
-* :math:`J_{SY} = \partial S/\partial Y`: per token :math:`I + W_2^\top \mathrm{diag}(D_t) W_1^\top`.
+* :math:`B_1 = \partial S/\partial W_1`: rows :math:`y_{f,t}^\top \otimes W_2^\top \mathrm{diag}(a'_t)`
+  (paper: :math:`(I_L\otimes W_2^\top) D_\sigma (Y\otimes I_{d_{ff}})`); ``b_1``: :math:`W_2^\top \mathrm{diag}(a'_t)`;
+* :math:`B_2 = \partial S/\partial W_2`: rows :math:`h_t^\top \otimes I` (paper: :math:`h \otimes I_{d_V}`); ``b_2``: ``I``;
+* pre-LN: ``gamma_2``: :math:`W_2^\top \mathrm{diag}(a'_t) W_1^\top \mathrm{diag}(n_t)`; ``beta_2``: :math:`W_2^\top \mathrm{diag}(a'_t) W_1^\top`;
+* :math:`J_{SY} = \partial S/\partial Y`: per token :math:`I + W_2^\top \mathrm{diag}(a'_t) W_1^\top J_f`
+  (``J_f`` the LN_2 Jacobian, pre-LN; ``I`` post-LN).
 
-Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` (ReLU: the ``(Y,Y)``, ``(W_1,W_1)`` and
-``(W_2,W_2)`` blocks vanish; derived here, docs/derivations.md §ffn, the corrected ξ_12 / ξ_21):
+Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` (derived here, docs/derivations.md §5):
+with :math:`\delta = g W_2^\top`, :math:`g_H = \delta\odot a'`, :math:`\psi = \delta\odot a''`,
 
-* ``(W_1, W_2)``: :math:`\delta_{bb'} \sum_t y_{ta} D_{tb} g_{tc}`;
-* ``(Y, W_1)``: per token rows :math:`I \otimes (D_t \odot g_t W_2^\top)^\top`;
-* ``(Y, W_2)``: per token rows :math:`W_1\mathrm{diag}(D_t) \otimes g_t^\top`.
+* the activation's curvature :math:`\sum_t (\partial H_1/\partial\cdot)^\top \mathrm{diag}(\psi_t) (\partial H_1/\partial\cdot)`
+  (zero for ReLU) over ``Y, gamma_2, beta_2, W_1, b_1``;
+* the bilinear ``h W_2``: ``(W_1, W_2)``: :math:`\delta_{bb'} \sum_t y_{f,ta} a'_{tb} g_{tc}`;
+  ``(Y, W_2)``: per token :math:`J_f^\top W_1\mathrm{diag}(a'_t) \otimes g_t^\top`;
+* the bilinear ``Y_f W_1``: ``(Y, W_1)``: per token :math:`J_f^\top \otimes g_{H,t}^\top`;
+* pre-LN, LN_2's own curvature: ``(Y, Y)``: :math:`\Gamma_{LN}(\gamma_2\odot g_{Y_f})`; ``(Y, gamma_2)``:
+  :math:`J_n^\top \mathrm{diag}(g_{Y_f})`, :math:`g_{Y_f} = g_H W_1^\top`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from ..kronecker import TokenKron
+from . import layernorm
 
-__all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian"]
+__all__ = ["Cache", "forward", "activation", "weight_jacobians", "input_jacobian", "contract_hessian"]
 
 
 class Cache(NamedTuple):
     """FFN forward quantities over ``T`` tokens (batch and sequence axes merged)."""
 
-    Y: torch.Tensor  # (T, d)
-    D: torch.Tensor  # (T, d_ff) ReLU derivative, 0/1
-    h: torch.Tensor  # (T, d_ff) relu(Y W_1)
+    Y: torch.Tensor  # (T, d) input (the residual branch)
+    D: torch.Tensor  # (T, d_ff) act'(H_1) (ReLU: 0/1)
+    h: torch.Tensor  # (T, d_ff) act(H_1)
     S: torch.Tensor  # (T, d) output
     W_1: torch.Tensor
     W_2: torch.Tensor
+    D2: torch.Tensor | None = None  # (T, d_ff) act''(H_1); None for ReLU
+    Yf: torch.Tensor | None = None  # (T, d) FFN input (LN_2(Y) pre-LN; Y itself post-LN)
+    n: torch.Tensor | None = None  # (T, d) normalised Y (pre-LN)
+    J_n: torch.Tensor | None = None  # (T, d, d) Jacobian of the normalisation, without gamma (pre-LN)
+    J_f: torch.Tensor | None = None  # (T, d, d) Jacobian of LN_2 with gamma (pre-LN)
+    ln_eps: float = 0.0
+    gamma: torch.Tensor | None = None
 
 
-def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor) -> Cache:
-    """``S = relu(Y W_1) W_2 + Y`` for ``Y`` of shape ``(T, d)``. No checks (kernel)."""
-    pre = Y @ W_1
-    D = (pre > 0).to(Y.dtype)
-    h = pre * D
-    return Cache(Y, D, h, h @ W_2 + Y, W_1, W_2)
+def activation(x: torch.Tensor, kind: str = "relu"):
+    r"""``(act(x), act'(x), act''(x))`` in closed form; ``act''`` is ``None`` for ReLU (zero a.e.).
+
+    * relu: ``x·1[x>0]``, ``1[x>0]``.
+    * gelu (erf): :math:`x\Phi(x)`, :math:`\Phi(x) + x\varphi(x)`, :math:`\varphi(x)(2 - x^2)`.
+    * gelu_tanh: :math:`\tfrac12 x(1+t)`, :math:`t = \tanh u`, :math:`u = c(x + 0.044715x^3)`, :math:`c = \sqrt{2/\pi}`:
+      :math:`\tfrac12(1+t) + \tfrac12 x(1-t^2)u'`, :math:`(1-t^2)(u' - x t u'^2 + \tfrac12 x u'')`.
+    """
+    if kind == "relu":
+        D = (x > 0).to(x.dtype)
+        return x * D, D, None
+    if kind == "gelu":
+        Phi = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        phi = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        return x * Phi, Phi + x * phi, phi * (2 - x * x)
+    if kind == "gelu_tanh":
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(c * (x + k * x ** 3))
+        up, upp = c * (1 + 3 * k * x * x), 6 * c * k * x
+        sech2 = 1 - t * t
+        return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * sech2 * up, sech2 * (up - x * t * up * up + 0.5 * x * upp)
+    raise ValueError(f"activation must be 'relu', 'gelu' or 'gelu_tanh', got {kind!r}")
 
 
-def weight_jacobians(c: Cache) -> dict[str, TokenKron]:
-    """``B_1`` and ``B_2`` (paper §2.6) as per-token Kronecker factors."""
+def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2=None, act: str = "relu",
+            pre_ln: bool = False, ln_eps: float = 0.0, gamma=None, beta=None) -> Cache:
+    """``S = act(Y_f W_1 + b_1) W_2 + b_2 + Y`` for ``Y`` of shape ``(T, d)``; ``Y_f = LN_2(Y)``
+    with ``pre_ln`` (``ln_eps``, ``gamma``, ``beta``), else ``Y``. No checks (kernel)."""
+    n = J_n = J_f = None
+    Yf = Y
+    if pre_ln:
+        n, _ = layernorm._normalise(Y, ln_eps)
+        J_n = layernorm._compact_jacobian(Y, ln_eps, None)
+        Yf = n if gamma is None else n * gamma
+        J_f = J_n if gamma is None else gamma[:, None] * J_n
+        if beta is not None:
+            Yf = Yf + beta
+    pre = Yf @ W_1
+    if b_1 is not None:
+        pre = pre + b_1
+    h, D, D2 = activation(pre, act)
+    S = h @ W_2 + Y
+    if b_2 is not None:
+        S = S + b_2
+    return Cache(Y, D, h, S, W_1, W_2, D2, Yf, n, J_n, J_f, ln_eps, gamma)
+
+
+def _M(c: Cache) -> torch.Tensor:
+    """``∂S/∂H_1 = W_2^T diag(a')`` per token, ``(T, d, d_ff)``."""
+    return c.W_2.T[None] * c.D[:, None, :]
+
+
+def weight_jacobians(c: Cache, names=("W_1", "W_2")) -> dict[str, TokenKron]:
+    """``B_1``, ``B_2`` (paper §2.6) and the biases / LN_2 parameters in ``names``, per token."""
     T, d = c.Y.shape
     eye = torch.eye(d, dtype=c.Y.dtype, device=c.Y.device).expand(T, d, d)
-    return {
-        "W_1": TokenKron("left", c.Y, c.W_2.T[None] * c.D[:, None, :]),
-        "W_2": TokenKron("left", c.h, eye),
-    }
+    M = _M(c)
+    Yf = c.Y if c.Yf is None else c.Yf
+    out = {}
+    if c.n is not None and ("gamma_2" in names or "beta_2" in names):
+        MW = M @ c.W_1.T
+        if "gamma_2" in names:
+            out["gamma_2"] = TokenKron("vector", None, MW * c.n[:, None, :])
+        if "beta_2" in names:
+            out["beta_2"] = TokenKron("vector", None, MW)
+    out["W_1"] = TokenKron("left", Yf, M)
+    if "b_1" in names:
+        out["b_1"] = TokenKron("vector", None, M)
+    out["W_2"] = TokenKron("left", c.h, eye)
+    if "b_2" in names:
+        out["b_2"] = TokenKron("vector", None, eye)
+    return out
 
 
 def input_jacobian(c: Cache) -> torch.Tensor:
-    """``J_SY`` per token, shape ``(T, d, d)``: ``I + W_2^T diag(D_t) W_1^T`` (paper §2.6)."""
+    """``J_SY`` per token, shape ``(T, d, d)``: ``I + W_2^T diag(a'_t) W_1^T [J_f]`` (paper §2.6)."""
     d = c.Y.shape[1]
     eye = torch.eye(d, dtype=c.Y.dtype, device=c.Y.device)
-    return eye + (c.W_2.T[None] * c.D[:, None, :]) @ c.W_1.T
+    MW = _M(c) @ c.W_1.T
+    return eye + (MW if c.J_f is None else MW @ c.J_f)
 
 
-def contract_hessian(c: Cache, g: torch.Tensor, acc) -> dict[str, TokenKron]:
-    r"""Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` over ``(Y, W_1, W_2)`` (ReLU, a.e.).
+class Contraction(NamedTuple):
+    """The FFN's second derivatives contracted with ``g_S``, in the shapes the assembly needs.
 
-    ``g`` has shape ``(T, d)``. Adds the ``(W_1, W_2)`` block (``(d·d_ff, d_ff·d)``) to the
-    :class:`~blockhess.blocks.BlockSum` ``acc`` if wanted, and returns the ``(Y, W_k)``
-    blocks as per-token factors (rows: the ``d`` entries of ``y_t``) for chaining through
-    ``∂Y/∂W``. The ``(Y,Y)``, ``(W_1,W_1)`` and ``(W_2,W_2)`` blocks are zero for ReLU.
-    Derived here (docs/derivations.md §ffn). No checks (kernel).
+    ``gamma``: ``(T, d, d)`` curvature w.r.t. ``Y`` (``None`` when zero: ReLU, post-LN);
+    ``cross``: name → list of per-token factors of ``∂²/∂Y∂W`` (rows: the ``d`` entries of ``y_t``);
+    ``core``: ``(a, b)`` → ``(T, x_a, x_b)`` added to the per-token core of the ``B_a, B_b`` sandwich
+    (the activation's curvature shares the Kronecker vectors of ``B``);
+    ``own``: ``(a, b, value, dims)`` blocks to add (``dims`` = a diagonal of ``shape_a + shape_b``, or ``None``).
+    """
+
+    gamma: torch.Tensor | None
+    cross: dict
+    core: dict
+    own: list
+
+
+def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contraction:
+    r"""Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` over ``Y`` and the FFN parameters in ``names``.
+
+    ``g`` has shape ``(T, d)``. See the module docstring and :class:`Contraction`.
+    Derived here (docs/derivations.md §5). No checks (kernel).
     """
     T, d = c.Y.shape
-    if acc.wants("W_1", "W_2"):  # δ_bb' R_abc: only the diagonal b = b' of the 4-D block
-        acc.add_diagonal("W_1", "W_2", 1, 2, torch.einsum("ta,tb,tc->acb", c.Y, c.D, g))
+    pre = c.J_f is not None
+    Yf = c.Y if c.Yf is None else c.Yf
+    delta = g @ c.W_2.T  # (T, d_ff): gradient w.r.t. h
+    g_H = delta * c.D
+    psi = None if c.D2 is None else delta * c.D2
+    JfT = c.J_f.transpose(1, 2) if pre else None
+    WJ_T = (JfT @ c.W_1) if pre else c.W_1.expand(T, *c.W_1.shape)  # (T, d, d_ff): (∂H_1/∂Y)^T
     eye = torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d)
-    return {
-        "W_1": TokenKron("right", c.D * (g @ c.W_2.T), eye),
-        "W_2": TokenKron("right", g, c.W_1[None] * c.D[:, None, :]),
-    }
+    gamma, cross, core, own = None, {}, {}, []
+    # the bilinear h W_2 (every FFN) and Y_f W_1
+    cross["W_2"] = [TokenKron("right", g, WJ_T * c.D[:, None, :])]
+    cross["W_1"] = [TokenKron("right", g_H, JfT if pre else eye)]
+    own.append(("W_1", "W_2", torch.einsum("ta,tb,tc->acb", Yf, c.D, g), (1, 2)))
+    if "b_1" in names:
+        own.append(("b_1", "W_2", torch.einsum("tb,tc->cb", c.D, g), (0, 1)))
+    if pre:  # LN_2 inside the FFN (pre-LN)
+        g_Yf = g_H @ c.W_1.T
+        gamma = layernorm.contract_hessian(c.Y, g_Yf, c.ln_eps, c.gamma)
+        if "gamma_2" in names:
+            cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
+            own.append(("gamma_2", "W_1", torch.einsum("ta,tb->ba", c.n, g_H), (0, 1)))
+            own.append(("gamma_2", "W_2", c.W_1[:, :, None] * torch.einsum("ta,tb,tc->abc", c.n, c.D, g), None))
+        if "beta_2" in names:
+            own.append(("beta_2", "W_1", g_H.sum(0)[:, None].expand(g_H.shape[1], d), (0, 1)))
+            own.append(("beta_2", "W_2", c.W_1[:, :, None] * (c.D.T @ g)[None], None))
+    if psi is not None:  # the activation's curvature: (∂H_1/∂·)^T diag(ψ) (∂H_1/∂·)
+        WJp = WJ_T * psi[:, None, :]  # (T, d, d_ff)
+        gY = WJp @ WJ_T.transpose(1, 2)
+        gamma = gY if gamma is None else gamma + gY
+        cross["W_1"].append(TokenKron("left", Yf, WJp))
+        if "b_1" in names:
+            cross["b_1"] = [TokenKron("vector", None, WJp)]
+        H1 = {"W_1": None, "b_1": None}  # identity H_1-level factors: the core is diag(ψ) itself
+        if pre:  # H_1-level factors of gamma_2, beta_2 (x = d): W_1^T diag(n), W_1^T
+            if "gamma_2" in names:
+                H1["gamma_2"] = c.W_1.T[None] * c.n[:, None, :]
+            if "beta_2" in names:
+                H1["beta_2"] = c.W_1.T.expand(T, *c.W_1.T.shape)
+            for k, m in (("gamma_2", H1.get("gamma_2")), ("beta_2", H1.get("beta_2"))):
+                if m is not None:
+                    cross[k] = cross.get(k, []) + [TokenKron("vector", None, WJp @ m)]
+        keys = [k for k in ("gamma_2", "beta_2", "W_1", "b_1") if k in H1 and (k in names or k == "W_1")]
+        dpsi = torch.diag_embed(psi)
+        for i, a in enumerate(keys):
+            for b in keys[i:]:
+                ma, mb = H1[a], H1[b]
+                if ma is None and mb is None:
+                    core[(a, b)] = dpsi
+                elif ma is None:
+                    core[(a, b)] = psi[:, :, None] * mb
+                elif mb is None:
+                    core[(a, b)] = ma.transpose(1, 2) * psi[:, None, :]
+                else:
+                    core[(a, b)] = (ma.transpose(1, 2) * psi[:, None, :]) @ mb
+    return Contraction(gamma, cross, core, own)
