@@ -6,10 +6,11 @@ What is computed (issue #6; the bounds themselves live in :mod:`blockhess.bounds
    ``d_model = d_k = 16, d_ff = 32, L = 16``): the table of every Hessian block for the bare
    attention layer (Theorem 1) and the post-LN block (Theorem 6, ``ln_eps = 0``), with the
    ingredient checks (each ingredient bound beside its exact value).
-2. **A sweep** over input scales ``σ ∈ {0.1, 0.3, 1, 3, 10}``, seeds and two targets (random
-   ``T ~ N(0, 1)``, and the zero-residual ``T = output``, the paper's minimiser setting) on a
-   smaller config: the bound/norm ratios of the whole Hessian, every valid-bound violation
-   (there must be none) and every row where the printed constants fail.
+2. **A sweep** over input scales ``σ ∈ {0.1, 0.3, 1, 3, 10}``, ``L ∈ {1, 8}``, weights ×{1, 0.1},
+   seeds and two targets (random ``T ~ N(0, 1)``, and the zero-residual ``T = output``, the
+   paper's minimiser setting) on a smaller config: the bound/norm ratios of the whole
+   Hessian, every valid-bound violation (there must be none) and every row where the
+   printed constants fail.
 3. **Trained digits weights** (:func:`blockhess.experiments.vit.load_or_train`; a batch of
    training images embedded by the model): MSE with a fixed random target ``T ~ N(0, 1)``
    (the paper's loss, so Theorem 6 and its printed constants apply), and the model's own
@@ -39,6 +40,10 @@ HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and 
 RANDOM_SIZE = {"d_model": 16, "d_k": 16, "d_ff": 32, "L": 16}
 SWEEP_SIZE = {"d_model": 8, "d_k": 4, "d_ff": 16, "L": 8}
 SWEEP_SCALES = (0.1, 0.3, 1.0, 3.0, 10.0)
+#: sequence lengths of the sweep (L = 1: a single token, where the LayerNorm lemma is weakest)
+SWEEP_LENGTHS = (1, 8)
+#: multipliers of the init_params weights in the sweep
+SWEEP_WEIGHT_SCALES = (1.0, 0.1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,24 +89,26 @@ def _sweep(seeds: int, quiet: bool) -> dict:
 
     S = SWEEP_SIZE
     pts = []
-    jobs = [(k, s, sd, t) for k in ("attention", "block") for s in SWEEP_SCALES for sd in range(seeds)
-            for t in ("random", "zero-residual")]
-    for kind, sigma, seed, tgt in tqdm(jobs, disable=quiet, desc="bounds sweep", leave=False):
+    jobs = [(k, L, ws, s, sd, t) for k in ("attention", "block") for L in SWEEP_LENGTHS for ws in SWEEP_WEIGHT_SCALES
+            for s in SWEEP_SCALES for sd in range(seeds) for t in ("random", "zero-residual")]
+    for kind, L, ws, sigma, seed, tgt in tqdm(jobs, disable=quiet, desc="bounds sweep", leave=False):
         cfg = bh.BlockConfig(d_model=S["d_model"], d_k=S["d_k"], d_ff=S["d_ff"], kind=kind)
-        params = bh.init_params(cfg, seed=seed)
+        params = {k: ws * v for k, v in bh.init_params(cfg, seed=seed).items()}
         g = torch.Generator().manual_seed(500 + seed)
-        X = sigma * torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
-        T = torch.randn(S["L"], S["d_model"], generator=g, dtype=torch.float64)
+        X = sigma * torch.randn(L, S["d_model"], generator=g, dtype=torch.float64)
+        T = torch.randn(L, S["d_model"], generator=g, dtype=torch.float64)
         if tgt == "zero-residual":
             T = bh.forward(params, X, cfg)
         rows = bounds.spectral_bounds(params, X, cfg, "mse", T)
-        pts.append({"kind": kind, "sigma": sigma, "seed": seed, "target": tgt, "rows": rows})
-    violations = [{"kind": p["kind"], "sigma": p["sigma"], "seed": p["seed"], "target": p["target"], **r}
+        pts.append({"kind": kind, "L": L, "weight_scale": ws, "sigma": sigma, "seed": seed, "target": tgt,
+                    "rows": rows})
+    meta = ("kind", "L", "weight_scale", "sigma", "seed", "target")
+    violations = [{**{m: p[m] for m in meta}, **r}
                   for p in pts for r in p["rows"] if not (r["bound"] >= r["norm"] * (1 - 1e-9))]
-    paper_fail = [{"kind": p["kind"], "sigma": p["sigma"], "seed": p["seed"], "target": p["target"], **r}
-                  for p in pts for r in p["rows"] if r["paper_holds"] is False]
+    paper_fail = [{**{m: p[m] for m in meta}, **r} for p in pts for r in p["rows"] if r["paper_holds"] is False]
     n_rows = sum(len(p["rows"]) for p in pts)
-    return {"config": dict(S), "scales": list(SWEEP_SCALES), "seeds": seeds, "points": pts, "n_rows": n_rows,
+    return {"config": dict(S), "scales": list(SWEEP_SCALES), "lengths": list(SWEEP_LENGTHS),
+            "weight_scales": list(SWEEP_WEIGHT_SCALES), "seeds": seeds, "points": pts, "n_rows": n_rows,
             "valid_violations": violations, "paper_failures": paper_fail}
 
 
@@ -160,9 +167,11 @@ def markdown(res: dict) -> str:
     sw = res.get("sweep")
     if sw:
         L += ["## Sweep: whole-Hessian bound/norm ratio", "",
-              f"Config {sw['config']}, {sw['seeds']} seeds per point, targets random and zero-residual; "
+              f"Config {sw['config']} with L in {sw['lengths']}, weights × {sw['weight_scales']}, σ in "
+              f"{sw['scales']}, {sw['seeds']} seeds per point, targets random and zero-residual; "
               f"{sw['n_rows']} rows checked: {len(sw['valid_violations'])} valid-bound violations, "
-              f"{len(sw['paper_failures'])} rows where the printed bound is below the exact norm.", "",
+              f"{len(sw['paper_failures'])} rows where the printed bound is below the exact norm. "
+              f"Ratios below: L = {sw['config']['L']}, weights × 1, median over seeds.", "",
               "| kind | σ | target | bound/norm (median) | paper/norm (median) |", "|---|---|---|---|---|"]
         for row in res["sweep_summary"]:
             L.append(f"| {row['kind']} | {row['sigma']:g} | {row['target']} | {_e(row['ratio_median'])} | "
@@ -181,8 +190,16 @@ def markdown(res: dict) -> str:
         L.append("None: in every table and sweep point the printed (Theorem 1 / 6) bound is above the exact norm, "
                  "although some printed ingredients fail (above): their looseness elsewhere masks it.")
     else:
+        L += [f"{len(fails)} rows:", "",
+              "| where | kind | L | weights × | σ | seed | target | block | exact norm | printed bound | printed/exact |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
         for f in fails:
-            L.append(f"- {f}")
+            if f["table"] == "sweep":
+                L.append(f"| sweep | {f['kind']} | {f['L']} | {f['weight_scale']:g} | {f['sigma']:g} | {f['seed']} | "
+                         f"{f['target']} | {f['block']} | {_e(f['norm'])} | {_e(f['bound_paper'])} | "
+                         f"{_e(f['ratio_paper'])} |")
+            else:
+                L.append(f"| {f['table']} | | | | | | | {f['block']} | | | |")
     return "\n".join(L) + "\n"
 
 
@@ -192,12 +209,15 @@ def _median(v):
 
 
 def _summary(sw: dict) -> list[dict]:
+    """Whole-Hessian ratios per (kind, σ, target) at the sweep's own L and weight scale 1."""
     out = []
+    L0 = sw["config"]["L"]
     for kind in ("attention", "block"):
         for s in sw["scales"]:
             for tgt in ("random", "zero-residual"):
                 allr = [next(r for r in p["rows"] if r["block"] == "all") for p in sw["points"]
-                        if p["kind"] == kind and p["sigma"] == s and p["target"] == tgt]
+                        if p["kind"] == kind and p["sigma"] == s and p["target"] == tgt and p["L"] == L0
+                        and p["weight_scale"] == 1.0]
                 out.append({"kind": kind, "sigma": s, "target": tgt,
                             "ratio_median": _median([r["ratio"] for r in allr]),
                             "ratio_min": min((r["ratio"] for r in allr if r["ratio"] is not None), default=None),
@@ -275,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(old)
     fails = [{"table": t["name"], "block": b} for t in tables for b in t["paper_failures"]]
-    fails += [{"table": "sweep", "kind": f["kind"], "sigma": f["sigma"], "seed": f["seed"], "target": f["target"],
-               "block": f["block"]} for f in sw["paper_failures"]]
+    fails += [{"table": "sweep", **{m: f[m] for m in ("kind", "L", "weight_scale", "sigma", "seed", "target", "block")},
+               "norm": f["norm"], "bound_paper": f["bound_paper"], "ratio_paper": f["ratio_paper"]}
+              for f in sw["paper_failures"]]
     viol = [{"table": t["name"], "block": b} for t in tables for b in t["valid_violations"]] + sw["valid_violations"]
     res = {
         "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
