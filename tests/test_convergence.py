@@ -187,7 +187,7 @@ def test_per_sample_hessians_match_batch_of_one(kind):
         assert (H[i] - closed).norm() / closed.norm() < 1e-10
 
         def li(flat, i=i):
-            Z = bh.reference.forward(cv.perturb(p, flat), X[i : i + 1], cfg)
+            Z = bh.reference.forward(cv.perturb(p, flat, cfg), X[i : i + 1], cfg)
             return bl.value(loss, tgt[i : i + 1], Z)
 
         zero = torch.zeros(n, dtype=DT)
@@ -199,10 +199,31 @@ def test_per_sample_hessians_match_batch_of_one(kind):
     assert (H.mean(0) - batch).norm() / batch.norm() < 1e-10
 
 
+@pytest.mark.parametrize("cfg", [
+    bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, bias=True, out_proj=True, ln_affine=True, ln_eps=1e-5,
+                   activation="gelu", norm="pre", causal=True),
+    bh.BlockConfig(d_model=4, d_k=3, kind="attention"),
+], ids=["pre-ln-extended", "attention"])
+def test_per_sample_hessians_other_configs(cfg):
+    p = bh.init_params(cfg, seed=1)
+    X = torch.randn(3, 5, 4, generator=_gen(12), dtype=DT)
+    y = torch.randint(0, 4, (3, 5), generator=_gen(13))
+    H = cv.per_sample_hessians(p, X, cfg, loss="ce", target=y)
+    for i in range(3):
+        ref = bh.reference.hessian(p, X[i], cfg, loss="ce", target=y[i]).dense()
+        assert (H[i] - ref).norm() / ref.norm() < 1e-10
+    # the flat layout of perturb/unit_directions is blockhess.hessian's, whatever the dict order
+    shuffled = dict(reversed(list(p.items())))
+    U = cv.unit_directions(shuffled, cfg, 1)[0]
+    q = cv.perturb(shuffled, U, cfg)
+    flat = torch.cat([(q[k] - p[k]).reshape(-1) for k in bh.param_shapes(cfg)])
+    torch.testing.assert_close(flat, U)
+
+
 def test_per_sample_statistics_and_taylor_on_a_block():
     cfg, p, X, head = _small(seed=1, B=6)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
-    U = cv.unit_directions(p, 2, seed=0)
+    U = cv.unit_directions(p, cfg, 2, seed=0)
     st = cv.per_sample_statistics(p, X, cfg, loss=head, target=y, directions=U, chunk_size=4, keep_grads=True)
     H = cv.per_sample_hessians(p, X, cfg, loss=head, target=y)
     torch.testing.assert_close(st.spectral, torch.linalg.eigvalsh(H).abs().amax(-1), rtol=1e-10, atol=1e-12)
@@ -211,7 +232,7 @@ def test_per_sample_statistics_and_taylor_on_a_block():
     # the quadratic model's error is third order: halving delta divides it by ~8
     errs = []
     for eps in (1e-2, 5e-3):
-        actual = cv.per_sample_losses(cv.perturb(p, eps * U[0]), X, cfg, loss=head, target=y)
+        actual = cv.per_sample_losses(cv.perturb(p, eps * U[0], cfg), X, cfg, loss=head, target=y)
         pred = cv.taylor_losses(st.loss, eps * st.grad_dot[:, 0], eps**2 * st.quad[:, 0])
         errs.append(float((pred - actual).abs().max()))
     assert 5 < errs[0] / errs[1] < 11

@@ -412,18 +412,13 @@ def _hess_one(params, cfg, names, per_token: bool):
         f = _factors(c)
         grad = torch.cat([f.J[n].vjp(g[None, None])[0, 0] for n in names])
         acc = BlockSum(c.names, shapes, wanted=names)  # dict mode: vmap-friendly
-        if per_token and cfg.kind == "block":  # outer term folded into the functional pass
-            contract_output(c, g[None], f, acc, c.E_Z.transpose(1, 2) @ om @ c.E_Z)
-        else:
-            if per_token:
-                for i, a in enumerate(names):
-                    for b in names[i:]:
-                        acc.add(a, b, sandwich(f.J[a], f.J[b], om))
-            else:
-                V = {n: f.J[n].vjp(om[None])[0] for n in names}  # (R, n_i) rows J^T w_r
-                for i, a in enumerate(names):
-                    for b in names[i:]:
-                        acc.add(a, b, (V[a] * lam[:, None]).T @ V[b])
+        if per_token:  # outer term rides on the functional pass (as blockhess.hessian does)
+            contract_output(c, g[None], f, acc, omega_Z=om)
+        else:  # om: (R, L, d) eigenvectors of the loss Hessian, lam: (R,) eigenvalues
+            V = {n: f.J[n].vjp(om[None])[0] for n in names}  # (R, n_i) rows J^T w_r
+            for i, a in enumerate(names):
+                for b in names[i:]:
+                    acc.add(a, b, (V[a] * lam[:, None]).T @ V[b])
             contract_output(c, g[None], f, acc)
         rows = []
         for i, a in enumerate(names):
@@ -693,16 +688,28 @@ def gradient_norms(grads, orderings: torch.Tensor) -> torch.Tensor:
     return torch.stack([running_mean(g[row], dim=0).norm(dim=1) for row in o])
 
 
-def unit_directions(params: dict, n_directions: int, seed: int = 0, wrt=None) -> torch.Tensor:
+def _names(params: dict, cfg: BlockConfig, wrt) -> tuple[str, ...]:
+    """Canonical names (``param_shapes(cfg)`` order, as :func:`blockhess.hessian`) restricted to ``wrt``."""
+    if not isinstance(cfg, BlockConfig):
+        raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
+    names = _select(tuple(param_shapes(cfg)), wrt)
+    missing = [k for k in names if k not in params]
+    if missing:
+        raise ValueError(f"params is missing {missing} for this cfg")
+    return names
+
+
+def unit_directions(params: dict, cfg: BlockConfig, n_directions: int, seed: int = 0, wrt=None) -> torch.Tensor:
     """``n_directions`` random unit vectors in weight space, ``(D, n)``, dtype/device of ``params``.
 
-    Gaussian, normalised to unit Euclidean norm over all weights ``wrt`` (canonical order,
-    ``vec_r``), from a private generator seeded with ``seed``. Raises ``ValueError`` for
-    ``n_directions < 1`` or an unknown name in ``wrt``.
+    Gaussian, normalised to unit Euclidean norm over all weights ``wrt`` (default all of
+    ``cfg``; canonical order and ``vec_r``, the layout of :func:`blockhess.hessian`), from a
+    private generator seeded with ``seed``. Raises ``ValueError`` for ``n_directions < 1``,
+    an unknown name in ``wrt`` or a missing weight.
     """
     if int(n_directions) < 1:
         raise ValueError(f"n_directions must be >= 1, got {n_directions}")
-    names = _select(tuple(params), wrt)
+    names = _names(params, cfg, wrt)
     n = sum(params[k].numel() for k in names)
     ref = params[names[0]]
     gen = torch.Generator().manual_seed(int(seed))
@@ -711,10 +718,11 @@ def unit_directions(params: dict, n_directions: int, seed: int = 0, wrt=None) ->
     return U.to(dtype=ref.dtype, device=ref.device)
 
 
-def perturb(params: dict, delta: torch.Tensor, wrt=None) -> dict:
+def perturb(params: dict, delta: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict:
     """``w* + δ``: a new params dict with the flat ``delta`` ``(n,)`` added to the weights ``wrt``
-    (canonical order, ``vec_r``; others copied). Raises ``ValueError`` on a size mismatch."""
-    names = _select(tuple(params), wrt)
+    (default all of ``cfg``; canonical order and ``vec_r``, the layout of :func:`blockhess.hessian`);
+    the others are copied. Raises ``ValueError`` on a size mismatch or a missing weight."""
+    names = _names(params, cfg, wrt)
     n = sum(params[k].numel() for k in names)
     if delta.ndim != 1 or delta.shape[0] != n:
         raise ValueError(f"delta must have shape ({n},), got {tuple(delta.shape)}")
@@ -724,4 +732,3 @@ def perturb(params: dict, delta: torch.Tensor, wrt=None) -> dict:
         out[k] = params[k] + delta[off : off + m].reshape(params[k].shape).to(params[k])
         off += m
     return out
-

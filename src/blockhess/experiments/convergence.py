@@ -228,7 +228,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     gen = torch.Generator().manual_seed(s.seed + 1)
     m = N if s.hessian_samples is None else min(int(s.hessian_samples), N)
     hidx = torch.arange(N) if m == N else torch.randperm(N, generator=gen)[:m].sort().values
-    U = cv.unit_directions(params, s.directions, seed=s.seed + 2)
+    U = cv.unit_directions(params, cfg, s.directions, seed=s.seed + 2)
     bar = tqdm(total=m, desc="exact per-sample Hessians", disable=quiet, unit="sample", file=sys.stderr)
     stats = cv.per_sample_statistics(params, X[hidx], cfg, loss=loss, target=labels[hidx], directions=U,
                                      chunk_size=s.chunk_size, lanczos_iters=s.lanczos_iters, progress=bar.update)
@@ -290,7 +290,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
         worst = None
         for j in range(s.directions):
             delta = eps * U[j]
-            actual = cv.per_sample_losses(cv.perturb(params, delta), X[hidx], cfg, loss=loss, target=labels[hidx])
+            actual = cv.per_sample_losses(cv.perturb(params, delta, cfg), X[hidx], cfg, loss=loss, target=labels[hidx])
             preds = {
                 "second_order": cv.taylor_losses(l0h, eps * stats.grad_dot[:, j], eps**2 * stats.quad[:, j]),
                 "assumption1": cv.taylor_losses(l0h, None, eps**2 * stats.quad[:, j]),
@@ -306,7 +306,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
             errs["loss_second_order"].append(float((preds["second_order"] - actual).norm() / change))
             errs["loss_assumption1"].append(float((preds["assumption1"] - actual).norm() / change))
             if j == 0:  # per-sample Hessian norms at w* + δ (direction 0), on the path subset
-                sp = cv.per_sample_statistics(cv.perturb(params, delta), X[hidx][pidx], cfg, loss=loss,
+                sp = cv.per_sample_statistics(cv.perturb(params, delta, cfg), X[hidx][pidx], cfg, loss=loss,
                                               target=labels[hidx][pidx], chunk_size=s.chunk_size,
                                               lanczos_iters=s.lanczos_iters)
                 ratio = sp.spectral / spec0
