@@ -61,3 +61,15 @@ GRID_IDS = [f"L{c[0]}-d{c[1]}-dk{c[2]}-ff{c[3]}-B{c[4]}-s{c[5]:g}" for c in GRID
 @pytest.fixture(params=GRID, ids=GRID_IDS)
 def grid_case(request):
     return request.param
+
+
+def randomize_vectors(params: dict, seed: int = 0) -> dict:
+    """Biases and LayerNorm shifts drawn ``0.3·N(0, 1)``, scales ``1 + 0.5·N(0, 1)``: nothing hides
+    behind the usual initial zeros and ones (``bh.init_params`` gives those)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    out = dict(params)
+    for k, v in params.items():
+        if v.ndim == 1:
+            r = torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.dtype)
+            out[k] = 1 + 0.5 * r if k.startswith("gamma") else 0.3 * r
+    return out

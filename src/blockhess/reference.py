@@ -43,7 +43,13 @@ def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 
 
 def _ln(p: dict, t: torch.Tensor, cfg: BlockConfig, i: int) -> torch.Tensor:
-    return Fn.layer_norm(t, (cfg.d_model,), weight=p.get(f"gamma_{i}"), bias=p.get(f"beta_{i}"), eps=cfg.ln_eps)
+    # gamma and beta applied outside F.layer_norm: in torch 2.13 the double backward of
+    # layer_norm's *weight* gradient w.r.t. its input is wrong (d/dx of dℓ/dγ; see
+    # docs/derivations.md §9), which would corrupt half of the reference's (γ, ·) blocks.
+    y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.ln_eps)
+    if f"gamma_{i}" in p:
+        y = y * p[f"gamma_{i}"]
+    return y + p[f"beta_{i}"] if f"beta_{i}" in p else y
 
 
 def _ffn(p: dict, Y: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:

@@ -1,0 +1,282 @@
+"""Issue #4: every option beyond the paper, closed form against torch.func in float64.
+
+The options (heads, biases, W_O, affine LayerNorm, eps, ReLU/GELU/GELU-tanh, post/pre-LN,
+causal mask) are crossed by a 3-wise covering design (every combination of any three option
+values appears in some configuration), each run on a small shape from a cycle that includes
+``L = 1``, ``d_k != d_model/n_heads`` and batches; vectors are random (nothing hides behind
+the usual zeros and ones). Each configuration checks the forward, the full Hessian and its
+outer and functional terms w.r.t. every weight *and the input X*, the Jacobians and
+``dZ/dX``, at relative Frobenius error <= 1e-10 (conftest.py).
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import blockhess as bh
+
+from conftest import assert_close, randomize_vectors
+
+OPTIONS = {
+    "n_heads": [1, 2],
+    "bias": [False, True],
+    "out_proj": [False, True],
+    "ln_affine": [False, True],
+    "ln_eps": [0.0, 1e-3],
+    "activation": ["relu", "gelu", "gelu_tanh"],
+    "norm": ["post", "pre"],
+    "causal": [False, True],
+}
+
+
+def _covered(row, t):
+    return {tuple((k, repr(row[k])) for k in ks) for ks in itertools.combinations(OPTIONS, t)}
+
+
+def covering_design(t: int = 3, seed: int = 0) -> list[dict]:
+    """A deterministic greedy ``t``-wise covering array over :data:`OPTIONS` (first rows: all
+    first values = the paper's setting; all last values)."""
+    need = set()
+    for ks in itertools.combinations(OPTIONS, t):
+        for vs in itertools.product(*(OPTIONS[k] for k in ks)):
+            need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
+    rng = random.Random(seed)
+    rows = [{k: v[0] for k, v in OPTIONS.items()}, {k: v[-1] for k, v in OPTIONS.items()}]
+    for r in rows:
+        need -= _covered(r, t)
+    while need:
+        cands = [{k: rng.choice(v) for k, v in OPTIONS.items()} for _ in range(200)]
+        best = max(cands, key=lambda r: len(_covered(r, t) & need))
+        rows.append(best)
+        need -= _covered(best, t)
+    return rows
+
+
+DESIGN = covering_design()
+# (L, d_model, d_k per head, d_ff, batch, input scale)
+SHAPES = [(3, 4, 3, 5, None, 1.0), (1, 4, 2, 3, None, 1.0), (3, 6, 2, 5, 2, 1.0), (4, 4, 2, 6, 3, 0.5),
+          (2, 6, 3, 4, None, 3.0), (1, 4, 3, 5, 2, 1.0), (5, 4, 2, 3, 1, 1.0)]
+CASES = [(row, SHAPES[i % len(SHAPES)], ("mse", "ce")[i % 2]) for i, row in enumerate(DESIGN)]
+
+
+def _id(case):
+    row, shape, loss = case
+    on = [f"H{row['n_heads']}", row["norm"], row["activation"]] + [k for k in ("bias", "out_proj", "ln_affine", "causal") if row[k]]
+    if row["ln_eps"]:
+        on.append("eps")
+    return "-".join(on) + f"-L{shape[0]}-B{shape[4]}-{loss}"
+
+
+def make(row, shape, seed=0):
+    L, d, dk, dff, batch, scale = shape
+    cfg = bh.BlockConfig(d_model=d, d_ff=dff, d_k=dk, **row)
+    p = randomize_vectors(bh.init_params(cfg, seed=seed), seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    X = scale * torch.randn((L, d) if batch is None else (batch, L, d), generator=g, dtype=torch.float64)
+    return cfg, p, X, g
+
+
+def _target(loss, X, g, d):
+    if loss == "ce":
+        return torch.randint(0, d, X.shape[:-1], generator=g)
+    return torch.randn(X.shape, generator=g, dtype=X.dtype)
+
+
+def test_design_covers_every_triple():
+    assert len(DESIGN) < 40
+    for t in (1, 2, 3):
+        need = set()
+        for ks in itertools.combinations(OPTIONS, t):
+            for vs in itertools.product(*(OPTIONS[k] for k in ks)):
+                need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
+        got = set().union(*(_covered(r, t) for r in DESIGN))
+        assert need <= got
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_hessian_with_input_against_autograd(case):
+    row, shape, loss = case
+    cfg, p, X, g = make(row, shape)
+    T = _target(loss, X, g, cfg.d_model)
+    assert_close(bh.forward(p, X, cfg), bh.reference.forward(p, X, cfg), what="Z")
+    H = bh.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
+    R = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
+    assert H.names == ("X",) + tuple(p)
+    s = R.dense().norm().item()
+    assert_close(H.dense(), R.dense(), what="full")
+    assert_close(H.outer.dense(), R.outer.dense(), scale=s, what="outer")
+    assert_close(H.functional.dense(), R.functional.dense(), scale=s, what="functional")
+    for a in H.names:  # every block on its own (tiny blocks: up to rounding of the whole)
+        for b in H.names:
+            diff = (H[a, b] - R[a, b]).norm().item()
+            assert diff <= 1e-10 * R[a, b].norm().item() + 1e-13 * s, (a, b, diff)
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=[_id(c) for c in CASES[::2]])
+def test_jacobians_against_autograd(case):
+    row, shape, _ = case
+    cfg, p, X, _ = make(row, shape, seed=1)
+    J, R = bh.jacobian(p, X, cfg), bh.reference.jacobian(p, X, cfg)
+    s = max(v.norm().item() for v in R.values())
+    for n in p:
+        assert_close(J[n], R[n], scale=s, what=f"dZ/d{n}")
+    assert_close(bh.input_jacobian(p, X, cfg), bh.reference.input_jacobian(p, X, cfg), what="dZ/dX")
+
+
+@pytest.mark.parametrize("row", DESIGN[:6], ids=[_id((r, SHAPES[0], "")) for r in DESIGN[:6]])
+def test_all_second_derivatives(row):
+    """∂²Z/∂W_a∂W_b in the paper's layout (rows (o, i)), every ordered pair, against jacfwd(jacrev)."""
+    cfg, p, X, _ = make(row, (3, 4, 2, 3, None, 1.0), seed=2)
+    ref = torch.func.jacfwd(torch.func.jacrev(lambda q: bh.reference.forward(q, X, cfg)))(p)
+    for a in p:
+        for b in p:
+            H = bh.second_derivative(p, X, cfg, a, b)
+            assert_close(H, ref[a][b].reshape(H.shape), scale=1.0, what=f"d2Z/d{a}d{b}")
+
+
+@pytest.mark.parametrize("row", [r for r in DESIGN if r["norm"] == "post"][:3])
+def test_xi_blocks_post_ln(row):
+    """Theorem 5's ξ (second derivatives of S = Y + FFN(Y)) with the options on."""
+    cfg, p, X, _ = make(row, (3, 4, 2, 3, None, 1.0), seed=3)
+
+    def S(q):
+        Y = bh.reference._ln(q, X + bh.reference._attention(q, X, cfg), cfg, 1)
+        return Y + bh.reference._ffn(q, Y, cfg)
+
+    ref = torch.func.jacfwd(torch.func.jacrev(S))(p)
+    for a in p:
+        for b in p:
+            xi = bh.second_derivative(p, X, cfg, a, b, of="S")
+            assert_close(xi, ref[a][b].reshape(xi.shape), scale=1.0, what=f"xi_{a},{b}")
+
+
+@pytest.mark.parametrize("opts", [dict(n_heads=2, bias=True, out_proj=True, causal=True), dict(bias=True), dict(causal=True)])
+@pytest.mark.parametrize("loss", ["mse", "ce"])
+def test_bare_attention_with_options(opts, loss):
+    cfg = bh.BlockConfig(d_model=4, d_k=3, kind="attention", **opts)
+    p = randomize_vectors(bh.init_params(cfg, seed=4), 4)
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    T = _target(loss, X, g, 4)
+    H = bh.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
+    R = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
+    s = R.dense().norm().item()
+    assert_close(H.dense(), R.dense(), what="full")
+    assert_close(H.functional.dense(), R.functional.dense(), scale=s, what="functional")
+    J, Jr = bh.jacobian(p, X, cfg), bh.reference.jacobian(p, X, cfg)
+    for n in p:
+        assert_close(J[n], Jr[n], scale=Jr["W_V"].norm().item(), what=f"dF/d{n}")
+
+
+def test_b_K_is_structurally_zero():
+    """Softmax is shift-invariant per row: b_K has an exactly zero gradient and Hessian."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=5, d_k=2, n_heads=2, bias=True, out_proj=True, ln_affine=True, activation="gelu")
+    p = randomize_vectors(bh.init_params(cfg, seed=5), 5)
+    X = torch.randn(2, 3, 4, dtype=torch.float64)
+    T = torch.randn(2, 3, 4, dtype=torch.float64)
+    H = bh.hessian(p, X, cfg, loss="mse", target=T, wrt_input=True)
+    for n in H.names:
+        assert torch.count_nonzero(H["b_K", n]) == 0
+        assert torch.count_nonzero(H.outer["b_K", n]) == 0 and torch.count_nonzero(H.functional["b_K", n]) == 0
+    assert torch.count_nonzero(bh.jacobian(p, X, cfg, wrt="b_K")["b_K"]) == 0
+    R = bh.reference.hessian(p, X, cfg, loss="mse", target=T)
+    assert R.dense().norm() > 0 and all(R["b_K", n].abs().max() < 1e-13 * R.dense().norm() for n in p)
+
+
+def test_identities_and_subsets():
+    row = DESIGN[1]  # everything on
+    cfg, p, X, g = make(row, (3, 4, 2, 5, 3, 1.0), seed=6)
+    T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    H = bh.hessian(p, X, cfg, loss="mse", target=T, wrt_input=True)
+    D, O, F = H.dense(), H.outer.dense(), H.functional.dense()
+    s = D.norm()
+    assert (D - D.T).norm() <= 1e-13 * s
+    assert (O + F - D).norm() <= 1e-12 * s
+    assert torch.linalg.eigvalsh(O).min() >= -1e-12 * s
+    # the X–X block is zero across sequences; a batch is the mean of its sequences
+    XX = H["X", "X"].reshape(3, 12, 3, 12)
+    for b in range(3):
+        for c in range(3):
+            if b != c:
+                assert torch.count_nonzero(XX[b, :, c]) == 0
+    for b in range(3):
+        Hb = bh.hessian(p, X[b], cfg, loss="mse", target=T[b], wrt_input=True)
+        assert_close(XX[b, :, b] * 3, Hb["X", "X"], what="X-X per sequence")
+        assert_close(H["X", "W_1"].reshape(3, 12, -1)[b] * 3, Hb["X", "W_1"], what="X-W_1 per sequence")
+        assert_close(H["gamma_1", "W_Q"] * 0 + Hb["gamma_1", "W_Q"], Hb["gamma_1", "W_Q"])
+    sub = ["X", "b_Q", "W_O", "gamma_1", "W_1", "beta_2"]
+    part = bh.hessian(p, X, cfg, loss="mse", target=T, wrt=sub, wrt_input=True)
+    assert list(part.names) == [n for n in H.names if n in sub]
+    for a in part.names:
+        for b in part.names:
+            assert_close(part[a, b], H[a, b], scale=1.0, what=f"wrt {a},{b}")
+            assert_close(part.functional[a, b], H.functional[a, b], scale=1.0, what=f"wrt functional {a},{b}")
+
+
+def test_gelu_gives_the_ffn_its_own_functional_term():
+    """ReLU: the FFN's (W_1, W_1) functional block is zero (Lemma 1); GELU: it is not."""
+    for act, zero in (("relu", True), ("gelu", False), ("gelu_tanh", False)):
+        cfg = bh.BlockConfig(d_model=4, d_ff=5, activation=act)
+        p = bh.init_params(cfg, seed=7)
+        X = torch.randn(3, 4, dtype=torch.float64)
+        F = bh.hessian(p, X, cfg, loss="mse", target=torch.zeros_like(X)).functional
+        ff = bh.second_derivative(p, X, cfg, "W_1", "W_1", of="S")
+        assert (torch.count_nonzero(ff) == 0) == zero
+        assert F["W_1", "W_1"].norm() > 0  # through LN_2 it is never zero
+
+
+@pytest.mark.parametrize("loss", ["custom", "float32"])
+def test_custom_loss_and_float32(loss):
+    row = DESIGN[1]
+    cfg, p, X, g = make(row, (3, 4, 2, 5, 2, 1.0), seed=8)
+    T = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    if loss == "custom":
+        def fn(Z, t):
+            return torch.log1p(((Z - t) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
+        H = bh.hessian(p, X, cfg, loss=fn, target=T, wrt_input=True)
+        R = bh.reference.hessian(p, X, cfg, loss=fn, target=T, wrt_input=True)
+        assert_close(H.dense(), R.dense(), what="custom loss")
+        assert_close(H.outer.dense(), R.outer.dense(), what="custom loss outer")
+    else:
+        H64 = bh.hessian(p, X, cfg, loss="mse", target=T, wrt_input=True).dense()
+        p32 = {k: v.float() for k, v in p.items()}
+        H32 = bh.hessian(p32, X.float(), cfg, loss="mse", target=T.float(), wrt_input=True).dense()
+        assert H32.dtype == torch.float32
+        assert_close(H32.double(), H64, tol=1e-4, what="float32")
+
+
+def test_defaults_are_the_papers_setting():
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    assert cfg.is_paper and tuple(bh.param_shapes(cfg)) == ("W_Q", "W_K", "W_V", "W_1", "W_2")
+    assert tuple(bh.param_shapes(bh.BlockConfig(kind="attention"))) == ("W_Q", "W_K", "W_V")
+    full = bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, bias=True, out_proj=True, ln_affine=True)
+    assert tuple(bh.param_shapes(full)) == ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O", "gamma_1", "beta_1",
+                                             "W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2")
+    p0, p1 = bh.init_params(cfg, seed=3), bh.init_params(full, seed=3)
+    for n in p0:  # the matrices are drawn in canonical order: the paper's weights do not move
+        if n in ("W_Q", "W_K", "W_V"):
+            assert torch.equal(p0[n], p1[n])
+    assert torch.equal(p1["gamma_1"], torch.ones(4, dtype=torch.float64)) and torch.count_nonzero(p1["b_Q"]) == 0
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        bh.BlockConfig(activation="silu")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        bh.BlockConfig(norm="sandwich")
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        bh.BlockConfig(d_model=6, n_heads=4)
+    with pytest.raises(ValueError, match="norm='pre' has no meaning for kind='attention'"):
+        bh.BlockConfig(kind="attention", norm="pre")
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        bh.BlockConfig(causal=1)
+    cfg = bh.BlockConfig(d_model=4, d_ff=5, norm="pre")
+    p = bh.init_params(cfg)
+    X = torch.randn(3, 4, dtype=torch.float64)
+    X[1] = 0.5
+    with pytest.raises(ValueError, match="LayerNorm-1 input X, pre-LN.*zero variance"):
+        bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
+        bh.hessian(p, X + torch.arange(4.0, dtype=torch.float64), cfg, target=torch.zeros_like(X), wrt="X")
