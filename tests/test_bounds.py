@@ -191,6 +191,10 @@ def test_bad_inputs_raise():
         bounds.spectral_bounds(bp, torch.ones(3, 4, dtype=torch.float64), bcfg, "mse",
                                torch.zeros(3, 4, dtype=torch.float64))
     assert math.isfinite(bounds.SOFTMAX_HESSIAN_BOUND)
+    for opt in ({"n_heads": 2}, {"activation": "gelu"}, {"norm": "pre"}, {"bias": True}, {"ln_affine": True}):
+        c = bh.BlockConfig(d_model=4, d_ff=4, **opt)
+        with pytest.raises(ValueError, match="paper's setting"):
+            bounds.spectral_bounds(bh.init_params(c), X, c, "mse", torch.zeros(3, 4, dtype=torch.float64))
 
 
 def test_bounds_command_random_part(tmp_path, monkeypatch):

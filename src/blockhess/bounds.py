@@ -52,6 +52,7 @@ __all__ = [
     "exact_norms",
     "spectral_bounds",
     "ingredient_checks",
+    "check_setting",
 ]
 
 #: ‖diag(a) − a aᵀ‖₂ ≤ 1/2 for any probability vector a (variance of a unit vector, Popoviciu).
@@ -115,6 +116,22 @@ def _row_std(U: torch.Tensor, eps: float) -> torch.Tensor:
 def _ln(U: torch.Tensor, eps: float) -> torch.Tensor:
     m = U - U.mean(-1, keepdim=True)
     return m / torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
+
+
+def check_setting(cfg: BlockConfig) -> None:
+    """Theorems 1 and 6 cover the paper's block: one head, post-LN, ReLU, no biases, no
+    ``W_O``, no LayerNorm affine, no causal mask (``ln_eps >= 0`` is allowed: the valid
+    bound includes it). Raises ``ValueError`` naming the first option outside that setting."""
+    if not isinstance(cfg, BlockConfig):
+        raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
+    checks = (("n_heads", cfg.n_heads != 1, "1"), ("norm", cfg.norm != "post", "'post'"),
+              ("activation", cfg.activation != "relu", "'relu'"), ("bias", cfg.bias, "False"),
+              ("out_proj", cfg.out_proj, "False"), ("ln_affine", cfg.ln_affine, "False"),
+              ("causal", cfg.causal, "False"))
+    for name, bad, want in checks:
+        if bad:
+            raise ValueError(f"bounds: Theorems 1 and 6 cover the paper's setting; BlockConfig.{name} must be "
+                             f"{want}, got {getattr(cfg, name)!r}")
 
 
 def _pair(a: str, b: str) -> str:
@@ -213,6 +230,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`), or a zero-variance
     LayerNorm input row with ``ln_eps = 0``.
     """
+    check_setting(cfg)
     check_inputs(params, X, cfg)
     if X.ndim != 2:
         raise ValueError(f"ingredients: X must be one sequence (L, d_model), got {tuple(X.shape)}")
@@ -381,6 +399,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
 
     Raises ``ValueError`` as :func:`ingredients`.
     """
+    check_setting(cfg)
     check_inputs(params, X, cfg)
     Xb = X[None] if X.ndim == 2 else X
     tb = None
@@ -469,11 +488,13 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
     ------
     ValueError
         As :func:`blockhess.hessian` (shapes, dtypes, NaN/Inf, target, zero-variance
-        LayerNorm input with ``ln_eps = 0``).
+        LayerNorm input with ``ln_eps = 0``), or a config outside the paper's setting
+        (:func:`check_setting`: multi-head, pre-LN, GELU, biases, ``W_O``, affine LN, causal).
 
     Source: Theorem 1 and Theorem 6 of arXiv 2510.16927 (reconstruction §3); valid constants
     derived here, see docs/bounds.md.
     """
+    check_setting(cfg)
     n = sum(int(torch.Size(s).numel()) for s in param_shapes(cfg).values())
     with _threads_for(n):
         H = _hessian(params, X, cfg, loss=loss, target=target)
@@ -531,6 +552,7 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     from .block import jacobian as _jac, second_derivative as _d2
     from .components import layernorm as _lnmod
 
+    check_setting(cfg)
     check_inputs(params, X, cfg)
     if X.ndim != 2:
         raise ValueError(f"ingredient_checks: X must be one sequence (L, d_model), got {tuple(X.shape)}")
