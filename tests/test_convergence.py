@@ -306,3 +306,9 @@ def test_cli_bad_input_exits_2(tmp_path, capsys, monkeypatch):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("blockhess convergence: error:")
+
+
+def test_module_doctest():
+    import doctest
+
+    assert doctest.testmod(cv).failed == 0

@@ -25,6 +25,18 @@ constants (``L``, ``M``), which the closed form lets us measure.
 Per-sample Hessians are computed in batches by the closed form (Theorem 5 / eq. 10 as in
 :func:`blockhess.hessian`, the kernels vmapped over samples), never one autograd call per
 sample. Functions here take ``torch`` tensors; the statistics are returned in float64.
+
+>>> import torch, blockhess as bh
+>>> cfg = bh.BlockConfig(d_model=4, d_ff=6)
+>>> p = bh.init_params(cfg, seed=0)
+>>> X, T = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+>>> H = bh.convergence.per_sample_hessians(p, X, cfg, loss="mse", target=T)   # (5, 144, 144)
+>>> bool(torch.allclose(H[2], bh.hessian(p, X[2], cfg, loss="mse", target=T[2]).dense()))
+True
+>>> l = bh.convergence.per_sample_losses(p, X, cfg, loss="mse", target=T)       # (5,)
+>>> d = bh.convergence.loss_differences(l)                                    # L_{k+1} - L_k, (4,)
+>>> bool((d.abs() <= bh.convergence.theorem7_bound(torch.arange(1, 5), l.max(), 0.0)).all())
+True
 """
 
 from __future__ import annotations
@@ -630,9 +642,12 @@ def per_sample_statistics(
     For each chunk of ``chunk_size`` sequences the dense per-sample Hessians are formed by
     :func:`per_sample_hessians`' closed form, reduced to their spectral norm
     (:func:`spectral_norm`), Frobenius norm and quadratic forms along ``directions``
-    (``(D, n)``, float; usually unit vectors), then freed. ``progress(m)`` is called after
-    each chunk with its size. ``X``: ``(N, L, d_model)``. See :class:`PerSampleStats`.
-    Derived here from eq. 10 and Theorem 5.
+    (``(D, n)``, float; usually unit vectors), then freed. The spectral norm is Lanczos with
+    at most ``lanczos_iters`` steps, stopped when the residual is below ``lanczos_tol`` times
+    the Ritz value (``None``: exact ``eigvalsh``). ``progress(m)`` is called after each chunk
+    with its size (e.g. ``tqdm.update``). ``X``: ``(N, L, d_model)``; the statistics are returned
+    in float64 on the CPU, see :class:`PerSampleStats`. Peak memory about
+    ``3·chunk_size·n²`` entries of ``X``'s dtype. Derived here from eq. 10 and Theorem 5.
 
     Raises ``ValueError`` as :func:`blockhess.hessian`, for ``directions`` of the wrong shape,
     or ``chunk_size < 1``; ``InsufficientMemoryError`` if one chunk would not fit.
