@@ -67,20 +67,15 @@ def test_report_end_to_end(tmp_path, checkpoint, capsys):
     assert f"{v['max_rel_error']:.2e}" in md
     assert _leftovers(tmp_path) == []
 
-    # a second run replaces the report as a whole
+    # a second run replaces the report as a whole; float32 closed form against the float64 reference
     (out / "stale.txt").write_text("old")
-    rc, out = _report(tmp_path, checkpoint, "--seed", "1")
+    rc, out = _report(tmp_path, checkpoint, "--seed", "1", "--dtype", "float32")
     assert rc == 0 and not (out / "stale.txt").exists()
     rep2 = json.loads((out / "report.json").read_text())
     assert rep2["batch_indices"] != rep["batch_indices"]
+    assert rep2["dtype"] == "float32" and rep2["reference_dtype"] == "float64"
+    assert 1e-12 < rep2["validation"]["max_rel_error"] <= 1e-4  # float32 rounding
     assert _leftovers(tmp_path) == []
-
-
-def test_report_float32(tmp_path, checkpoint):
-    rc, out = _report(tmp_path, checkpoint, "--dtype", "float32")
-    rep = json.loads((out / "report.json").read_text())
-    assert rc == 0 and rep["dtype"] == "float32" and rep["reference_dtype"] == "float64"
-    assert 1e-12 < rep["validation"]["max_rel_error"] <= 1e-4  # float32 rounding, checked against float64
 
 
 def _error(capsys, argv):

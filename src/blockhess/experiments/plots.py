@@ -92,19 +92,25 @@ def block_norm_bars(path, groups: dict, labels: list[str], suptitle: str) -> Non
 def eigen_spectrum(path, panels: dict, suptitle: str) -> None:
     """Sorted eigenvalues (descending) against their rank on a symmetric-log axis.
 
-    ``panels``: ``{panel title: {series name: 1-D array of eigenvalues}}``; the linear zone of
-    the axis is ``1e-6`` of the largest magnitude in the panel.
+    ``panels``: ``{panel title: {series name: 1-D array of eigenvalues}}`` (the first word of a
+    series name picks its colour: full, outer, functional); the linear zone of the axis spans
+    six decades below the largest magnitude in the panel.
     """
     colours = {"full": "0.1", "outer": "tab:blue", "functional": "tab:orange"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
-        big = max(float(np.abs(np.asarray(v)).max()) for v in series.values())
+        big = max(max(float(np.abs(np.asarray(v)).max()) for v in series.values()), 1e-300)
         for name, lam in series.items():
             lam = np.sort(np.asarray(lam, dtype=np.float64))[::-1]
-            neg = int((lam < 0).sum())
-            ax.plot(np.arange(1, len(lam) + 1), lam, lw=1.6 if name == "full" else 1.0,
-                    color=colours.get(name), label=f"{name} ({neg} < 0)")
-        ax.set_yscale("symlog", linthresh=max(big, 1e-300) * 1e-6)
+            key = name.split(" ")[0]
+            ax.plot(np.arange(1, len(lam) + 1), lam, lw=1.6 if key == "full" else 1.0, color=colours.get(key), label=name)
+        lin = 10.0 ** (math.floor(math.log10(big)) - 6)
+        ax.set_yscale("symlog", linthresh=lin)
+        top = math.ceil(math.log10(big))
+        decades = list(range(top, math.floor(math.log10(lin)), -2))
+        ax.set_yticks([10.0**k for k in decades] + [0.0] + [-(10.0**k) for k in decades],
+                      [f"$10^{{{k}}}$" for k in decades] + ["0"] + [f"$-10^{{{k}}}$" for k in decades])
+        ax.set_ylim(-(10.0**top), 10.0**top)
         ax.axhline(0, color="0.6", lw=0.6)
         ax.set_xlabel("rank")
         ax.set_ylabel("eigenvalue")

@@ -21,13 +21,10 @@ when complete, so a failed run leaves no partial report (and an older report int
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +34,7 @@ from ..hessian import hessian as closed_form_hessian
 from .. import reference
 from . import plots
 from . import vit as vitmod
+from .outputs import atomic_dir, write_json
 
 HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, norms, spectra, figures"
 
@@ -63,42 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs of the closed form; the median is reported (default: 3)")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     p.add_argument("--ref-chunk", type=int, default=4, help=argparse.SUPPRESS)
-
-
-# ----------------------------------------------------------------------------- output folder
-
-
-def _prepare_out(out: Path) -> Path:
-    """Check ``--out`` and make the temporary folder beside it (``OSError``/``ValueError`` on failure)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    parent = out.absolute().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-    except OSError as exc:
-        raise OSError(f"cannot write the report to --out {out}: {exc.strerror or exc}") from None
-    return tmp
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Replace ``out`` by ``tmp`` (old report moved aside first, removed after)."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
-        os.rmdir(old)
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -155,17 +117,27 @@ def _eig_summary(lam: torch.Tensor, eps: float) -> dict:
     }
 
 
+def _load() -> float:
+    """The 1-minute load average (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+
+
 def _time_closed_form(params, X, cfg, loss, y, repeats: int):
-    runs, H = [], None
+    """The closed form ``repeats`` times (wall and CPU seconds of each run), then its two parts once."""
+    runs, cpu, H = [], [], None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         H = closed_form_hessian(params, X, cfg, loss=loss, target=y)
         D = H.dense()
         runs.append(time.perf_counter() - t)
-    t = time.perf_counter()
+        cpu.append(time.process_time() - c)
+    t, c = time.perf_counter(), time.process_time()
     O, F = H.outer.dense(), H.functional.dense()
-    parts_s = time.perf_counter() - t
-    return H, D, O, F, runs, parts_s
+    parts = (time.perf_counter() - t, time.process_time() - c)
+    return H, D, O, F, runs, cpu, parts
 
 
 def _reference(params, X, cfg, loss, y, chunk: int, quiet: bool, desc: str):
@@ -176,14 +148,14 @@ def _reference(params, X, cfg, loss, y, chunk: int, quiet: bool, desc: str):
     """
     B = X.shape[0]
     acc = None
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for i in _bar(range(0, B, chunk), quiet, desc=desc, unit="chunk"):
         j = min(i + chunk, B)
         H = reference.hessian(params, X[i:j], cfg, loss=loss, target=y[i:j])
         w = (j - i) / B
         mats = [H.dense() * w, H.outer.dense() * w, H.functional.dense() * w]
         acc = mats if acc is None else [a + m for a, m in zip(acc, mats)]
-    return acc, time.perf_counter() - t
+    return acc, (time.perf_counter() - t, time.process_time() - c)
 
 
 def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
@@ -192,12 +164,12 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
     X = model.embed(images, dtype)
     params = model.block_params(dtype)
     loss_value = float(model.per_sample_losses(images, labels).mean())
-    H, D, O, F, runs, parts_s = _time_closed_form(params, X, cfg, model.head_loss, labels, args.repeats)
+    H, D, O, F, runs, cpu, (parts_s, parts_cpu) = _time_closed_form(params, X, cfg, model.head_loss, labels, args.repeats)
     closed = {"full": D.to(torch.float64), "outer": O.to(torch.float64), "functional": F.to(torch.float64)}
     sizes = list(H.sizes)
     off = _offsets(sizes)
     X64, p64 = model.embed(images, torch.float64), model.block_params(torch.float64)
-    (R_full, R_outer, R_fun), ref_s = _reference(p64, X64, cfg, model.head_loss, labels, args.ref_chunk, quiet,
+    (R_full, R_outer, R_fun), (ref_s, ref_cpu) = _reference(p64, X64, cfg, model.head_loss, labels, args.ref_chunk, quiet,
                                                   f"{tag}: autograd reference")
     ref = {"full": R_full, "outer": R_outer, "functional": R_fun}
 
@@ -229,7 +201,8 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
     eig["diagonal_blocks"] = {a: _eig_summary(torch.linalg.eigvalsh(_block(closed["full"], names, off, a, a)), eps) for a in names}
     whole_norms = {part: {"fro": float(torch.linalg.matrix_norm(closed[part])), "spectral": float(lam[part].abs().max())}
                    for part in _PARTS}
-    cf_s = statistics.median(runs)
+    k = runs.index(statistics.median_low(runs))
+    cf_s, cf_cpu = runs[k], cpu[k]
     return {
         "loss": loss_value,
         "test_accuracy": model.test_accuracy,
@@ -248,6 +221,10 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
             "reference_s": ref_s,
             "reference_chunk": args.ref_chunk,
             "speedup_total": ref_s / (cf_s + parts_s),
+            "cpu_s": {"closed_form_full": cf_cpu, "closed_form_parts": parts_cpu, "closed_form_total": cf_cpu + parts_cpu,
+                      "reference": ref_cpu, "speedup_total": ref_cpu / max(cf_cpu + parts_cpu, 1e-9)},
+            "what": "wall-clock seconds; the closed form's full Hessian is the median (low) of the repeats, its outer and "
+                    "functional parts one further pass each; the reference computes full, outer and functional together",
         },
         "_dense": closed["full"],
         "_lam": {p: lam[p].numpy() for p in _PARTS},
@@ -287,8 +264,10 @@ def _figures(tmp: Path, phases: dict, names) -> list[str]:
     files.append("block_norms.png")
     plots.eigen_spectrum(
         tmp / "spectrum.png",
-        {("initialisation" if t == "init" else "trained"): ph["_lam"] for t, ph in phases.items()},
-        "Eigenvalues of the block Hessian and of its two parts",
+        {("initialisation" if t == "init" else "trained"): {
+            f"{p} ({ph['eigenvalues'][p]['n_negative']} of {ph['eigenvalues'][p]['n']} < 0)": ph["_lam"][p] for p in _PARTS}
+         for t, ph in phases.items()},
+        "Eigenvalues of the block Hessian and of its two parts (counts beyond n·eps·max|λ|)",
     )
     files.append("spectrum.png")
     return files
@@ -338,14 +317,20 @@ def _markdown(rep: dict, phases: dict, names) -> str:
         "",
         "## Timings (this run)",
         "",
-        "| weights | closed form, full (median of %d) | + outer and functional | autograd reference (full, outer, functional) | speed-up |" % rep["repeats"],
-        "|---|---|---|---|---|",
+        "| weights | closed form, full (median of %d) | + outer and functional | autograd reference (full, outer, functional) | speed-up | CPU seconds: closed form / reference |" % rep["repeats"],
+        "|---|---|---|---|---|---|",
     ]
     for tag, ph in phases.items():
         t = ph["timings"]
+        c = t["cpu_s"]
         lines.append(f"| {tag} | {t['closed_form_full_s']:.3f} s | {t['closed_form_parts_s']:.3f} s | {t['reference_s']:.2f} s | "
-                     f"{t['speedup_total']:.0f}× |")
+                     f"{t['speedup_total']:.0f}× | {c['closed_form_total']:.2f} / {c['reference']:.1f} ({c['speedup_total']:.0f}×) |")
+    env = rep["environment"]
     lines += [
+        "",
+        f"Wall-clock seconds of this process; {env['threads']} torch threads, {env['cpu_count']} CPUs, load average "
+        f"{env['load_average_start']:.2f} at the start and {env['load_average_end']:.2f} at the end (1 min): other work on the "
+        "machine stretches wall time, less so CPU time.",
         "",
         "The reference is `torch.func.hessian` of the loss through a plain forward, plus `J^T ∇²ℓ J` from `jacrev` for the "
         f"outer part, run on chunks of {rep['reference_chunk']} images (the batch Hessian is the mean of the chunks').",
@@ -378,11 +363,15 @@ def _markdown(rep: dict, phases: dict, names) -> str:
     lines += ["![block norms](block_norms.png)", "", "## Eigenvalues", "",
               "Counts use the tolerance n·ε·max|λ| (ε of the closed form's dtype); "
               "the outer part is positive semi-definite, so its negative count should be 0.", "",
-              "| weights | matrix | λ_min | λ_max | # negative | # positive | # ≈ 0 |", "|---|---|---|---|---|---|---|"]
+              "| weights | matrix | λ_min | λ_max | λ_min/λ_max | # negative | # positive | # ≈ 0 | Σλ<0 / Σλ>0 |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for tag, ph in phases.items():
         rows = [(p, ph["eigenvalues"][p]) for p in _PARTS] + [(f"H[{a},{a}]", ph["eigenvalues"]["diagonal_blocks"][a]) for a in names]
         for label, e in rows:
-            lines.append(f"| {tag} | {label} | {_fmt(e['min'])} | {_fmt(e['max'])} | {e['n_negative']} | {e['n_positive']} | {e['n_near_zero']} |")
+            ratio = e["min"] / e["max"] if e["max"] > 0 else float("nan")
+            mass = e["sum_negative"] / e["sum_positive"] if e["sum_positive"] > 0 else float("nan")
+            lines.append(f"| {tag} | {label} | {_fmt(e['min'])} | {_fmt(e['max'])} | {_fmt(ratio)} | {e['n_negative']} | "
+                         f"{e['n_positive']} | {e['n_near_zero']} | {_fmt(mass)} |")
     lines += ["", "![spectrum](spectrum.png)", "",
               "Source: arXiv 2510.16927 (Petrov, Kiselev, Meshkov, Grabovoy), §5.1–5.4 (MNIST ViT, Figs. 3–5). "
               "All numbers: `report.json`.", ""]
@@ -402,9 +391,12 @@ def run(args: argparse.Namespace) -> int:
     quiet = bool(args.quiet)
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
-    tmp = _prepare_out(out)
     t_start = time.perf_counter()
-    try:
+    load_start = _load()
+    with atomic_dir(out) as tmp:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         vit = vitmod.load_or_train(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
         n_train = len(vit.train_labels)
         if args.batch > n_train:
@@ -440,8 +432,9 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "n_params": phases["trained"]["n_params"],
             "sizes": phases["trained"]["sizes"],
-            "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-                            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+            "environment": {"torch": str(torch.__version__), "python": platform.python_version(), "threads": torch.get_num_threads(),
+                            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                            "load_average_start": load_start, "load_average_end": _load()},
             "validation": {
                 "max_rel_error": max_err,
                 "definition": "max over weights (init, trained), parts (full, outer, functional) and block pairs of "
@@ -458,12 +451,8 @@ def run(args: argparse.Namespace) -> int:
             "figures": figures,
         }
         rep["timings"]["report_total_s"] = time.perf_counter() - t_start
-        (tmp / "report.json").write_text(json.dumps(rep, indent=2, allow_nan=True) + "\n")
+        write_json(tmp / "report.json", rep)
         (tmp / "report.md").write_text(_markdown(rep, phases, names))
-        _move_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     if not quiet:
         t = rep["timings"]["trained"]
         print(f"blockhess report: wrote {out}/ (test accuracy {100 * vit.test_accuracy:.1f}%, max rel error vs autograd "
