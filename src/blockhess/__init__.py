@@ -13,6 +13,7 @@ torch.Size([144, 144])
 """
 
 from . import reference
+from .adapters import block_input, from_torch, to_module
 from .block import forward, input_jacobian, jacobian, second_derivative
 from .blocks import HessianBlocks
 from .components import attention, ffn, layernorm, softmax
@@ -27,6 +28,8 @@ __all__ = [
     "HessianBlocks",
     "InsufficientMemoryError",
     "attention",
+    "block_input",
+    "from_torch",
     "bounds",
     "convergence",
     "ffn",
@@ -40,6 +43,7 @@ __all__ = [
     "reference",
     "second_derivative",
     "softmax",
+    "to_module",
 ]
 
 __version__ = "0.1.0"

@@ -170,6 +170,13 @@ class HessianBlocks:
                 acc.add(a, b, self[a, b])
         return acc.result(self[self.names[0], self.names[0]]).dense()
 
+    def to_module(self, module) -> "HessianBlocks":
+        """The blocks re-keyed by a PyTorch layer's parameter names in their storage layout
+        (:func:`blockhess.adapters.to_module`)."""
+        from .adapters import to_module
+
+        return to_module(self, module)
+
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}{list(s)}" for n, s in self.shapes.items())
         return f"HessianBlocks({parts}; n={sum(self.sizes)}, dtype={self.dtype})"
