@@ -626,12 +626,12 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     from . import vit as vit_mod
 
-    _say(args.quiet, "loading the digits ViT")
+    _say(args.quiet, "loading the digits ViT (trained first if there is no checkpoint)")
     vit = vit_mod.load_or_train(args.checkpoint, quiet=args.quiet)
+    torch.set_num_threads(args.threads)  # after any training, which picks its own threads
     res = run_experiment(vit, args.out, settings, quiet=args.quiet)
     if not args.quiet:
         t7 = res["theorem7"]
