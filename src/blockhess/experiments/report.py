@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training steps when the model has to be trained (default: {vitmod.DEFAULT_STEPS})")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs of the closed form; the median is reported (default: 3)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's own choice; 1 is steadier on a busy machine)")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     p.add_argument("--ref-chunk", type=int, default=4, help=argparse.SUPPRESS)
 
@@ -388,6 +390,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     if args.repeats < 1 or args.ref_chunk < 1:
         raise ValueError("--repeats and --ref-chunk must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     quiet = bool(args.quiet)
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
