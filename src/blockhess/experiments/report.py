@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training steps when the model has to be trained (default: {vitmod.DEFAULT_STEPS})")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs of the closed form; the median is reported (default: 3)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads (default: torch's own choice; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch CPU threads, 0 for torch's default (default: 1: steady timings, and no "
+                        "oversubscription slow-down when other processes share the cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     p.add_argument("--ref-chunk", type=int, default=4, help=argparse.SUPPRESS)
 
@@ -91,9 +92,10 @@ def _block(D: torch.Tensor, names, off, a, b) -> torch.Tensor:
 
 
 def _rel(A: torch.Tensor, R: torch.Tensor, whole: float) -> float:
-    """``‖A − R‖_F / ‖R‖_F``; a zero reference block is measured against the whole matrix."""
+    """``‖A − R‖_F / ‖R‖_F``; a zero reference block is measured against the whole matrix (or absolutely)."""
     den = float(torch.linalg.matrix_norm(R))
-    return float(torch.linalg.matrix_norm(A - R)) / (den if den > 0 else whole)
+    den = den if den > 0 else (whole if whole > 0 else 1.0)
+    return float(torch.linalg.matrix_norm(A - R)) / den
 
 
 def _spec(A: torch.Tensor) -> float:
@@ -178,7 +180,7 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
     # validation
     errors = {}
     for part in _PARTS:
-        whole = float(torch.linalg.matrix_norm(ref[part]))
+        whole = float(torch.linalg.matrix_norm(ref[part])) or 1.0
         per = {f"{a},{b}": _rel(_block(closed[part], names, off, a, b), _block(ref[part], names, off, a, b), whole)
                for a, b in _pairs(names)}
         errors[part] = {"whole": float(torch.linalg.matrix_norm(closed[part] - ref[part])) / whole,
@@ -390,10 +392,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     if args.repeats < 1 or args.ref_chunk < 1:
         raise ValueError("--repeats and --ref-chunk must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    previous = torch.get_num_threads()
+    if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     quiet = bool(args.quiet)
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
