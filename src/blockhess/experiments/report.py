@@ -277,6 +277,10 @@ def _figures(tmp: Path, phases: dict, names) -> list[str]:
     return files
 
 
+def _threads(n) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
 
@@ -295,12 +299,12 @@ def _markdown(rep: dict, phases: dict, names) -> str:
         f"(at initialisation {100 * phases['init']['test_accuracy']:.2f}%).",
         "",
         f"Training: {tr.get('steps')} AdamW steps (lr {tr.get('lr')}, batch {tr.get('batch_size')}, seed {rep['seeds']['model']}), "
-        f"{_fmt(tr.get('train_seconds', float('nan')))} s on {tr.get('threads')} threads "
+        f"{_fmt(tr.get('train_seconds', float('nan')))} s on {_threads(tr.get('threads'))} "
         f"({'trained in this run' if tr.get('trained_in_this_run') else 'loaded from ' + str(rep['checkpoint'])}).",
         "",
         f"Hessian: w.r.t. W_Q, W_K, W_V, W_1, W_2 ({rep['n_params']} weights, a {rep['n_params']}×{rep['n_params']} matrix) "
         f"of the mean cross-entropy over a fixed batch of {rep['batch']} training images (seed {rep['seeds']['batch']}); "
-        f"closed form in {rep['dtype']}, torch {rep['environment']['torch']}, {rep['environment']['threads']} threads.",
+        f"closed form in {rep['dtype']}, torch {rep['environment']['torch']}, {_threads(rep['environment']['threads'])}.",
         "",
         "## Validation against autograd (`bh.reference`, float64, same batch)",
         "",
@@ -332,7 +336,7 @@ def _markdown(rep: dict, phases: dict, names) -> str:
     env = rep["environment"]
     lines += [
         "",
-        f"Wall-clock seconds of this process; {env['threads']} torch threads, {env['cpu_count']} CPUs, load average "
+        f"Wall-clock seconds of this process; {_threads(env['threads'])}, {env['cpu_count']} CPUs, load average "
         f"{env['load_average_start']:.2f} at the start and {env['load_average_end']:.2f} at the end (1 min): other work on the "
         "machine stretches wall time, less so CPU time.",
         "",
