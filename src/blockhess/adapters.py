@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 from .blocks import HessianBlocks
-from .config import BlockConfig
+from .config import BlockConfig, param_shapes
 
 __all__ = ["from_torch", "to_module", "block_input"]
 
@@ -147,10 +147,10 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
         affine = {n1.weight is not None, n2.weight is not None}
         if len(affine) != 1:
             raise ValueError("norm1/norm2: elementwise_affine must be the same for both LayerNorms")
-        biases = {k: (getattr(m, "bias", None) is not None) for k, m in (
-            ("self_attn.in_proj_bias", None), ("self_attn.out_proj.bias", sa.out_proj), ("linear1.bias", module.linear1),
-            ("linear2.bias", module.linear2), ("norm1.bias", n1), ("norm2.bias", n2)) if m is not None}
-        biases["self_attn.in_proj_bias"] = sa.in_proj_bias is not None
+        biases = {"self_attn.in_proj_bias": sa.in_proj_bias is not None,
+                  "self_attn.out_proj.bias": sa.out_proj.bias is not None,
+                  "linear1.bias": module.linear1.bias is not None, "linear2.bias": module.linear2.bias is not None,
+                  "norm1.bias": n1.bias is not None, "norm2.bias": n2.bias is not None}
         if len(set(biases.values())) != 1:
             raise ValueError(f"bias: present on some layers only ({biases}); the closed form needs all or none")
         cfg = BlockConfig(d_model=d, d_ff=dff, n_heads=H, d_k=d // H, norm="pre" if module.norm_first else "post",
@@ -169,14 +169,7 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
             params[ours] = (chunk.T if transposed else chunk).clone().contiguous()
     if dtype is not None:
         params = {k: v.to(dtype) for k, v in params.items()}
-    ordered = {n: params[n] for n in _param_order(cfg)}
-    return cfg, ordered
-
-
-def _param_order(cfg: BlockConfig):
-    from .config import param_shapes
-
-    return tuple(param_shapes(cfg))
+    return cfg, {n: params[n] for n in param_shapes(cfg)}
 
 
 def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
