@@ -156,6 +156,8 @@ def _check_variance(c: Cache) -> None:
 
 
 class Stage(NamedTuple):
+    """One stage of the chain (docs/derivations.md §10)."""
+
     kind: str  # "attn", "ln1", "ffn", "ln2"
     inp: str | None  # level of the stage input
     out: str  # level of the stage output
@@ -193,7 +195,8 @@ def _attn_internal(cfg: BlockConfig, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _stages(c: Cache, lv: dict | None = None) -> list[Stage]:
+def _stages(c: Cache) -> list[Stage]:
+    """The chain of stages of the block (post-LN: attention, LN_1, FFN, LN_2; pre-LN: attention, FFN)."""
     cfg, names = c.cfg, c.names
     st = [Stage("attn", None, "R", _attn_internal(cfg, names), None)]
     if cfg.kind == "attention":
