@@ -527,7 +527,7 @@ def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps:
         An explicit file must exist and be a valid checkpoint (else ``ValueError``). ``None``
         means :data:`DEFAULT_CHECKPOINT` (``checkpoints/digits_vit.pt``; for ``seed != 0``
         ``checkpoints/digits_vit_seed{seed}.pt``): loaded when present, otherwise the model is
-        trained (:func:`train`, about a minute on 2 cores) and saved there.
+        trained (:func:`train`, a few seconds on one core) and saved there.
     quiet : bool
         No progress bar.
     seed : int
