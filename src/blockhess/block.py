@@ -39,7 +39,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as Fn
 
 from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
