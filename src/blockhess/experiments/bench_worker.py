@@ -418,6 +418,16 @@ def _setup_all(P: Problem, names: list[str], res: dict) -> dict:
     return ready
 
 
+def _guarded(call, entry) -> bool:
+    """Call; on an exception record it in ``entry["error"]`` (first one only) and return False."""
+    try:
+        call()
+        return True
+    except Exception as exc:
+        entry.setdefault("error", f"{type(exc).__name__} in a timed call: {exc}".splitlines()[0][:300])
+        return False
+
+
 def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
     gc.collect()
     entry["rss_before_bytes"] = rss_bytes()
@@ -434,6 +444,8 @@ def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
     entry.update(summarise(M, P))
     kept = M if keep else None
     del out, M
+    gc.collect()
+    entry["rss_after_bytes"] = rss_bytes()
     return kept
 
 
@@ -448,7 +460,7 @@ def run_time(job: dict) -> dict:
     for i, name in enumerate(list(ready)):
         call, canon = ready[name]
         try:
-            outputs[name] = _first_call(name, call, canon, P, res[name], keep, measure_peak=(i == 0))
+            outputs[name] = _first_call(name, call, canon, P, res[name], keep, measure_peak=True)
         except Exception as exc:
             res[name]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             del ready[name]
@@ -471,7 +483,8 @@ def run_time(job: dict) -> dict:
             if warm and sum(warm) > budget / 4:
                 break
             t0 = time.perf_counter()
-            call()
+            if not _guarded(call, res[name]):
+                break
             warm.append(time.perf_counter() - t0)
         t_call = min(warm) if warm else res[name]["first_call_s"]
         res[name]["warmup_s"] = warm
@@ -480,7 +493,7 @@ def run_time(job: dict) -> dict:
         plan[name] = [inner, samples]
         res[name].update(inner=inner, times=[], cpu_times=[])
     # interleaved rounds
-    order = list(ready)
+    order = [n for n in ready if n in plan]
     for r in range(rounds):
         k = r % max(len(order), 1)
         for name in order[k:] + order[:k]:
@@ -491,16 +504,20 @@ def run_time(job: dict) -> dict:
             gc.collect()
             gc.disable()
             c0, t0 = time.process_time(), time.perf_counter()
+            ok = True
             for _ in range(inner):
-                call()
+                ok = ok and _guarded(call, res[name])
             dt = (time.perf_counter() - t0) / inner
             dc = (time.process_time() - c0) / inner
             gc.enable()
+            if not ok:  # failed in a later call (e.g. memory another method still holds): keep what was measured
+                plan[name][1] = 0
+                continue
             res[name]["times"].append(dt)
             res[name]["cpu_times"].append(dc)
             plan[name][1] -= 1
     for name in ready:
-        t = res[name]["times"]
+        t = res[name].get("times")
         if t:
             q = statistics.quantiles(t, n=4, method="inclusive") if len(t) >= 2 else [t[0]] * 3
             res[name].update(median_s=statistics.median(t), p25_s=q[0], p75_s=q[2], min_s=min(t), max_s=max(t), samples=len(t),
