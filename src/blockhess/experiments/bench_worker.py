@@ -385,7 +385,11 @@ def summarise(M: torch.Tensor, P: Problem) -> dict:
     S = M @ _sketch_matrix(P.cols, M.dtype)
     out = {"sketch": S.double().flatten().tolist(), "fro": float(torch.linalg.matrix_norm(M.double() if M.dtype != torch.float64 and M.numel() < 5e7 else M))}
     if P.rows == P.cols and P.kind == "hessian":
-        out["asym"] = float(torch.linalg.matrix_norm(M - M.T) / max(out["fro"], 1e-300))
+        # ||M - M^T||_F by row panels: no n x n temporary (the output may fill most of memory)
+        sq, step = 0.0, max(1, (1 << 24) // max(P.cols, 1))
+        for i in range(0, P.rows, step):
+            sq += float(torch.linalg.matrix_norm(M[i : i + step] - M[:, i : i + step].T) ** 2)
+        out["asym"] = math.sqrt(sq) / max(out["fro"], 1e-300)
     return out
 
 
