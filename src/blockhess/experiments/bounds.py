@@ -25,15 +25,13 @@ Writes ``bounds.json``, ``bounds.md`` and ``bounds.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+
+from .outputs import atomic_dir, write_json
+from .runtime import add_threads_argument, environment, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure)"
 
@@ -53,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
     p.add_argument("--batch", type=int, default=8, help="training images in the trained-model Hessian (default 8)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per point of the sweep (default 3)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: small dense problems)")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -273,16 +271,12 @@ def figure(res: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    old = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    try:
+    with torch_threads(args.threads):
         tables, ingr = _random_tables(args.quiet)
         sw = _sweep(args.seeds, args.quiet)
         trained_info, t_trained = None, None
@@ -292,8 +286,6 @@ def run(args: argparse.Namespace) -> int:
             tables += tt
             ingr += ti
             t_trained = time.perf_counter() - t1
-    finally:
-        torch.set_num_threads(old)
     fails = [{"table": t["name"], "block": b} for t in tables for b in t["paper_failures"]]
     fails += [{"table": "sweep", **{m: f[m] for m in ("kind", "L", "weight_scale", "sigma", "seed", "target", "block")},
                "norm": f["norm"], "bound_paper": f["bound_paper"], "ratio_paper": f["ratio_paper"]}
@@ -302,21 +294,15 @@ def run(args: argparse.Namespace) -> int:
     res = {
         "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
         "paper_failures": fails, "valid_violations": viol, "trained": trained_info,
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": args.threads,
-                        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+        "environment": environment(),
         "trained_runtime_s": t_trained,
     }
     res["runtime_s"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".bounds-", dir=out) as tmp:
-        tmp = Path(tmp)
+    with atomic_dir(args.out) as tmp:
         figure(res, tmp / "bounds.png")
         (tmp / "bounds.md").write_text(markdown(res))
-        with open(tmp / "bounds.json", "w") as f:
-            json.dump(res, f, indent=1)
-        for name in ("bounds.png", "bounds.md", "bounds.json"):
-            os.replace(tmp / name, out / name)
+        write_json(tmp / "bounds.json", res)
+    out = args.out
     if not args.quiet:
         print(f"{sum(len(t['rows']) for t in tables) + sw['n_rows']} rows: {len(viol)} valid-bound violations, "
               f"{len(fails)} rows where the printed bound fails; wrote {out}/bounds.json, bounds.md, bounds.png "

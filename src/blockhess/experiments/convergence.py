@@ -43,6 +43,7 @@ import torch
 
 from .. import convergence as cv
 from .outputs import atomic_dir, write_json
+from .runtime import add_threads_argument, environment, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
 
@@ -102,9 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=None, help="epochs of the paper's running mean (default 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")
     p.add_argument("--seed", type=int, default=None, help="seed of orderings, subsets and directions (default 0)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: the per-sample matrices are small; more threads are slower "
-                        "on a busy machine)")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -430,8 +429,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
         },
         "settings": {**asdict(s), "deltas": list(s.deltas), "gradient_seeds": list(s.gradient_seeds)},
         "timing": timing,
-        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
-                        "machine": platform.machine()},
+        "environment": environment(),
     }
     arrays = {"k": k, "mean_abs": mean_abs, "max_abs": max_abs, "single": single, "single_paper": single_paper,
               "kb": kb, "smooth": smooth, "fit": fit, "mad": mad, "bound0": bound0, "nb": nb, "db": db,
@@ -624,15 +622,13 @@ def run_experiment(model, out, settings: Settings, quiet: bool = True) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     t0 = time.perf_counter()
     from . import vit as vit_mod
 
     _say(args.quiet, "loading the digits ViT (trained first if there is no checkpoint)")
-    vit = vit_mod.load_or_train(args.checkpoint, quiet=args.quiet)
-    torch.set_num_threads(args.threads)  # after any training, which picks its own threads
-    res = run_experiment(vit, args.out, settings, quiet=args.quiet)
+    with torch_threads(args.threads):
+        vit = vit_mod.load_or_train(args.checkpoint, quiet=args.quiet)
+        res = run_experiment(vit, args.out, settings, quiet=args.quiet)
     if not args.quiet:
         t7 = res["theorem7"]
         print(f"slope {res['slope']:.3f} (k in [{res['slope_fit']['k_min']:.0f}, {res['slope_fit']['k_max']:.0f}]), "

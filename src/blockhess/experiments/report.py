@@ -38,6 +38,7 @@ from .. import reference
 from . import plots
 from . import vit as vitmod
 from .outputs import atomic_dir, write_json
+from .runtime import add_threads_argument, environment, torch_threads
 
 HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, norms, spectra, figures"
 
@@ -62,9 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training steps when the model has to be trained (default: {vitmod.DEFAULT_STEPS})")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs of the closed form; the median is reported (default: 3)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="torch CPU threads, 0 for torch's default (default: 1: steady timings, and no "
-                        "oversubscription slow-down when other processes share the cores)")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     p.add_argument("--ref-chunk", type=int, default=4, help=argparse.SUPPRESS)
 
@@ -339,8 +338,8 @@ def _markdown(rep: dict, phases: dict, names) -> str:
     env = rep["environment"]
     lines += [
         "",
-        f"Wall-clock seconds of this process; {_threads(env['threads'])}, {env['cpu_count']} CPUs, load average "
-        f"{env['load_average_start']:.2f} at the start and {env['load_average_end']:.2f} at the end (1 min): other work on the "
+        f"Wall-clock seconds of this process; {_threads(env['threads'])}, {env['cpus']} CPUs, load average "
+        f"{env['load_average_start']:.2f} at the start and {env['load_average'][0]:.2f} at the end (1 min): other work on the "
         "machine stretches wall time, less so CPU time.",
         "",
         "The reference is `torch.func.hessian` of the loss through a plain forward, plus `J^T ∇²ℓ J` from `jacrev` for the "
@@ -399,15 +398,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     if args.repeats < 1 or args.ref_chunk < 1:
         raise ValueError("--repeats and --ref-chunk must be >= 1")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    previous = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _run(args)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -455,9 +447,7 @@ def _run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "n_params": phases["trained"]["n_params"],
             "sizes": phases["trained"]["sizes"],
-            "environment": {"torch": str(torch.__version__), "python": platform.python_version(), "threads": torch.get_num_threads(),
-                            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                            "load_average_start": load_start, "load_average_end": _load()},
+            "environment": {**environment(), "load_average_start": load_start},
             "validation": {
                 "max_rel_error": max_err,
                 "definition": "max over weights (init, trained), parts (full, outer, functional) and block pairs of "

@@ -29,16 +29,14 @@ theory, theory_source, n, window}``; ``"records"``: every measured norm), ``scal
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from .outputs import atomic_dir, write_json
+from .runtime import add_threads_argument, environment, torch_threads
 
 HELP = "curvature scaling laws on exact Hessians: input scale, sequence length, LayerNorm variance (fits, plots)"
 
@@ -68,8 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="scaling", help="output folder (default: scaling)")
     p.add_argument("--quick", action="store_true", help="small sizes, 3 seeds (well under a minute on 2 cores)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 quick, 8 full)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: the Hessians are small, one thread is fastest)")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -435,12 +432,6 @@ def figures(result: dict, out: Path) -> list[str]:
     return written
 
 
-def _environment(threads: int) -> dict:
-    return {"torch": torch.__version__, "python": platform.python_version(), "threads": threads,
-            "machine": platform.machine(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-
-
 def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True, sweeps=SWEEPS,
             overrides: dict | None = None) -> dict:
     """Run the sweeps and the fits; returns the dict written to ``scaling.json``.
@@ -484,28 +475,17 @@ def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True,
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    old = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         t0 = time.perf_counter()
         result = compute("quick" if args.quick else "full", seeds=args.seeds, quiet=args.quiet)
-        result["environment"] = _environment(args.threads)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".scaling-", dir=out) as tmp:
-            tmp = Path(tmp)
+        result["environment"] = environment()
+        with atomic_dir(args.out) as tmp:
             names = figures(result, tmp)
             result["figures"] = names
             result["total_runtime_s"] = time.perf_counter() - t0
             (tmp / "scaling.md").write_text(markdown(result))
-            with open(tmp / "scaling.json", "w") as f:
-                json.dump(result, f, indent=1)
-            for name in names + ["scaling.md", "scaling.json"]:
-                os.replace(tmp / name, out / name)
-    finally:
-        torch.set_num_threads(old)
+            write_json(tmp / "scaling.json", result)
+    out = args.out
     if not args.quiet:
         att = [f for f in result["fits"] if f["setting"] == "attention" and f["variable"] == "input_scale"
                and f["norm"] == "spectral" and f["block"] in ("W_Q,W_Q", "W_V,W_V") and f["part"] != "full"]

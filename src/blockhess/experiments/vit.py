@@ -55,6 +55,7 @@ import torch.nn.functional as Fn
 
 from ..config import BlockConfig, init_params
 from ..reference import forward as block_forward
+from .runtime import torch_threads
 
 __all__ = [
     "DEFAULT_CHECKPOINT",
@@ -352,12 +353,8 @@ def train(
     """
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _train(seed, steps, quiet, arch, optim)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _train(seed, steps, quiet, arch, optim) -> TrainedViT:

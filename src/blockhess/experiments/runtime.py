@@ -1,0 +1,59 @@
+"""What every command shares about the machine: its torch thread count and a record of
+the environment that goes into each JSON next to the timings."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+
+import torch
+
+__all__ = ["add_threads_argument", "torch_threads", "environment"]
+
+
+def add_threads_argument(parser, default: int = 1) -> None:
+    """Add ``--threads N`` (torch intra-op threads while the command runs)."""
+    parser.add_argument(
+        "--threads", type=int, default=default, metavar="N",
+        help=f"torch CPU threads while the command runs (default: {default}; the matrices per step are small, "
+             "and on cores shared with other processes more threads oversubscribe them and run slower)",
+    )
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the body with ``torch.set_num_threads(n)``, restoring the previous count afterwards.
+
+    Raises ``ValueError`` for ``n < 1``.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {n!r}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    """Torch and Python versions, threads in use, CPU model and count, load average, date."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "torch": str(torch.__version__), "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "cpu": _cpu_model(), "cpus": os.cpu_count(), "load_average": list(load) if load else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
