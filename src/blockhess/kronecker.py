@@ -25,6 +25,8 @@ Kronecker factor.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +64,7 @@ class TokenKron:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def premul(self, E: torch.Tensor) -> "TokenKron":
         """Chain rule through a per-token map: rows ``E_t J_t``; ``E`` of shape ``(T, r', r)`` or ``(r', r)``."""
@@ -149,10 +148,7 @@ class SplitKron:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def _merge(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         lead = pieces[0].shape[:-1]
@@ -178,10 +174,7 @@ class ZeroKron:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def dense(self) -> torch.Tensor:
         return self.like.new_zeros(self.T, self.r, self.numel)
