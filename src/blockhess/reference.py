@@ -132,14 +132,20 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     Hf = torch.func.hessian(scalar)(sel)
     Z = out(sel)
     B, L, d = Z.shape
-    H_Z = torch.func.hessian(lambda z: _plain_loss(loss, target, z))(Z).reshape(B * L * d, B * L * d)
+    # the batch loss is the mean of per-sequence losses: its Z-Hessian is block-diagonal over sequences
+    in_dims = (0, 0 if isinstance(target, torch.Tensor) else None)
+
+    def per_sequence(z, t):
+        return _plain_loss(loss, None if t is None else t[None], z[None]) / B
+
+    H_Z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(Z, target).reshape(B, L * d, L * d)
     J = torch.func.jacrev(out)(sel)
-    J = {n: J[n].reshape(B * L * d, -1) for n in names}
+    J = {n: J[n].reshape(B, L * d, -1) for n in names}
     parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
     for i, a in enumerate(names):
         for b in names[i:]:
             full = Hf[a][b].reshape(allv[a].numel(), allv[b].numel())
-            outer = J[a].T @ H_Z @ J[b]
+            outer = torch.einsum("bia,bij,bjc->ac", J[a], H_Z, J[b])
             parts["full"].add(a, b, full)
             parts["outer"].add(a, b, outer)
             parts["functional"].add(a, b, full - outer)
