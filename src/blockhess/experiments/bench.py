@@ -413,6 +413,8 @@ def run_paired(case: dict, runner: Runner, progress) -> dict:
             # the closed form could not be timed again in this process (e.g. the baseline left memory held):
             # the ratio of the two first calls, flagged as such
             out["pairs"][m] = {"closed_form_first_call_s": cf["first_call_s"], "ratio_first_calls": e["first_call_s"] / cf["first_call_s"]}
+        if cf.get("error") and m in out["pairs"]:
+            out["pairs"][m]["closed_form_error"] = cf["error"]
         if m == "floor" and cf:
             out["methods"]["closed_form"] = _strip(cf)
     c = out["methods"].setdefault("closed_form", {"available": True})
