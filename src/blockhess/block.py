@@ -662,7 +662,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     c = _forward(params, X, cfg)
     _check_variance(c)
     names = _select(c.names, wrt)
-    J = _factors(c).J
+    J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
     B, L, d = c.out.shape
     out = {n: J[n].dense().reshape(B, L * d, -1) for n in names}
     return {n: (v[0] if X.ndim == 2 else v) for n, v in out.items()}

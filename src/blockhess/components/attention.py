@@ -129,8 +129,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _vt_s(c, M: torch.Tensor) -> torch.Tensor:
     """``V^T S_l M`` for every token ``l``: ``(B, L, d_v, m)`` for ``M`` of shape ``(B, L, m)``."""
-    first = torch.einsum("blj,bjc,bjm->blcm", c.A, c.V, M)
-    return first - c.F[..., :, None] * (c.A @ M)[..., None, :]
+    AV = c.A[..., :, None] * c.V[:, None]  # (B, L, L, d_v): A_lj V_jc (two-operand steps: no einsum path search)
+    return AV.transpose(-1, -2) @ M[:, None] - c.F[..., :, None] * (c.A @ M)[..., None, :]
 
 
 def _pad_rows(t: torch.Tensor, cols: slice, d: int) -> torch.Tensor:
@@ -144,8 +144,8 @@ def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
     """``∂O/∂W`` per token over ``B·L`` tokens, keyed by internal name (per head ``W_Q#h``, ``b_Q#h``,
     ``W_K#h``, ``W_V#h`` for several heads; ``W_Q`` etc. for one), plus ``b_V``.
 
-    ``names``: the public parameter names present (default ``W_Q, W_K, W_V``). ``b_K`` gets no
-    factor: its Jacobian is exactly zero (softmax is shift-invariant per row).
+    ``names``: the public names wanted (default ``W_Q, W_K, W_V``); only their factors are
+    formed. ``b_K`` gets no factor: its Jacobian is exactly zero (softmax is shift-invariant per row).
     """
     names = NAMES if names is None else names
     B, L, d = c.X.shape
@@ -153,12 +153,16 @@ def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
     out = {}
     for h in range(c.n_heads):
         hd, nm = head(c, h), head_names(c.n_heads, h)
-        GQ = _pad_rows(_flat(_vt_s(hd, hd.K)) * c.scale, hd.cols, d)
-        out[nm["W_Q"]] = TokenKron("left", _flat(c.X), GQ)
-        if "b_Q" in names:
-            out[nm["b_Q"]] = TokenKron("vector", None, GQ)
-        out[nm["W_K"]] = TokenKron("right", _flat(hd.Q), _pad_rows(_flat(_vt_s(hd, c.X)) * c.scale, hd.cols, d))
-        out[nm["W_V"]] = TokenKron("left", _flat(hd.A @ c.X), eye[:, hd.cols].expand(B * L, d, hd.cols.stop - hd.cols.start))
+        if "W_Q" in names or "b_Q" in names:
+            GQ = _pad_rows(_flat(_vt_s(hd, hd.K)) * c.scale, hd.cols, d)
+            out[nm["W_Q"]] = TokenKron("left", _flat(c.X), GQ)
+            if "b_Q" in names:
+                out[nm["b_Q"]] = TokenKron("vector", None, GQ)
+        if "W_K" in names:
+            out[nm["W_K"]] = TokenKron("right", _flat(hd.Q), _pad_rows(_flat(_vt_s(hd, c.X)) * c.scale, hd.cols, d))
+        if "W_V" in names:
+            out[nm["W_V"]] = TokenKron("left", _flat(hd.A @ c.X),
+                                       eye[:, hd.cols].expand(B * L, d, hd.cols.stop - hd.cols.start))
     if "b_V" in names:
         out["b_V"] = TokenKron("vector", None, eye.expand(B * L, d, d))
     return out
