@@ -581,6 +581,14 @@ def _cell(case, m) -> str:
     return _fmt_t(e.get("median_s")) + _fmt_spread(e)
 
 
+def _peak_cell(r: dict) -> str:
+    """Peak RSS of a (c) job: the worker's own figure, or the watchdog's when the job was stopped."""
+    if r.get("peak_rss_gib"):
+        return f"{r['peak_rss_gib']:.1f} GiB"
+    w = (r.get("watch") or {}).get("watched_max_rss_gib")
+    return "—" if w is None else f"{w:.1f} GiB when it ended"
+
+
 def markdown(results: dict) -> str:
     env = results["env"]
     L = []
@@ -661,10 +669,10 @@ def markdown(results: dict) -> str:
         w("|---|---|---|---|---|---|---|---|")
         for r in lc["closed_form"]:
             res = "ok" if r["ok"] else (r["error"] or "failed")[:80]
-            w(f"| closed form | {tuple(r['size'])} | {r['n']:,} | {r['dense_gib']:.1f} GiB | {res} | {_fmt_t(r['time_s'])} | {r['peak_rss_gib']:.1f} GiB | {(r.get('watch') or {}).get('cap_gib', '—')} GiB |")
+            w(f"| closed form | {tuple(r['size'])} | {r['n']:,} | {r['dense_gib']:.1f} GiB | {res} | {_fmt_t(r['time_s'])} | {_peak_cell(r)} | {(r.get('watch') or {}).get('cap_gib', '—')} GiB |")
         for m, r in lc["baselines"].items():
             res = "skipped: " + r["skip_reason"] if r.get("skip_reason") else "ok" if r.get("ok") else (r.get("error") or "failed")[:80]
-            w(f"| {METHOD_LABEL[m]} | {tuple(r['size'])} | {r.get('n', 0):,} | {r.get('n', 0) ** 2 * 8 / GiB:.1f} GiB | {res} | {_fmt_t(r.get('time_s'))} | {r.get('peak_rss_gib', 0):.1f} GiB | {(r.get('watch') or {}).get('cap_gib', '—')} GiB |")
+            w(f"| {METHOD_LABEL[m]} | {tuple(r['size'])} | {r.get('n', 0):,} | {r.get('n', 0) ** 2 * 8 / GiB:.1f} GiB | {res} | {_fmt_t(r.get('time_s'))} | {_peak_cell(r)} | {(r.get('watch') or {}).get('cap_gib', '—')} GiB |")
         w("")
     w("### Targets (issue #5)")
     w("")
