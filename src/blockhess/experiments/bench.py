@@ -44,6 +44,8 @@ import time
 
 import psutil
 
+from .runtime import cpu_model
+
 HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
 
 GiB = 2**30
@@ -94,17 +96,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # environment
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(dist: str) -> str | None:
     from importlib import metadata
 
@@ -132,7 +123,7 @@ def environment(args) -> dict:
     vm = psutil.virtual_memory()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "physical_cpus": psutil.cpu_count(logical=False),
         "memory_total_gib": round(vm.total / GiB, 2),

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-__all__ = ["add_threads_argument", "torch_threads", "environment"]
+__all__ = ["add_threads_argument", "torch_threads", "cpu_model", "environment"]
 
 
 def add_threads_argument(parser, default: int = 1) -> None:
@@ -38,7 +38,8 @@ def torch_threads(n: int):
         torch.set_num_threads(previous)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -54,6 +55,6 @@ def environment() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
         "torch": str(torch.__version__), "python": platform.python_version(), "threads": torch.get_num_threads(),
-        "cpu": _cpu_model(), "cpus": os.cpu_count(), "load_average": list(load) if load else None,
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "load_average": list(load) if load else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
