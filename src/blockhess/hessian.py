@@ -103,6 +103,15 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
         zero-variance LayerNorm input row with ``ln_eps = 0`` (Assumption 2); an unknown loss;
         a target of the wrong shape or class range; an unknown name in ``wrt``.
+    InsufficientMemoryError
+        (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result would not fit in
+        the memory available now; raised before allocating, with the bytes needed.
+
+    Notes
+    -----
+    The full Hessian is assembled in one pass into one preallocated buffer; ``.outer`` and
+    ``.functional`` are computed on first access, each by its own pass (so that
+    ``outer + functional == full`` checks two independent computations).
     """
     check_inputs(params, X, cfg)
     if X.ndim == 2 and isinstance(target, torch.Tensor):
