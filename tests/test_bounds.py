@@ -12,6 +12,7 @@ import torch
 
 import blockhess as bh
 from blockhess import bounds
+from blockhess.experiments.runtime import torch_threads
 
 TOL = 1e-9  # relative slack for rounding in the exact norms
 
@@ -19,10 +20,8 @@ TOL = 1e-9  # relative slack for rounding in the exact norms
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny problems: one thread is faster (and far faster on a loaded machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with torch_threads(1):
+        yield
 
 GRID = [
     # (kind, d_model, d_ff, d_k, L, ln_eps)

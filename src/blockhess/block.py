@@ -575,42 +575,24 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
             acc.add("X", "beta_1", torch.einsum("bmae,bmac->bmec", J_a, XX1).reshape(*c.x_shape, d))
 
 
-def contract_output(c: Cache, g, f: Factors, acc, omega_S: torch.Tensor | None = None,
-                    omega_Z: torch.Tensor | None = None) -> None:
+def contract_output(c: Cache, g, f: Factors, acc, omega_Z: torch.Tensor | None = None) -> None:
     r"""Add the blocks of :math:`\sum_o g_o \nabla^2_W \mathrm{out}_o` (the functional term of eq. 10) to ``acc``.
 
     ``g`` has the shape of the output, ``(B, L, d)`` (``None``: no functional term). ``omega_Z``
     (``(T, d, d)``, per token) adds the outer term :math:`J^\top \Omega J` on the same pass.
-    ``omega_S`` (legacy, post-LN): :math:`J_Z^\top \Omega J_Z` already at the LN_2 input; only
-    when ``LN_2`` has no parameters. ``acc`` is a :class:`~blockhess.blocks.BlockSum` over the
-    public names. No checks (kernel).
+    ``acc`` is a :class:`~blockhess.blocks.BlockSum` over the public names. Theorem 5 contracted
+    (docs/derivations.md §6, §10). No checks (kernel).
     """
-    cfg = c.cfg
-    wrap = acc if isinstance(acc, _Acc) else _Acc(acc, cfg)
-    d = cfg.d_model
-    gf = None if g is None else g.reshape(-1, d)
-    if omega_S is not None and omega_Z is None:
-        if cfg.kind == "block" and cfg.norm == "post":
-            if "gamma_2" in c.names or "beta_2" in c.names:
-                raise ValueError("contract_output: pass omega_Z (the loss Hessian w.r.t. Z) when LN_2 has parameters")
-            Om = omega_S
-            if gf is not None:
-                Om = Om + layernorm.contract_hessian(c.fc.S, gf, cfg.ln_eps, c.params.get("gamma_2"))
-                gf = (c.E_Z.transpose(1, 2) @ gf[..., None])[..., 0]
-            _walk(c, f, wrap, gf, Om, start="ffn")
-        else:
-            _walk(c, f, wrap, gf, omega_S)
-    else:
-        _walk(c, f, wrap, gf, omega_Z)
+    wrap = acc if isinstance(acc, _Acc) else _Acc(acc, c.cfg)
+    _walk(c, f, wrap, None if g is None else g.reshape(-1, c.cfg.d_model), omega_Z)
     if wrap is not acc:
         wrap.finish()
 
 
-def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc, omega_S: torch.Tensor | None = None) -> None:
-    r"""Add ξ contracted with ``g_S`` (``(T, d)``): the blocks of :math:`\sum g_S \nabla^2 S`
-    (Theorem 5's ξ_ij), plus :math:`B^\top \Omega_S B` when ``omega_S`` is given (post-LN)."""
+def _contract_S(c: Cache, f: Factors, g_S: torch.Tensor, acc) -> None:
+    r"""Add ξ contracted with ``g_S`` (``(T, d)``): the blocks of :math:`\sum g_S \nabla^2 S` (Theorem 5's ξ_ij)."""
     wrap = _Acc(acc, c.cfg)
-    _walk(c, f, wrap, g_S, omega_S, start="ffn")
+    _walk(c, f, wrap, g_S, None, start="ffn")
     wrap.finish()
 
 
