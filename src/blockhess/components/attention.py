@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as Fn
 
-from ..kronecker import TokenKron, sandwich
+from ..kronecker import TokenKron
 from . import softmax
 
 __all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian",
@@ -202,7 +202,7 @@ def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> None:
     r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} O_{blc}` over the attention weights to ``acc``.
 
     ``G`` has the shape of ``O``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
-    :class:`~blockhess.blocks.BlockSum` (or anything with its ``wants``/``add``/``add_diagonal``)
+    :class:`~blockhess.blocks.BlockSum` (or anything with its ``wants``/``add``/``add_sandwich``/``add_diagonal``)
     over internal names (:func:`head_names`); only the pairs it wants are computed.
     ``names``: the public names present (``b_Q`` is the only bias with curvature here:
     ``b_K`` has none and ``b_V`` enters linearly with :math:`S_l\mathbf 1 = 0`). The
@@ -237,7 +237,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
     for i, a in enumerate(order):
         for b in order[i:]:
             if acc.wants(a, b):
-                acc.add(a, b, sandwich(dT[a], dT[b], Psi))
+                acc.add_sandwich(a, b, dT[a], dT[b], Psi)
     want_qk, want_bk = acc.wants(nQ, nK), has_bQ and acc.wants(nbQ, nK)
     if want_qk or want_bk:  # T is bilinear in (Q, K): δ_bb' s (X^T Γ_T X)_aa'
         grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
@@ -253,7 +253,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
         SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
         cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys
         for a in cross:
-            acc.add(a, nV, sandwich(dT[a], cross_V))
+            acc.add_sandwich(a, nV, dT[a], cross_V)
 
 
 def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None, weights: bool = True):

@@ -1,0 +1,95 @@
+"""Per-token Kronecker factors (kronecker.py) and the dense accumulator (blocks.py) against
+dense Jacobians: every side combination, with and without Ω and an extra core, written
+straight into a buffer (one chunk or one core row at a time), accumulated, and mirrored."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from blockhess.blocks import BlockSum
+from blockhess.kronecker import TokenKron, sandwich, sandwich_into
+
+from conftest import assert_close
+
+T, R = 5, 3  # tokens, rows per token
+SHAPES = {"left": (4, 6), "right": (7, 2), "vector": (5,)}
+
+
+def factor(side: str, gen: torch.Generator) -> TokenKron:
+    shape = SHAPES[side]
+    x = shape[-1] if side != "right" else shape[0]
+    vec = None if side == "vector" else torch.randn(T, shape[0] if side == "left" else shape[1], generator=gen, dtype=torch.float64)
+    return TokenKron(side, vec, torch.randn(T, R, x, generator=gen, dtype=torch.float64))
+
+
+def core_dims(F: TokenKron) -> int:
+    return F.mat.shape[-1]
+
+
+def dense_sandwich(F1, F2, omega, core):
+    """``Σ_t J_1tᵀ Ω_t J_2t`` from dense per-token Jacobians (``core`` spread like Ω's term)."""
+    J1, J2 = F1.dense(), F2.dense()
+    out = 0 if omega is False else torch.einsum("tri,trs,tsj->ij", J1, torch.eye(R, dtype=J1.dtype).expand(T, R, R) if omega is None else omega, J2)
+    if core is not None:  # the core's term has J = w ⊗ (core row/col unit vectors)
+        E1 = TokenKron(F1.side, F1.vec, torch.eye(core_dims(F1), dtype=J1.dtype).expand(T, -1, -1)).dense()
+        E2 = TokenKron(F2.side, F2.vec, torch.eye(core_dims(F2), dtype=J1.dtype).expand(T, -1, -1)).dense()
+        out = out + torch.einsum("txi,txy,tyj->ij", E1, core, E2)
+    return out
+
+
+PAIRS = list(itertools.product(SHAPES, SHAPES))
+MODES = ["identity", "omega", "omega+core", "core"]
+
+
+@pytest.mark.parametrize("s1,s2", PAIRS)
+@pytest.mark.parametrize("mode", MODES)
+def test_sandwich_and_into(s1, s2, mode):
+    gen = torch.Generator().manual_seed(10 * PAIRS.index((s1, s2)) + MODES.index(mode))
+    F1, F2 = factor(s1, gen), factor(s2, gen)
+    omega = {"identity": None, "core": False}.get(mode, torch.randn(T, R, R, generator=gen, dtype=torch.float64))
+    core = torch.randn(T, core_dims(F1), core_dims(F2), generator=gen, dtype=torch.float64) if "core" in mode else None
+    ref = dense_sandwich(F1, F2, omega, core)
+    assert_close(sandwich(F1, F2, omega, core).reshape(ref.shape), ref, what="sandwich")
+    n1, n2 = ref.shape
+    for room in (None, T * n2, 3 * T * n2):  # default chunk, one core row per GEMM, a partial last chunk
+        buf = torch.full((n1 + 3, n2 + 5), float("nan"), dtype=torch.float64)
+        out = buf[1 : 1 + n1, 2 : 2 + n2]  # a strided view, as a block of the Hessian is
+        ws = None if room is None else torch.empty(room, dtype=torch.float64)
+        sandwich_into(out, F1, F2, omega, core, workspace=ws)
+        assert_close(out, ref, what=f"sandwich_into (room {room})")
+        sandwich_into(out, F1, F2, omega, core, accumulate=True, workspace=ws)
+        assert_close(out, 2 * ref, what=f"sandwich_into accumulate (room {room})")
+        assert torch.isnan(buf[0]).all() and torch.isnan(buf[:, 0]).all() and torch.isnan(buf[-1]).all(), "wrote outside the block"
+
+
+def test_blocksum_dense_matches_blocks():
+    """Out-of-order pairs, several contributions per pair, the tiled mirror: the dense buffer
+    equals the dict accumulator's blocks and ``J^T Ω J``; off-diagonal blocks are exact transposes."""
+    gen = torch.Generator().manual_seed(3)
+    F = {"a": factor("left", gen), "b": factor("vector", gen), "c": factor("right", gen)}
+    shapes = {k: v.shape for k, v in F.items()}
+    na, nc = math.prod(shapes["a"]), math.prod(shapes["c"])
+    omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
+    omega = omega + omega.transpose(1, 2)
+    dense = BlockSum(tuple(F), shapes, dense=True, dtype=torch.float64, device="cpu")
+    dense.MIRROR_TILE = 5  # tiles that do not divide the block sizes
+    blocks = BlockSum(tuple(F), shapes)
+    for acc in (dense, blocks):
+        for x, y in [("a", "a"), ("c", "a"), ("a", "b"), ("b", "b"), ("c", "b"), ("c", "c"), ("a", "c")]:
+            acc.add_sandwich(x, y, F[x], F[y], omega)
+    H = dense.result(omega).dense()
+    for x, y in itertools.combinations(F, 2):  # mirrored: exact transposes
+        assert torch.equal(H[dense.slices[y], dense.slices[x]], H[dense.slices[x], dense.slices[y]].T)
+    assert (H - H.T).norm() <= 1e-14 * H.norm()  # diagonal blocks: symmetric to rounding
+    ref = blocks.result(omega)
+    for x, y in itertools.product(F, F):
+        assert_close(H[dense.slices[x], dense.slices[y]], ref[x, y], what=f"{x},{y}")
+    J = torch.cat([F[k].dense() for k in F], dim=2)
+    full = torch.einsum("tri,trs,tsj->ij", J, omega, J)
+    full[:na, -nc:] *= 2  # (a, c) was added twice, in both orders
+    full[-nc:, :na] *= 2
+    assert_close(H, full, what="dense vs J^T Ω J")
