@@ -95,5 +95,7 @@ def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny)
     cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0)
+    bh.hessian(p, X, cfg, target=torch.zeros_like(X))  # under validation.SMALL_BYTES: not checked
+    monkeypatch.setattr(bh.validation, "SMALL_BYTES", 0)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))

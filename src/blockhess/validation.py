@@ -70,9 +70,16 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float) -> None:
         )
 
 
+SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)
+
+
 def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
     """Raise ``InsufficientMemoryError`` (a ``MemoryError`` and a ``ValueError``) if ``nbytes``
-    exceeds the memory available now on ``device``; the message gives both byte counts."""
+    exceeds the memory available now on ``device``; the message gives both byte counts.
+    Requests under ``SMALL_BYTES`` (64 MiB) are not checked: a machine that cannot hold
+    them fails in the allocator anyway, and the check would dominate small calls."""
+    if nbytes < SMALL_BYTES:
+        return
     device = torch.device(device)
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]

@@ -122,8 +122,7 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
     check_fits(X[..., 0, 0].numel() * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
     J = _compact_jacobian(X, eps, gamma).reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
-    t = torch.arange(L, device=X.device)
-    dense[:, t, :, t, :] = J.transpose(0, 1)
+    torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
     return dense.reshape(*batch, L * d, L * d)
 
 
@@ -143,5 +142,5 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     H = _compact_hessian(X, eps, gamma).reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
-    dense[:, t, :, t, :, t, :] = H.transpose(0, 1)
+    dense[:, t, :, t, :, t, :] = H.transpose(0, 1)  # entries where output and both inputs share a token
     return dense.reshape(*batch, (L * d) ** 2, L * d)
