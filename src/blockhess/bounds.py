@@ -31,7 +31,6 @@ inequality.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -69,23 +68,6 @@ _SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def _threads_for(n: int, limit: int = 1500):
-    """Run small dense linear algebra (``n <= limit``) on one thread, restoring the setting.
-
-    Multi-threaded LAPACK on matrices of a few hundred rows is slower than one thread, and
-    dramatically so on a loaded machine.
-    """
-    old = torch.get_num_threads()
-    if n <= limit and old > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != old:
-            torch.set_num_threads(old)
 
 
 def _spec(M: torch.Tensor) -> float:
@@ -447,12 +429,11 @@ def exact_norms(H) -> dict[str, Any]:
     names = H.names
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
     out = {}
-    with _threads_for(sum(H.sizes)):
-        for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
-            vals = {pr: _spec(part[pr]) for pr in pairs}
-            D = part.dense()
-            vals["all"] = _sym_spec(0.5 * (D + D.T))
-            out[key] = vals
+    for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
+        vals = {pr: _spec(part[pr]) for pr in pairs}
+        D = part.dense()
+        vals["all"] = _sym_spec(0.5 * (D + D.T))
+        out[key] = vals
     return out
 
 
@@ -481,8 +462,8 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         (``bound / norm``; ``None`` where the norm is 0), ``ratio_paper`` and
         ``paper_holds`` (``bound_paper >= norm`` up to a relative ``PAPER_TIE_RTOL = 1e-10``
         for attained bounds, or ``None``). Norms come from :func:`blockhess.hessian` (closed
-        form). Problems with at most 1500 parameters run on one thread (restored
-        afterwards): faster for small dense linear algebra.
+        form). Runs on torch's current thread count; for the paper's small problems one
+        thread is fastest (``torch.set_num_threads(1)``; the CLI's ``--threads`` default).
 
     Raises
     ------
@@ -495,11 +476,9 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
     derived here, see docs/bounds.md.
     """
     check_setting(cfg)
-    n = sum(int(torch.Size(s).numel()) for s in param_shapes(cfg).values())
-    with _threads_for(n):
-        H = _hessian(params, X, cfg, loss=loss, target=target)
-        ex = exact_norms(H)
-        bd = block_bounds(params, X, cfg, loss=loss, target=target)
+    H = _hessian(params, X, cfg, loss=loss, target=target)
+    ex = exact_norms(H)
+    bd = block_bounds(params, X, cfg, loss=loss, target=target)
     names = bd["names"]
     keys = [(a, b) for i, a in enumerate(names) for b in names[i:]] + ["all"]
     rows = []
