@@ -101,3 +101,13 @@ def test_jax_block_matches_closed_form():
         theirs = torch.from_numpy(np.array(bench_jax.make_hessian(shapes, loss)(theta, X.numpy(), target.numpy(), None)))
         err = torch.linalg.matrix_norm(theirs - ours) / torch.linalg.matrix_norm(ours)
         assert err < 1e-10, (loss, float(err))
+
+
+def test_device_cuda_is_refused_clearly_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
+        bench.run(_args(tmp_path, "--device", "cuda", "--quick"))
+    with pytest.raises(ValueError, match="groups a and b only"):
+        bench.build_plan(_args(tmp_path, "--device", "cuda", "--cases", "c"))
+    plan = bench.build_plan(_args(tmp_path, "--device", "cuda", "--quick"))
+    assert {c["group"] for c in plan} == {"a", "b"}

@@ -26,6 +26,10 @@ reported as skipped, with the reason.
 
 Writes ``bench.json`` (everything, with the environment), ``bench.md`` (tables, the
 paper's figures beside ours, the targets) and ``bench.png`` into ``--out``.
+
+``--device cuda`` runs groups (a) and (b) on the GPU (the paper's timings are CUDA, FP32):
+every timed call ends with ``torch.cuda.synchronize()``, peak memory is the GPU memory
+allocated by torch, JAX is skipped (CPU jaxlib).
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads per worker for torch and JAX (default 0: torch's default, or 1 when the machine is oversubscribed "
                    "at start, load average >= CPUs, where OpenMP barriers stall multi-threaded runs)")
     p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the problems live and every torch method runs (default cpu). cuda: groups a and b only "
+                   "(group c's memory cap watches host memory), JAX skipped (CPU jaxlib), peak memory is the GPU's")
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,6 +140,8 @@ def environment(args) -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_threads": args.effective_threads,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
         "threads_reason": args.threads_reason,
         "numpy": _version("numpy"),
         "jax": _version("jax"),
@@ -167,6 +176,10 @@ def build_plan(args) -> list[dict]:
     bad = groups - {"a", "b", "c"}
     if bad:
         raise ValueError(f"--cases must be a comma-separated subset of a,b,c; got {sorted(bad)}")
+    if args.device == "cuda":
+        groups.discard("c")  # the largest-n search caps host memory; on a GPU it would measure the wrong thing
+        if not groups:
+            raise ValueError("--device cuda runs groups a and b only (group c watches host memory); got --cases c")
     q = args.quick
     mem = not args.no_memory
     cases = []
@@ -249,6 +262,7 @@ class Runner:
         job = dict(job)
         job["disabled"] = sorted(self.disabled)
         job["threads"] = self.args.effective_threads
+        job["device"] = self.args.device
         jp = os.path.join(self.workdir, f"job{self.count}.json")
         op = os.path.join(self.workdir, f"out{self.count}.json")
         lp = os.path.join(self.workdir, f"log{self.count}.txt")
@@ -586,12 +600,14 @@ def markdown(results: dict) -> str:
     w = L.append
     w(f"Environment: {env['cpu_model']}, {env['logical_cpus']} logical CPUs, {env['memory_total_gib']} GiB RAM "
       f"({env['memory_available_gib_at_start']} GiB available at start, load average {env['load_average_at_start'][0]:.1f}); "
-      f"torch {env['torch']} ({env['torch_threads']} threads), jax {env['jax'] or 'not installed'}, "
+      f"torch {env['torch']} ({env['torch_threads']} threads{', on ' + str(env['gpu']) if env.get('gpu') else ''}), jax {env['jax'] or 'not installed'}, "
       f"curvlinops {env['curvlinops'] or 'not installed'}; blockhess {env['blockhess_commit'] or '?'}; {env['date']}; "
       f"memory cap per job {env['mem_cap_gib']:g} GiB{'; QUICK run (small sizes)' if results.get('quick') else ''}.")
     w("")
+    mem = ("the increase of the GPU memory allocated by torch (torch.cuda.max_memory_allocated)" if env.get("device") == "cuda"
+           else "the increase of the process's resident memory")
     w("Times are medians of interleaved rounds after warm-up, [quartiles] beside them; a ratio is the baseline's median over "
-      "the closed form's, both measured in the same process. Peak memory is the increase of the process's resident memory "
+      f"the closed form's, both measured in the same process. Peak memory is {mem} "
       "during a method's first call in a fresh process. Errors are relative Frobenius errors against the closed form.")
     w("")
     acases = [c for c in results["cases"] if c["group"] == "a"]
@@ -733,6 +749,11 @@ def run(args) -> int:
         raise ValueError(f"--mem-cap-gb must be positive, got {args.mem_cap_gb}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     plan = build_plan(args)
     _choose_threads(args)
     os.makedirs(args.out, exist_ok=True)

@@ -82,10 +82,11 @@ class Problem:
 
     ``spec``: ``kind`` ("jacobian" | "hessian"), ``of`` (jacobian: "ln" | "W_1" | "W_2" |
     "block"), ``L``, ``d``, ``d_ff``, ``B`` (0: one sequence ``(L, d)``), ``dtype``, ``loss``
-    ("mse" | "ce" | "digits"), ``seed``, ``ln_eps`` (default 0, the paper's).
+    ("mse" | "ce" | "digits"), ``seed``, ``ln_eps`` (default 0, the paper's). The inputs are
+    drawn on the CPU (same numbers on every device) and moved to ``device``.
     """
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, device: str = "cpu"):
         import blockhess as bh
 
         self.spec = spec
@@ -109,6 +110,10 @@ class Problem:
                 self.target = torch.randn(shape, generator=gen, dtype=torch.float64).to(self.dtype)
             else:
                 self.target = torch.randint(0, d, shape[:-1], generator=gen)
+        self.device = torch.device(device)
+        self.params = {k: v.to(self.device) for k, v in self.params.items()}
+        self.X, self.target = self.X.to(self.device), self.target.to(self.device)
+        self.head = None if self.head is None else self.head.to(self.device)
         if self.kind == "jacobian":
             of = spec["of"]
             self.rows = L * d
@@ -247,7 +252,7 @@ def setup_closed_form(P: Problem):
 def setup_floor(P: Problem):
     """Allocate and fill the dense output: the least any method must spend."""
     shape, dtype = (P.rows, P.cols), P.dtype
-    return (lambda: torch.full(shape, 1.0, dtype=dtype)), _identity, {}
+    return (lambda: torch.full(shape, 1.0, dtype=dtype, device=P.device)), _identity, {}
 
 
 def setup_autograd(P: Problem):
@@ -320,7 +325,7 @@ def setup_curvlinops(P: Problem):
         y, lf = P.target.reshape(-1), torch.nn.CrossEntropyLoss()
     params = [getattr(model, k) for k in names]
     H = HessianLinearOperator(model, lf, params, [(X, y)], check_deterministic=False, progressbar=False)
-    eye = torch.eye(P.n, dtype=P.dtype)
+    eye = torch.eye(P.n, dtype=P.dtype, device=P.device)
     return (lambda: H @ eye), _identity, {"version": getattr(curvlinops, "__version__", "?")}
 
 
@@ -330,6 +335,8 @@ def setup_jax(P: Problem):
         raise Skip("the JAX baseline is a Hessian baseline")
     if P.dtype != torch.float64:
         raise Skip("the JAX baseline runs in float64 only")
+    if P.device.type != "cpu":
+        raise Skip("the JAX baseline runs on the CPU only (the bench extra installs CPU jaxlib)")
     try:
         import jax
         import numpy as np
@@ -382,7 +389,7 @@ def _sketch_matrix(cols: int, dtype) -> torch.Tensor:
 def summarise(M: torch.Tensor, P: Problem) -> dict:
     """Sketch ``M @ P`` (8 columns), Frobenius norm and symmetry of a dense output."""
     M = M.reshape(P.rows, P.cols)
-    S = M @ _sketch_matrix(P.cols, M.dtype)
+    S = M @ _sketch_matrix(P.cols, M.dtype).to(M.device)
     out = {"sketch": S.double().flatten().tolist(), "fro": float(torch.linalg.matrix_norm(M.double() if M.dtype != torch.float64 and M.numel() < 5e7 else M))}
     if P.rows == P.cols and P.kind == "hessian":
         # ||M - M^T||_F by row panels: no n x n temporary (the output may fill most of memory)
@@ -411,6 +418,8 @@ def _setup_all(P: Problem, names: list[str], res: dict) -> dict:
         try:
             t0 = time.perf_counter()
             call, canon, extra = METHODS[name](P)
+            if P.device.type == "cuda":
+                call = _synchronised(call)
             entry["setup_s"] = time.perf_counter() - t0
             entry.update(extra)
             entry["available"] = True
@@ -420,6 +429,17 @@ def _setup_all(P: Problem, names: list[str], res: dict) -> dict:
         except Exception as exc:  # a baseline that breaks is reported, not fatal
             entry.update(available=False, error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
     return ready
+
+
+def _synchronised(call):
+    """``call`` followed by ``torch.cuda.synchronize()``: a timed call ends when its kernels do."""
+
+    def synced():
+        out = call()
+        torch.cuda.synchronize()
+        return out
+
+    return synced
 
 
 def _guarded(call, entry) -> bool:
@@ -434,8 +454,12 @@ def _guarded(call, entry) -> bool:
 
 def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
     gc.collect()
+    cuda = P.device.type == "cuda"
     entry["rss_before_bytes"] = rss_bytes()
     peak_ok = reset_peak() if measure_peak else False
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(P.device)
+        cuda_before = torch.cuda.memory_allocated(P.device)
     t0 = time.perf_counter()
     out = call()
     entry["first_call_s"] = time.perf_counter() - t0
@@ -443,6 +467,9 @@ def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
         entry["peak_rss_bytes"] = peak_bytes()
         entry["peak_reset"] = peak_ok
         entry["peak_delta_bytes"] = entry["peak_rss_bytes"] - entry["rss_before_bytes"]
+        if cuda:  # the GPU's memory is what the method spends; the host's is kept apart
+            entry["peak_host_delta_bytes"] = entry["peak_delta_bytes"]
+            entry["peak_delta_bytes"] = torch.cuda.max_memory_allocated(P.device) - cuda_before
     M = canon(out)
     entry["out_shape"] = list(M.shape) if hasattr(M, "shape") else None
     entry.update(summarise(M, P))
@@ -454,7 +481,7 @@ def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
 
 
 def run_time(job: dict) -> dict:
-    P = Problem(job["problem"])
+    P = Problem(job["problem"], job.get("device", "cpu"))
     names = job["methods"]
     res: dict = {}
     ready = _setup_all(P, names, res)
@@ -530,7 +557,7 @@ def run_time(job: dict) -> dict:
 
 
 def run_memory(job: dict) -> dict:
-    P = Problem(job["problem"])
+    P = Problem(job["problem"], job.get("device", "cpu"))
     (name,) = job["methods"]
     res: dict = {}
     ready = _setup_all(P, [name], res)
@@ -544,7 +571,10 @@ def run_memory(job: dict) -> dict:
 
 
 def environment() -> dict:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
+    if torch.cuda.is_available():
+        env["cuda"] = {"device": torch.cuda.get_device_name(0), "version": torch.version.cuda}
+    return env
 
 
 def main(argv: list[str]) -> int:
@@ -556,7 +586,7 @@ def main(argv: list[str]) -> int:
     result = {"job": job, "env": environment()}
     t0 = time.perf_counter()
     try:
-        P = Problem(job["problem"])
+        P = Problem(job["problem"], job.get("device", "cpu"))
         result.update(n=P.n, rows=P.rows, cols=P.cols, out_bytes=P.out_bytes)
         del P
         result["methods"] = run_memory(job) if job["mode"] == "memory" else run_time(job)
