@@ -243,7 +243,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
         grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
         dk = c.Q.shape[-1]
         if want_qk:
-            P = torch.einsum("blj,bla,bjc->ac", grad_T, c.X, c.X) * c.scale
+            P = (c.X.transpose(1, 2) @ (grad_T @ c.X)).sum(0) * c.scale  # Σ_b X_bᵀ (∂φ/∂T)_b X_b
             acc.add_diagonal(nQ, nK, 1, 3, P[:, :, None].expand(*P.shape, dk))
         if want_bk:
             p = torch.einsum("blj,bja->a", grad_T, c.X) * c.scale

@@ -172,7 +172,7 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
     # the bilinear h W_2 (every FFN) and Y_f W_1
     cross["W_2"] = [TokenKron("right", g, WJ_T * c.D[:, None, :])]
     cross["W_1"] = [TokenKron("right", g_H, JfT if pre else eye)]
-    own.append(("W_1", "W_2", torch.einsum("ta,tb,tc->acb", Yf, c.D, g), (1, 2)))
+    own.append(("W_1", "W_2", torch.einsum("ta,tcb->acb", Yf, g[:, :, None] * c.D[:, None, :]), (1, 2)))
     if "b_1" in names:
         own.append(("b_1", "W_2", torch.einsum("tb,tc->cb", c.D, g), (0, 1)))
     if pre:  # LN_2 inside the FFN (pre-LN)
@@ -181,7 +181,7 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
         if "gamma_2" in names:
             cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
             own.append(("gamma_2", "W_1", torch.einsum("ta,tb->ba", c.n, g_H), (0, 1)))
-            own.append(("gamma_2", "W_2", c.W_1[:, :, None] * torch.einsum("ta,tb,tc->abc", c.n, c.D, g), None))
+            own.append(("gamma_2", "W_2", c.W_1[:, :, None] * torch.einsum("ta,tbc->abc", c.n, c.D[:, :, None] * g[:, None, :]), None))
         if "beta_2" in names:
             own.append(("beta_2", "W_1", g_H.sum(0)[:, None].expand(g_H.shape[1], d), (0, 1)))
             own.append(("beta_2", "W_2", c.W_1[:, :, None] * (c.D.T @ g)[None], None))
