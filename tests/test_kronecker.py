@@ -67,29 +67,55 @@ def test_sandwich_and_into(s1, s2, mode):
 
 
 def test_blocksum_dense_matches_blocks():
-    """Out-of-order pairs, several contributions per pair, the tiled mirror: the dense buffer
-    equals the dict accumulator's blocks and ``J^T Ω J``; off-diagonal blocks are exact transposes."""
+    """Out-of-order pairs (factors, Ω and core transposed), several contributions per pair,
+    the tiled mirror: the dense buffer equals the dict accumulator's blocks and the sum of
+    dense sandwiches; off-diagonal blocks are exact transposes. Ω is not symmetric, so a
+    missing transpose on the swapped path shows."""
     gen = torch.Generator().manual_seed(3)
     F = {"a": factor("left", gen), "b": factor("vector", gen), "c": factor("right", gen)}
+    names = tuple(F)
     shapes = {k: v.shape for k, v in F.items()}
-    na, nc = math.prod(shapes["a"]), math.prod(shapes["c"])
-    omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
-    omega = omega + omega.transpose(1, 2)
-    dense = BlockSum(tuple(F), shapes, dense=True, dtype=torch.float64, device="cpu")
+    size = {k: math.prod(v) for k, v in shapes.items()}
+    terms = []  # (x, y, omega, core)
+    for x, y in [("a", "a"), ("c", "a"), ("a", "b"), ("b", "b"), ("c", "b"), ("c", "c"), ("a", "c")]:
+        omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
+        core = torch.randn(T, core_dims(F[x]), core_dims(F[y]), generator=gen, dtype=torch.float64) if (x, y) in (("c", "a"), ("c", "b")) else None
+        terms.append((x, y, omega, core))
+    dense = BlockSum(names, shapes, dense=True, dtype=torch.float64, device="cpu")
     dense.MIRROR_TILE = 5  # tiles that do not divide the block sizes
-    blocks = BlockSum(tuple(F), shapes)
+    blocks = BlockSum(names, shapes)
     for acc in (dense, blocks):
-        for x, y in [("a", "a"), ("c", "a"), ("a", "b"), ("b", "b"), ("c", "b"), ("c", "c"), ("a", "c")]:
-            acc.add_sandwich(x, y, F[x], F[y], omega)
-    H = dense.result(omega).dense()
-    for x, y in itertools.combinations(F, 2):  # mirrored: exact transposes
+        for x, y, omega, core in terms:
+            acc.add_sandwich(x, y, F[x], F[y], omega, core)
+    H = dense.result(F["a"].mat).dense()
+    ref = blocks.result(F["a"].mat)
+    expect = {}
+    for x, y, omega, core in terms:  # each term lands in the upper block, transposed if out of order
+        val = dense_sandwich(F[x], F[y], omega, core)
+        if names.index(x) > names.index(y):
+            x, y, val = y, x, val.T
+        expect[(x, y)] = expect.get((x, y), 0) + val
+    for x, y in itertools.product(names, names):
+        blk = H[dense.slices[x], dense.slices[y]]
+        assert_close(blk, ref[x, y], what=f"dense vs blocks {x},{y}")
+        want = expect.get((x, y)) if names.index(x) <= names.index(y) else expect.get((y, x))
+        want = torch.zeros(size[x], size[y], dtype=torch.float64) if want is None else want
+        assert_close(blk, want if names.index(x) <= names.index(y) else want.T, scale=1.0, what=f"dense vs sum of sandwiches {x},{y}")
+    for x, y in itertools.combinations(names, 2):  # mirrored: exact transposes
         assert torch.equal(H[dense.slices[y], dense.slices[x]], H[dense.slices[x], dense.slices[y]].T)
-    assert (H - H.T).norm() <= 1e-14 * H.norm()  # diagonal blocks: symmetric to rounding
-    ref = blocks.result(omega)
-    for x, y in itertools.product(F, F):
-        assert_close(H[dense.slices[x], dense.slices[y]], ref[x, y], what=f"{x},{y}")
-    J = torch.cat([F[k].dense() for k in F], dim=2)
-    full = torch.einsum("tri,trs,tsj->ij", J, omega, J)
-    full[:na, -nc:] *= 2  # (a, c) was added twice, in both orders
-    full[-nc:, :na] *= 2
-    assert_close(H, full, what="dense vs J^T Ω J")
+
+
+def test_sandwich_into_refuses_bad_arguments():
+    gen = torch.Generator().manual_seed(5)
+    F1, F2 = factor("left", gen), factor("right", gen)
+    n1, n2 = F1.numel, F2.numel
+    with pytest.raises(ValueError, match=r"out must be \(24, 14\) with unit column stride"):
+        sandwich_into(torch.zeros(n1, n2 + 1, dtype=torch.float64), F1, F2)
+    with pytest.raises(ValueError, match="unit column stride"):
+        sandwich_into(torch.zeros(n2, n1, dtype=torch.float64).T, F1, F2)
+    with pytest.raises(ValueError, match="out is torch.float32"):
+        sandwich_into(torch.zeros(n1, n2), F1, F2)
+    with pytest.raises(ValueError, match=f"workspace must hold at least T·n_2 = {T * n2} entries"):
+        sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, F2, workspace=torch.empty(T * n2 - 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="TokenKron factors"):
+        sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, "F2")

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .kronecker import TokenKron, sandwich, sandwich_into
+from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into
 from .validation import check_fits
 
 __all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
@@ -29,7 +29,6 @@ class BlockSum:
     one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check).
     """
 
-    WORKSPACE_BYTES = 4 << 20  # scratch for the GEMM operands of sandwich_into (fits in L2/L3)
     MIRROR_TILE = 64  # rows of the upper block per transposed-copy tile
 
     def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None):
@@ -92,13 +91,13 @@ class BlockSum:
             a, b, F1, F2 = b, a, F2, F1
             omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
             core = None if core is None else core.transpose(-1, -2)
-        fresh = (a, b) not in self.blocks
-        if fresh:
-            self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
-        need = max(F1.mat.shape[0] * self.sizes[b], self.WORKSPACE_BYTES // self.buffer.element_size())
+        need = max(F1.mat.shape[0] * self.sizes[b], SCRATCH_BYTES // self.buffer.element_size())
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = self.buffer.new_empty(need)
-        sandwich_into(self.blocks[(a, b)], F1, F2, omega, core, accumulate=not fresh, workspace=self._workspace)
+        fresh = (a, b) not in self.blocks
+        block = self.buffer[self.slices[a], self.slices[b]] if fresh else self.blocks[(a, b)]
+        sandwich_into(block, F1, F2, omega, core, accumulate=not fresh, workspace=self._workspace)
+        self.blocks[(a, b)] = block  # registered once written: a failed write leaves no uninitialised block
 
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``

@@ -225,10 +225,10 @@ def sandwich(F1, F2, omega: torch.Tensor | None = None, core: torch.Tensor | Non
     return torch.einsum(",".join(idx) + "->" + p1 + p2, *ops)
 
 
-def _rows(F2, C: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _rows(F2, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``R[x, t, :]``, the ``vec_r`` of :math:`C_t[x, :]` spread by ``F2``'s vectors: ``(k, T, n_2)``
     from ``C`` of shape ``(T, k, x_2)`` (``u_2[t, c] C[t, x, d]`` for left, ``C[t, x, c] v_2[t, d]``
-    for right, ``C[t, x, d]`` itself for a vector); written into ``out`` (flat) when given."""
+    for right, ``C[t, x, d]`` itself for a vector); written into the flat scratch ``out``."""
     C = C.transpose(0, 1)
     k, T, x2 = C.shape
     if F2.side == "vector":
@@ -237,36 +237,68 @@ def _rows(F2, C: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         a, b, shape = F2.vec[None, :, :, None], C[:, :, None, :], (k, T, F2.vec.shape[1], x2)
     else:
         a, b, shape = C[..., None], F2.vec[None, :, None, :], (k, T, x2, F2.vec.shape[1])
-    if out is None:
-        return (a * b).reshape(k, T, -1)
     R = out[: math.prod(shape)].view(shape)
     torch.mul(a, b, out=R)
     return R.view(k, T, -1)
+
+
+SCRATCH_BYTES = 4 << 20  # default scratch of sandwich_into: a few R_x at a time, in cache
 
 
 def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, core=None,
                   accumulate: bool = False, workspace: torch.Tensor | None = None) -> None:
     r"""Write (or with ``accumulate`` add) :func:`sandwich` ``(F1, F2, omega, core)`` into ``out``.
 
-    ``out``: an ``(n_1, n_2)`` view with unit column stride (a block of the dense Hessian).
-    Both factors are :class:`TokenKron`. The block is produced by GEMMs that write straight
-    into ``out``: for each core row ``x`` of ``F1`` (the ``q`` index of a left factor, the ``p``
-    index of a right one, the entry of a vector) the rows of ``out`` it owns are
-    :math:`w_1^\top R_x` with :math:`w_1 = u_1` (left), :math:`v_1` (right) or :math:`\mathbf 1`
-    (vector), ``(·, T)``, and :math:`R_x` the ``(T, n_2)`` matrix of :func:`_rows`. Same
-    ``T·n_1·n_2`` multiply-adds as :func:`sandwich`, no permuted temporary and no copy.
-    ``workspace`` (flat, ``out``'s dtype, at least ``T·n_2`` entries) holds as many
-    ``R_x`` at a time as fit; reusing one across calls saves fresh memory (page faults) per
-    chunk. Without it, ``R_x`` are built ``4 MiB`` at a time.
+    The block is produced by GEMMs that write straight into ``out``: for each core row ``x``
+    of ``F1`` (the ``q`` index of a left factor, the ``p`` index of a right one, the entry of
+    a vector) the rows of ``out`` it owns are :math:`w_1^\top R_x`, with :math:`w_1 = u_1`
+    (left), :math:`v_1` (right) or :math:`\mathbf 1` (vector), ``(·, T)``, and :math:`R_x` the
+    ``(T, n_2)`` matrix of :func:`_rows`. Same ``T·n_1·n_2`` multiply-adds as
+    :func:`sandwich`, no permuted temporary and no copy (docs/derivations.md §1).
+
+    Parameters
+    ----------
+    out : Tensor
+        ``(F1.numel, F2.numel)``, unit column stride (e.g. a block of the dense Hessian, a
+        view with any row stride), the dtype and device of the factors.
+    F1, F2 : TokenKron
+        The two factors, ``T`` tokens each.
+    omega, core
+        As :func:`sandwich`: ``(T, r, r)`` or ``None`` (identity) or ``False`` (none);
+        ``(T, x_1, x_2)`` or ``None``.
+    accumulate : bool
+        Add to ``out`` instead of overwriting it.
+    workspace : Tensor or None
+        Flat scratch of ``out``'s dtype with at least ``T·n_2`` entries; as many ``R_x`` as fit
+        are built at a time. Reusing one across calls spares fresh memory (page faults).
+        Without it, one of ``max(4 MiB, T·n_2 entries)`` is allocated for this call.
+
+    Raises
+    ------
+    ValueError
+        A factor that is not a :class:`TokenKron`; ``out`` of the wrong shape, dtype or
+        device, or without unit column stride; a ``workspace`` that is too small or of
+        another dtype.
     """
+    if not (isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
+        raise ValueError(f"sandwich_into: F1 and F2 must be TokenKron factors, got {type(F1).__name__}, {type(F2).__name__}")
+    if tuple(out.shape) != (F1.numel, F2.numel) or out.stride(-1) != 1:
+        raise ValueError(f"sandwich_into: out must be ({F1.numel}, {F2.numel}) with unit column stride, "
+                         f"got shape {tuple(out.shape)}, strides {out.stride()}")
+    if out.dtype != F1.mat.dtype or out.device != F1.mat.device:
+        raise ValueError(f"sandwich_into: out is {out.dtype} on {out.device}, the factors {F1.mat.dtype} on {F1.mat.device}")
     C = _cmat(F1, F2, omega, core)
     T, x1 = C.shape[:2]
     n2 = out.shape[1]
+    if workspace is None:
+        workspace = C.new_empty(max(SCRATCH_BYTES // C.element_size(), T * n2))
+    elif workspace.numel() < T * n2 or workspace.dtype != C.dtype:
+        raise ValueError(f"sandwich_into: workspace must hold at least T·n_2 = {T * n2} entries of {C.dtype}, "
+                         f"got {workspace.numel()} of {workspace.dtype}")
     A = C.new_ones(1, T) if F1.side == "vector" else F1.vec.transpose(0, 1)
     rows = A.shape[0]
     V = out.view(x1, rows, n2) if F1.side == "right" else out.view(rows, x1, n2).transpose(0, 1)
-    room = workspace.numel() if workspace is not None else (4 << 20) // C.element_size()
-    k = max(1, room // (T * n2))
+    k = workspace.numel() // (T * n2)
     for s in range(0, x1, k):
         R = _rows(F2, C[:, s : s + k], workspace)
         Ak = A.expand(R.shape[0], rows, T)

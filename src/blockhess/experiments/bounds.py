@@ -31,7 +31,7 @@ import time
 import torch
 
 from .outputs import atomic_dir, write_json
-from .runtime import add_threads_argument, environment, torch_threads
+from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure)"
 
@@ -83,13 +83,12 @@ def _random_tables(quiet: bool) -> tuple[list[dict], list[dict]]:
 def _sweep(seeds: int, quiet: bool) -> dict:
     import blockhess as bh
     from blockhess import bounds
-    from tqdm.auto import tqdm
 
     S = SWEEP_SIZE
     pts = []
     jobs = [(k, L, ws, s, sd, t) for k in ("attention", "block") for L in SWEEP_LENGTHS for ws in SWEEP_WEIGHT_SCALES
             for s in SWEEP_SCALES for sd in range(seeds) for t in ("random", "zero-residual")]
-    for kind, L, ws, sigma, seed, tgt in tqdm(jobs, disable=quiet, desc="bounds sweep", leave=False):
+    for kind, L, ws, sigma, seed, tgt in progress(jobs, quiet, desc="bounds sweep"):
         cfg = bh.BlockConfig(d_model=S["d_model"], d_k=S["d_k"], d_ff=S["d_ff"], kind=kind)
         params = {k: ws * v for k, v in bh.init_params(cfg, seed=seed).items()}
         g = torch.Generator().manual_seed(500 + seed)

@@ -43,7 +43,7 @@ import torch
 
 from .. import convergence as cv
 from .outputs import atomic_dir, write_json
-from .runtime import add_threads_argument, environment, torch_threads
+from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
 
@@ -168,8 +168,6 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     anything with its ``cfg``, ``block_params``, ``embed``, ``head_loss``, ``train_images``,
     ``train_labels``). Returns ``(result, arrays)``: the JSON-ready dict and the arrays the
     figures need. Raises ``ValueError`` as the closed form does."""
-    from tqdm.auto import tqdm
-
     s = settings
     s.check()
     t_start = time.perf_counter()
@@ -228,7 +226,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     m = N if s.hessian_samples is None else min(int(s.hessian_samples), N)
     hidx = torch.arange(N) if m == N else torch.randperm(N, generator=gen)[:m].sort().values
     U = cv.unit_directions(params, cfg, s.directions, seed=s.seed + 2)
-    bar = tqdm(total=m, desc="exact per-sample Hessians", disable=quiet, unit="sample", file=sys.stderr)
+    bar = progress(total=m, quiet=quiet, desc="exact per-sample Hessians", unit="sample")
     stats = cv.per_sample_statistics(params, X[hidx], cfg, loss=loss, target=labels[hidx], directions=U,
                                      chunk_size=s.chunk_size, lanczos_iters=s.lanczos_iters, progress=bar.update)
     bar.close()
@@ -244,7 +242,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
             from .. import bounds
 
             vals = []
-            bar = tqdm(total=m, desc="Theorem 6 bounds", disable=quiet, unit="sample", file=sys.stderr)
+            bar = progress(total=m, quiet=quiet, desc="Theorem 6 bounds", unit="sample")
             for i in hidx.tolist():
                 bd = bounds.block_bounds(params, X[i], cfg, loss=loss, target=labels[i])
                 vals.append((bd["full"]["all"], bd["paper"]["all"]))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 import time
 
 import torch
 
-__all__ = ["add_threads_argument", "torch_threads", "cpu_model", "environment"]
+__all__ = ["add_threads_argument", "torch_threads", "progress", "cpu_model", "environment"]
 
 
 def add_threads_argument(parser, default: int = 1) -> None:
@@ -37,6 +38,14 @@ def torch_threads(n: int):
     finally:
         torch.set_num_threads(previous)
 
+
+
+def progress(iterable=None, quiet: bool = False, **kw):
+    """A tqdm progress bar on stderr: off with ``quiet``, and off by itself when stderr is not a
+    terminal (logs and pipes get no carriage-return lines)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=True if quiet else None, leave=False, dynamic_ncols=True, file=sys.stderr, **kw)
 
 def cpu_model() -> str:
     """The CPU model name (from /proc/cpuinfo where there is one)."""

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .outputs import atomic_dir, write_json
-from .runtime import add_threads_argument, environment, torch_threads
+from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "curvature scaling laws on exact Hessians: input scale, sequence length, LayerNorm variance (fits, plots)"
 
@@ -442,7 +442,6 @@ def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True,
     fewer than 2 seeds.
     """
     import blockhess as bh
-    from tqdm.auto import tqdm
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; use one of {list(PRESETS)}")
@@ -462,8 +461,7 @@ def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True,
     }
     t0 = time.perf_counter()
     records = []
-    for job in tqdm(_jobs(cfgs, P, sweeps), total=_n_jobs(P, sweeps), disable=quiet, desc="exact Hessians",
-                    leave=False):
+    for job in progress(_jobs(cfgs, P, sweeps), quiet, total=_n_jobs(P, sweeps), desc="exact Hessians"):
         setting, variable, x, seed, params, X, cfg, T = job[:8]
         extra = job[8] if len(job) > 8 else {}
         for r in _measure(params, X, cfg, T):

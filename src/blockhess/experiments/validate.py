@@ -12,11 +12,11 @@ import itertools
 import time
 
 import torch
-from tqdm import tqdm
 
 import blockhess as bh
 
 from .outputs import atomic_dir, write_json
+from .runtime import progress
 
 HELP = "check every closed form against torch.func (float64) on a grid of settings"
 
@@ -80,7 +80,7 @@ def run(args) -> int:
     grid = QUICK_GRID if args.quick else FULL_GRID
     settings = list(itertools.product(("attention", "block"), grid, ("mse", "ce", "custom")))
     with atomic_dir(args.out) as tmp:
-        rows = [_case(kind, *g, loss) for kind, g, loss in tqdm(settings, disable=args.quiet, desc="validate")]
+        rows = [_case(kind, *g, loss) for kind, g, loss in progress(settings, args.quiet, desc="validate")]
         worst = max(max(r["rel_error"].values()) for r in rows)
         result = {"torch": torch.__version__, "dtype": "float64", "tol": args.tol,
                   "max_rel_error": worst, "passed": worst <= args.tol, "cases": rows}

@@ -55,7 +55,7 @@ import torch.nn.functional as Fn
 
 from ..config import BlockConfig, init_params
 from ..reference import forward as block_forward
-from .runtime import torch_threads
+from .runtime import progress, torch_threads
 
 __all__ = [
     "DEFAULT_CHECKPOINT",
@@ -327,12 +327,6 @@ class TrainedViT:
 # ----------------------------------------------------------------------------- training
 
 
-def _progress(iterable, quiet: bool, **kw):
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, disable=quiet, leave=False, dynamic_ncols=True, **kw)
-
-
 def train(
     seed: int = 0,
     *,
@@ -376,7 +370,7 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
     order, pos = torch.randperm(len(tr), generator=gen), 0
     t0 = time.perf_counter()
     losses = []
-    bar = _progress(range(steps), quiet, desc="train digits ViT", unit="step")
+    bar = progress(range(steps), quiet, desc="train digits ViT", unit="step")
     for step in bar:
         if pos + bs > len(tr):
             order, pos = torch.randperm(len(tr), generator=gen), 0
