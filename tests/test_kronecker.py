@@ -66,6 +66,22 @@ def test_sandwich_and_into(s1, s2, mode):
         assert torch.isnan(buf[0]).all() and torch.isnan(buf[:, 0]).all() and torch.isnan(buf[-1]).all(), "wrote outside the block"
 
 
+@pytest.mark.parametrize("s1,s2", PAIRS)
+def test_sandwich_into_a_heads_rows(s1, s2):
+    """``out`` shaped ``F1.shape + F2.shape`` with the rows of one head inside a wider weight
+    (strided rows, as ``W_Q#h``'s rows of a ``(W_Q, W_1)`` block), accumulated."""
+    gen = torch.Generator().manual_seed(40 + PAIRS.index((s1, s2)))
+    F1, F2 = factor(s1, gen), factor(s2, gen)
+    omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
+    ref = dense_sandwich(F1, F2, omega, None).reshape(*F1.shape, *F2.shape)
+    wide = torch.full((*F1.shape[:-1], 3, F1.shape[-1], *F2.shape), float("nan"), dtype=torch.float64)
+    out = wide.select(len(F1.shape) - 1, 1)  # head 1 of 3
+    out.zero_()
+    sandwich_into(out, F1, F2, omega, accumulate=True, workspace=torch.empty(T * F2.numel, dtype=torch.float64))
+    assert_close(out, ref, what="head rows")
+    assert torch.isnan(wide.select(len(F1.shape) - 1, 0)).all() and torch.isnan(wide.select(len(F1.shape) - 1, 2)).all()
+
+
 def test_blocksum_dense_matches_blocks():
     """Out-of-order pairs (factors, Ω and core transposed), several contributions per pair,
     the tiled mirror: the dense buffer equals the dict accumulator's blocks and the sum of
@@ -109,9 +125,9 @@ def test_sandwich_into_refuses_bad_arguments():
     gen = torch.Generator().manual_seed(5)
     F1, F2 = factor("left", gen), factor("right", gen)
     n1, n2 = F1.numel, F2.numel
-    with pytest.raises(ValueError, match=r"out must be \(24, 14\) with unit column stride"):
+    with pytest.raises(ValueError, match=r"out must be \(24, 14\) or \(4, 6, 7, 2\) with unit last stride"):
         sandwich_into(torch.zeros(n1, n2 + 1, dtype=torch.float64), F1, F2)
-    with pytest.raises(ValueError, match="unit column stride"):
+    with pytest.raises(ValueError, match="unit last stride"):
         sandwich_into(torch.zeros(n2, n1, dtype=torch.float64).T, F1, F2)
     with pytest.raises(ValueError, match="out is torch.float32"):
         sandwich_into(torch.zeros(n1, n2), F1, F2)

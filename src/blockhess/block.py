@@ -395,13 +395,30 @@ class _Acc:
             self._add_split(b, a, B, A, value.permute(*range(kb, value.ndim), *range(kb)), None)
 
     def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
-        """:meth:`BlockSum.add_sandwich` over internal names (head sub-blocks and ``(X, X)`` via :meth:`add`)."""
+        """:meth:`BlockSum.add_sandwich` over internal names. In a dense buffer, a head's rows of a
+        block whose columns are one run (another weight, a vector) are written in place
+        (:meth:`BlockSum.write_sandwich`, into the zeroed public block); head × head sub-blocks,
+        ``(X, X)``, factors other than :class:`TokenKron` and the dict mode go through :meth:`add`."""
         if not self.wants(a, b):
             return
-        if a in self.split or b in self.split or a == b == "X":
+        if not (a in self.split or b in self.split):
+            if a == b == "X":
+                self.add(a, b, sandwich(F1, F2, omega, core))
+            else:
+                self.acc.add_sandwich(a, b, F1, F2, omega, core)
+            return
+        if not self._ordered(a, b):
+            a, b, F1, F2 = b, a, F2, F1
+            omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
+            core = None if core is None else core.transpose(-1, -2)
+        rows_only = b not in self.split or F2.side == "vector"  # the sub-block's columns are one run
+        whole = a != b and self.pub(a) == self.pub(b)  # a diagonal public block is stored whole: both sub-blocks
+        if not (self.dense and rows_only and not whole and isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
             self.add(a, b, sandwich(F1, F2, omega, core))
-        else:
-            self.acc.add_sandwich(a, b, F1, F2, omega, core)
+            return
+        (ra, ia), (rb, ib) = self._ref(a), self._ref(b)
+        block = self.acc._view(self.pub(a), self.pub(b))  # zeroed on first use
+        self.acc.write_sandwich(block.view(*ra, *rb)[ia + ib], F1, F2, omega, core)
 
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """:meth:`BlockSum.add_diagonal` over internal names."""

@@ -91,13 +91,18 @@ class BlockSum:
             a, b, F1, F2 = b, a, F2, F1
             omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
             core = None if core is None else core.transpose(-1, -2)
-        need = max(F1.mat.shape[0] * self.sizes[b], SCRATCH_BYTES // self.buffer.element_size())
-        if self._workspace is None or self._workspace.numel() < need:
-            self._workspace = self.buffer.new_empty(need)
         fresh = (a, b) not in self.blocks
         block = self.buffer[self.slices[a], self.slices[b]] if fresh else self.blocks[(a, b)]
-        sandwich_into(block, F1, F2, omega, core, accumulate=not fresh, workspace=self._workspace)
+        self.write_sandwich(block, F1, F2, omega, core, accumulate=not fresh)
         self.blocks[(a, b)] = block  # registered once written: a failed write leaves no uninitialised block
+
+    def write_sandwich(self, target: torch.Tensor, F1, F2, omega=None, core=None, accumulate: bool = True) -> None:
+        """:func:`~blockhess.kronecker.sandwich_into` ``target`` (a view into the buffer: a block,
+        or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch."""
+        need = max(F1.mat.shape[0] * F2.numel, SCRATCH_BYTES // self.buffer.element_size())
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = self.buffer.new_empty(need)
+        sandwich_into(target, F1, F2, omega, core, accumulate=accumulate, workspace=self._workspace)
 
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``

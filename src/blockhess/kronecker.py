@@ -259,8 +259,9 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     Parameters
     ----------
     out : Tensor
-        ``(F1.numel, F2.numel)``, unit column stride (e.g. a block of the dense Hessian, a
-        view with any row stride), the dtype and device of the factors.
+        ``(F1.numel, F2.numel)`` with unit column stride (a block of the dense Hessian, any
+        row stride), or shaped ``F1.shape + F2.shape`` with any row strides and columns that
+        flatten to one unit-stride run (a head's rows of a block); dtype and device of the factors.
     F1, F2 : TokenKron
         The two factors, ``T`` tokens each.
     omega, core
@@ -277,19 +278,19 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     ------
     ValueError
         A factor that is not a :class:`TokenKron`; ``out`` of the wrong shape, dtype or
-        device, or without unit column stride; a ``workspace`` that is too small or of
-        another dtype.
+        device, or whose columns are not one unit-stride run; a ``workspace`` that is too
+        small or of another dtype.
     """
     if not (isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
         raise ValueError(f"sandwich_into: F1 and F2 must be TokenKron factors, got {type(F1).__name__}, {type(F2).__name__}")
-    if tuple(out.shape) != (F1.numel, F2.numel) or out.stride(-1) != 1:
-        raise ValueError(f"sandwich_into: out must be ({F1.numel}, {F2.numel}) with unit column stride, "
+    n1, n2 = F1.numel, F2.numel
+    if tuple(out.shape) not in ((n1, n2), (*F1.shape, *F2.shape)) or out.stride(-1) != 1:
+        raise ValueError(f"sandwich_into: out must be ({n1}, {n2}) or {(*F1.shape, *F2.shape)} with unit last stride, "
                          f"got shape {tuple(out.shape)}, strides {out.stride()}")
     if out.dtype != F1.mat.dtype or out.device != F1.mat.device:
         raise ValueError(f"sandwich_into: out is {out.dtype} on {out.device}, the factors {F1.mat.dtype} on {F1.mat.device}")
     C = _cmat(F1, F2, omega, core)
     T, x1 = C.shape[:2]
-    n2 = out.shape[1]
     if workspace is None:
         workspace = C.new_empty(max(SCRATCH_BYTES // C.element_size(), T * n2))
     elif workspace.numel() < T * n2 or workspace.dtype != C.dtype:
@@ -297,7 +298,14 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
                          f"got {workspace.numel()} of {workspace.dtype}")
     A = C.new_ones(1, T) if F1.side == "vector" else F1.vec.transpose(0, 1)
     rows = A.shape[0]
-    V = out.view(x1, rows, n2) if F1.side == "right" else out.view(rows, x1, n2).transpose(0, 1)
+    if out.ndim == 2:
+        out = out.view(*F1.shape, *F2.shape)
+    V = out if F1.side == "right" else (out.unsqueeze(0) if F1.side == "vector" else out).transpose(0, 1)  # (x1, rows) + F2.shape
+    try:
+        V = V.view(x1, rows, n2)
+    except RuntimeError as exc:
+        raise ValueError(f"sandwich_into: the columns of out (the last {len(F2.shape)} axes, strides "
+                         f"{out.stride()[-len(F2.shape):]}) must flatten to one run of unit stride") from exc
     k = workspace.numel() // (T * n2)
     for s in range(0, x1, k):
         R = _rows(F2, C[:, s : s + k], workspace)
