@@ -7,7 +7,8 @@ What is measured (issue #5, DESIGN.md §5):
     ``torch.autograd.functional.jacobian`` (the paper's baseline) and ``torch.func``
     ``jacrev`` / ``jacfwd``;
 (b) the full loss Hessian in float64, MSE and CE, at (8, 16, 32), (16, 32, 64),
-    (32, 64, 128), and a batch of 128 scikit-learn digits (the report's setting), against
+    (32, 64, 128), a batch of 128 scikit-learn digits (the report's setting) and a real
+    ``torch.nn.TransformerEncoderLayer`` (4 heads, biases, ``W_O``, affine LayerNorms), against
     ``torch.autograd.functional.hessian``, ``torch.func.hessian``, curvlinops
     ``HessianLinearOperator @ I`` and JAX ``jit(hessian)`` (compile time apart), with the
     floor: allocating and filling the dense n×n output;
@@ -159,10 +160,12 @@ def environment(args) -> dict:
 # the plan
 
 
-def _problem(kind, L, d, d_ff, dtype="float64", loss="mse", B=0, of=None, ln_eps=0.0):
+def _problem(kind, L, d, d_ff, dtype="float64", loss="mse", B=0, of=None, ln_eps=0.0, heads=0):
     p = {"kind": kind, "L": L, "d": d, "d_ff": d_ff, "B": B, "dtype": dtype, "loss": loss, "seed": 0, "ln_eps": ln_eps}
     if of:
         p["of"] = of
+    if heads:
+        p["heads"] = heads
     return p
 
 
@@ -214,6 +217,15 @@ def build_plan(args) -> list[dict]:
             "problem": _problem("hessian", dig[1], dig[2], dig[3], loss="digits", B=dig[0], ln_eps=1e-5),
             "layout": "interleaved", "methods": HESS_METHODS, "memory": mem, "memory_methods": ["closed_form"] if q else None,
             "time": {"rounds": 3 if q else 11, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 30, "warmup": 1 if q else 2},
+            "timeout_s": 300 if q else 1800,
+        })
+        # a real PyTorch layer: nn.TransformerEncoderLayer (4 heads, biases, W_O, affine LayerNorms) via from_torch
+        L, d, d_ff = (4, 8, 16) if q else (16, 32, 64)
+        cases.append({
+            "id": f"b/mse/torch-layer-{L}x{d}x{d_ff}-4heads", "group": "b", "problem": _problem("hessian", L, d, d_ff, heads=4),
+            "layout": "interleaved", "methods": HESS_METHODS, "memory": mem,
+            "memory_methods": ["closed_form", "func_hessian"] if q else [m for m in HESS_METHODS if m != "autograd"],
+            "time": {"rounds": 3 if q else 7, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 60, "warmup": 1 if q else 2},
             "timeout_s": 300 if q else 1800,
         })
         # the large size: one process per baseline, each with the closed form interleaved
@@ -652,7 +664,8 @@ def markdown(results: dict) -> str:
             fl = _ratio(c, "floor")
             jx = c["methods"].get("jax", {})
             comp = f" ({_fmt_t(jx.get('compile_s'))})" if jx.get("compile_s") else ""
-            issue = "; ".join(f"{METHOD_LABEL[k].split(':')[0]} {v}" for k, v in ISSUE_HESSIAN.get(key, {}).items()) if p["loss"] == "mse" else ""
+            mine = p["loss"] == "mse" and not p.get("heads")  # the issue measured the paper's block
+            issue = "; ".join(f"{METHOD_LABEL[k].split(':')[0]} {v}" for k, v in ISSUE_HESSIAN.get(key, {}).items()) if mine else ""
             w(f"| {c['id']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | {_fmt_x(None if not fl else 1 / fl)} | "
               f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'jax')}{comp} | {_x(c, 'jax')} | "
               f"{_cell(c, 'curvlinops')} | {_x(c, 'curvlinops')} | {_cell(c, 'autograd')} | {_x(c, 'autograd')} | {issue} |")

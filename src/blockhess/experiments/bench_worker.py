@@ -82,8 +82,11 @@ class Problem:
 
     ``spec``: ``kind`` ("jacobian" | "hessian"), ``of`` (jacobian: "ln" | "W_1" | "W_2" |
     "block"), ``L``, ``d``, ``d_ff``, ``B`` (0: one sequence ``(L, d)``), ``dtype``, ``loss``
-    ("mse" | "ce" | "digits"), ``seed``, ``ln_eps`` (default 0, the paper's). The inputs are
-    drawn on the CPU (same numbers on every device) and moved to ``device``.
+    ("mse" | "ce" | "digits"), ``seed``, ``ln_eps`` (default 0, the paper's), ``heads`` (if
+    given: the block of a ``torch.nn.TransformerEncoderLayer(d, heads, d_ff)``, PyTorch's own
+    initialisation under ``seed``, read by :func:`blockhess.from_torch`: biases, ``W_O``,
+    affine LayerNorms with eps 1e-5). The inputs are drawn on the CPU (same numbers on every
+    device) and moved to ``device``.
     """
 
     def __init__(self, spec: dict, device: str = "cpu"):
@@ -93,8 +96,14 @@ class Problem:
         self.kind = spec["kind"]
         self.dtype = DTYPES[spec["dtype"]]
         L, d, d_ff, B = spec["L"], spec["d"], spec["d_ff"], spec.get("B", 0)
-        self.cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d, ln_eps=float(spec.get("ln_eps", 0.0)))
-        self.params = bh.init_params(self.cfg, seed=spec.get("seed", 0), dtype=self.dtype)
+        if spec.get("heads"):
+            torch.manual_seed(spec.get("seed", 0))
+            layer = torch.nn.TransformerEncoderLayer(d, spec["heads"], d_ff, dropout=0.0, batch_first=True).to(self.dtype).eval()
+            self.cfg, self.params = bh.from_torch(layer)
+            self.params = {k: v.detach().clone() for k, v in self.params.items()}
+        else:
+            self.cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d, ln_eps=float(spec.get("ln_eps", 0.0)))
+            self.params = bh.init_params(self.cfg, seed=spec.get("seed", 0), dtype=self.dtype)
         self.names = list(self.params)
         self.shapes = [(k, tuple(v.shape)) for k, v in self.params.items()]
         self.n = sum(v.numel() for v in self.params.values())
@@ -337,6 +346,8 @@ def setup_jax(P: Problem):
         raise Skip("the JAX baseline runs in float64 only")
     if P.device.type != "cpu":
         raise Skip("the JAX baseline runs on the CPU only (the bench extra installs CPU jaxlib)")
+    if P.spec.get("heads"):
+        raise Skip("the JAX baseline implements the paper's block only")
     try:
         import jax
         import numpy as np
