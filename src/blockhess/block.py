@@ -411,9 +411,10 @@ class _Acc:
             a, b, F1, F2 = b, a, F2, F1
             omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
             core = None if core is None else core.transpose(-1, -2)
-        rows_only = b not in self.split or F2.side == "vector"  # the sub-block's columns are one run
+        kron = isinstance(F1, TokenKron) and isinstance(F2, TokenKron)
+        rows_only = kron and (b not in self.split or F2.side == "vector")  # the sub-block's columns are one run
         whole = a != b and self.pub(a) == self.pub(b)  # a diagonal public block is stored whole: both sub-blocks
-        if not (self.dense and rows_only and not whole and isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
+        if not (self.dense and rows_only and not whole):
             self.add(a, b, sandwich(F1, F2, omega, core))
             return
         (ra, ia), (rb, ib) = self._ref(a), self._ref(b)
