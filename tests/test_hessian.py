@@ -109,3 +109,32 @@ def test_custom_loss_per_sequence_target():
     R = bh.reference.hessian(p, X, cfg, loss=head, target=y)
     assert_close(H.dense(), R.dense(), what="head CE")
     assert_close(H.outer.dense(), R.outer.dense(), what="head CE outer")
+
+
+@pytest.mark.parametrize("wrt, wrt_input", [(None, False), (["W_K", "W_1"], False), (None, True)])
+def test_out_buffer_is_filled_and_returned(wrt, wrt_input):
+    """``out=``: the same matrix as a fresh assembly, written into the given buffer (stale
+    contents overwritten), ``.dense()`` is that buffer; reusable across calls."""
+    cfg, p, X, g = make_case(3, 4, 3, 5, 2, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=X.dtype)
+    H = bh.hessian(p, X, cfg, target=T, wrt=wrt, wrt_input=wrt_input).dense()
+    out = torch.full_like(H, float("nan"))
+    for _ in range(2):
+        got = bh.hessian(p, X, cfg, target=T, wrt=wrt, wrt_input=wrt_input, out=out)
+        assert got.dense() is out
+        assert torch.equal(out, H)
+        out.fill_(1e300)
+
+
+def test_out_buffer_errors():
+    cfg, p, X, g = make_case(3, 4, 3, 5, None, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=X.dtype)
+    n = bh.hessian(p, X, cfg, target=T).dense().shape[0]
+    with pytest.raises(ValueError, match=rf"out must be a contiguous \({n}, {n}\) tensor .* got shape \({n}, {n + 1}\)"):
+        bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous=False"):
+        bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n, dtype=torch.float64).T)
+    with pytest.raises(ValueError, match="out must be torch.float64 on cpu like X, got torch.float32"):
+        bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n))
+    with pytest.raises(ValueError, match="out must be a torch.Tensor, got ndarray"):
+        bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n, dtype=torch.float64).numpy())

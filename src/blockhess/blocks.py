@@ -26,12 +26,14 @@ class BlockSum:
 
     ``wanted`` restricts the pairs to those with both names in it (callers test
     :meth:`wants` before computing a contribution). With ``dense=True`` the blocks live in
-    one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check).
+    one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check),
+    or in ``out`` when given (a contiguous ``(n, n)`` tensor of that dtype and device;
+    ``ValueError`` naming ``out`` otherwise).
     """
 
     MIRROR_TILE = 64  # rows of the upper block per transposed-copy tile
 
-    def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None):
+    def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None, out=None):
         self.all_names = tuple(names)
         self.names = tuple(n for n in self.all_names if wanted is None or n in wanted)
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
@@ -41,8 +43,18 @@ class BlockSum:
         self._workspace = None  # scratch of sandwich_into, reused across pairs
         if dense:
             n = sum(self.sizes.values())
-            check_fits(n * n * torch.finfo(dtype).bits // 8, f"the dense {n}x{n} Hessian", device)
-            self.buffer = torch.empty(n, n, dtype=dtype, device=device)
+            if out is None:
+                check_fits(n * n * torch.finfo(dtype).bits // 8, f"the dense {n}x{n} Hessian", device)
+                self.buffer = torch.empty(n, n, dtype=dtype, device=device)
+            else:
+                if not isinstance(out, torch.Tensor):
+                    raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+                if tuple(out.shape) != (n, n) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous ({n}, {n}) tensor (the dense Hessian), got shape "
+                                     f"{tuple(out.shape)}, contiguous={out.is_contiguous()}")
+                if out.dtype != dtype or out.device != torch.device(device):
+                    raise ValueError(f"out must be {dtype} on {torch.device(device)} like X, got {out.dtype} on {out.device}")
+                self.buffer = out
             off, self.slices = 0, {}
             for name in self.names:
                 self.slices[name] = slice(off, off + self.sizes[name])

@@ -64,7 +64,7 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
 
 
 def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
-            wrt_input: bool = False) -> HessianBlocks:
+            wrt_input: bool = False, out: torch.Tensor | None = None) -> HessianBlocks:
     r"""Exact Hessian of the loss of the block's output w.r.t. its weights, by the closed form.
 
     Parameters
@@ -89,6 +89,13 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     wrt_input : bool
         Also differentiate w.r.t. the block input: a variable named ``"X"`` (first), of
         ``X``'s shape; its blocks with itself (zero across sequences) and with every weight.
+    out : Tensor or None
+        A contiguous ``(n, n)`` tensor of ``X``'s dtype and device to assemble the dense
+        Hessian in (``n`` = the total size of the differentiated variables); its contents are
+        overwritten and ``.dense()`` returns it. Reusing one across calls (curvature tracked
+        over training) saves allocating and first touching ``n²`` fresh entries: at
+        ``n = 28,672`` on 2 CPU cores, 1.0–1.1 s instead of 2.7–3.1 s (docs/results.md). A result
+        keeps ``out`` as its storage: the next call into the same ``out`` overwrites it.
 
     Returns
     -------
@@ -102,10 +109,12 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     ValueError
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
         zero-variance LayerNorm input row with ``ln_eps = 0`` (Assumption 2); an unknown loss;
-        a target of the wrong shape or class range; an unknown name in ``wrt``.
+        a target of the wrong shape or class range; an unknown name in ``wrt``; ``out`` of the
+        wrong shape, dtype or device, or not contiguous.
     InsufficientMemoryError
         (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result would not fit in
-        the memory available now; raised before allocating, with the bytes needed.
+        the memory available now; raised before allocating, with the bytes needed (not
+        checked with ``out``).
 
     Notes
     -----
@@ -125,7 +134,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     shapes = _shapes(c)
 
     def assemble(which: str, dense: bool) -> HessianBlocks:
-        acc = BlockSum(c.names, shapes, wanted=names, dense=dense, dtype=X.dtype, device=X.device)
+        acc = BlockSum(c.names, shapes, wanted=names, dense=dense, dtype=X.dtype, device=X.device, out=out if dense else None)
         _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
         return acc.result(X)
 

@@ -70,6 +70,7 @@ ISSUE_HESSIAN = {
 
 METHOD_LABEL = {
     "closed_form": "closed form (blockhess)",
+    "closed_form_out": "closed form into a reused out=",
     "floor": "floor: allocate + fill n×n",
     "autograd": "torch.autograd.functional",
     "jacrev": "torch.func.jacrev",
@@ -79,7 +80,8 @@ METHOD_LABEL = {
     "jax": "jax.jit(jax.hessian)",
 }
 JAC_METHODS = ["closed_form", "autograd", "jacrev", "jacfwd"]
-HESS_METHODS = ["closed_form", "floor", "func_hessian", "jax", "curvlinops", "autograd"]
+HESS_METHODS = ["closed_form", "closed_form_out", "floor", "func_hessian", "jax", "curvlinops", "autograd"]
+NO_PEAK = ("floor", "closed_form_out")  # not in the memory table: the floor is its output; out= is allocated before the call
 JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "block": "full block Jacobian dZ/dW"}
 
 
@@ -204,7 +206,7 @@ def build_plan(args) -> list[dict]:
                 cases.append({
                     "id": f"b/{loss}/{L}x{d}x{d_ff}", "group": "b", "problem": _problem("hessian", L, d, d_ff, loss=loss),
                     "layout": "interleaved", "methods": HESS_METHODS, "memory": mem,
-                    "memory_methods": ["closed_form", "func_hessian"] if q else [m for m in HESS_METHODS if not (big and m == "autograd")],
+                    "memory_methods": ["closed_form", "func_hessian"] if q else [m for m in HESS_METHODS if m not in NO_PEAK and not (big and m == "autograd")],
                     "time": {"rounds": 3 if q else (7 if big else 15), "min_sample_s": 0.01 if q else 0.05,
                              "method_budget_s": 2 if q else (60 if big else 20), "warmup": 1 if q else 2},
                     "timeout_s": 300 if q else 1800,
@@ -215,7 +217,7 @@ def build_plan(args) -> list[dict]:
         cases.append({
             "id": f"b/digits/B{dig[0]}", "group": "b",
             "problem": _problem("hessian", dig[1], dig[2], dig[3], loss="digits", B=dig[0], ln_eps=1e-5),
-            "layout": "interleaved", "methods": HESS_METHODS, "memory": mem, "memory_methods": ["closed_form"] if q else None,
+            "layout": "interleaved", "methods": HESS_METHODS, "memory": mem, "memory_methods": ["closed_form"] if q else [m for m in HESS_METHODS if m not in NO_PEAK],
             "time": {"rounds": 3 if q else 11, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 30, "warmup": 1 if q else 2},
             "timeout_s": 300 if q else 1800,
         })
@@ -224,14 +226,14 @@ def build_plan(args) -> list[dict]:
         cases.append({
             "id": f"b/mse/torch-layer-{L}x{d}x{d_ff}-4heads", "group": "b", "problem": _problem("hessian", L, d, d_ff, heads=4),
             "layout": "interleaved", "methods": HESS_METHODS, "memory": mem,
-            "memory_methods": ["closed_form", "func_hessian"] if q else [m for m in HESS_METHODS if m != "autograd"],
+            "memory_methods": ["closed_form", "func_hessian"] if q else [m for m in HESS_METHODS if m not in NO_PEAK and m != "autograd"],
             "time": {"rounds": 3 if q else 7, "min_sample_s": 0.01 if q else 0.05, "method_budget_s": 2 if q else 60, "warmup": 1 if q else 2},
             "timeout_s": 300 if q else 1800,
         })
         # the large size: one process per baseline, each with the closed form interleaved
         L, d, d_ff = (4, 8, 16) if q else (32, 64, 128)
         for loss in ("mse",) if q else ("mse", "ce"):
-            pairs = ["floor", "func_hessian", "jax"] if loss == "mse" else ["floor", "jax"]
+            pairs = ["floor", "closed_form_out", "func_hessian", "jax"] if loss == "mse" else ["floor", "jax"]
             if loss == "mse" and not q:
                 pairs += ["curvlinops"] + (["autograd"] if args.slow else [])
             cases.append({
@@ -656,8 +658,8 @@ def markdown(results: dict) -> str:
     if bcases:
         w("### (b) Full loss Hessian, float64, dense n×n")
         w("")
-        w("| case | n | closed form | floor | closed / floor | torch.func.hessian | × | jax.jit(hessian) (compile) | × | curvlinops H @ I | × | autograd.functional.hessian | × | issue's figures |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        w("| case | n | closed form | floor | closed / floor | into a reused out= | fresh / out= | torch.func.hessian | × | jax.jit(hessian) (compile) | × | curvlinops H @ I | × | autograd.functional.hessian | × | issue's figures |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for c in bcases:
             p = c["problem"]
             key = (p["L"], p["d"], p["d_ff"])
@@ -666,20 +668,21 @@ def markdown(results: dict) -> str:
             comp = f" ({_fmt_t(jx.get('compile_s'))})" if jx.get("compile_s") else ""
             mine = p["loss"] == "mse" and not p.get("heads")  # the issue measured the paper's block
             issue = "; ".join(f"{METHOD_LABEL[k].split(':')[0]} {v}" for k, v in ISSUE_HESSIAN.get(key, {}).items()) if mine else ""
+            ro = _ratio(c, "closed_form_out")
             w(f"| {c['id']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | {_fmt_x(None if not fl else 1 / fl)} | "
+              f"{_cell(c, 'closed_form_out')} | {_fmt_x(None if not ro else 1 / ro)} | "
               f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'jax')}{comp} | {_x(c, 'jax')} | "
               f"{_cell(c, 'curvlinops')} | {_x(c, 'curvlinops')} | {_cell(c, 'autograd')} | {_x(c, 'autograd')} | {issue} |")
         w("")
         w("Peak memory (increase during the first call, fresh process), and as a multiple of the dense output; agreement with the closed form:")
         w("")
-        w("| case | dense output | " + " | ".join(METHOD_LABEL[m] for m in HESS_METHODS if m != "floor") + " |")
-        w("|---|---|" + "---|" * (len(HESS_METHODS) - 1))
+        peaked = [m for m in HESS_METHODS if m not in NO_PEAK]
+        w("| case | dense output | " + " | ".join(METHOD_LABEL[m] for m in peaked) + " |")
+        w("|---|---|" + "---|" * len(peaked))
         for c in bcases:
             ob = c.get("out_bytes")
             cells = []
-            for m in HESS_METHODS:
-                if m == "floor":
-                    continue
+            for m in peaked:
                 e = c["methods"].get(m, {})
                 mem = e.get("memory") or {}
                 pd = mem.get("peak_delta_bytes")
