@@ -138,3 +138,21 @@ def test_out_buffer_errors():
         bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n))
     with pytest.raises(ValueError, match="out must be a torch.Tensor, got ndarray"):
         bh.hessian(p, X, cfg, target=T, out=torch.empty(n, n, dtype=torch.float64).numpy())
+    out = torch.empty(n, n, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="out must not require grad"):
+        bh.hessian(p, X, cfg, target=T, out=out)
+    big = torch.empty(n * n + X.numel(), dtype=torch.float64)  # X lives in the same memory as out
+    Xs = big[n * n :].view(X.shape).copy_(X)
+    with pytest.raises(ValueError, match="out shares memory with X"):
+        bh.hessian(p, Xs, cfg, target=T, out=big[: n * n].view(n, n))
+
+
+def test_parts_do_not_follow_later_in_place_changes():
+    """``.outer`` / ``.functional`` are computed on first access, from the inputs as they were at the call."""
+    cfg, p, X, g = make_case(3, 4, 3, 5, 2, 1.0)
+    T = torch.randn(X.shape, generator=g, dtype=X.dtype)
+    H = bh.hessian(p, X, cfg, target=T)
+    full = H.dense().clone()
+    p["W_Q"].add_(1.0)
+    X.mul_(2.0)
+    assert_close(H.outer.dense() + H.functional.dense(), full, what="outer + functional after in-place changes")
