@@ -43,7 +43,7 @@ import torch
 from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
-from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich
+from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
 from .validation import check_ln_variance, check_params, check_tensor
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
@@ -408,9 +408,8 @@ class _Acc:
                 self.acc.add_sandwich(a, b, F1, F2, omega, core)
             return
         if not self._ordered(a, b):
-            a, b, F1, F2 = b, a, F2, F1
-            omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
-            core = None if core is None else core.transpose(-1, -2)
+            a, b = b, a
+            F1, F2, omega, core = swap(F1, F2, omega, core)
         kron = isinstance(F1, TokenKron) and isinstance(F2, TokenKron)
         rows_only = kron and (b not in self.split or F2.side == "vector")  # the sub-block's columns are one run
         whole = a != b and self.pub(a) == self.pub(b)  # a diagonal public block is stored whole: both sub-blocks

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into
+from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap
 from .validation import check_fits
 
 __all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
@@ -47,8 +47,6 @@ class BlockSum:
                 check_fits(n * n * torch.finfo(dtype).bits // 8, f"the dense {n}x{n} Hessian", device)
                 self.buffer = torch.empty(n, n, dtype=dtype, device=device)
             else:
-                if not isinstance(out, torch.Tensor):
-                    raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
                 if tuple(out.shape) != (n, n) or not out.is_contiguous():
                     raise ValueError(f"out must be a contiguous ({n}, {n}) tensor (the dense Hessian), got shape "
                                      f"{tuple(out.shape)}, contiguous={out.is_contiguous()}")
@@ -100,9 +98,8 @@ class BlockSum:
             self.add(a, b, sandwich(F1, F2, omega, core))
             return
         if self.names.index(a) > self.names.index(b):
-            a, b, F1, F2 = b, a, F2, F1
-            omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
-            core = None if core is None else core.transpose(-1, -2)
+            a, b = b, a
+            F1, F2, omega, core = swap(F1, F2, omega, core)
         fresh = (a, b) not in self.blocks
         block = self.buffer[self.slices[a], self.slices[b]] if fresh else self.blocks[(a, b)]
         self.write_sandwich(block, F1, F2, omega, core, accumulate=not fresh)

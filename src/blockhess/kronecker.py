@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into"]
+__all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into", "swap"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,13 @@ def sandwich(F1, F2, omega: torch.Tensor | None = None, core: torch.Tensor | Non
     ops.append(C)
     idx.append("t" + x1 + x2)
     return torch.einsum(",".join(idx) + "->" + p1 + p2, *ops)
+
+
+def swap(F1, F2, omega=None, core=None) -> tuple:
+    """The arguments of the transposed sandwich: ``sandwich(*swap(F1, F2, omega, core))`` is
+    ``sandwich(F1, F2, omega, core)`` transposed (``omega``, ``core`` transposed per token)."""
+    omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
+    return F2, F1, omega, None if core is None else core.transpose(-1, -2)
 
 
 def _rows(F2, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
