@@ -44,6 +44,17 @@ def test_nan_inf(case):
         bh.hessian(p, X, cfg, target=T * float("nan"))
 
 
+def test_finite_check_names_the_tensor_and_tolerates_overflowing_sums():
+    from blockhess.validation import check_finite
+
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows float32
+    check_finite({"a": big, "b": big})
+    bad = big.clone()
+    bad[2] = float("-inf")
+    with pytest.raises(ValueError, match="^b contains NaN or Inf"):
+        check_finite({"a": big, "b": bad})
+
+
 def test_zero_variance_layernorm_row():
     cfg = bh.BlockConfig(d_model=4, d_ff=5, kind="block")
     p = bh.init_params(cfg)

@@ -72,6 +72,11 @@ def test_errors():
     with pytest.raises(ValueError, match="zero variance"):
         bh.layernorm.jacobian(X)
     bh.layernorm.jacobian(X, eps=1e-5)  # eps > 0 is fine
+    X[1] = torch.tensor([1.0, 1.0, 1.0, 1.0 + 2**-52])  # spread of one rounding step: constant to the dtype
+    with pytest.raises(ValueError, match=r"row \(1,\) has zero variance"):
+        bh.layernorm.jacobian(X)
+    X[1, 3] = 1.0 + 2**-20  # small but real spread: well defined
+    assert torch.isfinite(bh.layernorm.jacobian(X)).all()
     with pytest.raises(ValueError, match="NaN"):
         bh.layernorm.hessian(torch.full((2, 3), float("nan"), dtype=torch.float64))
     with pytest.raises(ValueError, match="gamma must have shape"):

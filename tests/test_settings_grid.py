@@ -122,6 +122,13 @@ def test_jacobians_against_autograd(case):
     s = max(v.norm().item() for v in R.values())
     for n in p:
         assert_close(J[n], R[n], scale=s, what=f"dZ/d{n}")
+        # one weight at a time: the FFN's and LN_2's skip the factors of the earlier stages
+        assert_close(bh.jacobian(p, X, cfg, wrt=n)[n], R[n], scale=s, what=f"dZ/d{n} alone")
+    ffn_only = [n for n in p if n in ("W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2")]
+    J_ffn = bh.jacobian(p, X, cfg, wrt=ffn_only)
+    assert list(J_ffn) == ffn_only
+    for n in ffn_only:
+        assert_close(J_ffn[n], R[n], scale=s, what=f"dZ/d{n} with the FFN's weights")
     assert_close(bh.input_jacobian(p, X, cfg), bh.reference.input_jacobian(p, X, cfg), what="dZ/dX")
 
 

@@ -80,7 +80,7 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
     """
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
-    check_tensor("X", X, ndim=(2, 3))
+    check_tensor("X", X, ndim=(2, 3), finite=False)  # finite: checked with params
     if X.shape[-1] != cfg.d_model or X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
         raise ValueError(f"X must have shape (L, {cfg.d_model}) or (B, L, {cfg.d_model}), got {tuple(X.shape)}")
     check_params(params, param_shapes(cfg), X)
@@ -90,8 +90,15 @@ def _pre(cfg: BlockConfig) -> bool:
     return cfg.kind == "block" and cfg.norm == "pre"
 
 
-def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False) -> Cache:
-    """Forward pass keeping what the derivatives need. No checks (kernel)."""
+FFN_NAMES = frozenset(("W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2"))  # the variables entering at the FFN stage or later
+
+
+def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True) -> Cache:
+    """Forward pass keeping what the derivatives need. No checks (kernel).
+
+    ``upstream=False``: only variables in ``FFN_NAMES`` will be differentiated; the per-token
+    Jacobians the chain needs for earlier ones (``J_Y``, ``J_SY``) are not formed (``None``).
+    """
     p = params
     Xb = _as_batch(X)
     names = tuple(param_shapes(cfg))
@@ -101,11 +108,9 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     ln1 = None
     Xa = Xb
     if _pre(cfg):
-        n1, _ = layernorm._normalise(Xb, eps)
-        ln1 = (n1.reshape(-1, d), layernorm._compact_jacobian(Xb.reshape(-1, d), eps, None))
-        Xa = n1 if "gamma_1" not in p else n1 * p["gamma_1"]
-        if "beta_1" in p:
-            Xa = Xa + p["beta_1"]
+        n1, r1 = layernorm._normalise(Xb, eps)
+        ln1 = (n1.reshape(-1, d), layernorm._jacobian_of(n1, r1).reshape(-1, d, d))
+        Xa = layernorm._affine(n1, p.get("gamma_1"), p.get("beta_1"))
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
                             cfg.n_heads, cfg.causal)
     P = att.F
@@ -118,24 +123,24 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     U = (Xb + P).reshape(-1, d)
     g1, g2 = p.get("gamma_1"), p.get("gamma_2")
     if cfg.norm == "post":
-        Y = layernorm.forward(U, eps, g1, p.get("beta_1"))
-        fc = ffn.forward(Y, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation)
-        Z = layernorm.forward(fc.S, eps, g2, p.get("beta_2"))
-        J1 = layernorm._compact_jacobian(U, eps, None)
-        J2 = layernorm._compact_jacobian(fc.S, eps, None)
-        E_Y = J1 if g1 is None else g1[:, None] * J1
+        y1, r1 = layernorm._normalise(U, eps)
+        fc = ffn.forward(layernorm._affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
+                         cfg.activation)
+        y2, r2 = layernorm._normalise(fc.S, eps)
+        Z = layernorm._affine(y2, g2, p.get("beta_2"))
+        J1 = layernorm._jacobian_of(y1, r1) if upstream else None
+        J2 = layernorm._jacobian_of(y2, r2)
+        E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
         E_Z = J2 if g2 is None else g2[:, None] * J2
-        if g1 is not None or g2 is not None or "beta_1" in p:
-            ln1 = (layernorm._normalise(U, eps)[0], J1)
-            ln2 = (layernorm._normalise(fc.S, eps)[0], J2)
-        else:
-            ln2 = None
-        return Cache(cfg, names, att, U, fc, E_Y, E_Z, ffn.input_jacobian(fc), Z.reshape(Xb.shape), p, Xb, ln1, ln2,
-                     P.reshape(-1, d), tuple(X.shape))
+        ln1, ln2 = (y1, J1), (y2, J2)
+        J_SY = ffn.input_jacobian(fc) if upstream else None
+        return Cache(cfg, names, att, U, fc, E_Y, E_Z, J_SY, Z.reshape(Xb.shape), p, Xb, ln1, ln2, P.reshape(-1, d),
+                     tuple(X.shape))
     fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
                      gamma=g2, beta=p.get("beta_2"))
     eye = torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
-    return Cache(cfg, names, att, U, fc, None, eye, ffn.input_jacobian(fc), fc.S.reshape(Xb.shape), p, Xb, ln1, None,
+    J_SY = ffn.input_jacobian(fc) if upstream else None
+    return Cache(cfg, names, att, U, fc, None, eye, J_SY, fc.S.reshape(Xb.shape), p, Xb, ln1, None,
                  P.reshape(-1, d), tuple(X.shape))
 
 
@@ -272,7 +277,8 @@ def _factors(c: Cache) -> Factors:
     if cfg.out_proj:
         WOt = p["W_O"].T
         R = {k: f.premul(WOt) for k, f in O.items()}
-        R["W_O"] = TokenKron("left", c.att.F.reshape(T, d), eye.expand(T, d, d))
+        if "W_O" in c.names:
+            R["W_O"] = TokenKron("left", c.att.F.reshape(T, d), eye.expand(T, d, d))
         if "b_O" in c.names:
             R["b_O"] = TokenKron("vector", None, eye.expand(T, d, d))
     if "X" in R and cfg.kind == "block":  # the residual: R_t = X_t + P_t
@@ -667,9 +673,9 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     Raises ``ValueError`` as :func:`forward`, and for an unknown name in ``wrt``.
     """
     check_inputs(params, X, cfg)
-    c = _forward(params, X, cfg)
+    names = _select(tuple(param_shapes(cfg)), wrt)
+    c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
     _check_variance(c)
-    names = _select(c.names, wrt)
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
     B, L, d = c.out.shape
     out = {n: J[n].dense().reshape(B, L * d, -1) for n in names}

@@ -7,18 +7,22 @@ call these first.
 
 from __future__ import annotations
 
+import math
+
 import psutil
 import torch
 
-__all__ = ["InsufficientMemoryError", "check_tensor", "check_params", "check_fits", "check_ln_variance"]
+__all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance"]
 
 
 class InsufficientMemoryError(MemoryError, ValueError):
     """A requested dense result would not fit in the memory available right now."""
 
 
-def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None) -> None:
-    """``t`` must be a finite floating tensor (same dtype and device as ``like``, if given).
+def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None,
+                 finite: bool = True) -> None:
+    """``t`` must be a floating tensor (same dtype and device as ``like``, if given), finite
+    unless ``finite=False`` (the caller then checks it with others in :func:`check_finite`).
 
     Raises ``ValueError`` naming ``name`` otherwise.
     """
@@ -33,12 +37,28 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
             raise ValueError(f"{name} has dtype {t.dtype} but X has {like.dtype}; use one dtype throughout")
         if t.device != like.device:
             raise ValueError(f"{name} is on {t.device} but X is on {like.device}; use one device throughout")
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{name} contains NaN or Inf")
+    if finite:
+        check_finite({name: t})
+
+
+def check_finite(named: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``named`` (name → tensor, one dtype and device) must be free of NaN and Inf.
+
+    Fast path: one sum over all entries (a NaN or Inf anywhere makes it non-finite); only
+    then are the tensors searched one by one, to name the first offender in the
+    ``ValueError`` (a sum that merely overflowed finds none and passes).
+    """
+    ts = [t.reshape(-1) for t in named.values()]
+    if math.isfinite((ts[0] if len(ts) == 1 else torch.cat(ts)).sum()):
+        return
+    for name, t in named.items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name} contains NaN or Inf")
 
 
 def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor) -> None:
-    """``params`` must hold exactly the names of ``shapes`` with those shapes, dtype and device of ``X``."""
+    """``params`` must hold exactly the names of ``shapes`` with those shapes, dtype and device of
+    ``X``; ``params`` and ``X`` must be finite."""
     if not isinstance(params, dict):
         raise ValueError(f"params must be a dict of tensors, got {type(params).__name__}")
     missing = [n for n in shapes if n not in params]
@@ -46,26 +66,29 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
     if missing or extra:
         raise ValueError(f"params must have keys {list(shapes)}; missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
-        check_tensor(f"params[{name!r}]", params[name], like=X)
+        check_tensor(f"params[{name!r}]", params[name], like=X, finite=False)
         if tuple(params[name].shape) != tuple(shape):
             raise ValueError(f"params[{name!r}] must have shape {tuple(shape)}, got {tuple(params[name].shape)}")
+    check_finite({"X": X, **{f"params[{n!r}]": params[n] for n in shapes}})
 
 
-def check_ln_variance(name: str, U: torch.Tensor, eps: float) -> None:
+def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None) -> None:
     """With ``eps = 0`` every LayerNorm input row needs non-zero variance (the paper's Assumption 2).
 
-    A row counts as constant when its variance is below ``(machine eps * max|row|)^2``.
+    A row counts as constant when its variance is at most ``e^2`` times its mean square
+    (variance plus squared mean), ``e`` the dtype's machine epsilon: its spread is below the
+    rounding of its values.
+    ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller has it.
     Raises ``ValueError`` naming ``name`` and the first offending row.
     """
     if eps > 0:
         return
-    var = U.var(-1, unbiased=False)
-    scale = U.abs().amax(-1)
-    tol = (torch.finfo(U.dtype).eps * scale) ** 2
-    bad = (var <= tol).nonzero()
-    if len(bad):
+    var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
+    e2 = torch.finfo(U.dtype).eps ** 2
+    bad = (var <= mean.square() * (e2 / (1 - e2)))[..., 0]  # var <= e2 (var + mean^2)
+    if bad.any():
         raise ValueError(
-            f"{name}: LayerNorm input row {tuple(bad[0].tolist())} has zero variance and ln_eps=0 "
+            f"{name}: LayerNorm input row {tuple(bad.nonzero()[0].tolist())} has zero variance and ln_eps=0 "
             "(the paper's Assumption 2); use ln_eps > 0 or other inputs"
         )
 

@@ -86,12 +86,10 @@ def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2
     n = J_n = J_f = None
     Yf = Y
     if pre_ln:
-        n, _ = layernorm._normalise(Y, ln_eps)
-        J_n = layernorm._compact_jacobian(Y, ln_eps, None)
-        Yf = n if gamma is None else n * gamma
+        n, r = layernorm._normalise(Y, ln_eps)
+        J_n = layernorm._jacobian_of(n, r)
+        Yf = layernorm._affine(n, gamma, beta)
         J_f = J_n if gamma is None else gamma[:, None] * J_n
-        if beta is not None:
-            Yf = Yf + beta
     pre = Yf @ W_1
     if b_1 is not None:
         pre = pre + b_1
@@ -108,11 +106,10 @@ def _M(c: Cache) -> torch.Tensor:
 
 
 def weight_jacobians(c: Cache, names=("W_1", "W_2")) -> dict[str, TokenKron]:
-    """``B_1``, ``B_2`` (paper §2.6) and the biases / LN_2 parameters in ``names``, per token."""
+    """``B_1``, ``B_2`` (paper §2.6) and the biases / LN_2 parameters, for those in ``names``, per token."""
     T, d = c.Y.shape
     eye = torch.eye(d, dtype=c.Y.dtype, device=c.Y.device).expand(T, d, d)
-    M = _M(c)
-    Yf = c.Y if c.Yf is None else c.Yf
+    M = _M(c) if {"W_1", "b_1", "gamma_2", "beta_2"} & set(names) else None
     out = {}
     if c.n is not None and ("gamma_2" in names or "beta_2" in names):
         MW = M @ c.W_1.T
@@ -120,10 +117,12 @@ def weight_jacobians(c: Cache, names=("W_1", "W_2")) -> dict[str, TokenKron]:
             out["gamma_2"] = TokenKron("vector", None, MW * c.n[:, None, :])
         if "beta_2" in names:
             out["beta_2"] = TokenKron("vector", None, MW)
-    out["W_1"] = TokenKron("left", Yf, M)
+    if "W_1" in names:
+        out["W_1"] = TokenKron("left", c.Y if c.Yf is None else c.Yf, M)
     if "b_1" in names:
         out["b_1"] = TokenKron("vector", None, M)
-    out["W_2"] = TokenKron("left", c.h, eye)
+    if "W_2" in names:
+        out["W_2"] = TokenKron("left", c.h, eye)
     if "b_2" in names:
         out["b_2"] = TokenKron("vector", None, eye)
     return out

@@ -24,11 +24,17 @@ from ..validation import check_fits, check_ln_variance, check_tensor
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian"]
 
 
-def _normalise(X: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, sigma)``: the normalised rows ``(..., d)`` and their std ``(..., 1)``."""
-    m = X - X.mean(-1, keepdim=True)
-    sigma = torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
-    return m / sigma, sigma
+def _stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(var, mean)`` of the rows (biased variance), each ``(..., 1)``."""
+    return torch.var_mean(X, -1, correction=0, keepdim=True)
+
+
+def _normalise(X: torch.Tensor, eps: float, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)``: the normalised rows ``(..., d)`` and their inverse std ``r = 1/sigma``, ``(..., 1)``;
+    ``stats`` from :func:`_stats` if already computed."""
+    var, mean = _stats(X) if stats is None else stats
+    r = torch.rsqrt(var + eps if eps else var)
+    return (X - mean) * r, r
 
 
 def _centering(d: int, like: torch.Tensor) -> torch.Tensor:
@@ -37,28 +43,34 @@ def _centering(d: int, like: torch.Tensor) -> torch.Tensor:
 
 def forward(X: torch.Tensor, eps: float = 0.0, gamma=None, beta=None) -> torch.Tensor:
     """LayerNorm of the rows of ``X`` (shape ``(..., d)``), same shape and dtype. No checks."""
-    y, _ = _normalise(X, eps)
+    return _affine(_normalise(X, eps)[0], gamma, beta)
+
+
+def _affine(y: torch.Tensor, gamma=None, beta=None) -> torch.Tensor:
+    """``gamma * y + beta`` (either may be ``None``)."""
     if gamma is not None:
         y = y * gamma
-    if beta is not None:
-        y = y + beta
-    return y
+    return y if beta is None else y + beta
 
 
-def _compact_jacobian(X, eps, gamma):
-    y, sigma = _normalise(X, eps)
-    d = X.shape[-1]
-    J = (_centering(d, X) - y[..., :, None] * y[..., None, :] / d) / sigma[..., None]
+def _jacobian_of(y: torch.Tensor, r: torch.Tensor, gamma=None) -> torch.Tensor:
+    """Theorem 2 per token from :func:`_normalise`'s ``(y, r)``: ``(..., d, d)``."""
+    d = y.shape[-1]
+    J = torch.addcmul(_centering(d, y), y[..., :, None], y[..., None, :], value=-1.0 / d) * r[..., None]
     return J if gamma is None else gamma[:, None] * J
 
 
-def _compact_hessian(X, eps, gamma):
-    y, sigma = _normalise(X, eps)
+def _compact_jacobian(X, eps, gamma, stats=None):
+    return _jacobian_of(*_normalise(X, eps, stats), gamma)
+
+
+def _compact_hessian(X, eps, gamma, stats=None):
+    y, r = _normalise(X, eps, stats)
     d = X.shape[-1]
     C = _centering(d, X)
     ya, yb, yc = y[..., :, None, None], y[..., None, :, None], y[..., None, None, :]
     H = yc * C[:, :, None] + yb * C[:, None, :] + ya * C[None, :, :] - 3 * ya * yb * yc / d
-    H = -H / (d * sigma[..., None, None] ** 2)
+    H = H * (r[..., None, None] ** 2 / -d)
     return H if gamma is None else gamma[:, None, None] * H
 
 
@@ -70,17 +82,18 @@ def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=N
     :math:`\tilde g = \gamma\odot G`, :math:`\hat g = C\tilde g`, :math:`s = \tilde g^\top y`.
     Derived here from Theorem 3 (docs/derivations.md). No input checks (kernel).
     """
-    y, sigma = _normalise(X, eps)
+    y, r = _normalise(X, eps)
     d = X.shape[-1]
     g = G if gamma is None else G * gamma
     g_hat = g - g.mean(-1, keepdim=True)
     s = (g * y).sum(-1)[..., None, None]
     outer = g_hat[..., :, None] * y[..., None, :]
     Gam = outer + outer.transpose(-1, -2) + s * (_centering(d, X) - 3 * y[..., :, None] * y[..., None, :] / d)
-    return -Gam / (d * sigma[..., None] ** 2)
+    return Gam * (r[..., None] ** 2 / -d)
 
 
 def _check(X, eps, gamma):
+    """Validate the arguments; returns :func:`_stats` of ``X`` (the variance check needs them)."""
     check_tensor("X", X)
     if X.ndim < 1:
         raise ValueError("X must have shape (..., L, d), got a scalar")
@@ -90,7 +103,9 @@ def _check(X, eps, gamma):
         check_tensor("gamma", gamma, ndim=(1,), like=X)
         if gamma.shape[0] != X.shape[-1]:
             raise ValueError(f"gamma must have shape ({X.shape[-1]},), got {tuple(gamma.shape)}")
-    check_ln_variance("X", X, eps)
+    stats = _stats(X)
+    check_ln_variance("X", X, eps, stats)
+    return stats
 
 
 def _dense_indices(X):
@@ -115,12 +130,12 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
     InsufficientMemoryError
         The dense layout would not fit in available memory (bytes in the message).
     """
-    _check(X, eps, gamma)
+    stats = _check(X, eps, gamma)
     if compact:
-        return _compact_jacobian(X, eps, gamma)
+        return _compact_jacobian(X, eps, gamma, stats)
     batch, L, d = _dense_indices(X)
     check_fits(X[..., 0, 0].numel() * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
-    J = _compact_jacobian(X, eps, gamma).reshape(-1, L, d, d)
+    J = _compact_jacobian(X, eps, gamma, stats).reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
     torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
     return dense.reshape(*batch, L * d, L * d)
@@ -134,12 +149,12 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     ``(o, q)`` o-major (``o`` output index, ``q`` first input index), column the second
     input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
     """
-    _check(X, eps, gamma)
+    stats = _check(X, eps, gamma)
     if compact:
-        return _compact_hessian(X, eps, gamma)
+        return _compact_hessian(X, eps, gamma, stats)
     batch, L, d = _dense_indices(X)
     check_fits(X[..., 0, 0].numel() * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
-    H = _compact_hessian(X, eps, gamma).reshape(-1, L, d, d, d)
+    H = _compact_hessian(X, eps, gamma, stats).reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
     dense[:, t, :, t, :, t, :] = H.transpose(0, 1)  # entries where output and both inputs share a token
