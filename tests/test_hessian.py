@@ -111,6 +111,49 @@ def test_custom_loss_per_sequence_target():
     assert_close(H.outer.dense(), R.outer.dense(), what="head CE outer")
 
 
+@pytest.mark.parametrize("kind", ["pooled-head", "confident-head", "full-rank"])
+def test_custom_loss_long_sequences(kind):
+    """L·d = 64: the loss Hessian's range is probed first (rank <= 32) or, full rank, diagonalised whole."""
+    cfg, p, X, g = make_case(8, 8, 3, 5, 3, 1.0)
+    W_h = torch.randn(8, 4, generator=g, dtype=torch.float64) * (8.0 if kind == "confident-head" else 1.0)  # 8: one sequence at p = 1 - 5e-11
+
+    def loss(Z, y):
+        if kind == "full-rank":
+            return torch.log1p(Z**2).sum() + (Z[:, :1] * Z).sum()
+        return torch.nn.functional.cross_entropy((Z.mean(0) @ W_h)[None], y[None])
+
+    y = torch.tensor([0, 3, 1])
+    H = bh.hessian(p, X, cfg, loss=loss, target=y)
+    R = bh.reference.hessian(p, X, cfg, loss=loss, target=y)
+    assert_close(H.dense(), R.dense(), what=kind)
+    assert_close(H.outer.dense(), R.outer.dense(), what=f"{kind} outer")
+
+
+@pytest.mark.parametrize("rank", [5, 32, 33, 64])
+def test_loss_hessian_factorisation(rank, monkeypatch):
+    """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through the 32-column range, not an m × m eigh;
+    a sequence at 1e-12 of the batch's scale keeps its directions, rounding noise adds none."""
+    from blockhess.hessian import _eig_lowrank
+
+    B, m = 4, 80
+    g = torch.Generator().manual_seed(rank)
+    A = torch.randn(B, m, rank, generator=g, dtype=torch.float64)
+    hess = (A * torch.randn(rank, generator=g, dtype=torch.float64)) @ A.mT  # indefinite
+    hess[1] *= 1e-12
+    sizes = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
+    lam, W = _eig_lowrank(hess)
+    assert sizes == ([32] if rank <= 20 else [m]) or (rank == 32 and sizes in ([32], [m]))
+    assert lam.shape[1] == rank
+    rebuilt = (W * lam[:, None, :]) @ W.mT
+    assert_close(rebuilt, hess, tol=1e-13, what="batch")  # dropping the 1e-12 sequence would show
+    if rank < 32:  # a range of full column rank: even the tiny sequence to its own rounding
+        assert_close(rebuilt[1], hess[1], tol=1e-12, what="the 1e-12 sequence")
+    noisy = hess + 1e-18 * torch.randn(B, m, m, generator=g, dtype=torch.float64)
+    assert _eig_lowrank((noisy + noisy.mT) / 2)[0].shape[1] == rank
+
+
 @pytest.mark.parametrize("wrt, wrt_input", [(None, False), (["W_K", "W_1"], False), (None, True)])
 def test_out_buffer_is_filled_and_returned(wrt, wrt_input):
     """``out=``: the same matrix as a fresh assembly, written into the given buffer (stale
