@@ -55,7 +55,7 @@ def _eig_lowrank(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         Q = torch.linalg.qr(Y[..., :RANGE_PROBE]).Q  # (B, m, k)
         P = Y[..., RANGE_PROBE:]
         missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax()
-        if bool(missed <= m * eps * hess.flatten(1).norm(dim=1).amax()):
+        if bool(missed <= m * eps * torch.linalg.matrix_norm(hess).amax()):
             lam, U = torch.linalg.eigh(Q.mT @ (hess @ Q))
             W = Q @ U
     if lam is None:
