@@ -55,6 +55,13 @@ def test_finite_check_names_the_tensor_and_tolerates_overflowing_sums():
         check_finite({"a": big, "b": bad})
 
 
+def test_overflow_inside_the_block_is_an_error(case):
+    cfg, p, X, T = case
+    p32 = {k: v.float() for k, v in p.items()}
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\) contains NaN or Inf"):
+        bh.hessian(p32, X.float() * 1e19, cfg, target=T.float())  # finite inputs, attention scores overflow float32
+
+
 def test_zero_variance_layernorm_row():
     cfg = bh.BlockConfig(d_model=4, d_ff=5, kind="block")
     p = bh.init_params(cfg)

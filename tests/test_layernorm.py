@@ -77,6 +77,8 @@ def test_errors():
         bh.layernorm.jacobian(X)
     X[1, 3] = 1.0 + 2**-20  # small but real spread: well defined
     assert torch.isfinite(bh.layernorm.jacobian(X)).all()
+    with pytest.raises(ValueError, match=r"row \(0,\) overflows torch.float32"):
+        bh.layernorm.jacobian(torch.tensor([[3e19, -3e19, 1.0]]), eps=1e-5)  # finite entries, variance inf
     with pytest.raises(ValueError, match="NaN"):
         bh.layernorm.hessian(torch.full((2, 3), float("nan"), dtype=torch.float64))
     with pytest.raises(ValueError, match="gamma must have shape"):

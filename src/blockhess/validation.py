@@ -73,24 +73,34 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
 
 
 def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None) -> None:
-    """With ``eps = 0`` every LayerNorm input row needs non-zero variance (the paper's Assumption 2).
+    """Every LayerNorm input row must have a finite variance, and with ``eps = 0`` a non-zero
+    one (the paper's Assumption 2).
 
-    A row counts as constant when its variance is at most ``e^2`` times its mean square
-    (variance plus squared mean), ``e`` the dtype's machine epsilon: its spread is below the
-    rounding of its values.
+    A non-finite variance means a NaN or Inf in ``U`` or a row whose spread overflows the
+    dtype. A row counts as constant when its variance is at most ``e^2`` times its mean
+    square (variance plus squared mean), ``e`` the dtype's machine epsilon: its spread is
+    below the rounding of its values. One reduction and one test for the whole tensor; the
+    offending row is looked up only to raise.
     ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller has it.
     Raises ``ValueError`` naming ``name`` and the first offending row.
     """
-    if eps > 0:
-        return
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
-    e2 = torch.finfo(U.dtype).eps ** 2
-    bad = (var <= mean.square() * (e2 / (1 - e2)))[..., 0]  # var <= e2 (var + mean^2)
-    if bad.any():
-        raise ValueError(
-            f"{name}: LayerNorm input row {tuple(bad.nonzero()[0].tolist())} has zero variance and ln_eps=0 "
-            "(the paper's Assumption 2); use ln_eps > 0 or other inputs"
-        )
+    ok = var < math.inf  # False for NaN too
+    if not eps > 0:
+        e2 = torch.finfo(U.dtype).eps ** 2
+        ok = ok & (var > mean.square() * (e2 / (1 - e2)))  # var > e2 (var + mean^2)
+    if bool(ok.all()):
+        return
+    row = tuple((~ok[..., 0]).nonzero()[0].tolist())
+    if not torch.isfinite(U).all():
+        raise ValueError(f"{name} contains NaN or Inf")
+    if not math.isfinite(var[row].item()):
+        raise ValueError(f"{name}: the variance of LayerNorm input row {row} overflows {U.dtype} "
+                         f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
+    raise ValueError(
+        f"{name}: LayerNorm input row {row} has zero variance and ln_eps=0 "
+        "(the paper's Assumption 2); use ln_eps > 0 or other inputs"
+    )
 
 
 SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)

@@ -94,7 +94,7 @@ def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=N
 
 def _check(X, eps, gamma):
     """Validate the arguments; returns :func:`_stats` of ``X`` (the variance check needs them)."""
-    check_tensor("X", X)
+    check_tensor("X", X, finite=False)  # a NaN or Inf makes a row's variance non-finite: check_ln_variance
     if X.ndim < 1:
         raise ValueError("X must have shape (..., L, d), got a scalar")
     if not (isinstance(eps, (int, float)) and eps >= 0):
