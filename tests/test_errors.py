@@ -58,8 +58,19 @@ def test_finite_check_names_the_tensor_and_tolerates_overflowing_sums():
 def test_overflow_inside_the_block_is_an_error(case):
     cfg, p, X, T = case
     p32 = {k: v.float() for k, v in p.items()}
-    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\) contains NaN or Inf"):
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\) contains NaN or Inf: the forward pass overflowed"):
         bh.hessian(p32, X.float() * 1e19, cfg, target=T.float())  # finite inputs, attention scores overflow float32
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float64, 1e-155), (torch.float32, 1e-20)])
+def test_underflowing_variance_is_an_error(case, dtype, scale):
+    """Rows so small that 1/sigma^2 overflows: an error, not a Hessian of NaN (and not 'zero variance')."""
+    cfg, p, X, T = case
+    q = {k: v.to(dtype) for k, v in p.items()}
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\): the variance of LayerNorm input row .* below"):
+        bh.hessian(q, (X * scale).to(dtype), cfg, target=T.to(dtype))
+    H = bh.hessian(q, (X * scale * 1e12).to(dtype), cfg, target=T.to(dtype))  # small but representable
+    assert torch.isfinite(H.dense()).all()
 
 
 def test_zero_variance_layernorm_row():
@@ -92,6 +103,15 @@ def test_losses_and_targets(case):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(), target=torch.zeros(5))
     with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
         bh.hessian(p, X, cfg, target=T, wrt=["W_O"])
+    # one sequence: the shapes in the message are the caller's, without the added batch axis
+    with pytest.raises(ValueError, match=r"shape of the output \(3, 4\) for loss='mse', got \(4,\)$"):
+        bh.hessian(p, X[0], cfg, loss="mse", target=T[0, 0])
+    with pytest.raises(ValueError, match=r"target must have shape \(3,\) for loss='ce', got \(2,\)$"):
+        bh.hessian(p, X[0], cfg, loss="ce", target=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"scalar \(0-dim\) tensor for one sequence Z of shape \(3, 4\), got shape \(4,\)"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(0))
+    with pytest.raises(ValueError, match="NaN or Inf gradient or Hessian w.r.t. Z at sequence 1"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum() / t, target=torch.tensor([1.0, 0.0]))
 
 
 def test_config_errors():

@@ -148,11 +148,11 @@ def _check_variance(c: Cache) -> None:
     if c.cfg.kind != "block":
         return
     if c.cfg.norm == "post":
-        check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, c.cfg.ln_eps)
-        check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, c.cfg.ln_eps)
+        check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, c.cfg.ln_eps, computed=True)
+        check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, c.cfg.ln_eps, computed=True)
     else:
         check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, c.cfg.ln_eps)
-        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, c.cfg.ln_eps)
+        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, c.cfg.ln_eps, computed=True)
 
 
 # ----------------------------------------------------------------------------------------------

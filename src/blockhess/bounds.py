@@ -252,7 +252,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         "VV": 0.0,
     }
     names = tuple(param_shapes(cfg))
-    losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None])
+    losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None], single=True)
     is_mse = isinstance(loss, str) and loss == "mse"
     tF = float(target.double().norm()) if is_mse else None
     t2 = _spec(target.double()) if is_mse else None
@@ -288,11 +288,11 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     w1, w2 = w["W_1"], w["W_2"]
     dff = p["W_1"].shape[1]
     U = X64 + F
-    check_ln_variance("X (the LayerNorm-1 input X + SA(X))", U, eps)
+    check_ln_variance("X (the LayerNorm-1 input X + SA(X))", U, eps, computed=True)
     Y = _ln(U, eps)
     P = torch.relu(Y @ p["W_1"])
     S = Y + P @ p["W_2"]
-    check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", S, eps)
+    check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", S, eps, computed=True)
     Z = _ln(S, eps)
     lnU, lnS = layernorm_bounds(U, eps), layernorm_bounds(S, eps)
     jY, eY, jZ, eZ = lnU["jacobian"], lnU["hessian"], lnS["jacobian"], lnS["hessian"]

@@ -370,7 +370,7 @@ def _prepare(params, X, cfg, loss, target, wrt):
         target = target[None]
     c = _forward(params, Xb, cfg)
     _check_variance(c)
-    losses.check(loss, target, c.out)
+    losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
     return Xb, target, c, names
 

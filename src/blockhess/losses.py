@@ -38,12 +38,20 @@ class LossDerivatives(NamedTuple):
     per_token: bool
 
 
-def check(loss, target, Z: torch.Tensor) -> None:
+def check(loss, target, Z: torch.Tensor, single: bool = False) -> None:
     """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``.
 
+    ``single``: the caller's input was one sequence and ``Z``, ``target`` carry an added
+    batch axis of size 1; messages show the shapes as the caller gave them. A callable is
+    called once, on the first sequence, and must return a scalar (0-dim) tensor.
+
     Raises ``ValueError``: unknown loss; mse target not shaped like ``Z`` or not finite or of
-    another dtype; ce target not integer, of the wrong shape, or a class outside ``[0, d)``.
+    another dtype; ce target not integer, of the wrong shape, or a class outside ``[0, d)``;
+    a callable's target without one entry per sequence, or a callable returning a non-scalar.
     """
+    def shown(shape):
+        return tuple(shape)[1:] if single else tuple(shape)
+
     if isinstance(loss, str) and loss not in ("mse", "ce"):
         raise ValueError(f"loss must be 'mse', 'ce' or a callable loss(Z, target) -> scalar, got {loss!r}")
     if loss == "mse":
@@ -51,12 +59,13 @@ def check(loss, target, Z: torch.Tensor) -> None:
             raise ValueError("target is required for loss='mse' (a tensor shaped like the block output)")
         check_tensor("target", target, like=Z)
         if tuple(target.shape) != tuple(Z.shape):
-            raise ValueError(f"target must have the shape of the output {tuple(Z.shape)} for loss='mse', got {tuple(target.shape)}")
+            raise ValueError(f"target must have the shape of the output {shown(Z.shape)} for loss='mse', "
+                             f"got {shown(target.shape)}")
     elif loss == "ce":
         if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool:
             raise ValueError("target must be an integer tensor of class indices for loss='ce'")
         if tuple(target.shape) != tuple(Z.shape[:-1]):
-            raise ValueError(f"target must have shape {tuple(Z.shape[:-1])} for loss='ce', got {tuple(target.shape)}")
+            raise ValueError(f"target must have shape {shown(Z.shape[:-1])} for loss='ce', got {shown(target.shape)}")
         if target.device != Z.device:
             raise ValueError(f"target is on {target.device} but X is on {Z.device}")
         d = Z.shape[-1]
@@ -68,6 +77,10 @@ def check(loss, target, Z: torch.Tensor) -> None:
                 f"target must have a leading axis of size {Z.shape[0]} (one entry per sequence) for a callable loss, "
                 f"got shape {tuple(target.shape)}"
             )
+        v = loss(Z[0], target[0] if isinstance(target, torch.Tensor) else target)
+        if not isinstance(v, torch.Tensor) or v.ndim != 0:
+            got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"loss must return a scalar (0-dim) tensor for one sequence Z of shape {tuple(Z.shape[1:])}, got {got}")
     else:
         raise ValueError(f"loss must be 'mse', 'ce' or a callable loss(Z, target) -> scalar, got {loss!r}")
 
@@ -81,7 +94,9 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     """Gradient and Hessian of the mean-over-sequences loss w.r.t. ``Z`` of shape ``(B, L, d)``.
 
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
-    callable: a tensor with one entry per sequence along axis 0, or ``None``). No checks here.
+    callable: a tensor with one entry per sequence along axis 0, or ``None``). Raises
+    ``ValueError`` when a callable's gradient or Hessian has a NaN or Inf (naming the
+    sequence); the other arguments are not checked here (:func:`check`).
     """
     B, L, d = Z.shape
     if loss == "mse":
@@ -97,6 +112,10 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     in_dims = _in_dims(target)
     grad = torch.func.vmap(torch.func.grad(loss), in_dims=in_dims)(Z, target)
     hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
+    ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1)
+    if not bool(ok.all()):
+        b = int((~ok).nonzero()[0])
+        raise ValueError(f"loss has a NaN or Inf gradient or Hessian w.r.t. Z at sequence {b}")
     return LossDerivatives(grad / B, hess.reshape(B, L * d, L * d) / B, False)
 
 

@@ -72,35 +72,47 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
     check_finite({"X": X, **{f"params[{n!r}]": params[n] for n in shapes}})
 
 
-def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None) -> None:
-    """Every LayerNorm input row must have a finite variance, and with ``eps = 0`` a non-zero
-    one (the paper's Assumption 2).
+def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False) -> None:
+    """Every LayerNorm input row must have a finite variance, large enough that ``1/sigma^2``
+    is representable, and with ``eps = 0`` not zero (the paper's Assumption 2).
 
-    A non-finite variance means a NaN or Inf in ``U`` or a row whose spread overflows the
-    dtype. A row counts as constant when its variance is at most ``e^2`` times its mean
-    square (variance plus squared mean), ``e`` the dtype's machine epsilon: its spread is
-    below the rounding of its values. One reduction and one test for the whole tensor; the
-    offending row is looked up only to raise.
-    ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller has it.
-    Raises ``ValueError`` naming ``name`` and the first offending row.
+    * A non-finite variance: a NaN or Inf in ``U`` (``computed``: ``U`` comes from finite
+      inputs inside the block, so the forward pass overflowed), or a row whose spread
+      overflows the dtype.
+    * With ``eps = 0``: a row counts as constant when its variance is at most ``e^2`` times
+      its mean square (variance plus squared mean), ``e`` the dtype's machine epsilon: its
+      spread is below the rounding of its values; and the variance must be at least
+      ``tiny / e`` (``tiny`` the smallest normal number; about 1e-292 in float64, 1e-31 in
+      float32): below it the Hessian's ``1/sigma^2`` factors overflow.
+
+    One reduction and one test for the whole tensor; the offending row is looked up only
+    to raise. ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller
+    has it. Raises ``ValueError`` naming ``name`` and the first offending row.
     """
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
+    fi = torch.finfo(U.dtype)
+    small, e2 = fi.tiny / fi.eps, fi.eps**2
     ok = var < math.inf  # False for NaN too
     if not eps > 0:
-        e2 = torch.finfo(U.dtype).eps ** 2
-        ok = ok & (var > mean.square() * (e2 / (1 - e2)))  # var > e2 (var + mean^2)
+        ok = ok & (var > mean.square() * (e2 / (1 - e2))) & (var >= small)  # var > e2 (var + mean^2)
     if bool(ok.all()):
         return
     row = tuple((~ok[..., 0]).nonzero()[0].tolist())
+    where = f"LayerNorm input row {row}" if row else "the LayerNorm input row"
     if not torch.isfinite(U).all():
+        if computed:
+            raise ValueError(f"{name} contains NaN or Inf: the forward pass overflowed {U.dtype} on finite inputs; "
+                             "rescale X or the weights")
         raise ValueError(f"{name} contains NaN or Inf")
-    if not math.isfinite(var[row].item()):
-        raise ValueError(f"{name}: the variance of LayerNorm input row {row} overflows {U.dtype} "
+    v, ms = var[row].item(), var[row].item() + mean[row].item() ** 2
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
-    raise ValueError(
-        f"{name}: LayerNorm input row {row} has zero variance and ln_eps=0 "
-        "(the paper's Assumption 2); use ln_eps > 0 or other inputs"
-    )
+    if ms >= small and v <= e2 * ms:
+        raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
+                         "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
+    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g}, where {U.dtype} loses "
+                     "precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
 
 
 SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)

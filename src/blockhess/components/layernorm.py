@@ -92,11 +92,12 @@ def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=N
     return Gam * (r[..., None] ** 2 / -d)
 
 
-def _check(X, eps, gamma):
-    """Validate the arguments; returns :func:`_stats` of ``X`` (the variance check needs them)."""
+def _check(X, eps, gamma, dense: bool):
+    """Validate the arguments (shapes first, then values); returns :func:`_stats` of ``X``
+    (the variance check needs them)."""
     check_tensor("X", X, finite=False)  # a NaN or Inf makes a row's variance non-finite: check_ln_variance
-    if X.ndim < 1:
-        raise ValueError("X must have shape (..., L, d), got a scalar")
+    if X.ndim < (2 if dense else 1):
+        raise ValueError(f"X must have shape (..., L, d){' for the dense layout' if dense else ''}, got {tuple(X.shape)}")
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
     if gamma is not None:
@@ -106,12 +107,6 @@ def _check(X, eps, gamma):
     stats = _stats(X)
     check_ln_variance("X", X, eps, stats)
     return stats
-
-
-def _dense_indices(X):
-    if X.ndim < 2:
-        raise ValueError(f"X must have shape (..., L, d) for the dense layout, got {tuple(X.shape)}")
-    return X.shape[:-2], X.shape[-2], X.shape[-1]
 
 
 def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False) -> torch.Tensor:
@@ -130,10 +125,10 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
     InsufficientMemoryError
         The dense layout would not fit in available memory (bytes in the message).
     """
-    stats = _check(X, eps, gamma)
+    stats = _check(X, eps, gamma, dense=not compact)
     if compact:
         return _compact_jacobian(X, eps, gamma, stats)
-    batch, L, d = _dense_indices(X)
+    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     check_fits(X[..., 0, 0].numel() * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
     J = _compact_jacobian(X, eps, gamma, stats).reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
@@ -149,10 +144,10 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     ``(o, q)`` o-major (``o`` output index, ``q`` first input index), column the second
     input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
     """
-    stats = _check(X, eps, gamma)
+    stats = _check(X, eps, gamma, dense=not compact)
     if compact:
         return _compact_hessian(X, eps, gamma, stats)
-    batch, L, d = _dense_indices(X)
+    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     check_fits(X[..., 0, 0].numel() * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
     H = _compact_hessian(X, eps, gamma, stats).reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
