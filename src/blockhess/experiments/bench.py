@@ -86,7 +86,7 @@ JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "bl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench-results", help="output folder (default: bench-results)")
+    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of every path (a couple of minutes)")
     p.add_argument("--cases", default="a,b,c", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n); default a,b,c")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")

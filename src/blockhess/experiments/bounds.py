@@ -45,12 +45,12 @@ SWEEP_WEIGHT_SCALES = (1.0, 0.1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bounds", help="output folder (default: bounds)")
-    p.add_argument("--checkpoint", default=None,
+    p.add_argument("--out", default="bounds", metavar="DIR", help="output folder (default: bounds)")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: checkpoints/digits_vit.pt, trained if missing)")
     p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
-    p.add_argument("--batch", type=int, default=8, help="training images in the trained-model Hessian (default 8)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per point of the sweep (default 3)")
+    p.add_argument("--batch", type=int, default=8, help="training images in the trained-model Hessian (default: 8)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per point of the sweep (default: 3)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -88,21 +88,21 @@ QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="convergence", help="output folder (default: convergence)")
+    p.add_argument("--out", default="convergence", metavar="DIR", help="output folder (default: convergence)")
     p.add_argument("--quick", action="store_true",
                    help="exact Hessians of 96 training images (not all), fewer orderings and epochs: about a minute")
-    p.add_argument("--checkpoint", default=None,
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
-    p.add_argument("--orderings", type=int, default=None, help="random orderings averaged (default 2000; quick 500)")
+    p.add_argument("--orderings", type=int, default=None, help="random orderings averaged (default: 2000; quick 500)")
     p.add_argument("--hessian-samples", type=int, default=None,
-                   help="training images whose exact Hessians are computed (default all; quick 96)")
-    p.add_argument("--directions", type=int, default=None, help="random unit directions for δ (default 4; quick 2)")
+                   help="training images whose exact Hessians are computed (default: all; quick 96)")
+    p.add_argument("--directions", type=int, default=None, help="random unit directions for δ (default: 4; quick 2)")
     p.add_argument("--deltas", default=None,
-                   help="comma-separated ‖δ‖/‖w*‖ (default 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch of the paper's running mean (default 16)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs of the paper's running mean (default 26; quick 10)")
+                   help="comma-separated ‖δ‖/‖w*‖ (default: 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch of the paper's running mean (default: 16)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs of the paper's running mean (default: 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")
-    p.add_argument("--seed", type=int, default=None, help="seed of orderings, subsets and directions (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of orderings, subsets and directions (default: 0)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
 

@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="report", metavar="DIR",
                    help="output folder: report.json, report.md, PNG figures (replaced whole when done; default: report)")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help=f"model checkpoint, must exist (default: {vitmod.DEFAULT_CHECKPOINT}, trained and saved there when absent)")
+                   help=f"model checkpoint to read; a path given here must exist (default: {vitmod.DEFAULT_CHECKPOINT}, trained and saved there when absent)")
     p.add_argument("--batch", type=int, default=128, metavar="N",
                    help="number of training images in the fixed batch (default: 128)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float64",

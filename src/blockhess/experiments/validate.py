@@ -32,9 +32,9 @@ def _coupled(Z, T):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default="validate", help="output folder (default: validate)")
+    p.add_argument("--out", default="validate", metavar="DIR", help="output folder (default: validate)")
     p.add_argument("--quick", action="store_true", help="a 3-setting grid instead of 5")
-    p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default 1e-10)")
+    p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -466,8 +466,9 @@ def load(path: str | os.PathLike) -> TrainedViT:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle/zip errors come in many types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise _bad(path, f"cannot read it ({type(exc).__name__}: {first})") from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first if len(first) <= 160 else first[:157] + "..."
+        raise _bad(path, f"torch.load cannot read it ({type(exc).__name__}: {first})") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise _bad(path, f"no '{FORMAT}' format tag")
     if blob.get("version") != FORMAT_VERSION:
