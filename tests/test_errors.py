@@ -62,6 +62,19 @@ def test_overflow_inside_the_block_is_an_error(case):
         bh.hessian(p32, X.float() * 1e19, cfg, target=T.float())  # finite inputs, attention scores overflow float32
 
 
+@pytest.mark.parametrize("kind", ["pre-LN", "attention"])
+def test_overflow_after_the_last_layernorm_is_an_error(kind):
+    """Pre-LN's output S = Y + FFN(Y) and the bare attention layer have no LayerNorm after them:
+    the output itself is checked."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=5, norm="pre") if kind == "pre-LN" else bh.BlockConfig(d_model=4, kind="attention")
+    p = {k: v.float() for k, v in bh.init_params(cfg).items()}
+    for n in ("W_1", "W_2") if kind == "pre-LN" else ("W_V",):
+        p[n] = p[n] * 1e20  # finite weights whose products overflow float32
+    X = torch.randn(3, 4) * (1.0 if kind == "pre-LN" else 1e20)
+    with pytest.raises(ValueError, match="the block output contains NaN or Inf: the forward pass overflowed torch.float32"):
+        bh.hessian(p, X, cfg, target=torch.zeros(3, 4))
+
+
 @pytest.mark.parametrize("dtype, scale", [(torch.float64, 1e-155), (torch.float32, 1e-20)])
 def test_underflowing_variance_is_an_error(case, dtype, scale):
     """Rows so small that 1/sigma^2 overflows: an error, not a Hessian of NaN (and not 'zero variance')."""

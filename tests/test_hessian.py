@@ -112,8 +112,9 @@ def test_custom_loss_per_sequence_target():
 
 
 @pytest.mark.parametrize("kind", ["pooled-head", "confident-head", "full-rank"])
-def test_custom_loss_long_sequences(kind):
-    """L·d = 64: the loss Hessian's range is probed first (rank <= 32) or, full rank, diagonalised whole."""
+def test_custom_loss_long_sequences(kind, monkeypatch):
+    """L·d = 64: the loss Hessian's range is sketched first (rank 3 here: one 32 × 32 eigh per
+    pass) or, full rank, diagonalised whole (64 × 64)."""
     cfg, p, X, g = make_case(8, 8, 3, 5, 3, 1.0)
     W_h = torch.randn(8, 4, generator=g, dtype=torch.float64) * (8.0 if kind == "confident-head" else 1.0)  # 8: one sequence at p = 1 - 5e-11
 
@@ -123,35 +124,58 @@ def test_custom_loss_long_sequences(kind):
         return torch.nn.functional.cross_entropy((Z.mean(0) @ W_h)[None], y[None])
 
     y = torch.tensor([0, 3, 1])
+    sizes, eigh = [], torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
     H = bh.hessian(p, X, cfg, loss=loss, target=y)
+    assert sizes == [64 if kind == "full-rank" else 32]
     R = bh.reference.hessian(p, X, cfg, loss=loss, target=y)
     assert_close(H.dense(), R.dense(), what=kind)
     assert_close(H.outer.dense(), R.outer.dense(), what=f"{kind} outer")
 
 
-@pytest.mark.parametrize("rank", [5, 32, 33, 64])
-def test_loss_hessian_factorisation(rank, monkeypatch):
-    """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through the 32-column range, not an m × m eigh;
-    a sequence at 1e-12 of the batch's scale keeps its directions, rounding noise adds none."""
-    from blockhess.hessian import _eig_lowrank
+def test_custom_loss_input_blocks_per_sequence():
+    """With X a variable each sequence's (X, X) block is its own: a sequence whose loss is
+    weighted by 1e-13 keeps its curvature to its own rounding, not the batch's."""
+    cfg, p, X, g = make_case(8, 8, 3, 5, 2, 1.0)
+    W_h = torch.randn(8, 4, generator=g, dtype=torch.float64)
 
-    B, m = 4, 80
+    def loss(Z, w):
+        return w * torch.nn.functional.cross_entropy((Z.mean(0) @ W_h)[None], torch.tensor([2]))
+
+    w = torch.tensor([1.0, 1e-13], dtype=torch.float64)
+    H = bh.hessian(p, X, cfg, loss=loss, target=w, wrt_input=True)
+    R = bh.reference.hessian(p, X, cfg, loss=loss, target=w, wrt_input=True)
+    for b in range(2):
+        assert_close(H["X", "X"].reshape(2, 64, 2, 64)[b, :, b], R["X", "X"].reshape(2, 64, 2, 64)[b, :, b],
+                     what=f"(X, X) block of sequence {b}")
+    assert_close(H.dense(), R.dense(), what="all blocks")
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("rank", [5, 32, 33, 100])
+def test_loss_hessian_factorisation(rank, per_sequence, monkeypatch):
+    """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through a 32-column range, 33 through 64
+    columns, full rank through an m × m eigh; a sequence at 1e-12 of the batch's scale keeps its
+    directions, rounding-level noise adds none."""
+    from blockhess.losses import eig_lowrank
+
+    B, m = 4, 160
     g = torch.Generator().manual_seed(rank)
     A = torch.randn(B, m, rank, generator=g, dtype=torch.float64)
     hess = (A * torch.randn(rank, generator=g, dtype=torch.float64)) @ A.mT  # indefinite
     hess[1] *= 1e-12
-    sizes = []
-    eigh = torch.linalg.eigh
+    sizes, eigh = [], torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
-    lam, W = _eig_lowrank(hess)
-    assert sizes == ([32] if rank <= 20 else [m]) or (rank == 32 and sizes in ([32], [m]))
+    lam, W = eig_lowrank(hess, per_sequence)
+    assert sizes == {5: [32], 32: sizes[:1], 33: [64], 100: [m]}[rank] and sizes[0] in (32, 64, m)
     assert lam.shape[1] == rank
     rebuilt = (W * lam[:, None, :]) @ W.mT
     assert_close(rebuilt, hess, tol=1e-13, what="batch")  # dropping the 1e-12 sequence would show
-    if rank < 32:  # a range of full column rank: even the tiny sequence to its own rounding
+    if per_sequence:  # each sequence to its own rounding, the tiny one too
         assert_close(rebuilt[1], hess[1], tol=1e-12, what="the 1e-12 sequence")
-    noisy = hess + 1e-18 * torch.randn(B, m, m, generator=g, dtype=torch.float64)
-    assert _eig_lowrank((noisy + noisy.mT) / 2)[0].shape[1] == rank
+    noise = torch.randn(B, m, m, generator=g, dtype=torch.float64)
+    noisy = hess + 1e-15 * torch.linalg.matrix_norm(hess)[:, None, None] / m * (noise + noise.mT)
+    assert eig_lowrank(noisy, per_sequence)[0].shape[1] == rank  # noise eigenvalues ~1e-15 ||Ω_b||, kept above eps
 
 
 @pytest.mark.parametrize("wrt, wrt_input", [(None, False), (["W_K", "W_1"], False), (None, True)])

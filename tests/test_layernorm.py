@@ -72,13 +72,15 @@ def test_errors():
     with pytest.raises(ValueError, match="zero variance"):
         bh.layernorm.jacobian(X)
     bh.layernorm.jacobian(X, eps=1e-5)  # eps > 0 is fine
-    X[1] = torch.tensor([1.0, 1.0, 1.0, 1.0 + 2**-52])  # spread of one rounding step: constant to the dtype
+    X[1] = torch.tensor([1.0, 1.0, 1.0, 1.0 + 2**-52], dtype=torch.float64)  # one rounding step: constant to the dtype
     with pytest.raises(ValueError, match=r"row \(1,\) has zero variance"):
         bh.layernorm.jacobian(X)
     X[1, 3] = 1.0 + 2**-20  # small but real spread: well defined
     assert torch.isfinite(bh.layernorm.jacobian(X)).all()
     with pytest.raises(ValueError, match=r"row \(0,\) overflows torch.float32"):
         bh.layernorm.jacobian(torch.tensor([[3e19, -3e19, 1.0]]), eps=1e-5)  # finite entries, variance inf
+    big = 1e155 * (1 + 1e-3 * torch.tensor([[0.3, -1.2, 0.7, 0.2]], dtype=torch.float64))  # mean^2 overflows, the spread is real
+    assert_close(bh.layernorm.jacobian(big), bh.layernorm.jacobian(big / 1e150) / 1e150, what="rows at 1e155")  # J(cX) = J(X)/c
     with pytest.raises(ValueError, match="NaN"):
         bh.layernorm.hessian(torch.full((2, 3), float("nan"), dtype=torch.float64))
     with pytest.raises(ValueError, match="gamma must have shape"):

@@ -109,7 +109,7 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     Xa = Xb
     if _pre(cfg):
         n1, r1 = layernorm._normalise(Xb, eps)
-        ln1 = (n1.reshape(-1, d), layernorm._jacobian_of(n1, r1).reshape(-1, d, d))
+        ln1 = (n1.reshape(-1, d), layernorm._jacobian_of(n1, r1).reshape(-1, d, d) if upstream else None)
         Xa = layernorm._affine(n1, p.get("gamma_1"), p.get("beta_1"))
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
                             cfg.n_heads, cfg.causal)
@@ -144,15 +144,20 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
                  P.reshape(-1, d), tuple(X.shape))
 
 
-def _check_variance(c: Cache) -> None:
-    if c.cfg.kind != "block":
-        return
-    if c.cfg.norm == "post":
-        check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, c.cfg.ln_eps, computed=True)
-        check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, c.cfg.ln_eps, computed=True)
-    else:
-        check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, c.cfg.ln_eps)
-        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, c.cfg.ln_eps, computed=True)
+def _check_forward(c: Cache) -> None:
+    """The forward pass on checked inputs: every LayerNorm input row (``check_ln_variance``: finite,
+    and Assumption 2), then the output finite (an overflow inside, e.g. of float32 attention
+    scores, is an error, not a Hessian of NaN)."""
+    eps = c.cfg.ln_eps
+    if c.cfg.kind == "block" and c.cfg.norm == "post":
+        check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, eps, computed=True)
+        check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, eps, computed=True)
+    elif c.cfg.kind == "block":
+        check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, eps)
+        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, eps, computed=True)
+    if not bool(torch.isfinite(c.out).all()):
+        raise ValueError(f"the block output contains NaN or Inf: the forward pass overflowed {c.out.dtype} on finite "
+                         "inputs; rescale X or the weights")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -643,7 +648,7 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg)
-    _check_variance(c)
+    _check_forward(c)
     return c.out.reshape(X.shape)
 
 
@@ -675,7 +680,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     check_inputs(params, X, cfg)
     names = _select(tuple(param_shapes(cfg)), wrt)
     c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
-    _check_variance(c)
+    _check_forward(c)
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
     B, L, d = c.out.shape
     out = {n: J[n].dense().reshape(B, L * d, -1) for n in names}
@@ -691,7 +696,7 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg, wrt_input=True)
-    _check_variance(c)
+    _check_forward(c)
     J = _factors(c).J["X"].dense()
     return J[0] if X.ndim == 2 else J
 
@@ -716,7 +721,7 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     if of not in allowed:
         raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, norm={cfg.norm!r}, got {of!r}")
     c = _forward(params, X, cfg)
-    _check_variance(c)
+    _check_forward(c)
     for n in (a, b):
         _select(c.names, n)
     factors = _factors(c)

@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import losses
-from .block import _check_variance, _factors, _forward, _select, check_inputs, contract_output
+from .block import _check_forward, _factors, _forward, _select, check_inputs, contract_output
 from .blocks import BlockSum
 from .config import BlockConfig, param_shapes
 from .kronecker import sandwich
@@ -369,7 +369,7 @@ def _prepare(params, X, cfg, loss, target, wrt):
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
     c = _forward(params, Xb, cfg)
-    _check_variance(c)
+    _check_forward(c)
     losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
     return Xb, target, c, names
@@ -449,40 +449,6 @@ def _hess_one(params, cfg, names, per_token: bool):
     return one
 
 
-def _lowrank(hess: torch.Tensor, L: int, d: int):
-    r"""Eigenpairs of per-sequence loss Hessians ``(B, L·d, L·d)`` that are not rounding noise.
-
-    Randomised range finder (derived here): ``Q = orth(Ω G)`` with ``p`` Gaussian probes,
-    ``Ω ≈ Q (QᵀΩQ) Qᵀ``; accepted when the residual is at rounding level, else ``p``
-    doubles (up to ``L·d``: a full ``eigh``). Returns ``(lam (B, R), W (B, R, L, d))``.
-    """
-    B, n, _ = hess.shape
-    eps = torch.finfo(hess.dtype).eps
-    gen = torch.Generator(device=hess.device).manual_seed(0)
-    p = min(16, n)
-    scale = hess.flatten(1).abs().amax(1).clamp_min(torch.finfo(hess.dtype).tiny)
-    while True:
-        if p >= n:
-            lam, W = torch.linalg.eigh(hess)
-            break
-        G = torch.randn(n, p, generator=gen, dtype=hess.dtype, device=hess.device)
-        Q, _ = torch.linalg.qr(hess @ G)
-        core = Q.transpose(1, 2) @ hess @ Q
-        resid = hess - Q @ core @ Q.transpose(1, 2)
-        if bool((resid.flatten(1).abs().amax(1) <= 100 * n * eps * scale).all()):
-            mu, Wc = torch.linalg.eigh(0.5 * (core + core.transpose(1, 2)))
-            lam, W = mu, Q @ Wc
-            break
-        p = min(2 * p, n)
-    tol = n * eps * lam.abs().amax(-1, keepdim=True)
-    lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
-    R = max(int((lam != 0).sum(-1).max()), 1)
-    order = lam.abs().argsort(-1, descending=True)[:, :R]
-    lam = lam.gather(1, order)
-    W = W.gather(2, order[:, None, :].expand(B, n, R))
-    return lam, W.transpose(1, 2).reshape(B, R, L, d)
-
-
 def _hessian_chunk(params, Xb, target, cfg, loss, names):
     """``(losses (b,), grads (b, n), hessians (b, n, n))`` of a chunk; inputs already checked."""
     c = _forward(params, Xb, cfg)
@@ -494,7 +460,8 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
     if ld.per_token:
         om, lam = (ld.hess * B).reshape(B, L, d, d), torch.zeros(B, 1, dtype=Xb.dtype, device=Xb.device)
     else:
-        lam, om = _lowrank(ld.hess * B, L, d)
+        lam, W = losses.eig_lowrank(ld.hess * B, per_sequence=True)  # per-sample results
+        om = W.transpose(1, 2).reshape(B, -1, L, d)
     grads, H = torch.func.vmap(one)(Xb, g, om, lam)
     return values, grads, H
 

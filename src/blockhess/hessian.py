@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import losses
-from .block import _check_variance, _factors, _forward, _select, _shapes, check_inputs, contract_output
+from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig
 from .kronecker import TokenKron
@@ -27,54 +27,15 @@ from .kronecker import TokenKron
 __all__ = ["hessian"]
 
 
-RANGE_PROBE, CHECK_PROBE = 32, 8  # random columns that find each loss Hessian's range, and that check it
-
-
-def _eig_lowrank(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric ``hess`` ``(B, m, m)`` that stand
-    above rounding: :math:`|\lambda| > m\,\epsilon\max_{b,r}|\lambda_{br}|` (the batch's threshold, not
-    each sequence's: the rounding noise of a confidently classified sequence's Hessian is absolute,
-    and relative to its own tiny eigenvalues it would pass for dozens of directions). ``R`` is the
-    largest count over the batch (at least 1); a sequence with fewer has zero ``lam`` in the rest.
-
-    When ``m >= 2·RANGE_PROBE`` the range is found first (a randomised range finder):
-    ``Q = orth(hess @ G)`` for a fixed Gaussian ``G`` of ``RANGE_PROBE`` columns, accepted when
-    ``CHECK_PROBE`` further Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le
-    m\epsilon\max_b\|\Omega_b\|_F` for every sequence; then :math:`\Omega_b = Q S_b Q^\top` to rounding,
-    with the small :math:`S_b = Q^\top\Omega_b Q` to diagonalise. A rank above ``RANGE_PROBE`` fails
-    the check (a missed direction shows in a random column almost surely) and takes the full
-    ``m × m`` eigendecomposition. Derived here, docs/derivations.md §7.
-    """
-    B, m, _ = hess.shape
-    eps = torch.finfo(hess.dtype).eps
-    lam = W = None
-    if m >= 2 * RANGE_PROBE:
-        gen = torch.Generator(device=hess.device).manual_seed(0)
-        G = torch.randn(m, RANGE_PROBE + CHECK_PROBE, generator=gen, dtype=hess.dtype, device=hess.device)
-        Y = hess @ G
-        Q = torch.linalg.qr(Y[..., :RANGE_PROBE]).Q  # (B, m, k)
-        P = Y[..., RANGE_PROBE:]
-        missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax()
-        if bool(missed <= m * eps * torch.linalg.matrix_norm(hess).amax()):
-            lam, U = torch.linalg.eigh(Q.mT @ (hess @ Q))
-            W = Q @ U
-    if lam is None:
-        lam, W = torch.linalg.eigh(hess)
-    keep = lam.abs() > m * eps * lam.abs().amax()
-    R = max(int(keep.sum(-1).max()), 1)
-    order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
-    lam = (lam * keep).gather(1, order)
-    return lam, W.gather(2, order[:, None, :].expand(B, m, R))
-
-
 def _add_outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, acc: BlockSum, B: int, L: int, d: int) -> None:
     r"""Outer term for a general per-sequence loss Hessian ``hess`` of shape ``(B, L·d, L·d)``.
 
     :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`
-    over the eigenpairs of :func:`_eig_lowrank` (a pooled classifier head over ``c`` classes has
-    rank <= c - 1).
+    over the eigenpairs of :func:`blockhess.losses.eig_lowrank` (a pooled classifier head over
+    ``c`` classes has rank <= c - 1); rounding is judged per sequence when ``X`` is a variable
+    (its blocks are each sequence's own), else at the batch's scale.
     """
-    lam, W = _eig_lowrank(hess)
+    lam, W = losses.eig_lowrank(hess, per_sequence="X" in acc.names)
     R = lam.shape[1]
     w = W.transpose(1, 2).reshape(B, R, L, d)
     V = {n: J[n].vjp(w).reshape(B * R, -1) for n in acc.names}  # rows J_b^T w_br
@@ -183,7 +144,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
     c = _forward(params, X, cfg, wrt_input=wrt_input)
-    _check_variance(c)
+    _check_forward(c)
     losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
     f = _factors(c)

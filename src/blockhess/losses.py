@@ -23,7 +23,7 @@ import torch
 
 from .validation import check_tensor
 
-__all__ = ["LossDerivatives", "check", "derivatives", "value"]
+__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank"]
 
 
 class LossDerivatives(NamedTuple):
@@ -128,3 +128,52 @@ def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(Z.reshape(-1, d), target.reshape(-1))
     in_dims = _in_dims(target)
     return torch.func.vmap(loss, in_dims=in_dims)(Z, target).mean()
+
+
+RANGE_PROBE, CHECK_PROBE = 32, 8  # first width of the random range sketch, and the columns that check it
+
+
+def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric per-sequence loss Hessians
+    ``hess`` ``(B, m, m)`` that stand above rounding. Derived here, docs/derivations.md §7.
+
+    Kept: :math:`|\lambda_{br}| > m\,\epsilon\,s`, with ``s`` the largest :math:`|\lambda|` of the
+    batch, or of sequence ``b`` when ``per_sequence``. The batch's scale suits a sum over
+    sequences (the weight blocks of the batch Hessian: a confidently classified sequence's
+    rounding noise, absolute, would otherwise pass for dozens of directions); each
+    sequence's own scale suits results per sequence (the ``X`` blocks, per-sample Hessians).
+    ``R`` is the largest count over the batch (at least 1); a sequence with fewer has zero
+    ``lam`` in the rest.
+
+    The range comes first, by a randomised range finder: ``Q = orth(hess @ G)`` for a fixed
+    Gaussian ``G`` of ``p = RANGE_PROBE`` columns, accepted when ``CHECK_PROBE`` further
+    Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega\|_F`
+    (the batch's largest or the sequence's own, as above) for every sequence; then
+    :math:`\Omega_b = Q S_b Q^\top` to rounding and the small :math:`S_b = Q^\top\Omega_b Q` is
+    diagonalised. A rank near or above ``p`` fails the check (a missed direction shows in a
+    random column almost surely) and ``p`` doubles; from ``2p > m`` on, the full ``m × m``
+    eigendecomposition.
+    """
+    B, m, _ = hess.shape
+    eps = torch.finfo(hess.dtype).eps
+    norms = torch.linalg.matrix_norm(hess)  # (B,) Frobenius
+    gen = torch.Generator(device=hess.device).manual_seed(0)
+    lam = W = None
+    p = RANGE_PROBE
+    while lam is None and 2 * p <= m:
+        G = torch.randn(m, p + CHECK_PROBE, generator=gen, dtype=hess.dtype, device=hess.device)
+        Y = hess @ G
+        Q = torch.linalg.qr(Y[..., :p]).Q  # (B, m, p)
+        P = Y[..., p:]
+        missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax(-1)  # (B,)
+        if bool((missed <= m * eps * (norms if per_sequence else norms.amax())).all()):
+            lam, U = torch.linalg.eigh(Q.mT @ (hess @ Q))
+            W = Q @ U
+        p *= 2
+    if lam is None:
+        lam, W = torch.linalg.eigh(hess)
+    scale = lam.abs().amax(-1, keepdim=True) if per_sequence else lam.abs().amax()
+    keep = lam.abs() > m * eps * scale
+    R = max(int(keep.sum(-1).max()), 1)
+    order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
+    return (lam * keep).gather(1, order), W.gather(2, order[:, None, :].expand(B, m, R))

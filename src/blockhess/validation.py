@@ -94,7 +94,7 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     small, e2 = fi.tiny / fi.eps, fi.eps**2
     ok = var < math.inf  # False for NaN too
     if not eps > 0:
-        ok = ok & (var > mean.square() * (e2 / (1 - e2))) & (var >= small)  # var > e2 (var + mean^2)
+        ok = ok & (var > (mean * fi.eps).square() / (1 - e2)) & (var >= small)  # var > e2 (var + mean^2), no overflow
     if bool(ok.all()):
         return
     row = tuple((~ok[..., 0]).nonzero()[0].tolist())
@@ -104,11 +104,11 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
             raise ValueError(f"{name} contains NaN or Inf: the forward pass overflowed {U.dtype} on finite inputs; "
                              "rescale X or the weights")
         raise ValueError(f"{name} contains NaN or Inf")
-    v, ms = var[row].item(), var[row].item() + mean[row].item() ** 2
+    v, m = var[row].item(), abs(mean[row].item())
     if not math.isfinite(v):
         raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
-    if ms >= small and v <= e2 * ms:
+    if v <= (m * fi.eps) ** 2 / (1 - e2) and (v >= small or m * m >= small):
         raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
                          "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
     raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g}, where {U.dtype} loses "
