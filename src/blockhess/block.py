@@ -643,8 +643,9 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``, float32/float64; ``params`` as
     :func:`~blockhess.config.param_shapes`. Source: paper §1.3 and DESIGN.md §1.
 
-    Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, or a zero-variance
-    LayerNorm input row with ``ln_eps = 0``.
+    Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, a forward pass that
+    overflows the dtype, or a LayerNorm input row of zero (or underflowing) variance with
+    ``ln_eps = 0`` (:func:`~blockhess.validation.check_ln_variance`).
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg)
