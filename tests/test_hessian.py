@@ -113,7 +113,7 @@ def test_custom_loss_per_sequence_target():
 
 @pytest.mark.parametrize("kind", ["pooled-head", "confident-head", "full-rank"])
 def test_custom_loss_long_sequences(kind, monkeypatch):
-    """L·d = 64: the loss Hessian's range is sketched first (rank 3 here: one 32 × 32 eigh per
+    """L·d = 64: the loss Hessian's range is sketched first (rank 3 here: one 16 × 16 eigh per
     pass) or, full rank, diagonalised whole (64 × 64)."""
     cfg, p, X, g = make_case(8, 8, 3, 5, 3, 1.0)
     W_h = torch.randn(8, 4, generator=g, dtype=torch.float64) * (8.0 if kind == "confident-head" else 1.0)  # 8: one sequence at p = 1 - 5e-11
@@ -127,7 +127,7 @@ def test_custom_loss_long_sequences(kind, monkeypatch):
     sizes, eigh = [], torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
     H = bh.hessian(p, X, cfg, loss=loss, target=y)
-    assert sizes == [64 if kind == "full-rank" else 32]
+    assert sizes == [64 if kind == "full-rank" else 16]
     R = bh.reference.hessian(p, X, cfg, loss=loss, target=y)
     assert_close(H.dense(), R.dense(), what=kind)
     assert_close(H.outer.dense(), R.outer.dense(), what=f"{kind} outer")
@@ -154,7 +154,7 @@ def test_custom_loss_input_blocks_per_sequence():
 @pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("rank", [5, 32, 33, 100])
 def test_loss_hessian_factorisation(rank, per_sequence, monkeypatch):
-    """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through a 32-column range, 33 through 64
+    """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through a 16-column range, 33 through 64
     columns, full rank through an m × m eigh; a sequence at 1e-12 of the batch's scale keeps its
     directions, rounding-level noise adds none."""
     from blockhess.losses import eig_lowrank
@@ -167,7 +167,7 @@ def test_loss_hessian_factorisation(rank, per_sequence, monkeypatch):
     sizes, eigh = [], torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
     lam, W = eig_lowrank(hess, per_sequence)
-    assert sizes == {5: [32], 32: sizes[:1], 33: [64], 100: [m]}[rank] and sizes[0] in (32, 64, m)
+    assert sizes == {5: [16], 32: sizes[:1], 33: [64], 100: [m]}[rank] and sizes[0] in (16, 32, 64, m)
     assert lam.shape[1] == rank
     rebuilt = (W * lam[:, None, :]) @ W.mT
     assert_close(rebuilt, hess, tol=1e-13, what="batch")  # dropping the 1e-12 sequence would show

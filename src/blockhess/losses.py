@@ -130,7 +130,7 @@ def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
     return torch.func.vmap(loss, in_dims=in_dims)(Z, target).mean()
 
 
-RANGE_PROBE, CHECK_PROBE = 32, 8  # first width of the random range sketch, and the columns that check it
+RANGE_PROBE, CHECK_PROBE = 16, 8  # first width of the random range sketch, and the columns that check it
 
 
 def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
