@@ -93,8 +93,9 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     fi = torch.finfo(U.dtype)
     small, e2 = fi.tiny / fi.eps, fi.eps**2
     ok = var < math.inf  # False for NaN too
-    if not eps > 0:
-        ok = ok & (var > (mean * fi.eps).square() / (1 - e2)) & (var >= small)  # var > e2 (var + mean^2), no overflow
+    if not eps > 0:  # var > e2 (var + mean^2) and var >= small, in one bound that cannot overflow
+        me = mean * fi.eps
+        ok = ok & (var > torch.addcmul(var.new_tensor(small), me, me, value=1 / (1 - e2)))
     if bool(ok.all()):
         return
     row = tuple((~ok[..., 0]).nonzero()[0].tolist())
@@ -111,8 +112,8 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     if v <= (m * fi.eps) ** 2 / (1 - e2) and (v >= small or m * m >= small):
         raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
                          "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
-    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g}, where {U.dtype} loses "
-                     "precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
+    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, at or below {small:.3g} (plus its mean's rounding), "
+                     f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
 
 
 SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)
