@@ -44,7 +44,7 @@ from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
-from .validation import check_ln_variance, check_params, check_tensor
+from .validation import check_finite, check_ln_variance, check_params, check_tensor
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
 
@@ -146,18 +146,19 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
 
 def _check_forward(c: Cache) -> None:
     """The forward pass on checked inputs: every LayerNorm input row (``check_ln_variance``: finite,
-    and Assumption 2), then the output finite (an overflow inside, e.g. of float32 attention
-    scores, is an error, not a Hessian of NaN)."""
+    and Assumption 2), and the output finite where no checked LayerNorm produces it (pre-LN,
+    ``kind="attention"``): an overflow inside, e.g. of float32 attention scores, is an error,
+    not a Hessian of NaN."""
     eps = c.cfg.ln_eps
     if c.cfg.kind == "block" and c.cfg.norm == "post":
         check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, eps, computed=True)
         check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, eps, computed=True)
-    elif c.cfg.kind == "block":
+        return  # Z = LN_2(S), finite for a checked S
+    if c.cfg.kind == "block":
         check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, eps)
         check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, eps, computed=True)
-    if not bool(torch.isfinite(c.out).all()):
-        raise ValueError(f"the block output contains NaN or Inf: the forward pass overflowed {c.out.dtype} on finite "
-                         "inputs; rescale X or the weights")
+    check_finite({"the block output": c.out}, f": the forward pass overflowed {c.out.dtype} on finite inputs; "
+                 "rescale X or the weights")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,19 +41,19 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
         check_finite({name: t})
 
 
-def check_finite(named: dict[str, torch.Tensor]) -> None:
+def check_finite(named: dict[str, torch.Tensor], why: str = "") -> None:
     """Every tensor of ``named`` (name → tensor, one dtype and device) must be free of NaN and Inf.
 
     Fast path: one sum over all entries (a NaN or Inf anywhere makes it non-finite); only
     then are the tensors searched one by one, to name the first offender in the
-    ``ValueError`` (a sum that merely overflowed finds none and passes).
+    ``ValueError`` (``why`` appended; a sum that merely overflowed finds none and passes).
     """
     ts = [t.reshape(-1) for t in named.values()]
     if math.isfinite((ts[0] if len(ts) == 1 else torch.cat(ts)).sum()):
         return
     for name, t in named.items():
         if not torch.isfinite(t).all():
-            raise ValueError(f"{name} contains NaN or Inf")
+            raise ValueError(f"{name} contains NaN or Inf{why}")
 
 
 def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor) -> None:
