@@ -538,7 +538,7 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     if target is None:
         target = torch.zeros_like(X)
     ing = ingredients(params, X, cfg, "mse", target)
-    v, pp, prim = ing["valid"], ing["paper"], ing["primitives"]
+    v, pp = ing["valid"], ing["paper"]
     L, d = X.shape
     rows: list[dict] = []
 

@@ -50,7 +50,6 @@ from . import losses
 from .block import _check_forward, _factors, _forward, _select, check_inputs, contract_output
 from .blocks import BlockSum
 from .config import BlockConfig, param_shapes
-from .kronecker import sandwich
 from .validation import check_fits, check_tensor
 
 __all__ = [

@@ -25,8 +25,8 @@ Writes ``bounds.json``, ``bounds.md`` and ``bounds.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import math
 import time
+from pathlib import Path
 
 import torch
 

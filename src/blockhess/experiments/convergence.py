@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -175,7 +174,6 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     dt = torch.float64
     cfg, loss = model.cfg, model.head_loss
     params = model.block_params(dt)
-    names = tuple(params)
     labels = model.train_labels
     X = model.embed(model.train_images, dt)
     N = X.shape[0]
@@ -345,7 +343,6 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     timing["total_s"] = time.perf_counter() - t_start
 
     idx = _grid(N - 1)
-    idxh = _grid(m - 1)
     idxg = _grid(N)
     ib = _grid(nb.numel())
     result = {

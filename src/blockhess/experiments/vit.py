@@ -475,7 +475,7 @@ def load(path: str | os.PathLike) -> TrainedViT:
         raise _bad(path, f"format version {blob.get('version')!r}, expected {FORMAT_VERSION}")
     try:
         arch = {k: blob["arch"][k] for k in DEFAULT_ARCH}
-        cfg = _block_config(arch)
+        _block_config(arch)  # a BlockConfig the architecture cannot form is a damaged checkpoint
         seed = int(blob["seed"])
         shapes = _shapes(arch)
         params, init = {}, {}
