@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from . import losses
+from . import linalg, losses
 from .block import check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
+from .linalg import norm2
 from .validation import check_ln_variance
 
 __all__ = [
@@ -70,18 +71,11 @@ _SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
 # ----------------------------------------------------------------------------- helpers
 
 
-def _spec(M: torch.Tensor) -> float:
-    """Spectral norm of a matrix (0 for an empty one)."""
-    if M.numel() == 0:
-        return 0.0
-    return float(torch.linalg.matrix_norm(M, ord=2))
-
-
 def _sym_spec(M: torch.Tensor) -> float:
-    """Spectral norm of a symmetric matrix, via its eigenvalues."""
+    """Spectral norm of a symmetric matrix, via its eigenvalues (in float64, :mod:`blockhess.linalg`)."""
     if M.numel() == 0:
         return 0.0
-    return float(torch.linalg.eigvalsh(M).abs().max())
+    return float(linalg.eigvalsh(M).abs().max())
 
 
 def _perron(N: list[list[float]]) -> float:
@@ -155,7 +149,7 @@ def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
     sig = float(_row_std(X, eps).min())
     m = X - X.mean(-1, keepdim=True)
     rn = float(m.norm(dim=-1).min())
-    xn = _spec(X)
+    xn = norm2(X)
     out = {
         "sigma_min": sig,
         "row_norm_min": rn,
@@ -222,8 +216,8 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     dk = p["W_Q"].shape[1]
     s = 1.0 / math.sqrt(dk)
     c2, c1 = SOFTMAX_HESSIAN_BOUND, SOFTMAX_JACOBIAN_BOUND
-    x = _spec(X64)
-    w = {k: _spec(v) for k, v in p.items()}
+    x = norm2(X64)
+    w = {k: norm2(v) for k, v in p.items()}
     wq, wk, wv = w["W_Q"], w["W_K"], w["W_V"]
     prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{_SHORT[k]}": v for k, v in w.items()}}
 
@@ -255,7 +249,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None], single=True)
     is_mse = isinstance(loss, str) and loss == "mse"
     tF = float(target.double().norm()) if is_mse else None
-    t2 = _spec(target.double()) if is_mse else None
+    t2 = norm2(target.double()) if is_mse else None
     r = math.sqrt(min(L, d))
 
     if cfg.kind == "attention":
@@ -331,7 +325,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         Sn = math.sqrt(L * d) * (1.0 + math.sqrt(min(L, dff)) * w1 * w2)  # Proposition, §3.4
         jYp, hYp = _paper_ln_lemma(L, d, Un, lnU["row_norm_min"])
         jZp, hZp = _paper_ln_lemma(L, d, Sn, lnS["row_norm_min"])
-        Bp = {"W_1": w2 * ynorm, "W_2": _spec(P)}
+        Bp = {"W_1": w2 * ynorm, "W_2": norm2(P)}
         Bp.update({k: jSY * jYp * Gp[k] for k in att})
         xip = {"11": 0.0, "22": 0.0, "12": math.sqrt(d) * ynorm}
         for k in att:
@@ -424,13 +418,13 @@ def exact_norms(H) -> dict[str, Any]:
 
     Returns ``{"full"|"outer"|"functional": {(a, b): float, ..., "all": float}}`` over the
     ordered pairs of ``H.names``; ``"all"`` is the spectral norm of the dense symmetric matrix
-    (eigenvalues). Computed in the dtype of ``H``.
+    (eigenvalues). Computed in float64 (:mod:`blockhess.linalg`) whatever the dtype of ``H``.
     """
     names = H.names
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
     out = {}
     for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
-        vals = {pr: _spec(part[pr]) for pr in pairs}
+        vals = {pr: norm2(part[pr]) for pr in pairs}
         D = part.dense()
         vals["all"] = _sym_spec(0.5 * (D + D.T))
         out[key] = vals
@@ -558,15 +552,15 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     Sm = torch.diag_embed(A) - A[:, :, None] * A[:, None, :]
     add("dA/dT", max(_sym_spec(m) for m in Sm), SOFTMAX_JACOBIAN_BOUND, 1.0 / L,
         "paper: 1/L (uniform attention only)")
-    add("A", _spec(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
+    add("A", norm2(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
     G = _jac(ap, X, acfg)
     for k in ("W_Q", "W_K", "W_V"):
-        add(f"G_{_SHORT[k]}", _spec(G[k]), v["G"][k], pp["G"][k])
+        add(f"G_{_SHORT[k]}", norm2(G[k]), v["G"][k], pp["G"][k])
     sizes = {k: t.numel() for k, t in params.items()}
     for a, b in _PHI_PAIRS:
         key = _pair(a, b)
         n_el = L * d * sizes[a] * sizes[b]
-        exact = _spec(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
+        exact = norm2(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
         add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], pp["Phi"][key],
             "paper layout; printed bound carries a spurious 2/(L d)")
     if cfg.kind != "block":
@@ -580,19 +574,19 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     for nm, inp, jv, ev in (("Y", U, v["J_Y"], v["eta_Y"]), ("Z", S, v["J_Z"], v["eta_Z"])):
         Jc = _lnmod.jacobian(inp, eps, compact=True)
         Hc = _lnmod.hessian(inp, eps, compact=True)
-        add(f"J_{nm}", max(_spec(m) for m in Jc), jv, pp[f"J_{nm}"], "paper lemma uses the row norm as σ_min")
-        add(f"H_{nm}", max(_spec(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, pp[f"H_{nm}"],
+        add(f"J_{nm}", max(norm2(m) for m in Jc), jv, pp[f"J_{nm}"], "paper lemma uses the row norm as σ_min")
+        add(f"H_{nm}", max(norm2(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, pp[f"H_{nm}"],
             "paper layout, per token")
     JSY = torch.eye(d, dtype=X64.dtype) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
-    add("J_SY", max(_spec(m) for m in JSY), v["J_SY"], v["J_SY"])
+    add("J_SY", max(norm2(m) for m in JSY), v["J_SY"], v["J_SY"])
     dff = p64["W_1"].shape[1]
     # B_1: rows y_t^T ⊗ W_2^T diag(D_t); B_2 = relu(Y W_1) ⊗ I; B_k = J_SY J_Y G_k per token
     B1 = (Y[:, None, :, None] * (p64["W_2"].T[None, :, None, :] * Dm[:, None, None, :])).reshape(L * d, d * dff)
-    add("B_1", _spec(B1), v["B"]["W_1"], pp["B"]["W_1"])
-    add("B_2", _spec(P), v["B"]["W_2"], pp["B"]["W_2"])
+    add("B_1", norm2(B1), v["B"]["W_1"], pp["B"]["W_1"])
+    add("B_2", norm2(P), v["B"]["W_2"], pp["B"]["W_2"])
     EY = _lnmod.jacobian(U, eps, compact=True)
     for k in ("W_Q", "W_K", "W_V"):
         Gk = G[k].double().reshape(L, d, -1)
         Bk = (JSY @ EY @ Gk).reshape(L * d, -1)
-        add(f"B_{_SHORT[k]}", _spec(Bk), v["B"][k], pp["B"][k])
+        add(f"B_{_SHORT[k]}", norm2(Bk), v["B"][k], pp["B"][k])
     return rows

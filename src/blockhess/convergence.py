@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import losses
+from . import linalg, losses
 from .block import _check_forward, _factors, _forward, _select, check_inputs, contract_output
 from .blocks import BlockSum
 from .config import BlockConfig, param_shapes
@@ -520,7 +520,7 @@ def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNor
     batch, n = H.shape[:-2], H.shape[-1]
     A = H.reshape(-1, n, n)
     if iters is None or iters >= n or n <= 64:
-        ev = torch.linalg.eigvalsh(A)
+        ev = linalg.eigvalsh(A)
         norm = ev.abs().amax(-1).to(torch.float64)
         return SpectralNorm(norm.reshape(batch), torch.zeros_like(norm).reshape(batch))
     m, Bn = int(iters), A.shape[0]
@@ -541,7 +541,7 @@ def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNor
 
     def ritz(j):  # extreme Ritz value and its residual after j steps
         T = torch.diag_embed(alpha[:, :j]) + torch.diag_embed(beta[:, : j - 1], 1) + torch.diag_embed(beta[:, : j - 1], -1)
-        theta, Y = torch.linalg.eigh(T)
+        theta, Y = linalg.eigh(T)
         idx = theta.abs().argmax(-1, keepdim=True)
         return theta.abs().gather(1, idx)[:, 0], (beta[:, j - 1] * Y[:, -1, :].gather(1, idx)[:, 0]).abs()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..hessian import hessian as closed_form_hessian
-from .. import reference
+from .. import linalg, reference
 from . import plots
 from . import vit as vitmod
 from .outputs import atomic_dir, write_json
@@ -91,10 +91,6 @@ def _rel(A: torch.Tensor, R: torch.Tensor, whole: float) -> float:
     den = float(torch.linalg.matrix_norm(R))
     den = den if den > 0 else (whole if whole > 0 else 1.0)
     return float(torch.linalg.matrix_norm(A - R)) / den
-
-
-def _spec(A: torch.Tensor) -> float:
-    return float(torch.linalg.matrix_norm(A, ord=2))
 
 
 def _eig_summary(lam: torch.Tensor, eps: float) -> dict:
@@ -190,14 +186,14 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
         entry = {}
         for part in _PARTS:
             M = _block(closed[part], names, off, a, b)
-            entry[part] = {"fro": float(torch.linalg.matrix_norm(M)), "spectral": _spec(M), "max_abs": float(M.abs().max())}
+            entry[part] = {"fro": float(torch.linalg.matrix_norm(M)), "spectral": linalg.norm2(M), "max_abs": float(M.abs().max())}
         blocks[f"{a},{b}"] = entry
 
     # eigenvalues
     eps = torch.finfo(dtype).eps
-    lam = {part: torch.linalg.eigvalsh(closed[part]) for part in progress(_PARTS, quiet, desc=f"{tag}: eigenvalues", unit="matrix")}
+    lam = {part: linalg.eigvalsh(closed[part]) for part in progress(_PARTS, quiet, desc=f"{tag}: eigenvalues", unit="matrix")}
     eig = {part: _eig_summary(lam[part], eps) for part in _PARTS}
-    eig["diagonal_blocks"] = {a: _eig_summary(torch.linalg.eigvalsh(_block(closed["full"], names, off, a, a)), eps) for a in names}
+    eig["diagonal_blocks"] = {a: _eig_summary(linalg.eigvalsh(_block(closed["full"], names, off, a, a)), eps) for a in names}
     whole_norms = {part: {"fro": float(torch.linalg.matrix_norm(closed[part])), "spectral": float(lam[part].abs().max())}
                    for part in _PARTS}
     k = runs.index(statistics.median_low(runs))

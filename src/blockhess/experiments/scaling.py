@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import linalg
 from .outputs import atomic_dir, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
@@ -148,7 +149,7 @@ def _norms(H, bb, pairs) -> list[dict]:
             M = P[a, b]
             out.append({
                 "block": f"{a},{b}", "part": part,
-                "spectral": float(torch.linalg.matrix_norm(M, ord=2)),
+                "spectral": linalg.norm2(M),
                 "frobenius": float(M.norm()),
                 "bound": float(bb[part][(a, b)]),
             })
