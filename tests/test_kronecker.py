@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockhess.blocks import BlockSum
-from blockhess.kronecker import TokenKron, sandwich, sandwich_into
+from blockhess.kronecker import TokenKron, choose_method, sandwich, sandwich_into, workspace_need
 
 from conftest import assert_close
 
@@ -55,19 +55,22 @@ def test_sandwich_and_into(s1, s2, mode):
     ref = dense_sandwich(F1, F2, omega, core)
     assert_close(sandwich(F1, F2, omega, core).reshape(ref.shape), ref, what="sandwich")
     n1, n2 = ref.shape
-    for room in (None, T * n2, 3 * T * n2):  # default chunk, one core row per GEMM, a partial last chunk
-        buf = torch.full((n1 + 3, n2 + 5), float("nan"), dtype=torch.float64)
-        out = buf[1 : 1 + n1, 2 : 2 + n2]  # a strided view, as a block of the Hessian is
-        ws = None if room is None else torch.empty(room, dtype=torch.float64)
-        sandwich_into(out, F1, F2, omega, core, workspace=ws)
-        assert_close(out, ref, what=f"sandwich_into (room {room})")
-        sandwich_into(out, F1, F2, omega, core, accumulate=True, workspace=ws)
-        assert_close(out, 2 * ref, what=f"sandwich_into accumulate (room {room})")
-        assert torch.isnan(buf[0]).all() and torch.isnan(buf[:, 0]).all() and torch.isnan(buf[-1]).all(), "wrote outside the block"
+    for method in ("rows", "khatri_rao"):
+        need = workspace_need(F1, F2, method)  # one core row per GEMM / one entry of F1's vector per GEMM
+        for room in (None, need, 3 * need - 1):  # default chunk, one at a time, chunks with a partial last one
+            buf = torch.full((n1 + 3, n2 + 5), float("nan"), dtype=torch.float64)
+            out = buf[1 : 1 + n1, 2 : 2 + n2]  # a strided view, as a block of the Hessian is
+            ws = None if room is None else torch.empty(room, dtype=torch.float64)
+            sandwich_into(out, F1, F2, omega, core, workspace=ws, method=method)
+            assert_close(out, ref, what=f"sandwich_into {method} (room {room})")
+            sandwich_into(out, F1, F2, omega, core, accumulate=True, workspace=ws, method=method)
+            assert_close(out, 2 * ref, what=f"sandwich_into {method} accumulate (room {room})")
+            assert torch.isnan(buf[0]).all() and torch.isnan(buf[:, 0]).all() and torch.isnan(buf[-1]).all(), "wrote outside the block"
 
 
 @pytest.mark.parametrize("s1,s2", PAIRS)
-def test_sandwich_into_a_heads_rows(s1, s2):
+@pytest.mark.parametrize("method", ["rows", "khatri_rao"])
+def test_sandwich_into_a_heads_rows(s1, s2, method):
     """``out`` shaped ``F1.shape + F2.shape`` with the rows of one head inside a wider weight
     (strided rows, as ``W_Q#h``'s rows of a ``(W_Q, W_1)`` block), accumulated."""
     gen = torch.Generator().manual_seed(40 + PAIRS.index((s1, s2)))
@@ -77,9 +80,44 @@ def test_sandwich_into_a_heads_rows(s1, s2):
     wide = torch.full((*F1.shape[:-1], 3, F1.shape[-1], *F2.shape), float("nan"), dtype=torch.float64)
     out = wide.select(len(F1.shape) - 1, 1)  # head 1 of 3
     out.zero_()
-    sandwich_into(out, F1, F2, omega, accumulate=True, workspace=torch.empty(T * F2.numel, dtype=torch.float64))
+    sandwich_into(out, F1, F2, omega, accumulate=True, workspace=torch.empty(workspace_need(F1, F2, method), dtype=torch.float64), method=method)
     assert_close(out, ref, what="head rows")
     assert torch.isnan(wide.select(len(F1.shape) - 1, 0)).all() and torch.isnan(wide.select(len(F1.shape) - 1, 2)).all()
+
+
+@pytest.mark.parametrize("s1,s2", PAIRS)
+def test_sandwich_into_a_head_by_head_sub_block(s1, s2):
+    """Columns of two strides (head × head, as ``(W_Q#h, W_K#g)``): written by the Khatri–Rao
+    way, which the default picks there, and refused by ``"rows"``."""
+    gen = torch.Generator().manual_seed(60 + PAIRS.index((s1, s2)))
+    F1, F2 = factor(s1, gen), factor(s2, gen)
+    omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
+    ref = dense_sandwich(F1, F2, omega, None).reshape(*F1.shape, *F2.shape)
+    k1, k2 = len(F1.shape), len(F2.shape)
+    wide = torch.full((*F1.shape[:-1], 2, F1.shape[-1], *F2.shape[:-1], 3, F2.shape[-1]), float("nan"), dtype=torch.float64)
+    out = wide.select(k1 - 1, 1).select(k1 + k2 - 1, 2)
+    sandwich_into(out, F1, F2, omega)
+    assert_close(out, ref, what="head x head sub-block")
+    assert torch.isnan(wide.select(k1 - 1, 0)).all() and torch.isnan(wide.select(k1 + k2, 0)).all()
+    if k2 == 2:  # a vector's column group is one run either way
+        with pytest.raises(ValueError, match="method='rows' the columns of out"):
+            sandwich_into(out, F1, F2, omega, method="rows")
+
+
+def test_choose_method():
+    """Many tokens per row of the block (a batch): Khatri–Rao; few (one sequence): rows
+    written in place."""
+    gen = torch.Generator().manual_seed(7)
+
+    def factor_(side, T, p, q):
+        vec = None if side == "vector" else torch.randn(T, p, generator=gen, dtype=torch.float64)
+        return TokenKron(side, vec, torch.randn(T, 2, q, generator=gen, dtype=torch.float64))
+
+    assert choose_method(factor_("left", 32, 64, 16), factor_("left", 32, 64, 16)) == "rows"  # T = rows / 2
+    assert choose_method(factor_("left", 255, 64, 16), factor_("left", 255, 64, 16)) == "rows"
+    assert choose_method(factor_("left", 256, 64, 16), factor_("right", 256, 64, 16)) == "khatri_rao"  # T = 4 rows
+    assert choose_method(factor_("right", 32, 8, 64), factor_("left", 32, 64, 16)) == "khatri_rao"  # rows: v's length
+    assert choose_method(factor_("vector", 4, 0, 8), factor_("left", 4, 64, 16)) == "khatri_rao"  # one row
 
 
 def test_blocksum_dense_matches_blocks():
@@ -125,13 +163,16 @@ def test_sandwich_into_refuses_bad_arguments():
     gen = torch.Generator().manual_seed(5)
     F1, F2 = factor("left", gen), factor("right", gen)
     n1, n2 = F1.numel, F2.numel
-    with pytest.raises(ValueError, match=r"out must be \(24, 14\) or \(4, 6, 7, 2\) with unit last stride"):
+    with pytest.raises(ValueError, match=r"out must be \(24, 14\) or \(4, 6, 7, 2\), got shape \(24, 15\)"):
         sandwich_into(torch.zeros(n1, n2 + 1, dtype=torch.float64), F1, F2)
-    with pytest.raises(ValueError, match="unit last stride"):
-        sandwich_into(torch.zeros(n2, n1, dtype=torch.float64).T, F1, F2)
+    with pytest.raises(ValueError, match="method='rows' the columns of out"):
+        sandwich_into(torch.zeros(n2, n1, dtype=torch.float64).T, F1, F2, method="rows")
     with pytest.raises(ValueError, match="out is torch.float32"):
         sandwich_into(torch.zeros(n1, n2), F1, F2)
-    with pytest.raises(ValueError, match=f"workspace must hold at least T·n_2 = {T * n2} entries"):
-        sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, F2, workspace=torch.empty(T * n2 - 1, dtype=torch.float64))
+    for method, need in (("rows", T * n2), ("khatri_rao", 2 * (T + 6 * 7))):
+        with pytest.raises(ValueError, match=f"workspace must hold at least {need} entries of torch.float64 \\(workspace_need for '{method}'\\)"):
+            sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, F2, workspace=torch.empty(need - 1, dtype=torch.float64), method=method)
+    with pytest.raises(ValueError, match="method must be 'rows', 'khatri_rao' or None"):
+        sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, F2, method="dense")
     with pytest.raises(ValueError, match="TokenKron factors"):
         sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, "F2")

@@ -407,10 +407,11 @@ class _Acc:
             self._add_split(b, a, B, A, value.permute(*range(kb, value.ndim), *range(kb)), None)
 
     def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
-        """:meth:`BlockSum.add_sandwich` over internal names. In a dense buffer, a head's rows of a
-        block whose columns are one run (another weight, a vector) are written in place
-        (:meth:`BlockSum.write_sandwich`, into the zeroed public block); head × head sub-blocks,
-        ``(X, X)``, factors other than :class:`TokenKron` and the dict mode go through :meth:`add`."""
+        """:meth:`BlockSum.add_sandwich` over internal names. In a dense buffer, a head's
+        sub-block of a public block (its rows against another weight or head) is written in
+        place (:meth:`BlockSum.write_sandwich`, into the zeroed public block); in a diagonal
+        public block, stored whole, both ``(h, g)`` and ``(g, h)``. ``(X, X)``, factors other
+        than :class:`TokenKron` and the dict mode go through :meth:`add`."""
         if not self.wants(a, b):
             return
         if not (a in self.split or b in self.split):
@@ -422,15 +423,16 @@ class _Acc:
         if not self._ordered(a, b):
             a, b = b, a
             F1, F2, omega, core = swap(F1, F2, omega, core)
-        kron = isinstance(F1, TokenKron) and isinstance(F2, TokenKron)
-        rows_only = kron and (b not in self.split or F2.side == "vector")  # the sub-block's columns are one run
-        whole = a != b and self.pub(a) == self.pub(b)  # a diagonal public block is stored whole: both sub-blocks
-        if not (self.dense and rows_only and not whole):
+        if not (self.dense and isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
             self.add(a, b, sandwich(F1, F2, omega, core))
             return
-        (ra, ia), (rb, ib) = self._ref(a), self._ref(b)
         block = self.acc._view(self.pub(a), self.pub(b))  # zeroed on first use
-        self.acc.write_sandwich(block.view(*ra, *rb)[ia + ib], F1, F2, omega, core)
+        pairs = [(a, b, (F1, F2, omega, core))]
+        if a != b and self.pub(a) == self.pub(b):  # a diagonal public block is stored whole: both sub-blocks
+            pairs.append((b, a, swap(F1, F2, omega, core)))
+        for x, y, args in pairs:
+            (rx, ix), (ry, iy) = self._ref(x), self._ref(y)
+            self.acc.write_sandwich(block.view(*rx, *ry)[ix + iy], *args)
 
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """:meth:`BlockSum.add_diagonal` over internal names."""

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap
+from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap, workspace_need
 from .validation import check_fits
 
 __all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
@@ -107,8 +107,9 @@ class BlockSum:
 
     def write_sandwich(self, target: torch.Tensor, F1, F2, omega=None, core=None, accumulate: bool = True) -> None:
         """:func:`~blockhess.kronecker.sandwich_into` ``target`` (a view into the buffer: a block,
-        or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch."""
-        need = max(F1.mat.shape[0] * F2.numel, SCRATCH_BYTES // self.buffer.element_size())
+        or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch
+        (the way to write it chosen by :func:`~blockhess.kronecker.choose_method`)."""
+        need = max(workspace_need(F1, F2), SCRATCH_BYTES // self.buffer.element_size())
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = self.buffer.new_empty(need)
         sandwich_into(target, F1, F2, omega, core, accumulate=accumulate, workspace=self._workspace)

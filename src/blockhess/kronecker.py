@@ -200,29 +200,15 @@ def sandwich(F1, F2, omega: torch.Tensor | None = None, core: torch.Tensor | Non
     ``C_t = N_{1,t}^T Ω_t N_{2,t}`` (a second term with the same ``u``/``v`` vectors, e.g. the
     activation's curvature); with ``omega=False`` the core is used alone.
     Cost: ``T·(r²·x + r·x²)`` for the per-token cores plus one GEMM with ``T·n_1·n_2``
-    multiply-adds; nothing of size ``T·r·n`` is formed. The result is usually a permuted
-    view of the GEMM output; writing it into its place costs one pass.
+    multiply-adds (:func:`_khatri_rao`); nothing of size ``T·r·n`` is formed. The result is
+    a permuted view of the GEMM output; writing it into its place costs one pass.
 
     For a :class:`SeqFactor` (the input ``X``) the result is per sequence: ``(B, n) + shape_2``
     against a weight, ``(B, n, n)`` against ``X`` itself (the cross-sequence blocks are zero).
     """
     if isinstance(F1, SeqFactor) or isinstance(F2, SeqFactor):
         return _seq_sandwich(F1, F2, omega)
-    C = _cmat(F1, F2, omega, core)
-    ops, idx = [], []
-    p1 = {"left": "ab", "right": "ab", "vector": "b"}[F1.side]
-    p2 = {"left": "cd", "right": "cd", "vector": "d"}[F2.side]
-    if F1.side != "vector":
-        ops.append(F1.vec)
-        idx.append("ta" if F1.side == "left" else "tb")
-    if F2.side != "vector":
-        ops.append(F2.vec)
-        idx.append("tc" if F2.side == "left" else "td")
-    x1 = "a" if F1.side == "right" else "b"
-    x2 = "c" if F2.side == "right" else "d"
-    ops.append(C)
-    idx.append("t" + x1 + x2)
-    return torch.einsum(",".join(idx) + "->" + p1 + p2, *ops)
+    return _khatri_rao(F1, F2, _cmat(F1, F2, omega, core))
 
 
 def swap(F1, F2, omega=None, core=None) -> tuple:
@@ -230,6 +216,49 @@ def swap(F1, F2, omega=None, core=None) -> tuple:
     ``sandwich(F1, F2, omega, core)`` transposed (``omega``, ``core`` transposed per token)."""
     omega = omega if omega is None or omega is False else omega.transpose(-1, -2)
     return F2, F1, omega, None if core is None else core.transpose(-1, -2)
+
+
+_AXES = {"left": "ix", "right": "xi", "vector": "x"}  # a factor's parameter axes: i its vector's, x its core's
+
+
+def _khatri_rao(F1, F2, C: torch.Tensor, rows: slice = slice(None), scratch: torch.Tensor | None = None) -> torch.Tensor:
+    r""":math:`G[i, j, x, y] = \sum_t u_1[t, i]\, u_2[t, j]\, C_t[x, y]` laid out as the block,
+    ``F1.shape + F2.shape`` (a permuted view), for the entries ``rows`` of ``F1``'s vector.
+
+    ``u`` is a factor's vector (``u`` left, ``v`` right; a vector factor has no such axis).
+    One GEMM over the tokens, :math:`P^\top C` with :math:`P[t, (i, j)] = u_1[t,i] u_2[t,j]`
+    (the row-wise Khatri–Rao product, ``T·n_{u_1}·n_{u_2}``) and ``C`` as ``(T, x_1·x_2)``:
+    a well-shaped GEMM whatever ``T``, whose output needs one permuted pass to reach the
+    block's ``vec_r`` layout. ``P`` and the output go into the flat ``scratch`` when given
+    (:func:`_khatri_rao_need` entries per row of ``F1``'s vector).
+    """
+    T, x1, x2 = C.shape
+    u1 = None if F1.side == "vector" else F1.vec[:, rows]
+    u2 = None if F2.side == "vector" else F2.vec
+    dims = [u.shape[1] for u in (u1, u2) if u is not None]
+    m, N = math.prod(dims), x1 * x2
+    if scratch is None:  # out-of-place (vmap-friendly)
+        P = u1[:, :, None] * u2[:, None, :] if len(dims) == 2 else (u1 if u2 is None else u2) if dims else C.new_ones(T)
+        G = P.reshape(T, m).T @ C.reshape(T, N)
+    else:
+        P, G = scratch[: T * m].view(T, *dims), scratch[T * m : m * (T + N)].view(m, N)
+        if len(dims) == 2:
+            torch.mul(u1[:, :, None], u2[:, None, :], out=P)
+        elif dims:
+            P.copy_(u1 if u2 is None else u2)
+        else:
+            P.fill_(1)
+        torch.mm(P.view(T, m).T, C.reshape(T, N), out=G)
+    have = ("i" if u1 is not None else "") + ("j" if u2 is not None else "") + "xy"
+    want = _AXES[F1.side] + _AXES[F2.side].replace("i", "j").replace("x", "y")
+    return G.view(*dims, x1, x2).permute(*(have.index(a) for a in want))
+
+
+def _khatri_rao_need(F1, F2) -> int:
+    """Scratch entries :func:`_khatri_rao` needs per entry of ``F1``'s vector (all of a vector ``F1``)."""
+    T, x1 = F1.mat.shape[0], F1.mat.shape[-1]
+    n_u2 = 1 if F2.side == "vector" else F2.vec.shape[1]
+    return n_u2 * (T + x1 * F2.mat.shape[-1])
 
 
 def _rows(F2, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -249,26 +278,47 @@ def _rows(F2, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return R.view(k, T, -1)
 
 
-SCRATCH_BYTES = 4 << 20  # default scratch of sandwich_into: a few R_x at a time, in cache
+SCRATCH_BYTES = 4 << 20  # default scratch of sandwich_into: a few R_x (or Khatri–Rao rows) at a time, in cache
+
+
+def workspace_need(F1: TokenKron, F2: TokenKron, method: str | None = None) -> int:
+    """The fewest scratch entries :func:`sandwich_into` needs for this pair: ``T·n_2`` (one
+    ``R_x``) for ``"rows"``, one entry of ``F1``'s vector for ``"khatri_rao"``, the larger for ``None``."""
+    rows, kr = F1.mat.shape[0] * F2.numel, _khatri_rao_need(F1, F2)
+    return {"rows": rows, "khatri_rao": kr}.get(method, max(rows, kr))
+
+
+def choose_method(F1: TokenKron, F2: TokenKron) -> str:
+    """``"khatri_rao"`` or ``"rows"`` for :func:`sandwich_into`. The row GEMMs build
+    ``T/rows`` times the block's size in ``R_x`` (``rows``: the length of ``F1``'s vector, 1
+    for a vector) and write in place; the Khatri–Rao GEMM builds almost nothing but passes
+    over the block once more, permuted. The permuted pass is cheaper from ``T >= 4·rows``
+    on (many tokens per row: batches); measured crossovers in docs/derivations.md §1."""
+    rows = 1 if F1.side == "vector" else F1.vec.shape[1]
+    return "khatri_rao" if F1.mat.shape[0] >= 4 * rows else "rows"
 
 
 def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, core=None,
-                  accumulate: bool = False, workspace: torch.Tensor | None = None) -> None:
+                  accumulate: bool = False, workspace: torch.Tensor | None = None, method: str | None = None) -> None:
     r"""Write (or with ``accumulate`` add) :func:`sandwich` ``(F1, F2, omega, core)`` into ``out``.
 
-    The block is produced by GEMMs that write straight into ``out``: for each core row ``x``
-    of ``F1`` (the ``q`` index of a left factor, the ``p`` index of a right one, the entry of
-    a vector) the rows of ``out`` it owns are :math:`w_1^\top R_x`, with :math:`w_1 = u_1`
-    (left), :math:`v_1` (right) or :math:`\mathbf 1` (vector), ``(·, T)``, and :math:`R_x` the
-    ``(T, n_2)`` matrix of :func:`_rows`. Same ``T·n_1·n_2`` multiply-adds as
-    :func:`sandwich`, no permuted temporary and no copy (docs/derivations.md §1).
+    Two ways, with the same ``T·n_1·n_2`` multiply-adds (docs/derivations.md §1):
+
+    * ``"rows"``: GEMMs that write straight into ``out``: for each core row ``x`` of ``F1``
+      (the ``q`` index of a left factor, the ``p`` index of a right one, the entry of a
+      vector) the rows of ``out`` it owns are :math:`w_1^\top R_x`, with :math:`w_1 = u_1`
+      (left), :math:`v_1` (right) or :math:`\mathbf 1` (vector), ``(·, T)``, and :math:`R_x`
+      the ``(T, n_2)`` matrix of :func:`_rows`; no permuted temporary and no copy.
+    * ``"khatri_rao"``: :func:`_khatri_rao` for a few entries of ``F1``'s vector at a time,
+      each result added or copied into its place: one permuted pass over the block, but no
+      ``R_x`` (``T/rows`` times the block's size); any strides of ``out`` will do.
 
     Parameters
     ----------
     out : Tensor
-        ``(F1.numel, F2.numel)`` with unit column stride (a block of the dense Hessian, any
-        row stride), or shaped ``F1.shape + F2.shape`` with any row strides and columns that
-        flatten to one unit-stride run (a head's rows of a block); dtype and device of the factors.
+        ``(F1.numel, F2.numel)`` or shaped ``F1.shape + F2.shape``, dtype and device of the
+        factors; for ``"rows"`` with unit column stride and columns that flatten to one
+        unit-stride run (a block of the dense Hessian, or a head's rows of one), any row strides.
     F1, F2 : TokenKron
         The two factors, ``T`` tokens each.
     omega, core
@@ -277,50 +327,79 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     accumulate : bool
         Add to ``out`` instead of overwriting it.
     workspace : Tensor or None
-        Flat scratch of ``out``'s dtype with at least ``T·n_2`` entries; as many ``R_x`` as fit
-        are built at a time. Reusing one across calls spares fresh memory (page faults).
-        Without it, one of ``max(4 MiB, T·n_2 entries)`` is allocated for this call.
+        Flat scratch of ``out``'s dtype with at least :func:`workspace_need` entries (for the
+        method used); as much work as fits is done per GEMM. Reusing one across calls spares
+        fresh memory (page faults). Without it, one of ``max(4 MiB, workspace_need)`` is
+        allocated for this call.
+    method : "rows", "khatri_rao" or None
+        ``None``: :func:`choose_method`, or ``"khatri_rao"`` where ``out``'s columns are not
+        one run.
 
     Raises
     ------
     ValueError
         A factor that is not a :class:`TokenKron`; ``out`` of the wrong shape, dtype or
-        device, or whose columns are not one unit-stride run; a ``workspace`` that is too
-        small or of another dtype.
+        device, or (``method="rows"``) whose columns are not one unit-stride run; a
+        ``workspace`` that is too small or of another dtype; an unknown ``method``.
     """
     if not (isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
         raise ValueError(f"sandwich_into: F1 and F2 must be TokenKron factors, got {type(F1).__name__}, {type(F2).__name__}")
+    if method not in (None, "rows", "khatri_rao"):
+        raise ValueError(f"sandwich_into: method must be 'rows', 'khatri_rao' or None, got {method!r}")
     n1, n2 = F1.numel, F2.numel
-    if tuple(out.shape) not in ((n1, n2), (*F1.shape, *F2.shape)) or out.stride(-1) != 1:
-        raise ValueError(f"sandwich_into: out must be ({n1}, {n2}) or {(*F1.shape, *F2.shape)} with unit last stride, "
-                         f"got shape {tuple(out.shape)}, strides {out.stride()}")
+    if tuple(out.shape) not in ((n1, n2), (*F1.shape, *F2.shape)):
+        raise ValueError(f"sandwich_into: out must be ({n1}, {n2}) or {(*F1.shape, *F2.shape)}, got shape {tuple(out.shape)}")
     if out.dtype != F1.mat.dtype or out.device != F1.mat.device:
         raise ValueError(f"sandwich_into: out is {out.dtype} on {out.device}, the factors {F1.mat.dtype} on {F1.mat.device}")
-    C = _cmat(F1, F2, omega, core)
-    T, x1 = C.shape[:2]
-    if workspace is None:
-        workspace = C.new_empty(max(SCRATCH_BYTES // C.element_size(), T * n2))
-    elif workspace.numel() < T * n2 or workspace.dtype != C.dtype:
-        raise ValueError(f"sandwich_into: workspace must hold at least T·n_2 = {T * n2} entries of {C.dtype}, "
-                         f"got {workspace.numel()} of {workspace.dtype}")
-    A = C.new_ones(1, T) if F1.side == "vector" else F1.vec.transpose(0, 1)
-    rows = A.shape[0]
-    if out.ndim == 2:
-        out = out.view(*F1.shape, *F2.shape)
+    out = out.view(*F1.shape, *F2.shape) if out.ndim == 2 else out
+    rows = None if F1.side == "vector" else F1.vec.transpose(0, 1)  # (rows, T)
     V = out if F1.side == "right" else (out.unsqueeze(0) if F1.side == "vector" else out).transpose(0, 1)  # (x1, rows) + F2.shape
     try:
-        V = V.view(x1, rows, n2)
-    except RuntimeError as exc:
-        raise ValueError(f"sandwich_into: the columns of out (the last {len(F2.shape)} axes, strides "
-                         f"{out.stride()[-len(F2.shape):]}) must flatten to one run of unit stride") from exc
+        V = V.view(V.shape[0], V.shape[1], n2) if out.stride(-1) == 1 else None
+    except RuntimeError:
+        V = None
+    if method == "rows" and V is None:
+        raise ValueError(f"sandwich_into: for method='rows' the columns of out (the last {len(F2.shape)} axes, strides "
+                         f"{out.stride()[-len(F2.shape):]}) must flatten to one run of unit stride")
+    method = method or ("khatri_rao" if V is None else choose_method(F1, F2))
+    need = workspace_need(F1, F2, method)
+    if workspace is None:
+        workspace = out.new_empty(max(SCRATCH_BYTES // out.element_size(), need))
+    elif workspace.numel() < need or workspace.dtype != out.dtype:
+        raise ValueError(f"sandwich_into: workspace must hold at least {need} entries of {out.dtype} "
+                         f"(workspace_need for {method!r}), got {workspace.numel()} of {workspace.dtype}")
+    C = _cmat(F1, F2, omega, core)
+    if method == "khatri_rao":
+        _khatri_rao_into(out, F1, F2, C, accumulate, workspace)
+        return
+    T, x1 = C.shape[:2]
+    A = C.new_ones(1, T) if rows is None else rows
     k = workspace.numel() // (T * n2)
     for s in range(0, x1, k):
         R = _rows(F2, C[:, s : s + k], workspace)
-        Ak = A.expand(R.shape[0], rows, T)
+        Ak = A.expand(R.shape[0], A.shape[0], T)
         if accumulate:
             V[s : s + k].baddbmm_(Ak, R)
         else:
             torch.bmm(Ak, R, out=V[s : s + k])
+
+
+def _khatri_rao_into(out: torch.Tensor, F1, F2, C: torch.Tensor, accumulate: bool, workspace: torch.Tensor) -> None:
+    """The ``"khatri_rao"`` way of :func:`sandwich_into`: ``out`` shaped ``F1.shape + F2.shape``,
+    a chunk of ``F1``'s vector entries per GEMM (as many as ``workspace`` holds)."""
+    per = _khatri_rao_need(F1, F2)
+    if F1.side == "vector":
+        chunks, axis = [slice(None)], 0
+    else:
+        k, n = max(1, workspace.numel() // per), F1.vec.shape[1]
+        chunks, axis = [slice(s, s + k) for s in range(0, n, k)], 0 if F1.side == "left" else 1
+    for sl in chunks:
+        G = _khatri_rao(F1, F2, C, sl, workspace)
+        target = out if F1.side == "vector" else out.narrow(axis, sl.start, G.shape[axis])
+        if accumulate:
+            target.add_(G)
+        else:
+            target.copy_(G)
 
 
 def _seq_sandwich(F1, F2, omega):
