@@ -59,6 +59,15 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad, f, acc)
 
 
+def _assemble(c, f, ld: losses.LossDerivatives, names, which: str = "full", dense: bool = True, out=None) -> HessianBlocks:
+    """The Hessian (``which``: "full", "outer" or "functional") of the forward pass ``c`` with
+    factors ``f`` and loss derivatives ``ld``, over ``names``: dense in one buffer (``out`` if
+    given) or as a dict of blocks."""
+    acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
+    _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+    return acc.result(c.out)
+
+
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
     """``out`` must be a tensor that does not require grad and shares no memory with the inputs
     (it is overwritten while they are read); its shape is checked by :class:`BlockSum`."""
@@ -151,13 +160,6 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     names = _select(c.names, wrt)
     f = _factors(c)
     ld = losses.derivatives(loss, target, c.out)
-    shapes = _shapes(c)
-
-    def assemble(which: str, dense: bool) -> HessianBlocks:
-        acc = BlockSum(c.names, shapes, wanted=names, dense=dense, dtype=X.dtype, device=X.device, out=out if dense else None)
-        _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-        return acc.result(X)
-
-    full = assemble("full", dense=True)
-    full._parts = lambda which: assemble(which, dense=False)
+    full = _assemble(c, f, ld, names, out=out)
+    full._parts = lambda which: _assemble(c, f, ld, names, which, dense=False)
     return full
