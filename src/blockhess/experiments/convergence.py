@@ -89,7 +89,7 @@ QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="convergence", metavar="DIR", help="output folder (default: convergence)")
     p.add_argument("--quick", action="store_true",
-                   help="exact Hessians of 96 training images (not all), fewer orderings and epochs: about a minute")
+                   help="exact Hessians of 96 training images (not all), fewer orderings and epochs: under half a minute")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
     p.add_argument("--orderings", type=int, default=None, help="random orderings averaged (default: 2000; quick 500)")
