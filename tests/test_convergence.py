@@ -220,6 +220,20 @@ def test_per_sample_hessians_other_configs(cfg):
     torch.testing.assert_close(flat, U)
 
 
+def test_per_sample_hessians_name_the_sequence_with_a_bad_loss_derivative():
+    """A callable loss whose derivatives are Inf for one sequence: the error names that
+    sequence, as blockhess.hessian does (the derivatives are taken for the whole batch)."""
+    cfg, p, X, _ = _small()
+
+    def loss(Z, t):
+        return Z.sum() / t
+
+    t = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=DT)
+    for f in (cv.per_sample_hessians, bh.hessian):
+        with pytest.raises(ValueError, match="NaN or Inf gradient or Hessian w.r.t. Z at sequence 2"):
+            f(p, X, cfg, loss=loss, target=t)
+
+
 def test_per_sample_statistics_and_taylor_on_a_block():
     cfg, p, X, head = _small(seed=1, B=6)
     y = torch.tensor([0, 1, 2, 0, 1, 2])

@@ -57,7 +57,7 @@ def test_sandwich_and_into(s1, s2, mode):
     n1, n2 = ref.shape
     for method in ("rows", "khatri_rao"):
         need = workspace_need(F1, F2, method)  # one core row per GEMM / one entry of F1's vector per GEMM
-        for room in (None, need, 3 * need - 1):  # default chunk, one at a time, chunks with a partial last one
+        for room in (None, need, 3 * need):  # default chunk, one at a time, chunks of 3 (partial last: 7, 5 rows; 4 entries)
             buf = torch.full((n1 + 3, n2 + 5), float("nan"), dtype=torch.float64)
             out = buf[1 : 1 + n1, 2 : 2 + n2]  # a strided view, as a block of the Hessian is
             ws = None if room is None else torch.empty(room, dtype=torch.float64)
@@ -118,6 +118,25 @@ def test_choose_method():
     assert choose_method(factor_("left", 256, 64, 16), factor_("right", 256, 64, 16)) == "khatri_rao"  # T = 4 rows
     assert choose_method(factor_("right", 32, 8, 64), factor_("left", 32, 64, 16)) == "khatri_rao"  # rows: v's length
     assert choose_method(factor_("vector", 4, 0, 8), factor_("left", 4, 64, 16)) == "khatri_rao"  # one row
+
+
+def test_sandwich_into_follows_choose_method():
+    """The default way is :func:`choose_method`'s: given a workspace that holds only that way's
+    need (less than the other's), the call succeeds and is exact."""
+    gen = torch.Generator().manual_seed(8)
+    for T, p in ((16, 2), (3, 4)):  # T >= 4 rows: Khatri–Rao; T < 4 rows: rows
+        F1 = TokenKron("left", torch.randn(T, p, generator=gen, dtype=torch.float64), torch.randn(T, R, 9, generator=gen, dtype=torch.float64))
+        F2 = TokenKron("right", torch.randn(T, 2, generator=gen, dtype=torch.float64), torch.randn(T, R, 30, generator=gen, dtype=torch.float64))
+        chosen = choose_method(F1, F2)
+        other = "rows" if chosen == "khatri_rao" else "khatri_rao"
+        need = workspace_need(F1, F2, chosen)
+        assert need < workspace_need(F1, F2, other), "the case must tell the two ways apart"
+        omega = torch.randn(T, R, R, generator=gen, dtype=torch.float64)
+        out = torch.empty(F1.numel, F2.numel, dtype=torch.float64)
+        sandwich_into(out, F1, F2, omega, workspace=torch.empty(need, dtype=torch.float64))
+        assert_close(out, dense_sandwich(F1, F2, omega, None), what=f"default way ({chosen})")
+        with pytest.raises(ValueError, match=f"workspace_need for '{other}'"):
+            sandwich_into(out, F1, F2, omega, workspace=torch.empty(need, dtype=torch.float64), method=other)
 
 
 def test_blocksum_dense_matches_blocks():

@@ -107,8 +107,10 @@ class BlockSum:
 
     def write_sandwich(self, target: torch.Tensor, F1, F2, omega=None, core=None, accumulate: bool = True) -> None:
         """:func:`~blockhess.kronecker.sandwich_into` ``target`` (a view into the buffer: a block,
-        or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch
-        (the way to write it chosen by :func:`~blockhess.kronecker.choose_method`)."""
+        or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch,
+        sized for either way of writing (:func:`~blockhess.kronecker.workspace_need`, at least
+        4 MiB); the way is :func:`~blockhess.kronecker.choose_method`'s, or Khatri–Rao where the
+        target's columns are not one run (a head × head sub-block)."""
         need = max(workspace_need(F1, F2), SCRATCH_BYTES // self.buffer.element_size())
         if self._workspace is None or self._workspace.numel() < need:
             self._workspace = self.buffer.new_empty(need)

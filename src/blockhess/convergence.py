@@ -413,20 +413,23 @@ def per_sample_gradients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="
 def _hessian_chunk(params, Xb, target, cfg, loss, names):
     """``(losses (b,), grads (b, n), hessians (b, n, n))`` of a chunk; inputs already checked.
 
-    Sequence by sequence, each Hessian assembled in place in its slice of one ``(b, n, n)``
-    buffer exactly as :func:`blockhess.hessian` assembles a batch of one (whose loss is the
-    sequence's own loss).
+    The loss derivatives for the whole chunk at once (a callable's NaN/Inf named by its
+    sequence in the chunk); then sequence by sequence, each Hessian assembled in place in
+    its slice of one ``(b, n, n)`` buffer exactly as :func:`blockhess.hessian` assembles a
+    batch of one (whose loss is the sequence's own loss).
     """
     B = Xb.shape[0]
-    values = _per_sample_values(loss, target, _forward(params, Xb, cfg).out)
+    c = _forward(params, Xb, cfg)
+    values = _per_sample_values(loss, target, c.out)
+    ld = losses.derivatives(loss, target, c.out)
     n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
     grads, H = Xb.new_empty(B, n), Xb.new_empty(B, n, n)
     for i in range(B):
         c = _forward(params, Xb[i : i + 1], cfg)
         f = _factors(c)
-        ld = losses.derivatives(loss, _slice_target(target, slice(i, i + 1)), c.out)
-        grads[i] = torch.cat([f.J[k].vjp(ld.grad[:, None])[0, 0] for k in names])
-        _assemble(c, f, ld, names, out=H[i])
+        ld_i = ld.sequence(i)
+        grads[i] = torch.cat([f.J[k].vjp(ld_i.grad[:, None])[0, 0] for k in names])
+        _assemble(c, f, ld_i, names, out=H[i])
     return values, grads, H
 
 
@@ -437,7 +440,8 @@ def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="m
     (a batch of one is that sequence's Hessian), and is computed that way, the closed form
     (eq. 10: Gauss–Newton term from the Theorem 4 factors, functional term from Theorem 5
     contracted with :math:`\nabla_Z l_i`) writing each into its slice of the result: about
-    8 ms per sequence at the report's size (n = 1,792, 2 CPU cores). For a callable loss the
+    20 ms per sequence at the report's size (n = 1,792, 2 CPU cores; most of it the first
+    touch of the fresh ``n²`` entries). For a callable loss the
     outer term uses the non-zero eigenpairs of :math:`\nabla^2_Z l_i` (randomised range
     finder, exact up to rounding). Off-diagonal blocks are exact transposes, diagonal blocks
     symmetric to rounding. ``n`` = total size of ``wrt`` (default all weights,
@@ -579,9 +583,11 @@ def per_sample_statistics(
     at most ``lanczos_iters`` steps, stopped when the residual is below ``lanczos_tol`` times
     the Ritz value (``None``: exact ``eigvalsh``). ``progress(m)`` is called after each chunk
     with its size (e.g. ``tqdm.update``). ``X``: ``(N, L, d_model)``; the statistics are returned
-    in float64 on the CPU, see :class:`PerSampleStats`. Peak memory at most about
-    ``2·chunk_size·n²`` entries of ``X``'s dtype (the chunk's Hessians, and the float64 copy
-    an exact ``eigvalsh`` makes of float32 ones). Derived here from eq. 10 and Theorem 5.
+    in float64 on the CPU, see :class:`PerSampleStats`. Peak memory about ``chunk_size·n²``
+    entries of ``X``'s dtype (the chunk's Hessians), plus, where the spectral norm is an exact
+    ``eigvalsh`` (``lanczos_iters`` ``None`` or ``>= n``, or ``n <= 64``), LAPACK's float64
+    copy of them and, for float32, :mod:`blockhess.linalg`'s upcast. Derived here from eq. 10
+    and Theorem 5.
 
     Raises ``ValueError`` as :func:`blockhess.hessian`, for ``directions`` of the wrong shape,
     or ``chunk_size < 1``; ``InsufficientMemoryError`` if one chunk would not fit.
@@ -597,7 +603,10 @@ def per_sample_statistics(
         raise ValueError(f"directions must have shape (D, {n}), got {tuple(directions.shape)}")
     U = directions.to(dtype=Xb.dtype, device=Xb.device)
     N = Xb.shape[0]
-    check_fits(2 * min(int(chunk_size), N) * n * n * Xb.element_size(), f"a chunk of per-sample {n}x{n} Hessians", Xb.device)
+    exact = lanczos_iters is None or int(lanczos_iters) >= n or n <= 64  # as _spectral_norm decides
+    entries = min(int(chunk_size), N) * n * n
+    copies = (1 + (Xb.dtype != torch.float64)) if exact else 0  # float64 copies for eigvalsh
+    check_fits(entries * (Xb.element_size() + 8 * copies), f"a chunk of per-sample {n}x{n} Hessians", Xb.device)
     out = {k: [] for k in PerSampleStats._fields}
     for start in range(0, N, int(chunk_size)):
         sl = slice(start, min(start + int(chunk_size), N))

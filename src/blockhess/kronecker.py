@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into", "swap"]
+__all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into", "swap", "choose_method",
+           "workspace_need"]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ class LossDerivatives(NamedTuple):
     hess: torch.Tensor
     per_token: bool
 
+    def sequence(self, b: int) -> "LossDerivatives":
+        """The derivatives of sequence ``b``'s own loss (a batch of one): its slices times ``B``."""
+        B, L = self.grad.shape[:2]
+        hess = self.hess[b * L : (b + 1) * L] if self.per_token else self.hess[b : b + 1]
+        return LossDerivatives(self.grad[b : b + 1] * B, hess * B, self.per_token)
+
 
 def check(loss, target, Z: torch.Tensor, single: bool = False) -> None:
     """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``.

@@ -1,0 +1,43 @@
+"""blockhess.linalg: eigendecompositions and 2-norms in float64 for any input dtype, on the
+float32 matrix where LAPACK's float32 eigh fails to converge (a block's functional term,
+two thirds exact zeros), with results in the input's dtype."""
+
+from __future__ import annotations
+
+import torch
+
+import blockhess as bh
+from blockhess import linalg
+
+from conftest import assert_close
+
+
+def _functional_term_float32() -> torch.Tensor:
+    """The symmetrised float32 functional term on which ``torch.linalg.eigh`` raises (seed 1)."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6, kind="block")
+    params = bh.init_params(cfg, seed=1, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    X, T = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    D = bh.hessian(params, X, cfg, loss="mse", target=T).functional.dense()
+    return 0.5 * (D + D.T)
+
+
+def test_eigh_and_eigvalsh_in_float64():
+    S = _functional_term_float32()
+    assert (S == 0).float().mean() > 0.6
+    ref = torch.linalg.eigvalsh(S.double())
+    lam = linalg.eigvalsh(S)
+    assert lam.dtype == torch.float32
+    assert_close(lam, ref.float(), tol=1e-6, what="eigvalsh")
+    lam, U = linalg.eigh(S)
+    assert lam.dtype == U.dtype == torch.float32
+    assert_close(lam, ref.float(), tol=1e-6, what="eigh values")
+    assert_close(U @ torch.diag(lam) @ U.T, S, tol=1e-6, what="eigh reconstruction")
+    assert_close(U.T @ U, torch.eye(S.shape[0]), scale=1.0, tol=1e-6, what="orthonormal eigenvectors")
+
+
+def test_norm2_in_float64():
+    M = torch.randn(7, 5, generator=torch.Generator().manual_seed(2))  # float32
+    want = float(torch.linalg.matrix_norm(M.double(), ord=2))
+    assert abs(linalg.norm2(M) - want) <= 1e-15 * want  # float32 arithmetic would be ~1e-7 off
+    assert linalg.norm2(M[:0]) == 0.0
