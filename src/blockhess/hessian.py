@@ -113,7 +113,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         Hessian in (``n`` = the total size of the differentiated variables); its contents are
         overwritten and ``.dense()`` returns it. Reusing one across calls (curvature tracked
         over training) saves allocating and first touching ``n²`` fresh entries: at
-        ``n = 28,672`` on 2 CPU cores, 1.2 s instead of 2.9 s for a fresh call
+        ``n = 28,672`` on 2 CPU cores, 1.2 s instead of 2.7 s for a fresh call
         (docs/results.md). A result keeps ``out`` as its storage: the next call into the same
         ``out`` overwrites it.
 
