@@ -28,6 +28,14 @@ def test_shapes_dtypes_devices(case):
         bh.forward({k: v for k, v in p.items() if k != "W_2"}, X, cfg)
     with pytest.raises(ValueError, match="floating"):
         bh.forward(p, X.long(), cfg)
+    for empty in ((0, 4), (2, 0, 4), (0, 3, 4)):
+        with pytest.raises(ValueError, match=r"with L >= 1 and B >= 1, got \(" + ", ".join(map(str, empty))):
+            bh.forward(p, X.new_zeros(empty), cfg)
+    for half in (torch.float16, torch.bfloat16):  # accepted before, and 0.2% / 5% off
+        with pytest.raises(ValueError, match=f"X must have a floating dtype, float32 or float64, got {half}"):
+            bh.hessian({k: v.to(half) for k, v in p.items()}, X.to(half), cfg, loss="mse", target=X.to(half))
+        with pytest.raises(ValueError, match="init_params: dtype must be a floating dtype, float32 or float64"):
+            bh.init_params(cfg, dtype=half)
     with pytest.raises(ValueError, match="cfg must be a BlockConfig"):
         bh.forward(p, X, {"d_model": 4})
 

@@ -223,3 +223,31 @@ def test_parts_do_not_follow_later_in_place_changes():
     p["W_Q"].add_(1.0)
     X.mul_(2.0)
     assert_close(H.outer.dense() + H.functional.dense(), full, what="outer + functional after in-place changes")
+
+
+def test_inputs_that_require_grad_are_used_detached():
+    """Weights of a live module or an X built by autograd: the same result as plain tensors,
+    with no autograd history and no warning (the closed forms write into buffers autograd
+    cannot record)."""
+    import warnings
+
+    from blockhess import bounds, convergence
+
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    X, T = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
+    pg = {k: v.clone().requires_grad_() for k, v in p.items()}
+    Xg, Tg = X.clone().requires_grad_(), T.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        H = bh.hessian(pg, Xg, cfg, loss="mse", target=Tg)
+        for part in ("dense", "outer", "functional"):
+            got = H.dense() if part == "dense" else getattr(H, part).dense()
+            want = bh.hessian(p, X, cfg, loss="mse", target=T)
+            want = want.dense() if part == "dense" else getattr(want, part).dense()
+            assert not got.requires_grad and torch.equal(got, want), part
+        Hs = convergence.per_sample_hessians(pg, Xg, cfg, loss="mse", target=Tg)
+        assert not Hs.requires_grad and torch.equal(Hs, convergence.per_sample_hessians(p, X, cfg, loss="mse", target=T))
+        rows = bounds.spectral_bounds(pg, Xg[0], cfg, "mse", Tg[0])
+        assert rows == bounds.spectral_bounds(p, X[0], cfg, "mse", T[0])

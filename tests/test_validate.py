@@ -1,6 +1,7 @@
 """``blockhess validate`` end to end (quick grid) and the all-or-nothing output folder."""
 
 import json
+import os
 
 import pytest
 
@@ -28,6 +29,15 @@ def test_atomic_dir_leaves_nothing_on_error(tmp_path):
             raise RuntimeError("failed half way")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["res"]  # no temporary folder left behind
+
+
+def test_atomic_dir_gives_an_ordinary_folder(tmp_path):
+    out = tmp_path / "res"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("{}")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "a.json").exists() and out.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_unwritable_out_is_one_line_error(tmp_path, capsys):

@@ -82,7 +82,8 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
     check_tensor("X", X, ndim=(2, 3), finite=False)  # finite: checked with params
     if X.shape[-1] != cfg.d_model or X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
-        raise ValueError(f"X must have shape (L, {cfg.d_model}) or (B, L, {cfg.d_model}), got {tuple(X.shape)}")
+        raise ValueError(f"X must have shape (L, {cfg.d_model}) or (B, L, {cfg.d_model}) with L >= 1 and B >= 1, "
+                         f"got {tuple(X.shape)}")
     check_params(params, param_shapes(cfg), X)
 
 

@@ -41,7 +41,7 @@ from .block import check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import norm2
-from .validation import check_ln_variance
+from .validation import check_ln_variance, detached
 
 __all__ = [
     "SOFTMAX_JACOBIAN_BOUND",
@@ -208,6 +208,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
+    params, X, target = detached(params, X, target)
     if X.ndim != 2:
         raise ValueError(f"ingredients: X must be one sequence (L, d_model), got {tuple(X.shape)}")
     X64 = X.double()
@@ -377,6 +378,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
+    params, X, target = detached(params, X, target)
     Xb = X[None] if X.ndim == 2 else X
     tb = None
     if isinstance(target, torch.Tensor):
@@ -527,6 +529,7 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
 
     check_setting(cfg)
     check_inputs(params, X, cfg)
+    params, X, target = detached(params, X, target)
     if X.ndim != 2:
         raise ValueError(f"ingredient_checks: X must be one sequence (L, d_model), got {tuple(X.shape)}")
     if target is None:

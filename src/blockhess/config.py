@@ -170,10 +170,10 @@ def init_params(
     Raises
     ------
     ValueError
-        If ``dtype`` is not a floating dtype.
+        If ``dtype`` is not float32 or float64.
     """
-    if not dtype.is_floating_point:
-        raise ValueError(f"init_params: dtype must be a floating dtype, got {dtype}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"init_params: dtype must be a floating dtype, float32 or float64, got {dtype}")
     gen = torch.Generator().manual_seed(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():

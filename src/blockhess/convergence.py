@@ -50,7 +50,7 @@ from . import linalg, losses
 from .block import _check_forward, _factors, _forward, _select, check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import _assemble
-from .validation import check_fits, check_tensor
+from .validation import check_fits, check_tensor, detached
 
 __all__ = [
     "running_mean",
@@ -362,8 +362,10 @@ def _per_sample_values(loss, target, Z: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare(params, X, cfg, loss, target, wrt):
-    """Public checks (as :func:`blockhess.hessian`) and the batch form of ``X`` and ``target``."""
+    """Public checks (as :func:`blockhess.hessian`), and ``params`` and the batch form of ``X``
+    and ``target``, detached (:func:`~blockhess.validation.detached`)."""
     check_inputs(params, X, cfg)
+    params, X, target = detached(params, X, target)
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
@@ -371,7 +373,7 @@ def _prepare(params, X, cfg, loss, target, wrt):
     _check_forward(c)
     losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
-    return Xb, target, c, names
+    return params, Xb, target, c, names
 
 
 def _slice_target(target, sl):
@@ -384,7 +386,7 @@ def per_sample_losses(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse
     Same arguments and errors as :func:`blockhess.hessian` (``X``: ``(B, L, d_model)`` or one
     sequence; the batch mean of the result is the batch loss). Source: DESIGN.md §1 losses.
     """
-    Xb, target, c, _ = _prepare(params, X, cfg, loss, target, None)
+    params, Xb, target, c, _ = _prepare(params, X, cfg, loss, target, None)
     return _per_sample_values(loss, target, c.out)
 
 
@@ -404,7 +406,7 @@ def per_sample_gradients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="
     Closed form: the Theorem 4 Kronecker factors contracted with :math:`\nabla_Z l_i`,
     vmapped over sequences. Same arguments and errors as :func:`blockhess.hessian`.
     """
-    Xb, target, c, names = _prepare(params, X, cfg, loss, target, wrt)
+    params, Xb, target, c, names = _prepare(params, X, cfg, loss, target, wrt)
     B = Xb.shape[0]
     g = losses.derivatives(loss, target, c.out).grad * B
     return torch.func.vmap(_grad_one(params, cfg, names))(Xb, g)
@@ -450,7 +452,7 @@ def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="m
     Raises ``ValueError`` as :func:`blockhess.hessian`; ``InsufficientMemoryError`` when the
     ``B·n²`` entries would not fit.
     """
-    Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
+    params, Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
     n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
     check_fits(Xb.shape[0] * n * n * Xb.element_size(), f"{Xb.shape[0]} per-sample {n}x{n} Hessians", Xb.device)
     return _hessian_chunk(params, Xb, target, cfg, loss, names)[2]
@@ -594,7 +596,7 @@ def per_sample_statistics(
     """
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
+    params, Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
     n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
     if directions is None:
         directions = Xb.new_zeros(0, n)

@@ -23,6 +23,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig
 from .kronecker import TokenKron
+from .validation import detached
 
 __all__ = ["hessian"]
 
@@ -145,7 +146,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     ``.functional`` are computed on first access, each by its own pass (so that
     ``outer + functional == full`` checks two independent computations), from copies of
     ``params`` and ``X`` taken at the call: changing those in place afterwards does not
-    change the result.
+    change the result. Inputs that require grad are used detached: the result carries no
+    autograd history (:func:`~blockhess.validation.detached`).
     """
     check_inputs(params, X, cfg)
     if out is not None:
@@ -153,6 +155,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
+    params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
     c = _forward(params, X, cfg, wrt_input=wrt_input)
     _check_forward(c)

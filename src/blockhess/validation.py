@@ -21,15 +21,15 @@ class InsufficientMemoryError(MemoryError, ValueError):
 
 def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None,
                  finite: bool = True) -> None:
-    """``t`` must be a floating tensor (same dtype and device as ``like``, if given), finite
+    """``t`` must be a float32 or float64 tensor (same dtype and device as ``like``, if given), finite
     unless ``finite=False`` (the caller then checks it with others in :func:`check_finite`).
 
     Raises ``ValueError`` naming ``name`` otherwise.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.dtype.is_floating_point:
-        raise ValueError(f"{name} must have a floating dtype (float32 or float64), got {t.dtype}")
+    if t.dtype not in (torch.float32, torch.float64):  # float16/bfloat16: too coarse for these sums (5% off in bfloat16)
+        raise ValueError(f"{name} must have a floating dtype, float32 or float64, got {t.dtype}")
     if ndim is not None and t.ndim not in ndim:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
     if like is not None:
@@ -48,12 +48,22 @@ def check_finite(named: dict[str, torch.Tensor], why: str = "") -> None:
     then are the tensors searched one by one, to name the first offender in the
     ``ValueError`` (``why`` appended; a sum that merely overflowed finds none and passes).
     """
-    ts = [t.reshape(-1) for t in named.values()]
+    ts = [t.detach().reshape(-1) for t in named.values()]
     if math.isfinite((ts[0] if len(ts) == 1 else torch.cat(ts)).sum()):
         return
     for name, t in named.items():
         if not torch.isfinite(t).all():
             raise ValueError(f"{name} contains NaN or Inf{why}")
+
+
+def detached(params: dict, X: torch.Tensor, target=None) -> tuple:
+    """``(params, X, target)`` without autograd history (views, no copies; a non-tensor
+    ``target`` is passed through). The closed forms write into preallocated buffers, which
+    autograd cannot record, and their results are not meant to be differentiated again:
+    inputs that require grad (weights of a live module, an ``X`` built by autograd) are
+    therefore used detached."""
+    return ({k: v.detach() for k, v in params.items()}, X.detach(),
+            target.detach() if isinstance(target, torch.Tensor) else target)
 
 
 def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor) -> None:

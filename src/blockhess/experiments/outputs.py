@@ -19,7 +19,8 @@ __all__ = ["atomic_dir", "write_json"]
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike):
     """Yield a fresh temporary folder; on success it replaces ``out`` (an existing ``out``
-    is removed only after the new one is complete).
+    is removed only after the new one is complete) with the permissions of a folder made by
+    ``mkdir`` (``0777`` less the umask), not the temporary folder's ``0700``.
 
     Raises ``OSError`` with a one-line reason if the parent of ``out`` cannot be written
     (checked before any work) or ``out`` exists and is not a folder.
@@ -35,6 +36,9 @@ def atomic_dir(out: str | os.PathLike):
         raise OSError(f"cannot write to --out {out}: {exc.strerror or exc}") from None
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the results are an ordinary folder
         old = None
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
