@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: checkpoints/digits_vit.pt, trained if missing)")
     p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
-    p.add_argument("--batch", type=int, default=8, help="training images in the trained-model Hessian (default: 8)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per point of the sweep (default: 3)")
+    p.add_argument("--batch", type=int, default=8, metavar="N", help="training images in the trained-model Hessian (default: 8)")
+    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per point of the sweep (default: 3)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

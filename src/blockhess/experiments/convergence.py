@@ -626,8 +626,9 @@ def run(args: argparse.Namespace) -> int:
         res = run_experiment(vit, args.out, settings, quiet=args.quiet)
     if not args.quiet:
         t7 = res["theorem7"]
+        m6 = "skipped" if t7["M_theorem6"] is None else f"{t7['M_theorem6']:.4g}"
         print(f"slope {res['slope']:.3f} (k in [{res['slope_fit']['k_min']:.0f}, {res['slope_fit']['k_max']:.0f}]), "
               f"bound holds: {res['bound_holds']} (margin {res['bound_margin']:.3g}), "
-              f"M exact {t7['M_exact']:.4g}, M Theorem 6 {t7['M_theorem6']}, "
+              f"M exact {t7['M_exact']:.4g}, M Theorem 6 {m6}, "
               f"{time.perf_counter() - t0:.0f} s -> {Path(args.out) / 'convergence.json'}")
     return 0

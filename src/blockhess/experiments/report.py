@@ -316,7 +316,7 @@ def _markdown(rep: dict, phases: dict, names) -> str:
         "",
         "## Timings (this run)",
         "",
-        "| weights | closed form, full (median of %d) | + outer and functional | autograd reference (full, outer, functional) | speed-up | CPU seconds: closed form / reference |" % rep["repeats"],
+        "| weights | closed form, full (median of %d) | then outer and functional parts (added time) | autograd reference (full, outer, functional) | speed-up | CPU seconds: closed form / reference |" % rep["repeats"],
         "|---|---|---|---|---|---|",
     ]
     for tag, ph in phases.items():
