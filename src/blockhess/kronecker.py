@@ -353,7 +353,6 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     if out.dtype != F1.mat.dtype or out.device != F1.mat.device:
         raise ValueError(f"sandwich_into: out is {out.dtype} on {out.device}, the factors {F1.mat.dtype} on {F1.mat.device}")
     out = out.view(*F1.shape, *F2.shape) if out.ndim == 2 else out
-    rows = None if F1.side == "vector" else F1.vec.transpose(0, 1)  # (rows, T)
     V = out if F1.side == "right" else (out.unsqueeze(0) if F1.side == "vector" else out).transpose(0, 1)  # (x1, rows) + F2.shape
     try:
         V = V.view(V.shape[0], V.shape[1], n2) if out.stride(-1) == 1 else None
@@ -374,7 +373,7 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
         _khatri_rao_into(out, F1, F2, C, accumulate, workspace)
         return
     T, x1 = C.shape[:2]
-    A = C.new_ones(1, T) if rows is None else rows
+    A = C.new_ones(1, T) if F1.side == "vector" else F1.vec.transpose(0, 1)  # w_1^T, (rows, T)
     k = workspace.numel() // (T * n2)
     for s in range(0, x1, k):
         R = _rows(F2, C[:, s : s + k], workspace)
