@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from . import linalg, losses
+from . import losses
 from .block import check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
-from .linalg import norm2
+from .linalg import eigvalsh, norm2
 from .validation import check_ln_variance, detached
 
 __all__ = [
@@ -75,7 +75,7 @@ def _sym_spec(M: torch.Tensor) -> float:
     """Spectral norm of a symmetric matrix, via its eigenvalues (in float64, :mod:`blockhess.linalg`)."""
     if M.numel() == 0:
         return 0.0
-    return float(linalg.eigvalsh(M).abs().max())
+    return float(eigvalsh(M).abs().max())
 
 
 def _perron(N: list[list[float]]) -> float:

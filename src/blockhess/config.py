@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validation import FLOAT_DTYPES
+
 __all__ = ["BlockConfig", "param_shapes", "init_params"]
 
 _KINDS = ("block", "attention")
@@ -172,7 +174,7 @@ def init_params(
     ValueError
         If ``dtype`` is not float32 or float64.
     """
-    if dtype not in (torch.float32, torch.float64):
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(f"init_params: dtype must be a floating dtype, float32 or float64, got {dtype}")
     gen = torch.Generator().manual_seed(seed)
     params = {}

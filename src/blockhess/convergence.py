@@ -390,11 +390,19 @@ def per_sample_losses(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse
     return _per_sample_values(loss, target, c.out)
 
 
+def _size(cfg: BlockConfig, names) -> int:
+    """Total number of entries of the weights ``names``."""
+    return sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
+
+
+def _flat_grad(f, g: torch.Tensor, names) -> torch.Tensor:
+    r""":math:`(\partial Z/\partial w)^\top g` for one sequence's factors ``f`` and ``g`` ``(1, L, d)``: ``(n,)``."""
+    return torch.cat([f.J[k].vjp(g[:, None])[0, 0] for k in names])
+
+
 def _grad_one(params, cfg, names):
     def one(x, g):
-        c = _forward(params, x[None], cfg)
-        f = _factors(c)
-        return torch.cat([f.J[n].vjp(g[None, None])[0, 0] for n in names])
+        return _flat_grad(_factors(_forward(params, x[None], cfg)), g[None], names)
 
     return one
 
@@ -424,13 +432,13 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
     c = _forward(params, Xb, cfg)
     values = _per_sample_values(loss, target, c.out)
     ld = losses.derivatives(loss, target, c.out)
-    n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
+    n = _size(cfg, names)
     grads, H = Xb.new_empty(B, n), Xb.new_empty(B, n, n)
     for i in range(B):
         c = _forward(params, Xb[i : i + 1], cfg)
         f = _factors(c)
         ld_i = ld.sequence(i)
-        grads[i] = torch.cat([f.J[k].vjp(ld_i.grad[:, None])[0, 0] for k in names])
+        grads[i] = _flat_grad(f, ld_i.grad, names)
         _assemble(c, f, ld_i, names, out=H[i])
     return values, grads, H
 
@@ -453,7 +461,7 @@ def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="m
     ``B·n²`` entries would not fit.
     """
     params, Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
-    n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
+    n = _size(cfg, names)
     check_fits(Xb.shape[0] * n * n * Xb.element_size(), f"{Xb.shape[0]} per-sample {n}x{n} Hessians", Xb.device)
     return _hessian_chunk(params, Xb, target, cfg, loss, names)[2]
 
@@ -488,11 +496,16 @@ def spectral_norm(H: torch.Tensor, iters: int | None = 64, seed: int = 0, tol: f
     return _spectral_norm(H, iters, seed, tol)
 
 
+def _exact(iters, n: int) -> bool:
+    """Whether :func:`spectral_norm` takes a full ``eigvalsh`` rather than Lanczos."""
+    return iters is None or int(iters) >= n or n <= 64
+
+
 def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNorm:
     """:func:`spectral_norm` without input checks (kernel)."""
     batch, n = H.shape[:-2], H.shape[-1]
     A = H.reshape(-1, n, n)
-    if iters is None or iters >= n or n <= 64:
+    if _exact(iters, n):
         ev = linalg.eigvalsh(A)
         norm = ev.abs().amax(-1).to(torch.float64)
         return SpectralNorm(norm.reshape(batch), torch.zeros_like(norm).reshape(batch))
@@ -597,7 +610,7 @@ def per_sample_statistics(
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     params, Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
-    n = sum(int(torch.Size(s).numel()) for k, s in param_shapes(cfg).items() if k in names)
+    n = _size(cfg, names)
     if directions is None:
         directions = Xb.new_zeros(0, n)
     check_tensor("directions", directions, ndim=(2,))
@@ -605,9 +618,8 @@ def per_sample_statistics(
         raise ValueError(f"directions must have shape (D, {n}), got {tuple(directions.shape)}")
     U = directions.to(dtype=Xb.dtype, device=Xb.device)
     N = Xb.shape[0]
-    exact = lanczos_iters is None or int(lanczos_iters) >= n or n <= 64  # as _spectral_norm decides
     entries = min(int(chunk_size), N) * n * n
-    copies = (1 + (Xb.dtype != torch.float64)) if exact else 0  # float64 copies for eigvalsh
+    copies = (1 + (Xb.dtype != torch.float64)) if _exact(lanczos_iters, n) else 0  # float64 copies for eigvalsh
     check_fits(entries * (Xb.element_size() + 8 * copies), f"a chunk of per-sample {n}x{n} Hessians", Xb.device)
     out = {k: [] for k in PerSampleStats._fields}
     for start in range(0, N, int(chunk_size)):

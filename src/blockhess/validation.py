@@ -15,6 +15,9 @@ import torch
 __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance"]
 
 
+FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
+
+
 class InsufficientMemoryError(MemoryError, ValueError):
     """A requested dense result would not fit in the memory available right now."""
 
@@ -28,7 +31,7 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.float32, torch.float64):  # float16/bfloat16: too coarse for these sums (5% off in bfloat16)
+    if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must have a floating dtype, float32 or float64, got {t.dtype}")
     if ndim is not None and t.ndim not in ndim:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
