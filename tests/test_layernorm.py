@@ -97,3 +97,14 @@ def test_dense_too_large_is_refused_before_allocating():
         bh.layernorm.hessian(X)
     with pytest.raises(MemoryError):
         bh.layernorm.hessian(X)
+
+
+def test_shared_centering_matrix_is_a_plain_tensor():
+    """C = I - 11^T/d is built once per (d, dtype, device); built first under inference mode, it must
+    still serve a later call that autograd records (an inference tensor cannot be saved for backward)."""
+    layernorm._centering_cached.cache_clear()
+    with torch.inference_mode():
+        layernorm.hessian(torch.randn(2, 5, dtype=torch.float64), compact=True)
+    X = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    layernorm.hessian(X, compact=True).sum().backward()
+    assert X.grad is not None and torch.isfinite(X.grad).all()

@@ -98,20 +98,21 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
       ``tiny / e`` (``tiny`` the smallest normal number; about 1e-292 in float64, 1e-31 in
       float32): below it the Hessian's ``1/sigma^2`` factors overflow.
 
-    One reduction and one test for the whole tensor; the offending row is looked up only
-    to raise. ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller
-    has it. Raises ``ValueError`` naming ``name`` and the first offending row.
+    One test for the whole tensor (a clamp that changes nothing); the offending row is looked
+    up only to raise. ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the
+    caller has it. Raises ``ValueError`` naming ``name`` and the first offending row.
     """
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
     fi = torch.finfo(U.dtype)
     small, e2 = fi.tiny / fi.eps, fi.eps**2
-    ok = var < math.inf  # False for NaN too
-    if not eps > 0:  # var > e2 (var + mean^2) and var >= small, in one bound that cannot overflow
+    q, low = var, 0.0  # every row must have low <= q <= the largest finite number (NaN fails)
+    if not eps > 0:  # var > e2 (var + mean^2) and var >= small: var - (eps mean)^2 / (1 - e2) >= small, cannot overflow
         me = mean * fi.eps
-        ok = ok & (var > torch.addcmul(var.new_tensor(small), me, me, value=1 / (1 - e2)))
-    if bool(ok.all()):
+        q, low = torch.addcmul(var, me, me, value=-1 / (1 - e2)), small
+    clamped = q.clamp(low, fi.max)
+    if torch.equal(clamped, q):
         return
-    row = tuple((~ok[..., 0]).nonzero()[0].tolist())
+    row = tuple((clamped != q)[..., 0].nonzero()[0].tolist())
     where = f"LayerNorm input row {row}" if row else "the LayerNorm input row"
     if not torch.isfinite(U).all():
         if computed:

@@ -17,6 +17,8 @@ Both hold for ``eps >= 0``; with ``eps = 0`` each row needs non-zero variance (A
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..validation import check_fits, check_ln_variance, check_tensor
@@ -38,7 +40,14 @@ def _normalise(X: torch.Tensor, eps: float, stats=None) -> tuple[torch.Tensor, t
 
 
 def _centering(d: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.eye(d, dtype=like.dtype, device=like.device) - 1.0 / d
+    """``C = I - 11^T/d`` in ``like``'s dtype and device: one shared tensor, never written to."""
+    return _centering_cached(d, like.dtype, like.device)
+
+
+@functools.lru_cache(maxsize=32)
+def _centering_cached(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a plain tensor even if first asked for in inference mode
+        return torch.eye(d, dtype=dtype, device=device) - 1.0 / d
 
 
 def forward(X: torch.Tensor, eps: float = 0.0, gamma=None, beta=None) -> torch.Tensor:
