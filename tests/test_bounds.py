@@ -134,7 +134,7 @@ def test_softmax_constants_against_random_directions():
             a = torch.softmax(t, 0)
             S = torch.diag(a) - torch.outer(a, a)
             assert float(torch.linalg.matrix_norm(S, 2)) <= bounds.SOFTMAX_JACOBIAN_BOUND + 1e-15
-            Hs = bh.softmax.hessian(a[None])[0]  # (L, L, L): [j, k, l]
+            Hs = bh.softmax.hessian(a[None], compact=True)[0]  # (L, L, L): [j, k, l]
             v = torch.einsum("jkl,k,l->j", Hs, h, h2)
             assert float(v.norm()) <= bounds.SOFTMAX_HESSIAN_BOUND * float(h.norm() * h2.norm()) + 1e-14
 

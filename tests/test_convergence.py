@@ -266,6 +266,23 @@ def test_spectral_norm_lanczos():
     torch.testing.assert_close(cv.spectral_norm(R, iters=20).norm, exact, rtol=1e-10, atol=0)
     with pytest.raises(ValueError):
         cv.spectral_norm(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="iters must be an int >= 1"):
+        cv.spectral_norm(A, iters=0)
+
+
+def test_spectral_norm_ritz_value_is_a_lower_bound():
+    """A Ritz value never exceeds ||H||_2, at any number of steps; its residual bounds the distance to
+    some eigenvalue only, so with few steps norm + residual can fall short of ||H||_2 (documented)."""
+    short = 0
+    for seed in range(6):
+        A = torch.randn(100, 100, generator=_gen(seed), dtype=DT)
+        A = A + A.T - 30 * torch.eye(100, dtype=DT)
+        exact = torch.linalg.eigvalsh(A).abs().max()
+        for iters in (3, 6, 12):
+            sn = cv.spectral_norm(A, iters=iters)
+            assert sn.norm <= exact * (1 + 1e-12)
+            short += bool(sn.norm + sn.residual < exact)
+    assert short > 0
 
 
 # --------------------------------------------------------------------------- the driver

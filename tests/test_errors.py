@@ -136,8 +136,19 @@ def test_losses_and_targets(case):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="d_model must be a positive int"):
+    with pytest.raises(ValueError, match="BlockConfig.d_model must be an int >= 1, got 0"):
         bh.BlockConfig(d_model=0)
+    for bad in (True, 4.0):  # a bool or a float is not a size
+        with pytest.raises(ValueError, match="BlockConfig.d_model must be an int >= 1"):
+            bh.BlockConfig(d_model=bad)
+    with pytest.raises(ValueError, match="BlockConfig.d_k must be an int >= 1"):
+        bh.BlockConfig(d_k=0)
+    with pytest.raises(ValueError, match="BlockConfig.ln_eps must be a finite float >= 0, got True"):
+        bh.BlockConfig(ln_eps=True)
+    with pytest.raises(ValueError, match="ln_eps=1e-05 has no meaning for kind='attention'"):
+        bh.BlockConfig(kind="attention", ln_eps=1e-5)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got None"):
+        bh.init_params(bh.BlockConfig(), seed=None)
     with pytest.raises(ValueError, match="kind must be one of"):
         bh.BlockConfig(kind="mlp")
     with pytest.raises(ValueError, match="ln_eps must be a finite float >= 0"):
@@ -158,3 +169,12 @@ def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr(bh.validation, "SMALL_BYTES", 0)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+
+
+def test_init_params_options_keep_the_papers_matrices():
+    """Options that add weights (biases, W_O, affine LayerNorm) draw after the paper's matrices."""
+    paper = bh.init_params(bh.BlockConfig(d_model=4, d_ff=6), seed=3)
+    rich = bh.init_params(bh.BlockConfig(d_model=4, d_ff=6, bias=True, out_proj=True, ln_affine=True), seed=3)
+    for k, v in paper.items():
+        assert torch.equal(rich[k], v), k
+    assert list(rich) == list(bh.param_shapes(bh.BlockConfig(d_model=4, d_ff=6, bias=True, out_proj=True, ln_affine=True)))

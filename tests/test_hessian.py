@@ -251,3 +251,19 @@ def test_inputs_that_require_grad_are_used_detached():
         assert not Hs.requires_grad and torch.equal(Hs, convergence.per_sample_hessians(p, X, cfg, loss="mse", target=T))
         rows = bounds.spectral_bounds(pg, Xg[0], cfg, "mse", Tg[0])
         assert rows == bounds.spectral_bounds(p, X[0], cfg, "mse", T[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_ce_targets_of_any_integer_dtype(dtype):
+    """Class indices as int32/int16/uint8 give the int64 results everywhere a CE target is taken."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, seed=1)
+    X = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    T = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    Tn = T.to(dtype)
+    assert torch.equal(bh.hessian(p, X, cfg, loss="ce", target=Tn).dense(), bh.hessian(p, X, cfg, loss="ce", target=T).dense())
+    assert torch.equal(bh.reference.hessian(p, X, cfg, loss="ce", target=Tn).dense(),
+                       bh.reference.hessian(p, X, cfg, loss="ce", target=T).dense())
+    assert torch.equal(bh.convergence.per_sample_losses(p, X, cfg, loss="ce", target=Tn),
+                       bh.convergence.per_sample_losses(p, X, cfg, loss="ce", target=T))
+    assert bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=Tn[0]) == bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=T[0])

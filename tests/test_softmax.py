@@ -1,4 +1,4 @@
-"""Row-wise softmax derivatives (paper §2.1) against torch.func."""
+"""Row-wise softmax derivatives (paper §2.1) against torch.func, single and batched, and their checks."""
 
 import pytest
 import torch
@@ -7,24 +7,52 @@ from blockhess.components import softmax
 
 from conftest import assert_close
 
+f = lambda t: torch.softmax(t, -1)  # noqa: E731
 
-@pytest.mark.parametrize("L, Lp", [(1, 1), (3, 4), (4, 4)])
+
+@pytest.mark.parametrize("L, Lp", [(1, 1), (3, 4), (4, 4), (2, 5)])
 def test_jacobian_and_hessian(L, Lp):
     T = torch.randn(L, Lp, dtype=torch.float64)
     A = torch.softmax(T, -1)
-    f = lambda t: torch.softmax(t, -1)  # noqa: E731
     J = torch.func.jacrev(f)(T).reshape(L * Lp, L * Lp)
     H = torch.func.jacfwd(torch.func.jacrev(f))(T)  # (L, Lp, L, Lp, L, Lp)
-    assert_close(softmax.jacobian(A, compact=False), J, scale=1.0, what="dA/dT")
-    assert_close(softmax.hessian(A, compact=False), H.reshape(L * Lp * L * Lp, L * Lp), scale=1.0, what="d2A/dT2")
+    assert_close(softmax.jacobian(A), J, scale=1.0, what="dA/dT")
+    assert_close(softmax.hessian(A), H.reshape(L * Lp * L * Lp, L * Lp), scale=1.0, what="d2A/dT2")
     rows = torch.arange(L)
-    assert_close(softmax.hessian(A), H[rows, :, rows, :, rows, :], scale=1.0, what="compact")
+    assert_close(softmax.jacobian(A, compact=True), J.reshape(L, Lp, L, Lp)[rows, :, rows, :], scale=1.0, what="compact J")
+    assert_close(softmax.hessian(A, compact=True), H[rows, :, rows, :, rows, :], scale=1.0, what="compact H")
+
+
+def test_batched_dense_is_one_per_sequence():
+    T = torch.randn(2, 3, 3, 4, dtype=torch.float64)  # batch (2, 3) of (L, L') = (3, 4)
+    A = torch.softmax(T, -1)
+    J, H = softmax.jacobian(A), softmax.hessian(A)
+    assert J.shape == (2, 3, 12, 12) and H.shape == (2, 3, 144, 12)
+    for b in range(2):
+        for c in range(3):
+            assert torch.equal(J[b, c], softmax.jacobian(A[b, c])) and torch.equal(H[b, c], softmax.hessian(A[b, c]))
 
 
 def test_contracted_hessian():
     T, B = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     A = torch.softmax(T, -1)
-    H = softmax.hessian(A)  # (L, j, k, l)
+    H = softmax.hessian(A, compact=True)  # (L, j, k, l)
     ref = torch.einsum("...ij,...ijkl->...ikl", B, H)
     assert_close(softmax.contract_hessian(A, B), ref, what="Psi")
     assert torch.equal(softmax.contract_hessian(A, B), softmax.contract_hessian(A, B).transpose(-1, -2))
+
+
+def test_errors():
+    A = torch.softmax(torch.randn(3, 4, dtype=torch.float64), -1)
+    with pytest.raises(ValueError, match=r"A must have shape \(\.\.\., L, L'\)"):
+        softmax.jacobian(A[0])  # one row: no row axis
+    with pytest.raises(ValueError, match="softmax probabilities.*not the scores"):
+        softmax.hessian(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="A contains NaN"):
+        softmax.jacobian(torch.full((2, 2), float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError, match="floating dtype"):
+        softmax.jacobian(torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"B must have the shape of A \(3, 4\)"):
+        softmax.contract_hessian(A, A[:2])
+    with pytest.raises(ValueError, match="B has dtype torch.float32"):
+        softmax.contract_hessian(A, A.float())

@@ -247,7 +247,8 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         "VV": 0.0,
     }
     names = tuple(param_shapes(cfg))
-    losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None], single=True)
+    target = losses.check(loss, target[None] if isinstance(target, torch.Tensor) else target, X[None], single=True)
+    target = target[0] if isinstance(target, torch.Tensor) else target
     is_mse = isinstance(loss, str) and loss == "mse"
     tF = float(target.double().norm()) if is_mse else None
     t2 = norm2(target.double()) if is_mse else None

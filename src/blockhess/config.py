@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import FLOAT_DTYPES
+from .validation import FLOAT_DTYPES, check_eps, check_int
 
 __all__ = ["BlockConfig", "param_shapes", "init_params"]
 
@@ -68,9 +68,11 @@ class BlockConfig:
     Raises
     ------
     ValueError
-        On a non-positive size, an unknown ``kind``/``norm``/``activation``, ``ln_eps < 0``,
-        ``n_heads`` not dividing ``d_model``, or a LayerNorm/FFN option with ``kind="attention"``
-        (each named in the message).
+        On a size that is not an int >= 1 (``d_k`` may be ``None``), an unknown
+        ``kind``/``norm``/``activation``, ``ln_eps`` not a finite float >= 0, a flag that is not a
+        bool, ``n_heads`` not dividing ``d_model``, or a LayerNorm/FFN option (``norm``,
+        ``ln_affine``, ``ln_eps``, ``activation``) changed from its default with
+        ``kind="attention"`` (each named in the message); ``d_ff`` is unused there.
     """
 
     d_model: int = 16
@@ -87,12 +89,8 @@ class BlockConfig:
     kind: str = "block"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "n_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BlockConfig.{name} must be a positive int, got {value!r}")
-        if self.d_k is not None and (not isinstance(self.d_k, int) or self.d_k < 1):
-            raise ValueError(f"BlockConfig.d_k must be a positive int or None, got {self.d_k!r}")
+        for name in ("d_model", "d_ff", "n_heads") + (("d_k",) if self.d_k is not None else ()):
+            check_int(f"BlockConfig.{name}", getattr(self, name), 1)
         if self.kind not in _KINDS:
             raise ValueError(f"BlockConfig.kind must be one of {_KINDS}, got {self.kind!r}")
         if self.norm not in _NORMS:
@@ -101,13 +99,12 @@ class BlockConfig:
             raise ValueError(
                 f"BlockConfig.activation must be one of {_ACTIVATIONS}, got {self.activation!r}"
             )
-        if not (isinstance(self.ln_eps, (int, float)) and self.ln_eps >= 0 and math.isfinite(self.ln_eps)):
-            raise ValueError(f"BlockConfig.ln_eps must be a finite float >= 0, got {self.ln_eps!r}")
+        check_eps("BlockConfig.ln_eps", self.ln_eps)
         for flag in ("bias", "out_proj", "ln_affine", "causal"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BlockConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.kind == "attention":
-            for name, default in (("norm", "post"), ("ln_affine", False), ("activation", "relu")):
+            for name, default in (("norm", "post"), ("ln_affine", False), ("ln_eps", 0.0), ("activation", "relu")):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"BlockConfig.{name}={getattr(self, name)!r} has no meaning for kind='attention' "
@@ -165,22 +162,27 @@ def init_params(
     """Random parameters for ``cfg``: a ``dict`` of tensors in canonical order.
 
     Each matrix ``W`` of shape ``(fan_in, fan_out)`` is drawn i.i.d. ``N(0, 1/fan_in)`` from a
-    private ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched), in
-    canonical order (so the paper's setting gets the same weights whatever options exist).
+    private ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched). The
+    paper's matrices ``W_Q, W_K, W_V, W_1, W_2`` are drawn first, then ``W_O``: options that
+    add weights (biases, ``W_O``, affine LayerNorm) leave the paper's matrices unchanged.
     Vectors take the usual initial values: biases and ``beta`` zero, ``gamma`` one.
 
     Raises
     ------
     ValueError
-        If ``dtype`` is not float32 or float64.
+        If ``dtype`` is not float32 or float64, or ``seed`` is not an int >= 0.
     """
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"init_params: dtype must be a floating dtype, float32 or float64, got {dtype}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
+    shapes = param_shapes(cfg)
+    drawn = {}
+    for name in sorted((k for k, s in shapes.items() if len(s) == 2), key=lambda k: k == "W_O"):  # W_O last
+        drawn[name] = torch.randn(shapes[name], generator=gen, dtype=torch.float64) / math.sqrt(shapes[name][0])
     params = {}
-    for name, shape in param_shapes(cfg).items():
-        if len(shape) == 2:
-            w = torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[0])
+    for name, shape in shapes.items():
+        if name in drawn:
+            w = drawn[name]
         else:
             w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
         params[name] = w.to(dtype=dtype, device=device)

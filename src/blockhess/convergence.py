@@ -30,7 +30,7 @@ never by autograd. Functions here take ``torch`` tensors; the statistics are ret
 >>> cfg = bh.BlockConfig(d_model=4, d_ff=6)
 >>> p = bh.init_params(cfg, seed=0)
 >>> X, T = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
->>> H = bh.convergence.per_sample_hessians(p, X, cfg, loss="mse", target=T)   # (5, 144, 144)
+>>> H = bh.convergence.per_sample_hessians(p, X, cfg, loss="mse", target=T)   # (5, 96, 96)
 >>> bool(torch.allclose(H[2], bh.hessian(p, X[2], cfg, loss="mse", target=T[2]).dense()))
 True
 >>> l = bh.convergence.per_sample_losses(p, X, cfg, loss="mse", target=T)       # (5,)
@@ -50,7 +50,7 @@ from . import linalg, losses
 from .block import _check_forward, _factors, _forward, _select, check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import _assemble
-from .validation import check_fits, check_tensor, detached
+from .validation import check_fits, check_int, check_tensor, detached
 
 __all__ = [
     "running_mean",
@@ -105,7 +105,7 @@ def running_mean(values, dim: int = -1) -> torch.Tensor:
     N = v.shape[dim]
     shape = [1] * v.ndim
     shape[dim] = N
-    k = torch.arange(1, N + 1, dtype=torch.float64).reshape(shape)
+    k = torch.arange(1, N + 1, dtype=torch.float64, device=v.device).reshape(shape)
     return v.cumsum(dim) / k
 
 
@@ -122,7 +122,7 @@ def loss_differences(losses_in_order, dim: int = -1) -> torch.Tensor:
     if N < 2:
         raise ValueError(f"need at least 2 samples for a difference, got {N}")
     L = running_mean(v)
-    k = torch.arange(1, N, dtype=torch.float64)
+    k = torch.arange(1, N, dtype=torch.float64, device=v.device)
     return ((v[..., 1:] - L[..., :-1]) / (k + 1)).movedim(-1, dim)
 
 
@@ -130,10 +130,11 @@ def random_orderings(n_samples: int, n_orderings: int, seed: int = 0) -> torch.T
     """``n_orderings`` independent random permutations of ``range(n_samples)``.
 
     Returns int64 ``(n_orderings, n_samples)``, drawn from a private ``torch.Generator``
-    seeded with ``seed`` (global RNG untouched). Raises ``ValueError`` for sizes < 1.
+    seeded with ``seed`` (global RNG untouched). Raises ``ValueError`` unless both sizes are
+    ints >= 1.
     """
-    if int(n_samples) < 1 or int(n_orderings) < 1:
-        raise ValueError(f"n_samples and n_orderings must be >= 1, got {n_samples}, {n_orderings}")
+    check_int("n_samples", n_samples, 1)
+    check_int("n_orderings", n_orderings, 1)
     gen = torch.Generator().manual_seed(int(seed))
     return torch.stack([torch.randperm(int(n_samples), generator=gen) for _ in range(int(n_orderings))])
 
@@ -170,8 +171,8 @@ def batch_running_mean(per_sample, batch_size: int, epochs: int = 1, seed: int =
     v = _f64(per_sample, "per_sample")
     if v.ndim != 1 or v.shape[0] < 1:
         raise ValueError(f"per_sample must have shape (N,) with N >= 1, got {tuple(v.shape)}")
-    if int(batch_size) < 1 or int(epochs) < 1:
-        raise ValueError(f"batch_size and epochs must be >= 1, got {batch_size}, {epochs}")
+    check_int("batch_size", batch_size, 1)
+    check_int("epochs", epochs, 1)
     N, b = v.shape[0], int(batch_size)
     gen = torch.Generator().manual_seed(int(seed))
     sums, counts = [], []
@@ -230,13 +231,12 @@ def log_ema(k, y, alpha: float = 0.5, per_decade: int = 20) -> tuple[torch.Tenso
         raise ValueError(f"k and y must be non-empty vectors of one shape, got {tuple(k.shape)} and {tuple(y.shape)}")
     if (k <= 0).any() or (k[1:] <= k[:-1]).any():
         raise ValueError("k must be positive and strictly increasing")
-    if int(per_decade) < 1:
-        raise ValueError(f"per_decade must be >= 1, got {per_decade}")
+    check_int("per_decade", per_decade, 1)
     edges = torch.floor(torch.log10(k) * int(per_decade)).to(torch.int64)
     _, inverse, counts = torch.unique_consecutive(edges, return_inverse=True, return_counts=True)
     G = counts.numel()
-    ybin = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, y) / counts
-    kbin = torch.exp(torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, k.log()) / counts)
+    ybin = y.new_zeros(G).index_add_(0, inverse, y) / counts
+    kbin = torch.exp(k.new_zeros(G).index_add_(0, inverse, k.log()) / counts)
     return kbin, ema(ybin, alpha)
 
 
@@ -244,16 +244,18 @@ def loglog_slope(k, y, k_min: float | None = None, k_max: float | None = None, n
     r"""Least-squares slope of :math:`\log y` against :math:`\log k` over ``[k_min, k_max]``.
 
     The fit uses up to ``n_points`` entries on a geometric grid of ``k`` (each decade counts
-    alike, instead of the dense large-``k`` end dominating). ``k``, ``y``: ``(N,)``, ``k > 0``,
-    ``y > 0`` inside the range. Returns ``{"slope", "intercept", "k_min", "k_max",
+    alike, instead of the dense large-``k`` end dominating). ``k``, ``y``: ``(N,)``, ``k`` ascending,
+    ``k > 0`` and ``y > 0`` inside the range. Returns ``{"slope", "intercept", "k_min", "k_max",
     "n_points", "r2"}`` (``y ≈ exp(intercept)·k^slope``). Derived here.
 
-    Raises ``ValueError`` for mismatched shapes, non-positive values in range, or fewer
-    than 3 points in range.
+    Raises ``ValueError`` for mismatched shapes, ``k`` not in ascending order, non-positive
+    values in range, or fewer than 3 points in range.
     """
     k, y = _f64(k, "k"), _f64(y, "y")
     if k.shape != y.shape or k.ndim != 1:
         raise ValueError(f"k and y must be vectors of one shape, got {tuple(k.shape)} and {tuple(y.shape)}")
+    if (k[1:] < k[:-1]).any():
+        raise ValueError("k must be in ascending order (sort k and y together)")
     lo = float(k.min()) if k_min is None else float(k_min)
     hi = float(k.max()) if k_max is None else float(k_max)
     inside = ((k >= lo) & (k <= hi)).nonzero().flatten()
@@ -262,10 +264,11 @@ def loglog_slope(k, y, k_min: float | None = None, k_max: float | None = None, n
     ks, ys = k[inside], y[inside]
     if (ks <= 0).any() or (ys <= 0).any():
         raise ValueError("k and y must be positive inside the fit range for a log-log fit")
-    grid = torch.logspace(math.log10(float(ks.min())), math.log10(float(ks.max())), int(n_points), dtype=torch.float64)
+    grid = torch.logspace(math.log10(float(ks.min())), math.log10(float(ks.max())), int(n_points), dtype=torch.float64,
+                          device=ks.device)
     idx = torch.searchsorted(ks.contiguous(), grid).clamp(max=ks.numel() - 1).unique()
     if idx.numel() < 3:
-        idx = torch.arange(ks.numel())
+        idx = torch.arange(ks.numel(), device=ks.device)
     lx, ly = ks[idx].log(), ys[idx].log()
     A = torch.stack([lx, torch.ones_like(lx)], 1)
     sol = torch.linalg.lstsq(A, ly[:, None]).solution[:, 0]
@@ -371,7 +374,7 @@ def _prepare(params, X, cfg, loss, target, wrt):
         target = target[None]
     c = _forward(params, Xb, cfg)
     _check_forward(c)
-    losses.check(loss, target, c.out, single=X.ndim == 2)
+    target = losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
     return params, Xb, target, c, names
 
@@ -467,8 +470,9 @@ def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="m
 
 
 class SpectralNorm(NamedTuple):
-    """``norm``: :math:`\\max_j|\\lambda_j|` estimates ``(B,)``; ``residual``: ``(B,)`` Lanczos
-    residuals (an eigenvalue lies within ``residual`` of ``±norm``; 0 for a full ``eigvalsh``)."""
+    """``norm``: :math:`\\max_j|\\lambda_j|` estimates ``(B,)``, never above the true value; ``residual``:
+    ``(B,)`` Lanczos residuals (some eigenvalue, not necessarily the extreme one, lies within
+    ``residual`` of ``±norm``; 0 for a full ``eigvalsh``)."""
 
     norm: torch.Tensor
     residual: torch.Tensor
@@ -480,10 +484,12 @@ def spectral_norm(H: torch.Tensor, iters: int | None = 64, seed: int = 0, tol: f
     Lanczos with full reorthogonalisation, batched over the leading axes, for at most
     ``iters`` steps, stopping early once every extreme Ritz value has a residual below
     ``tol`` times itself (``iters=None``, ``iters >= n`` or ``n <= 64``: exact ``eigvalsh``).
-    The extreme Ritz value :math:`\theta` is a lower estimate; its residual
-    :math:`|\beta_m y_m|` bounds the distance from :math:`\theta` to an eigenvalue, so
-    ``norm + residual`` is the conservative value. Only the upper triangle's symmetry is
-    assumed, not checked. Returns float64 :class:`SpectralNorm` with the batch shape.
+    The extreme Ritz value :math:`\theta` never exceeds :math:`\|H\|_2` (Ritz values lie between
+    the extreme eigenvalues). Its residual :math:`|\beta_m y_m|` bounds the distance from
+    :math:`\theta` to *some* eigenvalue, not necessarily the extreme one: with too few steps
+    :math:`\theta` can settle near an inner eigenvalue with a small residual, so
+    ``norm + residual`` is not a guaranteed upper bound (``iters=None`` is exact). Only the
+    upper triangle's symmetry is assumed, not checked. Returns float64 :class:`SpectralNorm` with the batch shape.
     Source: standard Lanczos (Golub & Van Loan, *Matrix Computations*, §10.1).
 
     Raises ``ValueError`` for a non-square or non-finite input or ``iters < 1``.
@@ -491,8 +497,8 @@ def spectral_norm(H: torch.Tensor, iters: int | None = 64, seed: int = 0, tol: f
     check_tensor("H", H)
     if H.ndim < 2 or H.shape[-1] != H.shape[-2]:
         raise ValueError(f"H must have shape (..., n, n), got {tuple(H.shape)}")
-    if iters is not None and int(iters) < 1:
-        raise ValueError(f"iters must be >= 1 or None, got {iters}")
+    if iters is not None:
+        check_int("iters", iters, 1)
     return _spectral_norm(H, iters, seed, tol)
 
 
@@ -605,10 +611,12 @@ def per_sample_statistics(
     and Theorem 5.
 
     Raises ``ValueError`` as :func:`blockhess.hessian`, for ``directions`` of the wrong shape,
-    or ``chunk_size < 1``; ``InsufficientMemoryError`` if one chunk would not fit.
+    ``chunk_size < 1`` or ``lanczos_iters < 1``; ``InsufficientMemoryError`` if one chunk would
+    not fit.
     """
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_int("chunk_size", chunk_size, 1)
+    if lanczos_iters is not None:
+        check_int("lanczos_iters", lanczos_iters, 1)
     params, Xb, target, _, names = _prepare(params, X, cfg, loss, target, wrt)
     n = _size(cfg, names)
     if directions is None:
@@ -679,8 +687,7 @@ def unit_directions(params: dict, cfg: BlockConfig, n_directions: int, seed: int
     private generator seeded with ``seed``. Raises ``ValueError`` for ``n_directions < 1``,
     an unknown name in ``wrt`` or a missing weight.
     """
-    if int(n_directions) < 1:
-        raise ValueError(f"n_directions must be >= 1, got {n_directions}")
+    check_int("n_directions", n_directions, 1)
     names = _names(params, cfg, wrt)
     n = sum(params[k].numel() for k in names)
     ref = params[names[0]]
@@ -696,6 +703,7 @@ def perturb(params: dict, delta: torch.Tensor, cfg: BlockConfig, wrt=None) -> di
     the others are copied. Raises ``ValueError`` on a size mismatch or a missing weight."""
     names = _names(params, cfg, wrt)
     n = sum(params[k].numel() for k in names)
+    check_tensor("delta", delta)
     if delta.ndim != 1 or delta.shape[0] != n:
         raise ValueError(f"delta must have shape ({n},), got {tuple(delta.shape)}")
     out, off = dict(params), 0

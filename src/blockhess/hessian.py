@@ -159,7 +159,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
     c = _forward(params, X, cfg, wrt_input=wrt_input)
     _check_forward(c)
-    losses.check(loss, target, c.out, single=X.ndim == 2)
+    target = losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
     f = _factors(c)
     ld = losses.derivatives(loss, target, c.out)

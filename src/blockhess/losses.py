@@ -47,8 +47,9 @@ class LossDerivatives(NamedTuple):
         return LossDerivatives(self.grad[b : b + 1] * B, hess * B, self.per_token)
 
 
-def check(loss, target, Z: torch.Tensor, single: bool = False) -> None:
-    """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``.
+def check(loss, target, Z: torch.Tensor, single: bool = False):
+    """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``; returns
+    ``target`` as the kernels take it (``"ce"``: class indices of any integer dtype as int64).
 
     ``single``: the caller's input was one sequence and ``Z``, ``target`` carry an added
     batch axis of size 1; messages show the shapes as the caller gave them. A callable is
@@ -80,6 +81,7 @@ def check(loss, target, Z: torch.Tensor, single: bool = False) -> None:
         d = Z.shape[-1]
         if target.numel() and (target.min() < 0 or target.max() >= d):
             raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got range [{int(target.min())}, {int(target.max())}]")
+        return target.long()
     elif callable(loss):
         if isinstance(target, torch.Tensor) and (target.ndim == 0 or target.shape[0] != Z.shape[0]):
             raise ValueError(
@@ -92,6 +94,7 @@ def check(loss, target, Z: torch.Tensor, single: bool = False) -> None:
             raise ValueError(f"loss must return a scalar (0-dim) tensor for one sequence Z of shape {tuple(Z.shape[1:])}, got {got}")
     else:
         raise ValueError(f"loss must be 'mse', 'ce' or a callable loss(Z, target) -> scalar, got {loss!r}")
+    return target
 
 
 def _in_dims(target) -> tuple[int, int | None]:

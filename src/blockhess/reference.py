@@ -116,7 +116,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
-    losses.check(loss, target, Xb, single=X.ndim == 2)
+    target = losses.check(loss, target, Xb, single=X.ndim == 2)
     allv = {**params, "X": X}
     fixed = {k: v for k, v in allv.items() if k not in names}
     sel = {n: allv[n] for n in names}

@@ -8,11 +8,13 @@ call these first.
 from __future__ import annotations
 
 import math
+import numbers
 
 import psutil
 import torch
 
-__all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance"]
+__all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance",
+           "check_int", "check_eps"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
@@ -20,6 +22,22 @@ FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse
 
 class InsufficientMemoryError(MemoryError, ValueError):
     """A requested dense result would not fit in the memory available right now."""
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` must be an integer (Python or NumPy; not a bool, not a float) ``>= minimum``;
+    returns it as ``int``. Raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_eps(name: str, value) -> float:
+    """``value`` must be a finite real number ``>= 0`` (not a bool), e.g. a LayerNorm ``eps``;
+    returns it as ``float``. Raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+    return float(value)
 
 
 def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None,

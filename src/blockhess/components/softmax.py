@@ -6,7 +6,7 @@ block-diagonal over rows; the compact forms keep one block per row.
 * Jacobian (Ormaniec et al., Lemma C.1): :math:`\partial a/\partial t = \mathrm{diag}(a) - a a^\top`.
 * Hessian: :math:`\partial^2 a_j/\partial t\,\partial t = a_j(2aa^\top + E_{jj} - \mathrm{diag}(a)
   - e_j a^\top - a e_j^\top)`.
-* Contracted with a weight row ``b`` (derived here, docs/derivations.md §softmax):
+* Contracted with a weight row ``b`` (derived here, docs/derivations.md §2):
   :math:`\sum_j b_j \partial^2 a_j/\partial t^2 = \mathrm{diag}(c) - c a^\top - a c^\top`,
   :math:`c = a \odot (b - a^\top b)`.
 """
@@ -15,34 +15,68 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_fits, check_tensor
+
 __all__ = ["jacobian", "hessian", "contract_hessian"]
 
 
-def _eye_like(A: torch.Tensor) -> torch.Tensor:
-    return torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+def _check(A: torch.Tensor, name: str = "A") -> None:
+    """``A`` must be a softmax output ``(..., L, L')``: float32/float64, finite, rows of
+    non-negative entries summing to 1 (to rounding: ``1e3`` machine epsilons)."""
+    check_tensor(name, A)
+    if A.ndim < 2 or A.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape (..., L, L') with L' >= 1 (rows of softmax probabilities), got {tuple(A.shape)}")
+    tol = 1e3 * torch.finfo(A.dtype).eps
+    if A.numel() and (bool((A < 0).any()) or float((A.sum(-1) - 1).abs().max()) > tol):
+        raise ValueError(f"{name} must hold softmax probabilities: each row non-negative and summing to 1 "
+                         "(pass softmax(T), not the scores T)")
 
 
-def jacobian(A: torch.Tensor, compact: bool = True) -> torch.Tensor:
-    r"""Jacobian of the row-wise softmax, evaluated at its output ``A`` (shape ``(L, L')``).
+def _jacobian(A: torch.Tensor) -> torch.Tensor:
+    """Compact Jacobian, no checks (kernel): ``(..., L, L', L')``."""
+    return torch.diag_embed(A) - A[..., :, None] * A[..., None, :]
 
-    Returns ``S`` with ``S[i] = diag(A_i) - A_i^T A_i`` (compact, shape ``(L, L', L')``),
-    or the paper's dense ``∂vec_r A/∂vec_r T`` of shape ``(L·L', L·L')`` (block-diagonal).
-    Any leading batch dimensions of ``A`` are kept (compact only). dtype of ``A``.
+
+def jacobian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
+    r"""Jacobian of the row-wise softmax, evaluated at its output ``A`` of shape ``(..., L, L')``.
+
+    Returns the paper's dense ``∂vec_r A/∂vec_r T`` of shape ``(..., L·L', L·L')``
+    (block-diagonal over rows), or with ``compact`` the blocks ``S[..., i] = diag(A_i) - A_i^T A_i``,
+    shape ``(..., L, L', L')``. Leading axes are a batch. dtype and device of ``A``.
     Source: Ormaniec et al. Lemma C.1, paper §2.1.
+
+    Raises
+    ------
+    ValueError
+        ``A`` not a float32/float64 tensor of shape ``(..., L, L')``, with NaN/Inf, or not
+        softmax probabilities (a negative entry, a row not summing to 1).
+    InsufficientMemoryError
+        The dense layout would not fit in available memory (bytes in the message).
     """
-    S = torch.diag_embed(A) - A[..., :, None] * A[..., None, :]
-    return S if compact else torch.block_diag(*S)
+    _check(A)
+    S = _jacobian(A)
+    if compact:
+        return S
+    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
+    check_fits(A.numel() * L * Lp * A.element_size(), "the dense softmax Jacobian", A.device)
+    dense = A.new_zeros(*batch, L, Lp, L, Lp)
+    torch.diagonal(dense, 0, -4, -2).copy_(S.movedim(-3, -1))  # the row-diagonal blocks [..., j, k, i]
+    return dense.reshape(*batch, L * Lp, L * Lp)
 
 
-def hessian(A: torch.Tensor, compact: bool = True) -> torch.Tensor:
-    r"""Second derivative of the row-wise softmax at its output ``A`` (shape ``(L, L')``).
+def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
+    r"""Second derivative of the row-wise softmax at its output ``A`` of shape ``(..., L, L')``.
 
-    Compact: ``H[i, j, k, l] = ∂²A_ij / ∂T_ik ∂T_il``, shape ``(L, L', L', L')``.
-    Dense (paper layout): ``(L·L'·L·L', L·L')`` with rows ``(o, t)`` o-major, ``o = (i, j)``,
-    ``t = (i', k)``, column ``(i'', l)``; non-zero only for ``i = i' = i''``.
-    Source: paper §2.1 (Ormaniec et al. Lemma C.1), VERIFIED by tests/test_softmax.py.
+    Dense (paper layout): ``(..., L·L'·L·L', L·L')`` with rows ``(o, t)`` o-major,
+    ``o = (i, j)``, ``t = (i', k)``, column ``(i'', l)``; non-zero only for ``i = i' = i''``.
+    Compact: ``H[..., i, j, k, l] = ∂²A_ij / ∂T_ik ∂T_il``, shape ``(..., L, L', L', L')``.
+    Leading axes are a batch. dtype and device of ``A``.
+    Source: paper §2.1 (Ormaniec et al. Lemma C.1), checked against autograd in tests/test_softmax.py.
+
+    Raises as :func:`jacobian`.
     """
-    I = _eye_like(A)
+    _check(A)
+    I = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     a_k = A[..., None, :, None]
     a_l = A[..., None, None, :]
     d_jk = I[:, :, None]
@@ -51,19 +85,33 @@ def hessian(A: torch.Tensor, compact: bool = True) -> torch.Tensor:
     H = A[..., :, None, None] * (2 * a_k * a_l + d_jk * d_jl - d_kl * a_k - d_jk * a_l - a_k * d_jl)
     if compact:
         return H
-    L, Lp = A.shape
-    dense = A.new_zeros(L, Lp, L, Lp, L, Lp)
-    rows = torch.arange(L)
-    dense[rows, :, rows, :, rows, :] = H
-    return dense.reshape(L * Lp * L * Lp, L * Lp)
+    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
+    check_fits(A.numel() * (L * Lp) ** 2 * A.element_size(), "the dense softmax Hessian", A.device)
+    dense = A.new_zeros(*batch, L, Lp, L, Lp, L, Lp)
+    diag = torch.diagonal(torch.diagonal(dense, 0, -6, -4), 0, -3, -1)  # [..., j, k, l, i]: i = i' = i''
+    diag.copy_(H.movedim(-4, -1))
+    return dense.reshape(*batch, L * Lp * L * Lp, L * Lp)
+
+
+def _contract(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """:func:`contract_hessian` without checks (kernel)."""
+    c = A * (B - (A * B).sum(-1, keepdim=True))
+    return torch.diag_embed(c) - c[..., :, None] * A[..., None, :] - A[..., :, None] * c[..., None, :]
 
 
 def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     r"""Row-wise contraction :math:`\Psi_i = \sum_j B_{ij}\, \partial^2 A_{ij}/\partial T_i^2`.
 
-    ``A`` and ``B`` of shape ``(..., L, L')``; returns ``(..., L, L', L')``, symmetric in the
-    last two axes: :math:`\Psi_i = \mathrm{diag}(c_i) - c_i a_i^\top - a_i c_i^\top` with
+    ``A`` (softmax output) and ``B`` of one shape ``(..., L, L')``, same dtype and device;
+    returns ``(..., L, L', L')``, symmetric in the last two axes:
+    :math:`\Psi_i = \mathrm{diag}(c_i) - c_i a_i^\top - a_i c_i^\top` with
     :math:`c_i = a_i\odot(b_i - a_i^\top b_i)`. Derived here (docs/derivations.md).
+
+    Raises ``ValueError`` as :func:`jacobian` for ``A``; for ``B`` not a finite float tensor of
+    ``A``'s shape, dtype and device.
     """
-    c = A * (B - (A * B).sum(-1, keepdim=True))
-    return torch.diag_embed(c) - c[..., :, None] * A[..., None, :] - A[..., :, None] * c[..., None, :]
+    _check(A)
+    check_tensor("B", B, like=A)
+    if B.shape != A.shape:
+        raise ValueError(f"B must have the shape of A {tuple(A.shape)}, got {tuple(B.shape)}")
+    return _contract(A, B)
