@@ -221,3 +221,15 @@ def test_bounds_command_random_part(tmp_path, monkeypatch):
     assert (out / "bounds.png").stat().st_size > 0 and "Theorem 1" in (out / "bounds.md").read_text()
     with pytest.raises(ValueError):
         cmd.run(p.parse_args(["--out", str(out), "--batch", "0"]))
+
+
+def test_exact_norms_needs_the_parts():
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg)
+    X, T = torch.randn(2, 3, 4, dtype=torch.float64).unbind(0)
+    H = bh.hessian(p, X, cfg, target=T)
+    assert set(bh.bounds.exact_norms(H)) == {"full", "outer", "functional"}
+    with pytest.raises(ValueError, match="without parts"):
+        bh.bounds.exact_norms(H.outer)
+    with pytest.raises(ValueError, match="got Tensor"):
+        bh.bounds.exact_norms(H.dense())

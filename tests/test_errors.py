@@ -124,6 +124,16 @@ def test_losses_and_targets(case):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(), target=torch.zeros(5))
     with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
         bh.hessian(p, X, cfg, target=T, wrt=["W_O"])
+    with pytest.raises(ValueError, match=r"wrt must be None, a parameter name or a list of names from \[.*\], got 3"):
+        bh.jacobian(p, X, cfg, wrt=3)
+    assert list(bh.jacobian(p, X, cfg, wrt=p.keys())) == list(p)  # any iterable of names
+    with pytest.raises(ValueError, match=r"b must be one parameter name of \[.*\], got \['W_2'\]"):
+        bh.second_derivative(p, X[0], cfg, "W_1", ["W_2"])
+    H = bh.hessian(p, X, cfg, target=T)
+    with pytest.raises(KeyError, match="index a HessianBlocks by a pair of names"):
+        H["W_Q"]
+    with pytest.raises(KeyError, match="unknown parameter 'W_O'"):
+        H["W_Q", "W_O"]
     # one sequence: the shapes in the message are the caller's, without the added batch axis
     with pytest.raises(ValueError, match=r"shape of the output \(3, 4\) for loss='mse', got \(4,\)$"):
         bh.hessian(p, X[0], cfg, loss="mse", target=T[0, 0])

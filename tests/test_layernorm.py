@@ -83,6 +83,10 @@ def test_errors():
     assert_close(bh.layernorm.jacobian(big), bh.layernorm.jacobian(big / 1e150) / 1e150, what="rows at 1e155")  # J(cX) = J(X)/c
     with pytest.raises(ValueError, match="NaN"):
         bh.layernorm.hessian(torch.full((2, 3), float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"L >= 1 and d >= 1 for the dense layout, got \(0, 4\)"):
+        bh.layernorm.jacobian(torch.zeros(0, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="eps must be a finite float >= 0, got True"):
+        bh.layernorm.jacobian(X, eps=True)
     with pytest.raises(ValueError, match="gamma must have shape"):
         bh.layernorm.jacobian(torch.randn(2, 4), gamma=torch.ones(3))
     with pytest.raises(ValueError, match="eps"):

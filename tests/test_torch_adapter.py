@@ -193,5 +193,17 @@ def test_unsupported_settings_are_named():
         bh.from_torch(nn.Linear(3, 3))
     cfg, p = bh.from_torch(layer)
     H = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt="W_1")
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match=r"H is the Hessian of BlockConfig\(d_model=8, d_ff=6.*but module TransformerEncoderLayer is "
+                                         r"BlockConfig\(d_model=8, d_ff=5"):
         H.to_module(make_layer(False, "relu", True, 2, 1e-5, True, dff=5))
+    H.cfg = None  # a Hessian that does not say whose it is: the shapes still have to agree
+    with pytest.raises(ValueError, match=r"linear1.weight: shape \(5, 8\) does not match the Hessian's \(6, 8\)"):
+        H.to_module(make_layer(False, "relu", True, 2, 1e-5, True, dff=5))
+    mcfg, mp = bh.from_torch(nn.MultiheadAttention(8, 2, batch_first=True, dtype=DT))
+    Hm = bh.hessian(mp, torch.randn(3, 8, dtype=DT), mcfg, target=torch.zeros(3, 8, dtype=DT))
+    with pytest.raises(ValueError, match="kind='attention'.*but module TransformerEncoderLayer is.*kind='block'"):
+        Hm.to_module(layer)  # the attention layer's names are a subset of the block's, its numbers are not
+    with pytest.raises(ValueError, match="block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got Linear"):
+        bh.block_input(nn.Linear(8, 8), torch.randn(3, 8, dtype=DT))
+    with pytest.raises(ValueError, match="from_torch: dtype must be float32 or float64, got torch.float16"):
+        bh.from_torch(layer, dtype=torch.float16)

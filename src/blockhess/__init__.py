@@ -9,7 +9,7 @@ Meshkov, Grabovoy; arXiv 2510.16927) in PyTorch, checked against ``torch.func``.
 >>> X = torch.randn(3, 4, dtype=torch.float64)
 >>> H = bh.hessian(params, X, cfg, loss="mse", target=torch.zeros(3, 4, dtype=torch.float64))
 >>> H.dense().shape
-torch.Size([144, 144])
+torch.Size([96, 96])
 """
 
 from . import reference

@@ -16,6 +16,7 @@ The product takes its input as ``(B, L, d_model)`` (or ``(L, d_model)``): for a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as Fn
 
 from .blocks import HessianBlocks
 from .config import BlockConfig, param_shapes
+from .validation import FLOAT_DTYPES
 
 __all__ = ["from_torch", "to_module", "block_input"]
 
@@ -115,8 +117,11 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     Raises ``ValueError`` naming the setting for what the closed form does not cover:
     dropout > 0 in training mode, a custom activation, ``kdim``/``vdim`` != ``d_model``,
     ``add_bias_kv``, ``add_zero_attn``, a mask other than the causal one, a key padding
-    mask, LayerNorms with different eps or affine settings, biases on some layers only.
+    mask, LayerNorms with different eps or affine settings, biases on some layers only; and
+    for ``dtype`` other than ``None``, float32 or float64.
     """
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"from_torch: dtype must be float32 or float64, got {dtype}")
     if src_key_padding_mask is not None:
         raise ValueError("src_key_padding_mask is not supported (only the causal mask is)")
     if src_mask is not None:
@@ -173,7 +178,14 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
 
 
 def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
-    """The layer's input ``X`` in the product's layout ``(B, L, d)``: transposed for ``batch_first=False``."""
+    """The layer's input ``X`` in the product's layout ``(B, L, d)`` (or ``(L, d)`` unbatched):
+    ``(L, B, d)`` is transposed for ``batch_first=False``; a view, same dtype and device.
+
+    Raises ``ValueError`` if ``module`` is not an ``nn.TransformerEncoderLayer`` or
+    ``nn.MultiheadAttention``.
+    """
+    if not isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention)):
+        raise ValueError(f"block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got {type(module).__name__}")
     batch_first = module.batch_first if isinstance(module, nn.MultiheadAttention) else module.self_attn.batch_first
     return X if batch_first or X.ndim == 2 else X.transpose(0, 1)
 
@@ -189,8 +201,15 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     ``torch.func.functional_call(module, ...)``, flattened. ``.outer`` and ``.functional``
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
-    Raises ``ValueError`` if ``H`` covers none of the module's parameters.
+    Raises ``ValueError`` if ``H`` is of another block than ``module`` (``H.cfg``, when it has
+    one, against :func:`from_torch`'s reading of ``module``; the mask aside), or covers none
+    of its parameters; :func:`from_torch`'s errors for a module it cannot read.
     """
+    if H.cfg is not None:
+        mine = from_torch(module)[0]
+        if dataclasses.replace(H.cfg, causal=False) != mine:
+            raise ValueError(f"H is the Hessian of {H.cfg}, but module {type(module).__name__} is {mine} "
+                             "(up to the mask): its labels would not describe these numbers")
     offsets, off = {}, 0
     for n, s in zip(H.names, H.sizes):
         offsets[n] = off

@@ -36,6 +36,7 @@ variable too (``wrt_input``): its Jacobian is dense within a sequence (:class:`~
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -658,9 +659,13 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 
 
 def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
+    """The names of ``wrt`` (``None``: all; a name; or an iterable of names) in canonical order."""
     if wrt is None:
         return names
-    wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt)
+    given = wrt
+    wrt = (wrt,) if isinstance(wrt, str) else tuple(wrt) if isinstance(wrt, Iterable) else None
+    if wrt is None or not all(isinstance(w, str) for w in wrt):
+        raise ValueError(f"wrt must be None, a parameter name or a list of names from {list(names)}, got {given!r}")
     unknown = [w for w in wrt if w not in names]
     if unknown or not wrt:
         raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}")
@@ -697,7 +702,10 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
 
     Rows ``(l, c)`` of ``Z``, columns ``(m, a)`` of ``X`` (``vec_r``); sequences do not mix.
     Closed form: :math:`\partial Z_t/\partial X = J_{Z,t} J_{SY,t} J_{Y,t} (e_t^\top\otimes I + \partial P_t/\partial X)`
-    with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). Same errors as :func:`forward`.
+    with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). dtype and device
+    of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13).
+
+    Raises ``ValueError`` as :func:`forward`.
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg, wrt_input=True)
@@ -727,8 +735,9 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
         raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, norm={cfg.norm!r}, got {of!r}")
     c = _forward(params, X, cfg)
     _check_forward(c)
-    for n in (a, b):
-        _select(c.names, n)
+    for name, n in (("a", a), ("b", b)):
+        if not (isinstance(n, str) and n in c.names):
+            raise ValueError(f"{name} must be one parameter name of {list(c.names)}, got {n!r}")
     factors = _factors(c)
     if of == "S":
         def contract(g, acc):

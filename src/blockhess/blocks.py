@@ -134,8 +134,8 @@ class BlockSum:
         for i in range(0, upper.shape[0], t):
             lower[:, i : i + t].copy_(upper[i : i + t].T)
 
-    def result(self, like: torch.Tensor) -> "HessianBlocks":
-        """The accumulated :class:`HessianBlocks` (never-touched pairs are zero blocks)."""
+    def result(self, like: torch.Tensor, cfg=None) -> "HessianBlocks":
+        """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero blocks)."""
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
@@ -143,7 +143,7 @@ class BlockSum:
                     if a != b:
                         self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
             self._workspace = None
-        return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer)
+        return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer, cfg=cfg)
 
 
 class HessianBlocks:
@@ -161,6 +161,8 @@ class HessianBlocks:
     outer, functional : HessianBlocks
         The Gauss–Newton (outer-product) and functional terms (paper eq. 10). For a result
         of :func:`blockhess.hessian` they are computed on first access, by their own pass.
+    cfg : BlockConfig or None
+        The block whose Hessian this is (results of :func:`blockhess.hessian`), else ``None``.
 
     ``H[a, b]`` returns the block (a view where stored, a transposed view otherwise, a zero
     block for pairs never touched). ``H.dense()`` is the ``(n, n)`` matrix, blocks in
@@ -168,8 +170,9 @@ class HessianBlocks:
     """
 
     def __init__(self, names, shapes, blocks: dict[Key, torch.Tensor], like: torch.Tensor, buffer=None,
-                 parts: Callable[[str], "HessianBlocks"] | None = None):
+                 parts: Callable[[str], "HessianBlocks"] | None = None, cfg=None):
         self.names = tuple(names)
+        self.cfg = cfg
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
         self.sizes = tuple(int(torch.Size(self.shapes[n]).numel()) for n in self.names)
         self.dtype, self.device = like.dtype, like.device
@@ -196,6 +199,11 @@ class HessianBlocks:
         return self._part("functional")
 
     def __getitem__(self, key: Key) -> torch.Tensor:
+        """The block ``H[a, b]`` of shape ``(n_a, n_b)`` for a pair of names ``key = (a, b)``.
+
+        Raises ``KeyError`` for a key that is not a pair of this Hessian's names."""
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise KeyError(f"index a HessianBlocks by a pair of names, e.g. H[{self.names[0]!r}, {self.names[-1]!r}]; got {key!r}")
         a, b = key
         for n in (a, b):
             if n not in self.names:

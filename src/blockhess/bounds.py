@@ -38,6 +38,7 @@ import torch
 
 from . import losses
 from .block import check_inputs
+from .blocks import HessianBlocks
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
@@ -422,7 +423,13 @@ def exact_norms(H) -> dict[str, Any]:
     Returns ``{"full"|"outer"|"functional": {(a, b): float, ..., "all": float}}`` over the
     ordered pairs of ``H.names``; ``"all"`` is the spectral norm of the dense symmetric matrix
     (eigenvalues). Computed in float64 (:mod:`blockhess.linalg`) whatever the dtype of ``H``.
+
+    Raises ``ValueError`` if ``H`` does not carry its outer and functional parts (it must be
+    a result of :func:`blockhess.hessian` or :func:`blockhess.reference.hessian`, not one part).
     """
+    if not isinstance(H, HessianBlocks) or H._parts is None:
+        raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
+                         f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     names = H.names
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
     out = {}

@@ -415,7 +415,8 @@ def per_sample_gradients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="
 
     ``n`` = total size of the weights ``wrt`` (default all, canonical order, ``vec_r``).
     Closed form: the Theorem 4 Kronecker factors contracted with :math:`\nabla_Z l_i`,
-    vmapped over sequences. Same arguments and errors as :func:`blockhess.hessian`.
+    vmapped over sequences; valid almost everywhere (ReLU). Same arguments and errors as
+    :func:`blockhess.hessian`.
     """
     params, Xb, target, c, names = _prepare(params, X, cfg, loss, target, wrt)
     B = Xb.shape[0]

@@ -66,7 +66,7 @@ def _assemble(c, f, ld: losses.LossDerivatives, names, which: str = "full", dens
     given) or as a dict of blocks."""
     acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
     _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    return acc.result(c.out)
+    return acc.result(c.out, c.cfg)
 
 
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
@@ -94,8 +94,9 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     X : Tensor
         One sequence ``(L, d_model)`` or a batch ``(B, L, d_model)``, float32 or float64.
     cfg : BlockConfig
-        ``kind="block"`` (post-LN block, Theorem 5 / eq. 10) or ``"attention"`` (Theorem 1 layer;
-        the outer/functional split of Ormaniec et al.).
+        ``kind="block"`` (the Transformer block, post-LN as in Theorem 5 / eq. 10, or pre-LN,
+        with the options of :class:`~blockhess.BlockConfig`) or ``"attention"`` (Theorem 1
+        layer; the outer/functional split of Ormaniec et al.).
     loss : "mse" | "ce" | callable
         ``"mse"`` (mean over entries, the paper's), ``"ce"`` (rows of the output are logits
         over ``d_model`` classes, mean over tokens) or ``loss(Z, target) -> scalar`` applied

@@ -105,8 +105,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     """``torch.func.hessian`` of the loss through :func:`forward`, with the outer term
     ``J^T (∇²_Z ℓ) J`` from ``jacrev`` and the functional term as the difference.
 
-    Same signature, shapes and errors as :func:`blockhess.hessian` (``wrt_input=True`` adds
-    the block input ``X`` as a variable named ``"X"``, first).
+    Same arguments (but no ``out``), shapes and argument errors as :func:`blockhess.hessian`
+    (``wrt_input=True`` adds the block input ``X`` as a variable named ``"X"``, first). The
+    forward pass itself is not checked: where :func:`blockhess.hessian` refuses a zero-variance
+    or overflowing LayerNorm row, this oracle returns what autograd gives (NaN or Inf).
     """
     check_inputs(params, X, cfg)
     shapes = dict(param_shapes(cfg))
@@ -149,6 +151,6 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
             parts["full"].add(a, b, full)
             parts["outer"].add(a, b, outer)
             parts["functional"].add(a, b, full - outer)
-    H = parts["full"].result(X)
-    H._parts = lambda which: parts[which].result(X)
+    H = parts["full"].result(X, cfg)
+    H._parts = lambda which: parts[which].result(X, cfg)
     return H

@@ -146,6 +146,9 @@ def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
 
     ``names``: the public names wanted (default ``W_Q, W_K, W_V``); only their factors are
     formed. ``b_K`` gets no factor: its Jacobian is exactly zero (softmax is shift-invariant per row).
+    Returns ``{name: TokenKron}`` (:class:`blockhess.kronecker.TokenKron`; ``.dense()`` is the
+    ``(B·L·d_model, numel)`` Jacobian, ``vec_r`` columns). Source: Theorem 1's first
+    derivatives (paper §2.2, Ormaniec et al.). Kernel: no checks.
     """
     names = NAMES if names is None else names
     B, L, d = c.X.shape

@@ -62,6 +62,9 @@ def activation(x: torch.Tensor, kind: str = "relu"):
     * gelu (erf): :math:`x\Phi(x)`, :math:`\Phi(x) + x\varphi(x)`, :math:`\varphi(x)(2 - x^2)`.
     * gelu_tanh: :math:`\tfrac12 x(1+t)`, :math:`t = \tanh u`, :math:`u = c(x + 0.044715x^3)`, :math:`c = \sqrt{2/\pi}`:
       :math:`\tfrac12(1+t) + \tfrac12 x(1-t^2)u'`, :math:`(1-t^2)(u' - x t u'^2 + \tfrac12 x u'')`.
+
+    Each of ``x``'s shape and dtype. Raises ``ValueError`` for another ``kind``. Source: the
+    definitions above, differentiated here (checked against autograd in tests/test_ffn.py).
     """
     if kind == "relu":
         D = (x > 0).to(x.dtype)
@@ -106,7 +109,12 @@ def _M(c: Cache) -> torch.Tensor:
 
 
 def weight_jacobians(c: Cache, names=("W_1", "W_2")) -> dict[str, TokenKron]:
-    """``B_1``, ``B_2`` (paper §2.6) and the biases / LN_2 parameters, for those in ``names``, per token."""
+    """``B_1``, ``B_2`` (paper §2.6) and the biases / LN_2 parameters, for those in ``names``, per token.
+
+    Returns ``{name: TokenKron}``: the Jacobian of ``S_t`` w.r.t. each weight as per-token
+    Kronecker factors over the ``T`` tokens of ``c`` (:class:`blockhess.kronecker.TokenKron`;
+    ``.dense()`` is the ``(T·d_model, numel)`` matrix, ``vec_r`` columns). Kernel: no checks.
+    """
     T, d = c.Y.shape
     eye = torch.eye(d, dtype=c.Y.dtype, device=c.Y.device).expand(T, d, d)
     M = _M(c) if {"W_1", "b_1", "gamma_2", "beta_2"} & set(names) else None

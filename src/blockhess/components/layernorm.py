@@ -18,10 +18,11 @@ Both hold for ``eps >= 0``; with ``eps = 0`` each row needs non-zero variance (A
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from ..validation import check_fits, check_ln_variance, check_tensor
+from ..validation import check_eps, check_fits, check_ln_variance, check_tensor
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian"]
 
@@ -105,10 +106,10 @@ def _check(X, eps, gamma, dense: bool):
     """Validate the arguments (shapes first, then values); returns :func:`_stats` of ``X``
     (the variance check needs them)."""
     check_tensor("X", X, finite=False)  # a NaN or Inf makes a row's variance non-finite: check_ln_variance
-    if X.ndim < (2 if dense else 1):
-        raise ValueError(f"X must have shape (..., L, d){' for the dense layout' if dense else ''}, got {tuple(X.shape)}")
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    if X.ndim < (2 if dense else 1) or X.shape[-1] < 1 or (dense and X.shape[-2] < 1):
+        raise ValueError(f"X must have shape (..., L, d) with L >= 1 and d >= 1{' for the dense layout' if dense else ''}, "
+                         f"got {tuple(X.shape)}")
+    check_eps("eps", eps)
     if gamma is not None:
         check_tensor("gamma", gamma, ndim=(1,), like=X)
         if gamma.shape[0] != X.shape[-1]:
@@ -138,7 +139,7 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
     if compact:
         return _compact_jacobian(X, eps, gamma, stats)
     batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(X[..., 0, 0].numel() * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
+    check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
     J = _compact_jacobian(X, eps, gamma, stats).reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
     torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
@@ -157,7 +158,7 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     if compact:
         return _compact_hessian(X, eps, gamma, stats)
     batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(X[..., 0, 0].numel() * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
+    check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
     H = _compact_hessian(X, eps, gamma, stats).reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
