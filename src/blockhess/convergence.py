@@ -183,7 +183,7 @@ def batch_running_mean(per_sample, batch_size: int, epochs: int = 1, seed: int =
             sums.append(chunk.sum())
             counts.append(chunk.numel())
     S = torch.stack(sums).cumsum(0)
-    n = torch.tensor(counts, dtype=torch.float64).cumsum(0)
+    n = torch.tensor(counts, dtype=torch.float64, device=v.device).cumsum(0)
     means = S / n
     return n[1:], (means[1:] - means[:-1]).abs()
 
