@@ -9,6 +9,7 @@ import torch
 
 from blockhess.cli import main
 from blockhess.experiments import vit as V
+from blockhess.experiments.outputs import atomic_dir
 
 TINY = {"patch": 4, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -99,13 +100,15 @@ def test_bad_checkpoint_is_one_line_error_and_no_report(tmp_path, capsys, kind):
 
 def test_batch_larger_than_data(tmp_path, checkpoint, capsys):
     out = tmp_path / "rep"
-    out.mkdir()
-    (out / "keep.txt").write_text("previous report")
+    with atomic_dir(out) as tmp:
+        (tmp / "keep.txt").write_text("previous report")
     err = _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(out), "--batch", "5000", "--quiet"])
     assert "5000" in err and "training images" in err
     assert (out / "keep.txt").read_text() == "previous report"  # an older report stays intact
     assert _leftovers(tmp_path) == []
     _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(out), "--batch", "0", "--quiet"])
+    err = _error(capsys, ["report", "--checkpoint", checkpoint, "--out", str(out), "--steps", "10", "--quiet"])
+    assert "--steps has no effect with --checkpoint" in err
 
 
 def test_unwritable_out(tmp_path, checkpoint, capsys):

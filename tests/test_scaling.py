@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from blockhess.experiments import scaling
+from blockhess.experiments.outputs import MARKER
 from blockhess.experiments.runtime import torch_threads
 
 
@@ -76,6 +77,7 @@ def test_command_writes_outputs(tmp_path, monkeypatch):
     assert {"fits", "records", "config", "runtime_s", "environment"} <= set(res)
     for name in ("scaling.md", "scaling_input_scale.png", "scaling_seq_len.png", "scaling_ln_variance.png"):
         assert (out / name).stat().st_size > 0
-    assert not [q for q in out.iterdir() if q.name.startswith(".")]  # no temporary left behind
+    assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]  # no temporary left behind
+    assert (out / MARKER).is_file()  # a later run may replace these results
     with pytest.raises(ValueError):
         scaling.run(p.parse_args(["--out", str(out), "--quick", "--seeds", "1", "--quiet"]))

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from blockhess.cli import main
-from blockhess.experiments.outputs import atomic_dir
+from blockhess.experiments.outputs import MARKER, atomic_dir
 
 
 def test_validate_quick(tmp_path):
@@ -21,14 +21,38 @@ def test_validate_quick(tmp_path):
 
 def test_atomic_dir_leaves_nothing_on_error(tmp_path):
     out = tmp_path / "res"
-    out.mkdir()
-    (out / "old.txt").write_text("previous results")
+    with atomic_dir(out) as tmp:
+        (tmp / "old.txt").write_text("previous results")
     with pytest.raises(RuntimeError):
         with atomic_dir(out) as tmp:
             (tmp / "partial.json").write_text("{")
             raise RuntimeError("failed half way")
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt"])
     assert [p.name for p in tmp_path.iterdir()] == ["res"]  # no temporary folder left behind
+
+
+def test_atomic_dir_replaces_only_results_or_empty_folders(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "main.py").write_text("code")
+    with pytest.raises(OSError, match="holds files that are not blockhess results"):
+        with atomic_dir(work):
+            raise AssertionError("not reached: refused before any work")
+    assert [p.name for p in work.iterdir()] == ["main.py"]
+    monkeypatch.chdir(work / "..")
+    for here in (".", tmp_path):  # the current folder, and one above it, even if they were results
+        with pytest.raises(OSError, match="is the current folder or one above it"):
+            with atomic_dir(here):
+                raise AssertionError("not reached")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_dir(empty) as tmp:
+        (tmp / "a.json").write_text("{}")
+    with atomic_dir(empty) as tmp:  # a previous run's results are replaced
+        (tmp / "b.json").write_text("{}")
+    assert sorted(p.name for p in empty.iterdir()) == sorted([MARKER, "b.json"])
+    assert main(["validate", "--quick", "--quiet", "--out", str(work)]) == 2
+    assert [p.name for p in work.iterdir()] == ["main.py"]
 
 
 def test_atomic_dir_gives_an_ordinary_folder(tmp_path):

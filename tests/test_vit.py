@@ -273,7 +273,8 @@ def test_unreadable_and_missing_checkpoints(tmp_path):
 
 def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
     monkeypatch.setattr(V, "DEFAULT_CHECKPOINT", str(tmp_path / "ck" / "digits_vit.pt"))
-    first = V.load_or_train(quiet=True, steps=3)
+    monkeypatch.setattr(V, "DEFAULT_STEPS", 3)
+    first = V.load_or_train(quiet=True)
     assert first.train_info["trained_in_this_run"] is True and first.train_info["steps"] == 3
     assert (tmp_path / "ck" / "digits_vit.pt").is_file()
     assert first.cfg == bh.BlockConfig(d_model=16, d_ff=32, d_k=16, ln_eps=1e-5)
@@ -281,4 +282,8 @@ def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
     assert second.train_info["trained_in_this_run"] is False
     assert torch.equal(second.params["W_V"], first.params["W_V"])
     other = V.load_or_train(quiet=True, steps=1, seed=2)
-    assert (tmp_path / "ck" / "digits_vit_seed2.pt").is_file() and other.seed == 2
+    assert (tmp_path / "ck" / "digits_vit_seed2_steps1.pt").is_file() and other.seed == 2
+    fewer = V.load_or_train(quiet=True, steps=1)  # other steps: its own model, the default one is neither read nor replaced
+    assert fewer.train_info["trained_in_this_run"] is True and fewer.train_info["steps"] == 1
+    assert (tmp_path / "ck" / "digits_vit_steps1.pt").is_file()
+    assert torch.equal(V.load_or_train(quiet=True).params["W_V"], first.params["W_V"])

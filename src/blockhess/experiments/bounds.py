@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .outputs import atomic_dir, write_json
+from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure)"
@@ -45,7 +45,7 @@ SWEEP_WEIGHT_SCALES = (1.0, 0.1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bounds", metavar="DIR", help="output folder (default: bounds)")
+    p.add_argument("--out", default="bounds", metavar="DIR", help=out_help("bounds"))
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: checkpoints/digits_vit.pt, trained if missing)")
     p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
@@ -274,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    check_out(args.out)
     t0 = time.perf_counter()
     with torch_threads(args.threads):
         tables, ingr = _random_tables(args.quiet)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import convergence as cv
-from .outputs import atomic_dir, write_json
+from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
@@ -87,7 +87,7 @@ QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="convergence", metavar="DIR", help="output folder (default: convergence)")
+    p.add_argument("--out", default="convergence", metavar="DIR", help=out_help("convergence"))
     p.add_argument("--quick", action="store_true",
                    help="exact Hessians of 96 training images (not all), fewer orderings and epochs: under half a minute")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
@@ -617,6 +617,7 @@ def run_experiment(model, out, settings: Settings, quiet: bool = True) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    check_out(args.out)
     t0 = time.perf_counter()
     from . import vit as vit_mod
 

@@ -36,7 +36,7 @@ from ..hessian import hessian as closed_form_hessian
 from .. import linalg, reference
 from . import plots
 from . import vit as vitmod
-from .outputs import atomic_dir, write_json
+from .outputs import atomic_dir, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, norms, spectra, figures"
@@ -49,9 +49,10 @@ _TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="report", metavar="DIR",
-                   help="output folder: report.json, report.md, PNG figures (replaced whole when done; default: report)")
+                   help=out_help("report", "report.json, report.md, PNG figures"))
     p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help=f"model checkpoint to read; a path given here must exist (default: {vitmod.DEFAULT_CHECKPOINT}, trained and saved there when absent)")
+                   help=f"model checkpoint to read; a path given here must exist (default: {vitmod.DEFAULT_CHECKPOINT} under the "
+                        "current folder, with _seed{S}/_steps{N} added for other --seed/--steps; trained and saved there when absent)")
     p.add_argument("--batch", type=int, default=128, metavar="N",
                    help="number of training images in the fixed batch (default: 128)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float64",
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the batch choice and, when training, of the model (default: 0)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=f"training steps when the model has to be trained (default: {vitmod.DEFAULT_STEPS})")
+                   help=f"training steps of the model (its own default checkpoint; not with --checkpoint) (default: {vitmod.DEFAULT_STEPS})")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs of the closed form; the median is reported (default: 3)")
     add_threads_argument(p)
@@ -385,8 +386,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if args.steps is not None and args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
-    if args.repeats < 1 or args.ref_chunk < 1:
-        raise ValueError("--repeats and --ref-chunk must be >= 1")
+    if args.steps is not None and args.checkpoint is not None:
+        raise ValueError("--steps has no effect with --checkpoint (the model is read, not trained): give one of them")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.ref_chunk < 1:
+        raise ValueError(f"--ref-chunk must be >= 1, got {args.ref_chunk}")
     with torch_threads(args.threads):
         return _run(args)
 

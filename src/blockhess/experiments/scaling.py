@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .. import linalg
-from .outputs import atomic_dir, write_json
+from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
 HELP = "curvature scaling laws on exact Hessians: input scale, sequence length, LayerNorm variance (fits, plots)"
@@ -65,7 +65,7 @@ PAPER_L3 = "paper §3.3 (1/L³ at fixed ‖X‖₂), uniform-attention regime"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="scaling", metavar="DIR", help="output folder (default: scaling)")
+    p.add_argument("--out", default="scaling", metavar="DIR", help=out_help("scaling"))
     p.add_argument("--quick", action="store_true", help="small sizes, 3 seeds (well under a minute on 2 cores)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 quick, 8 full)")
     add_threads_argument(p)
@@ -475,6 +475,7 @@ def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True,
 
 
 def run(args: argparse.Namespace) -> int:
+    check_out(args.out)
     with torch_threads(args.threads):
         t0 = time.perf_counter()
         result = compute("quick" if args.quick else "full", seeds=args.seeds, quiet=args.quiet)

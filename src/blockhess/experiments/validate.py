@@ -15,7 +15,7 @@ import torch
 
 import blockhess as bh
 
-from .outputs import atomic_dir, write_json
+from .outputs import atomic_dir, out_help, write_json
 from .runtime import progress
 
 HELP = "check every closed form against torch.func (float64) on a grid of settings"
@@ -32,7 +32,7 @@ def _coupled(Z, T):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default="validate", metavar="DIR", help="output folder (default: validate)")
+    p.add_argument("--out", default="validate", metavar="DIR", help=out_help("validate"))
     p.add_argument("--quick", action="store_true", help="a 3-setting grid instead of 5")
     p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

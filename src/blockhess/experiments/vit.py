@@ -60,6 +60,7 @@ from .runtime import progress, torch_threads
 __all__ = [
     "DEFAULT_CHECKPOINT",
     "DEFAULT_STEPS",
+    "default_checkpoint",
     "BLOCK_NAMES",
     "TrainedViT",
     "load_data",
@@ -510,6 +511,14 @@ def load(path: str | os.PathLike) -> TrainedViT:
     return _assemble(arch, params, init, seed, images, labels, tr, te, info, str(path))
 
 
+def default_checkpoint(seed: int = 0, steps: int = DEFAULT_STEPS) -> Path:
+    """Where :func:`load_or_train` keeps the model of ``seed`` trained for ``steps`` steps:
+    :data:`DEFAULT_CHECKPOINT` for the defaults, with ``_seed{seed}`` and ``_steps{steps}``
+    added for others (relative to the current folder)."""
+    tag = (f"_seed{seed}" if seed != 0 else "") + (f"_steps{steps}" if steps != DEFAULT_STEPS else "")
+    return Path(DEFAULT_CHECKPOINT.replace(".pt", f"{tag}.pt"))
+
+
 def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps: int | None = None) -> TrainedViT:
     """The digits ViT: loaded from ``checkpoint``, or trained and saved there.
 
@@ -517,16 +526,18 @@ def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps:
     ----------
     checkpoint : str or path or None
         An explicit file must exist and be a valid checkpoint (else ``ValueError``). ``None``
-        means :data:`DEFAULT_CHECKPOINT` (``checkpoints/digits_vit.pt``; for ``seed != 0``
-        ``checkpoints/digits_vit_seed{seed}.pt``): loaded when present, otherwise the model is
-        trained (:func:`train`, a few seconds on one core) and saved there.
+        means :func:`default_checkpoint` of ``seed`` and ``steps`` (``checkpoints/digits_vit.pt``
+        for the defaults, relative to the current folder): loaded when present, otherwise the
+        model is trained (:func:`train`, a few seconds on one core) and saved there.
     quiet : bool
         No progress bar.
     seed : int
         Seed of the split, initialisation and batch order when training; a loaded
         checkpoint keeps its own seed.
     steps : int or None
-        Training steps when training happens (default :data:`DEFAULT_STEPS`).
+        Training steps when training happens (default :data:`DEFAULT_STEPS`); each
+        ``(seed, steps)`` has its own default checkpoint, so a run with other steps never
+        reads (or overwrites) the default model.
 
     Raises
     ------
@@ -536,10 +547,11 @@ def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps:
     """
     if checkpoint is not None:
         return load(checkpoint)
-    path = Path(DEFAULT_CHECKPOINT if seed == 0 else DEFAULT_CHECKPOINT.replace(".pt", f"_seed{seed}.pt"))
+    steps = DEFAULT_STEPS if steps is None else steps
+    path = default_checkpoint(seed, steps)
     if path.exists():
         return load(path)
-    vit = train(seed, steps=DEFAULT_STEPS if steps is None else steps, quiet=quiet)
+    vit = train(seed, steps=steps, quiet=quiet)
     save(vit, path)
     vit.train_info["trained_in_this_run"] = True
     return vit
