@@ -267,3 +267,23 @@ def test_ce_targets_of_any_integer_dtype(dtype):
     assert torch.equal(bh.convergence.per_sample_losses(p, X, cfg, loss="ce", target=Tn),
                        bh.convergence.per_sample_losses(p, X, cfg, loss="ce", target=T))
     assert bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=Tn[0]) == bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=T[0])
+
+
+def test_callable_loss_batch_target_is_split_per_sequence():
+    """A list or NumPy target of a batch gives each sequence its own entry (it used to reach every
+    sequence whole); a target that cannot be a tensor is refused, naming the batch size."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, seed=2)
+    X = torch.randn(3, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.tensor([0, 3, 1])
+
+    def loss(Z, label):
+        return torch.nn.functional.cross_entropy(Z.mean(0, keepdim=True), label.reshape(1))
+
+    ref = bh.hessian(p, X, cfg, loss=loss, target=y).dense()
+    for t in (y.tolist(), y.numpy()):
+        assert torch.equal(bh.hessian(p, X, cfg, loss=loss, target=t).dense(), ref)
+    per_seq = [bh.hessian(p, X[b], cfg, loss=loss, target=y[b]).dense() for b in range(3)]
+    assert_close(ref, sum(per_seq) / 3, what="batch = mean of sequences")
+    with pytest.raises(ValueError, match="leading axis of size 3, one entry per sequence; got tuple"):
+        bh.hessian(p, X, cfg, loss=loss, target=(y, torch.ones(3, 5)))

@@ -103,8 +103,9 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         to one sequence ``Z`` of shape ``(L, d_model)``. A batch's loss is the mean over
         sequences, so its Hessian is the mean of the per-sequence Hessians.
     target : Tensor or None
-        MSE: shaped like ``X``; CE: integer classes ``(L,)`` or ``(B, L)``; callable: anything
-        the callable takes, with a leading batch axis when ``X`` is a batch.
+        MSE: shaped like ``X``; CE: integer classes ``(L,)`` or ``(B, L)``; callable: for one
+        sequence anything the callable takes; for a batch a tensor (or array-like, made a
+        tensor) whose first axis has one entry per sequence, each sequence getting its entry.
     wrt : str or list of str or None
         Restrict to these weights (only their blocks are computed).
     wrt_input : bool

@@ -55,9 +55,14 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
     batch axis of size 1; messages show the shapes as the caller gave them. A callable is
     called once, on the first sequence, and must return a scalar (0-dim) tensor.
 
+    A callable's target for a batch is split per sequence along its first axis, so an
+    array-like one (a list, a NumPy array) is made a tensor; for one sequence (``single``) it
+    is passed whole, whatever it is.
+
     Raises ``ValueError``: unknown loss; mse target not shaped like ``Z`` or not finite or of
     another dtype; ce target not integer, of the wrong shape, or a class outside ``[0, d)``;
-    a callable's target without one entry per sequence, or a callable returning a non-scalar.
+    a callable's batch target that is not a tensor or array-like with one entry per sequence,
+    or a callable returning a non-scalar.
     """
     def shown(shape):
         return tuple(shape)[1:] if single else tuple(shape)
@@ -83,6 +88,12 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
             raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got range [{int(target.min())}, {int(target.max())}]")
         return target.long()
     elif callable(loss):
+        if target is not None and not isinstance(target, torch.Tensor) and not single:
+            try:  # a batch's target is split per sequence along its first axis: it must be a tensor
+                target = torch.as_tensor(target, device=Z.device)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"target for a callable loss over a batch must be a tensor (or array-like) with a leading "
+                                 f"axis of size {Z.shape[0]}, one entry per sequence; got {type(target).__name__} ({exc})") from None
         if isinstance(target, torch.Tensor) and (target.ndim == 0 or target.shape[0] != Z.shape[0]):
             raise ValueError(
                 f"target must have a leading axis of size {Z.shape[0]} (one entry per sequence) for a callable loss, "
