@@ -178,6 +178,25 @@ def test_loss_hessian_factorisation(rank, per_sequence, monkeypatch):
     assert eig_lowrank(noisy, per_sequence)[0].shape[1] == rank  # noise eigenvalues ~1e-15 ||Ω_b||, kept above eps
 
 
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_loss_hessian_factorisation_keeps_small_real_directions_float32(per_sequence):
+    """float32: directions of a confidently classified sequence, a few 1e-6 of the batch's largest
+    eigenvalue, stand above the rounding noise (sqrt(m) eps ~ 1e-6 of it) and are kept; the
+    former cut at m eps (8e-6 here) dropped them, and the report's float32 batch came out 1e-4 off."""
+    from blockhess.losses import eig_lowrank
+
+    B, m, r = 4, 64, 3
+    g = torch.Generator().manual_seed(5)
+    Q = torch.linalg.qr(torch.randn(B, m, r, generator=g, dtype=torch.float64)).Q
+    ev = torch.tensor([[1.0, 0.6, 0.3]] + [[6e-6, 4e-6, 2e-6]] * (B - 1), dtype=torch.float64)
+    hess = ((Q * ev[:, None, :]) @ Q.mT).float()
+    lam, W = eig_lowrank(hess, per_sequence)
+    assert lam.shape[1] == r and bool((lam != 0).all())
+    rebuilt = (W * lam[:, None, :]) @ W.mT
+    for b in range(1, B):
+        assert float((rebuilt[b] - hess[b]).norm() / hess[b].norm()) < 1e-2, b
+
+
 @pytest.mark.parametrize("wrt, wrt_input", [(None, False), (["W_K", "W_1"], False), (None, True)])
 def test_out_buffer_is_filled_and_returned(wrt, wrt_input):
     """``out=``: the same matrix as a fresh assembly, written into the given buffer (stale

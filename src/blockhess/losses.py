@@ -161,8 +161,10 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric per-sequence loss Hessians
     ``hess`` ``(B, m, m)`` that stand above rounding. Derived here, docs/derivations.md §7.
 
-    Kept: :math:`|\lambda_{br}| > m\,\epsilon\,s`, with ``s`` the largest :math:`|\lambda|` of the
-    batch, or of sequence ``b`` when ``per_sequence``. The batch's scale suits a sum over
+    Kept: :math:`|\lambda_{br}| > \sqrt m\,\epsilon\,s`, with ``s`` the largest :math:`|\lambda|` of
+    the batch, or of sequence ``b`` when ``per_sequence``: :math:`\sqrt m\,\epsilon\,s` is the
+    spectral norm of an ``m × m`` rounding error of relative size :math:`\epsilon` (a bound of
+    ``m ε s`` dropped real directions in float32: the report's batch came out 1e-4 off). The batch's scale suits a sum over
     sequences (the weight blocks of the batch Hessian: a confidently classified sequence's
     rounding noise, absolute, would otherwise pass for dozens of directions); each
     sequence's own scale suits results per sequence (the ``X`` blocks, per-sample Hessians).
@@ -180,6 +182,7 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     """
     B, m, _ = hess.shape
     eps = torch.finfo(hess.dtype).eps
+    tol = math.sqrt(m) * eps  # relative size of the rounding noise's spectral norm
     norms = torch.linalg.matrix_norm(hess)  # (B,) Frobenius
     gen = torch.Generator(device=hess.device).manual_seed(0)
     lam = W = None
@@ -197,7 +200,7 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     if lam is None:
         lam, W = linalg.eigh(hess)
     scale = lam.abs().amax(-1, keepdim=True) if per_sequence else lam.abs().amax()
-    keep = lam.abs() > m * eps * scale
+    keep = lam.abs() > tol * scale
     R = max(int(keep.sum(-1).max()), 1)
     order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
     return (lam * keep).gather(1, order), W.gather(2, order[:, None, :].expand(B, m, R))
