@@ -129,6 +129,9 @@ def test_losses_and_targets(case):
     assert list(bh.jacobian(p, X, cfg, wrt=p.keys())) == list(p)  # any iterable of names
     with pytest.raises(ValueError, match=r"b must be one parameter name of \[.*\], got \['W_2'\]"):
         bh.second_derivative(p, X[0], cfg, "W_1", ["W_2"])
+    for f in (bh.hessian, bh.reference.hessian):
+        with pytest.raises(ValueError, match="wrt_input must be True or False, got 'yes'"):
+            f(p, X, cfg, target=T, wrt_input="yes")
     H = bh.hessian(p, X, cfg, target=T)
     with pytest.raises(KeyError, match="index a HessianBlocks by a pair of names"):
         H["W_Q"]
@@ -179,6 +182,10 @@ def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr(bh.validation, "SMALL_BYTES", 0)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    bh.jacobian(p, X, cfg)  # 6,912 bytes fit
+    Tiny.available = 5_000
+    with pytest.raises(bh.InsufficientMemoryError, match=r"the dense Jacobians \(12 x 72\) needs 6,912 bytes"):
+        bh.jacobian(p, X, cfg)
 
 
 def test_init_params_options_keep_the_papers_matrices():

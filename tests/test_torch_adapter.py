@@ -203,6 +203,9 @@ def test_unsupported_settings_are_named():
     Hm = bh.hessian(mp, torch.randn(3, 8, dtype=DT), mcfg, target=torch.zeros(3, 8, dtype=DT))
     with pytest.raises(ValueError, match="kind='attention'.*but module TransformerEncoderLayer is.*kind='block'"):
         Hm.to_module(layer)  # the attention layer's names are a subset of the block's, its numbers are not
+    part = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt=["W_Q", "W_1"])
+    with pytest.raises(ValueError, match=r"self_attn.in_proj_weight stores W_Q, W_K, W_V together, but this Hessian has only W_Q"):
+        part.to_module(layer)
     with pytest.raises(ValueError, match="block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got Linear"):
         bh.block_input(nn.Linear(8, 8), torch.randn(3, 8, dtype=DT))
     with pytest.raises(ValueError, match="from_torch: dtype must be float32 or float64, got torch.float16"):

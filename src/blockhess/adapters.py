@@ -202,8 +202,9 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
     Raises ``ValueError`` if ``H`` is of another block than ``module`` (``H.cfg``, when it has
-    one, against :func:`from_torch`'s reading of ``module``; the mask aside), or covers none
-    of its parameters; :func:`from_torch`'s errors for a module it cannot read.
+    one, against :func:`from_torch`'s reading of ``module``; the mask aside), covers none
+    of its parameters, or covers a stored tensor only in part (``in_proj_weight`` holds
+    ``W_Q, W_K, W_V``); :func:`from_torch`'s errors for a module it cannot read.
     """
     if H.cfg is not None:
         mine = from_torch(module)[0]
@@ -218,8 +219,13 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     names, shapes, perm = [], {}, []
     for mname, p in named.items():
         parts = _spec(module).get(mname)
-        if parts is None or any(ours not in offsets for ours, _ in parts):
+        have = [ours for ours, _ in parts or () if ours in offsets]
+        if not have:
             continue
+        if len(have) < len(parts):
+            need = [ours for ours, _ in parts]
+            raise ValueError(f"{mname} stores {', '.join(need)} together, but this Hessian has only {', '.join(have)}: "
+                             f"compute it with wrt including all of {need}")
         idx = []
         for ours, transposed in parts:
             shape = H.shapes[ours]

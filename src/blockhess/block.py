@@ -36,6 +36,7 @@ variable too (``wrt_input``): its Jacobian is dense within a sequence (:class:`~
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -45,7 +46,7 @@ from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
-from .validation import check_finite, check_ln_variance, check_params, check_tensor
+from .validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
 
@@ -685,10 +686,14 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     ``(L, d_model)``, or ``(B, L·d_model, numel)`` for a batch; ``wrt`` (a name or a list)
     restricts the names. dtype and device of ``X``. Holds almost everywhere (ReLU, Lemma 1).
 
-    Raises ``ValueError`` as :func:`forward`, and for an unknown name in ``wrt``.
+    Raises ``ValueError`` as :func:`forward`, and for an unknown name in ``wrt``;
+    ``InsufficientMemoryError`` if the dense Jacobians would not fit in memory.
     """
     check_inputs(params, X, cfg)
-    names = _select(tuple(param_shapes(cfg)), wrt)
+    shapes = param_shapes(cfg)
+    names = _select(tuple(shapes), wrt)
+    n = sum(math.prod(shapes[k]) for k in names)
+    check_fits(X.numel() * n * X.element_size(), f"the dense Jacobians ({X.numel()} x {n})", X.device)
     c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
     _check_forward(c)
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed

@@ -23,7 +23,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig
 from .kronecker import TokenKron
-from .validation import detached
+from .validation import check_bool, detached
 
 __all__ = ["hessian"]
 
@@ -152,6 +152,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     autograd history (:func:`~blockhess.validation.detached`).
     """
     check_inputs(params, X, cfg)
+    check_bool("wrt_input", wrt_input)
     if out is not None:
         _check_out(out, X, params, target)
     if X.ndim == 2 and isinstance(target, torch.Tensor):

@@ -18,6 +18,7 @@ from . import losses
 from .block import _select, check_inputs
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
+from .validation import check_bool
 
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
 
@@ -111,6 +112,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     or overflowing LayerNorm row, this oracle returns what autograd gives (NaN or Inf).
     """
     check_inputs(params, X, cfg)
+    check_bool("wrt_input", wrt_input)
     shapes = dict(param_shapes(cfg))
     if wrt_input:
         shapes = {"X": tuple(X.shape), **shapes}

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance",
-           "check_int", "check_eps"]
+           "check_int", "check_eps", "check_bool"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
@@ -30,6 +30,13 @@ def check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a bool (not a string or a number). Raises ``ValueError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def check_eps(name: str, value) -> float:
