@@ -2,7 +2,7 @@
 
 ``from_torch(layer)`` reads an ``nn.TransformerEncoderLayer`` (or a bare
 ``nn.MultiheadAttention``) in eval mode into a :class:`~blockhess.config.BlockConfig` and a
-params dict in this library's conventions (DESIGN.md §1: row vectors act on the right, so
+params dict in this library's conventions (docs/derivations.md: row vectors act on the right, so
 every ``nn.Linear`` weight, stored ``(out, in)``, is transposed; ``in_proj_weight`` is
 ``[W_Q; W_K; W_V]`` stacked along its rows). ``to_module(H, layer)`` (also
 ``H.to_module(layer)``) maps a :class:`~blockhess.blocks.HessianBlocks` back to the layer's

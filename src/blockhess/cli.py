@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 # subcommand -> module in blockhess.experiments (HELP, add_arguments, run)
@@ -21,11 +22,19 @@ COMMANDS = {
 }
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("blockhess")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockhess",
         description="Exact closed-form Hessians of Transformer blocks (arXiv 2510.16927).",
     )
+    parser.add_argument("--version", action="version", version=f"blockhess {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"blockhess.experiments.{module}")

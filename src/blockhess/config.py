@@ -1,6 +1,6 @@
 """Block configuration, parameter names and shapes, and parameter initialisation.
 
-The conventions are fixed in DESIGN.md §1: row vectors act on the right (``Q = X @ W_Q``),
+The conventions (docs/derivations.md, top and §8): row vectors act on the right (``Q = X @ W_Q``),
 parameters are a plain ``dict[str, Tensor]`` in forward order, and the paper's exact
 setting (one head, no biases, no output projection, ReLU, LayerNorm without affine and
 with ``eps = 0``, post-LN) is the default.
@@ -133,7 +133,7 @@ class BlockConfig:
 
 
 def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the parameters of ``cfg``, in canonical order (DESIGN.md §1).
+    """Names and shapes of the parameters of ``cfg``, in canonical order (docs/derivations.md §8).
 
     The order is ``W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O, gamma_1, beta_1, W_1, b_1, W_2,
     b_2, gamma_2, beta_2``, restricted to the names ``cfg`` has: ``W_Q, W_K`` are

@@ -2,7 +2,7 @@ r"""Per-token Kronecker factors: the structure every block Jacobian has.
 
 Every sub-layer of the block after the attention scores acts token by token, so the
 Jacobian of a per-token quantity ``o_t`` (``r`` entries) w.r.t. a weight ``W`` of shape
-``(p, q)`` has, for each token ``t``, one of two Kronecker shapes (DESIGN.md §5):
+``(p, q)`` has, for each token ``t``, one of two Kronecker shapes (docs/derivations.md §1):
 
 * ``left``:  :math:`J_t = u_t^\top \otimes N_t`, entry ``[c, (a, b)] = u_t[a] N_t[c, b]``
   (``W_Q``: ``u = x_t``; ``W_V``: ``u = (AX)_t``; ``W_1``: ``u = y_t``; ``W_2``: ``u = relu_t``);

@@ -63,7 +63,7 @@ def _ffn(p: dict, Y: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 
 
 def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
-    """Plain forward of the block (DESIGN.md §1) or bare attention layer; no checks.
+    """Plain forward of the block (paper §1.3, with the options of docs/derivations.md §10–§13) or bare attention layer; no checks.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; returns the same shape.
     """

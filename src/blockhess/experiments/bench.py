@@ -1,6 +1,6 @@
 """``blockhess bench``: the closed forms against autograd, for speed, memory and agreement.
 
-What is measured (issue #5, DESIGN.md §5):
+What is measured (benchmarks/README.md; the targets are the project's, beside the paper's figures):
 
 (a) the paper's size (L, d, d_ff) = (8, 16, 32), float32 and float64: the LayerNorm
     Jacobian, dZ/dW_1, dZ/dW_2 and the full block Jacobian, dense on both sides, against
@@ -712,7 +712,7 @@ def markdown(results: dict) -> str:
             res = "skipped: " + r["skip_reason"] if r.get("skip_reason") else "ok" if r.get("ok") else (r.get("error") or "failed")[:80]
             w(f"| {METHOD_LABEL[m]} | {tuple(r['size'])} | {r.get('n', 0):,} | {r.get('n', 0) ** 2 * 8 / GiB:.1f} GiB | {res} | {_fmt_t(r.get('time_s'))} | {_peak_cell(r)} | {(r.get('watch') or {}).get('cap_gib', '—')} GiB |")
         w("")
-    w("### Targets (issue #5)")
+    w("### Targets")
     w("")
     w("| target | measured | met |")
     w("|---|---|---|")

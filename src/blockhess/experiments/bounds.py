@@ -1,6 +1,6 @@
 r"""``blockhess bounds``: Theorems 1 and 6 beside the exact spectral norms they bound.
 
-What is computed (issue #6; the bounds themselves live in :mod:`blockhess.bounds`):
+What is computed (the bounds themselves live in :mod:`blockhess.bounds`):
 
 1. **Random weights** (``init_params``, ``X, T ~ N(0, 1)``, one sequence, digits size
    ``d_model = d_k = 16, d_ff = 32, L = 16``): the table of every Hessian block for the bare

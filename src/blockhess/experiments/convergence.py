@@ -92,16 +92,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exact Hessians of 96 training images (not all), fewer orderings and epochs: under half a minute")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
-    p.add_argument("--orderings", type=int, default=None, help="random orderings averaged (default: 2000; quick 500)")
-    p.add_argument("--hessian-samples", type=int, default=None,
-                   help="training images whose exact Hessians are computed (default: all; quick 96)")
-    p.add_argument("--directions", type=int, default=None, help="random unit directions for δ (default: 4; quick 2)")
-    p.add_argument("--deltas", default=None,
+    p.add_argument("--orderings", type=int, default=None, metavar="N", help="random orderings averaged (default: 2000; quick 500)")
+    p.add_argument("--hessian-samples", type=int, default=None, metavar="N",
+                   help="training images whose exact Hessians are computed, at most all (default: all; quick 96)")
+    p.add_argument("--directions", type=int, default=None, metavar="N", help="random unit directions for δ (default: 4; quick 2)")
+    p.add_argument("--deltas", default=None, metavar="LIST",
                    help="comma-separated ‖δ‖/‖w*‖ (default: 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch of the paper's running mean (default: 16)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs of the paper's running mean (default: 26; quick 10)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch of the paper's running mean (default: 16)")
+    p.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs of the paper's running mean (default: 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")
-    p.add_argument("--seed", type=int, default=None, help="seed of orderings, subsets and directions (default: 0)")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of orderings, subsets and directions (default: 0)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -222,6 +222,8 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     t = time.perf_counter()
     gen = torch.Generator().manual_seed(s.seed + 1)
     m = N if s.hessian_samples is None else min(int(s.hessian_samples), N)
+    if s.hessian_samples is not None and int(s.hessian_samples) > N:
+        _say(quiet, f"--hessian-samples {s.hessian_samples} is more than the {N} training images: all {N} are used")
     hidx = torch.arange(N) if m == N else torch.randperm(N, generator=gen)[:m].sort().values
     U = cv.unit_directions(params, cfg, s.directions, seed=s.seed + 2)
     bar = progress(total=m, quiet=quiet, desc="exact per-sample Hessians", unit="sample")

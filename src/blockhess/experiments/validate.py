@@ -16,7 +16,7 @@ import torch
 import blockhess as bh
 
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import progress
+from .runtime import add_threads_argument, progress, torch_threads
 
 HELP = "check every closed form against torch.func (float64) on a grid of settings"
 
@@ -33,8 +33,11 @@ def _coupled(Z, T):
 
 def add_arguments(p) -> None:
     p.add_argument("--out", default="validate", metavar="DIR", help=out_help("validate"))
-    p.add_argument("--quick", action="store_true", help="a 3-setting grid instead of 5")
+    p.add_argument("--quick", action="store_true",
+                   help="3 size settings instead of 5 (each for the attention layer and the block, with MSE, CE and a "
+                        "custom loss: 18 cases instead of 30)")
     p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
+    add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -79,7 +82,7 @@ def run(args) -> int:
         raise ValueError(f"--tol must be positive, got {args.tol}")
     grid = QUICK_GRID if args.quick else FULL_GRID
     settings = list(itertools.product(("attention", "block"), grid, ("mse", "ce", "custom")))
-    with atomic_dir(args.out) as tmp:
+    with atomic_dir(args.out) as tmp, torch_threads(args.threads):
         rows = [_case(kind, *g, loss) for kind, g, loss in progress(settings, args.quiet, desc="validate")]
         worst = max(max(r["rel_error"].values()) for r in rows)
         result = {"torch": torch.__version__, "dtype": "float64", "tol": args.tol,

@@ -19,7 +19,7 @@ that ship with scikit-learn (``sklearn.datasets.load_digits``: nothing is downlo
   which also builds the derivative caches); both compute the same function;
 * mean-pool over tokens, linear head (with bias) to 10 classes, cross-entropy.
 
-Row vectors act on the right throughout (DESIGN.md §1): ``W_E`` is ``(p², d_model)``, ``W_H``
+Row vectors act on the right throughout (as in the block, docs/derivations.md): ``W_E`` is ``(p², d_model)``, ``W_H``
 is ``(d_model, 10)``.
 
 Everything after the block is a function of the block output ``Z`` alone, so the model's loss
