@@ -287,3 +287,10 @@ def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
     assert fewer.train_info["trained_in_this_run"] is True and fewer.train_info["steps"] == 1
     assert (tmp_path / "ck" / "digits_vit_steps1.pt").is_file()
     assert torch.equal(V.load_or_train(quiet=True).params["W_V"], first.params["W_V"])
+
+
+def test_embed_refuses_raw_pixels_and_other_shapes(tiny):
+    with pytest.raises(ValueError, match=r"pixel values in \[0, 1\]"):
+        tiny.embed(tiny.train_images[:2] * 16)  # scikit-learn's raw 0-16 digits
+    with pytest.raises(ValueError, match=r"images must be a tensor of shape \(B, 8, 8\) or \(8, 8\), got \(2, 64\)"):
+        tiny.embed(tiny.train_images[:2].reshape(2, 64))

@@ -280,8 +280,16 @@ class TrainedViT:
     def embed(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The block's input: patch embedding plus positions, ``(B, L, d_model)`` in ``dtype``.
 
-        ``images``: ``(B, 8, 8)`` (or one image ``(8, 8)`` -> ``(L, d_model)``).
+        ``images``: ``(B, 8, 8)`` (or one image ``(8, 8)`` -> ``(L, d_model)``), pixel values in
+        ``[0, 1]`` like the training data. Raises ``ValueError`` for another shape, NaN/Inf or
+        values outside ``[0, 1]`` (e.g. raw 0–255 or 0–16 pixels).
         """
+        side = IMAGE_SIZE
+        if not isinstance(images, torch.Tensor) or images.ndim not in (2, 3) or tuple(images.shape[-2:]) != (side, side):
+            raise ValueError(f"images must be a tensor of shape (B, {side}, {side}) or ({side}, {side}), "
+                             f"got {tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+        if images.numel() and not (bool(torch.isfinite(images).all()) and float(images.min()) >= 0 and float(images.max()) <= 1):
+            raise ValueError("images must hold pixel values in [0, 1], like the training data (scale raw pixels first)")
         one = images.ndim == 2
         X = _embed(self._weights(dtype), (images[None] if one else images).to(dtype), self.arch["patch"])
         return X[0] if one else X
