@@ -111,3 +111,17 @@ def test_device_cuda_is_refused_clearly_without_a_gpu(tmp_path, monkeypatch):
         bench.build_plan(_args(tmp_path, "--device", "cuda", "--cases", "c"))
     plan = bench.build_plan(_args(tmp_path, "--device", "cuda", "--quick"))
     assert {c["group"] for c in plan} == {"a", "b"}
+
+
+def test_out_of_other_files_is_refused_before_any_case(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OSError, match="holds files that are not blockhess results"):
+        bench.run(_args(tmp_path, "--quick", "--disable", "jax,curvlinops"))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_results_folder_is_marked(quick):
+    from blockhess.experiments.outputs import MARKER
+
+    out, _ = quick
+    assert (out / MARKER).is_file()

@@ -304,5 +304,12 @@ def test_callable_loss_batch_target_is_split_per_sequence():
         assert torch.equal(bh.hessian(p, X, cfg, loss=loss, target=t).dense(), ref)
     per_seq = [bh.hessian(p, X[b], cfg, loss=loss, target=y[b]).dense() for b in range(3)]
     assert_close(ref, sum(per_seq) / 3, what="batch = mean of sequences")
+    w = [0.5, 1.0 / 3.0, 0.25]  # floats: made float64 like Z, not torch's default float32
+
+    def weighted(Z, a):
+        return a * (Z**2).sum()
+
+    assert torch.equal(bh.hessian(p, X, cfg, loss=weighted, target=w).dense(),
+                       bh.hessian(p, X, cfg, loss=weighted, target=torch.tensor(w, dtype=torch.float64)).dense())
     with pytest.raises(ValueError, match="leading axis of size 3, one entry per sequence; got tuple"):
         bh.hessian(p, X, cfg, loss=loss, target=(y, torch.ones(3, 5)))

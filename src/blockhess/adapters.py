@@ -197,8 +197,10 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     parameter names (``named_parameters`` order) that ``H`` covers, with their shapes
     (``self_attn.in_proj_weight``: ``(3 d, d)``, ``linear1.weight``: ``(d_ff, d)``, ...), so
     ``Hm[a, b]`` is ``(numel_a, numel_b)`` in row-major order of the stored tensors and
-    ``Hm.dense()`` equals ``torch.func.hessian`` of the loss through
-    ``torch.func.functional_call(module, ...)``, flattened. ``.outer`` and ``.functional``
+    ``Hm.dense()`` is the Hessian of the loss through ``torch.func.functional_call(module, ...)``,
+    flattened. (``torch.func.hessian`` of the module itself agrees only inside
+    ``sdpa_kernel(SDPBackend.MATH)``, and then in the upper triangle: torch 2.13's LayerNorm
+    weight double backward is wrong, docs/derivations.md §9; the tests use a plain-ops forward.) ``.outer`` and ``.functional``
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
     Raises ``ValueError`` if ``H`` is of another block than ``module`` (``H.cfg``, when it has

@@ -647,7 +647,7 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     """The block's output ``Z`` (or ``P`` for ``kind="attention"``), same shape as ``X``.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``, float32/float64; ``params`` as
-    :func:`~blockhess.config.param_shapes`. Source: paper §1.3 and docs/derivations.md §8 (options §10–§13).
+    :func:`~blockhess.config.param_shapes`. Source: paper §1.3 (notation: docs/derivations.md, top; options §10–§13).
 
     Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, a forward pass that
     overflows the dtype, or a LayerNorm input row of zero (or underflowing) variance with

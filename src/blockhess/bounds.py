@@ -21,7 +21,7 @@ Two versions are computed side by side:
   :math:`\|A\|_2\le\sqrt L`, LayerNorm with the true row std, Φ without the spurious
   :math:`2/(Ld)`, ...); derived here, see docs/bounds.md.
 * ``bound_paper``: the constants as printed in the paper (Theorem 1 main text; Theorem 6
-  with the printed ingredient bounds and the LayerNorm lemma, reconstruction §3). It can
+  with the printed ingredient bounds and the paper's LayerNorm lemma). It can
   be smaller than the exact norm; such rows are flagged (``paper_holds = False``).
 
 For a batch ``(B, L, d)`` (whose loss is the mean over sequences) both bounds are the mean
@@ -133,7 +133,7 @@ def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
 
     ``sigma_min`` includes ``eps``, so the valid bounds hold for any ``eps >= 0``. ``X`` is
     any floating dtype (computed in float64). Source: derived here, docs/bounds.md §LayerNorm;
-    paper lemma: reconstruction §3.4.
+    the paper's LayerNorm lemma (its typo 11, docs/derivations.md §15).
 
     Raises ``ValueError`` if ``X`` is not a finite floating ``(L, d)`` tensor, ``eps < 0``, or a
     row has zero variance with ``eps = 0`` (Assumption 2).
@@ -201,8 +201,8 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
       per-block printed bounds under ``"block"``;
     * ``"primitives"``: the norms they are built from (``x = ‖X‖₂``, ``w_Q = ‖W_Q‖₂``, ...).
 
-    Everything is computed in float64. Source: Theorem 1 (reconstruction §3.1–3.2), Theorem 6
-    (§3.4–3.5), valid constants derived here (docs/bounds.md).
+    Everything is computed in float64. Source: Theorem 1 and its lemmas, Theorem 6 and the
+    LayerNorm lemma; valid constants derived here (docs/bounds.md).
 
     Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`), or a zero-variance
     LayerNorm input row with ``ln_eps = 0``.
@@ -476,7 +476,7 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         LayerNorm input with ``ln_eps = 0``), or a config outside the paper's setting
         (:func:`check_setting`: multi-head, pre-LN, GELU, biases, ``W_O``, affine LN, causal).
 
-    Source: Theorem 1 and Theorem 6 of arXiv 2510.16927 (reconstruction §3); valid constants
+    Source: Theorem 1 and Theorem 6 of arXiv 2510.16927; valid constants
     derived here, see docs/bounds.md.
     """
     check_setting(cfg)
@@ -528,7 +528,8 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
 
     ``X``: one sequence ``(L, d_model)``; float64 recommended. Exact values come from the
     closed forms (:func:`blockhess.jacobian`, :func:`blockhess.second_derivative`,
-    :mod:`blockhess.layernorm`). Source: reconstruction §3.1, §3.4–3.5; derived here.
+    :mod:`blockhess.layernorm`). Source: the paper's auxiliary bounds and LayerNorm lemma
+    (Theorems 1 and 6); derived here (docs/bounds.md).
 
     Raises ``ValueError`` as :func:`ingredients`.
     """

@@ -657,7 +657,7 @@ def gradient_norms(grads, orderings: torch.Tensor) -> torch.Tensor:
 
     ``grads``: per-sample gradients ``(N_total, n)``; ``orderings``: int ``(R, K)``. Returns
     float64 ``(R, K)``, entry ``[r, N-1]`` for the first ``N`` samples of ordering ``r``.
-    Source: paper App. A.2 (Assumption 1 check, §4.3 of the reconstruction), per sample
+    Source: paper App. A.2 (the check of Assumption 1), per sample
     instead of per batch. Raises ``ValueError`` on shape mismatch.
     """
     g = _f64(grads, "grads")

@@ -10,7 +10,7 @@ The outer term uses the per-token Kronecker factors of :mod:`~blockhess.block` (
 tokens per block pair) when :math:`\nabla^2_Z\ell` is block-diagonal over tokens (MSE, CE),
 and a low-rank eigen-factorisation :math:`\nabla^2_Z\ell = W\Lambda W^\top` otherwise. The
 functional term is Theorem 5 contracted with :math:`\nabla_Z\ell` (:func:`blockhess.block.contract_output`).
-The paper writes the MSE functional term without its factor :math:`2/(Ld)` (§2.10, typo 10);
+The paper writes the MSE functional term without its factor :math:`2/(Ld)` (typo 10, docs/derivations.md §15);
 it is included here.
 """
 

@@ -90,7 +90,9 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
     elif callable(loss):
         if target is not None and not isinstance(target, torch.Tensor) and not single:
             try:  # a batch's target is split per sequence along its first axis: it must be a tensor
-                target = torch.as_tensor(target, device=Z.device)
+                given, target = target, torch.as_tensor(target, device=Z.device)
+                if target.is_floating_point():  # numbers in the loss's dtype (a list of floats would come out float32)
+                    target = torch.as_tensor(given, dtype=Z.dtype, device=Z.device)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise ValueError(f"target for a callable loss over a batch must be a tensor (or array-like) with a leading "
                                  f"axis of size {Z.shape[0]}, one entry per sequence; got {type(target).__name__} ({exc})") from None

@@ -13,7 +13,7 @@ rows of head ``h``'s output block:
 
 * :math:`G_Q`: :math:`x_l^\top \otimes s V_h^\top S_l K_h` (``b_Q``: the same without ``x_l``);
 * :math:`G_K`: :math:`s V_h^\top S_l X \otimes q_{l,h}^\top` (the paper's :math:`K_{d_K,d_V}` factor,
-  typo 2 of §2.10, is absorbed in the right-Kronecker layout); ``b_K``: exactly zero
+  typo 2 of docs/derivations.md §15, is absorbed in the right-Kronecker layout); ``b_K``: exactly zero
   (:math:`S_l \mathbf 1 = 0`: softmax is shift-invariant per row);
 * :math:`G_V`: :math:`(A_h X)_l^\top \otimes I_{d_v}`; ``b_V``: the identity (rows of ``A`` sum to 1).
 

@@ -46,16 +46,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
+from .outputs import MARKER, check_out
 from .runtime import cpu_model
 
 HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
 
 GiB = 2**30
 
-# the paper's timing table (reconstruction §5.7; thesis slides, CUDA, FP32, mean ± std)
+# the paper's timing table (the authors' thesis slides; CUDA, FP32, mean ± std)
 PAPER = {
     "ln": {"autograd_ms": 55.96, "closed_ms": 0.80, "speedup": 70.0, "target": 82.0},
     "W_1": {"autograd_ms": 55.85, "closed_ms": 0.45, "speedup": 124.0, "target": 124.0},
@@ -86,7 +88,9 @@ JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "bl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: bench-results)")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="output folder, written case by case (bench.json, bench.md, bench.png); an existing folder must be "
+                        "empty or hold earlier results (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of every path (a couple of minutes)")
     p.add_argument("--cases", default="a,b,c", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n); default a,b,c")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")
@@ -787,7 +791,9 @@ def run(args) -> int:
             raise ValueError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     plan = build_plan(args)
     _choose_threads(args)
+    check_out(args.out)  # written as it goes (a long run keeps its finished cases), so never into a folder of other files
     os.makedirs(args.out, exist_ok=True)
+    (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
     results = {"quick": args.quick, "env": environment(args), "cases": []}
     t_start = time.perf_counter()
 

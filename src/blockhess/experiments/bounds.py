@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     check_out(args.out)
     t0 = time.perf_counter()
     with torch_threads(args.threads):
+        env = environment()  # inside: it records the thread count the work runs on
         tables, ingr = _random_tables(args.quiet)
         sw = _sweep(args.seeds, args.quiet)
         trained_info, t_trained = None, None
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     res = {
         "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
         "paper_failures": fails, "valid_violations": viol, "trained": trained_info,
-        "environment": environment(),
+        "environment": env,
         "trained_runtime_s": t_trained,
     }
     res["runtime_s"] = time.perf_counter() - t0

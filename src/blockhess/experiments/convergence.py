@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training images whose exact Hessians are computed, at most all (default: all; quick 96)")
     p.add_argument("--directions", type=int, default=None, metavar="N", help="random unit directions for δ (default: 4; quick 2)")
     p.add_argument("--deltas", default=None, metavar="LIST",
-                   help="comma-separated ‖δ‖/‖w*‖ (default: 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1)")
+                   help="comma-separated ‖δ‖/‖w*‖ (default: 1e-3,3e-3,1e-2,3e-2,1e-1,3e-1; quick the same without 3e-3)")
     p.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch of the paper's running mean (default: 16)")
     p.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs of the paper's running mean (default: 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")

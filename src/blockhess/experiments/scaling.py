@@ -60,7 +60,7 @@ PRESETS = {
 SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
 PARTS = ("outer", "functional", "full")
 ORM = "Ormaniec et al. (2410.10986), small σ"
-DER = "derived here (docs/bounds.md §scaling)"
+DER = "derived here (docs/bounds.md §9)"
 PAPER_L3 = "paper §3.3 (1/L³ at fixed ‖X‖₂), uniform-attention regime"
 
 

@@ -92,7 +92,7 @@ FORMAT_VERSION = 1
 #: The model used by ``make run`` (d_ff = 32, not the paper's 64: see docs in README / report).
 DEFAULT_ARCH = {"patch": 2, "d_model": 16, "d_ff": 32, "d_k": 16, "ln_eps": 1e-5}
 
-#: Optimiser settings: the paper's (reconstruction §5.2) except the learning rate and no augmentation.
+#: Optimiser settings: the paper's experimental setup except the learning rate and no augmentation.
 DEFAULT_OPTIM = {
     "lr": 3e-3,
     "betas": (0.9, 0.95),
