@@ -343,3 +343,19 @@ def test_module_doctest():
     import doctest
 
     assert doctest.testmod(cv).failed == 0
+
+
+def test_argument_checks():
+    with pytest.raises(ValueError, match="ascending"):
+        cv.loglog_slope(torch.tensor([3.0, 1.0, 2.0, 4.0]), torch.ones(4))
+    with pytest.raises(ValueError, match="n_samples must be an int >= 1, got 2.5"):
+        cv.random_orderings(2.5, 3)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        cv.random_orderings(4, 3, seed=0.5)
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, seed=0)
+    with pytest.raises(ValueError, match="delta contains NaN"):
+        cv.perturb(p, torch.full((96,), float("nan"), dtype=torch.float64), cfg)
+    X = torch.randn(2, 3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="lanczos_iters must be an int >= 1"):
+        cv.per_sample_statistics(p, X, cfg, loss="mse", target=torch.zeros_like(X), lanczos_iters=0)

@@ -1,5 +1,7 @@
 """Bad input -> ValueError naming the argument and what was expected, before any work."""
 
+import math
+
 import pytest
 import torch
 
@@ -195,3 +197,47 @@ def test_init_params_options_keep_the_papers_matrices():
     for k, v in paper.items():
         assert torch.equal(rich[k], v), k
     assert list(rich) == list(bh.param_shapes(bh.BlockConfig(d_model=4, d_ff=6, bias=True, out_proj=True, ln_affine=True)))
+
+
+def test_dense_layouts_count_their_batch(monkeypatch):
+    """The memory check of a dense LayerNorm or softmax derivative counts every sequence of a batch."""
+    from blockhess.components import layernorm, softmax
+
+    seen = []
+    for mod in (softmax, layernorm):
+        monkeypatch.setattr(mod, "check_fits", lambda n, *a: seen.append(n))
+    A = torch.softmax(torch.randn(5, 2, 3, dtype=torch.float64), -1)
+    softmax.jacobian(A)
+    softmax.hessian(A)
+    layernorm.jacobian(torch.randn(5, 2, 3, dtype=torch.float64))
+    layernorm.hessian(torch.randn(5, 2, 3, dtype=torch.float64))
+    assert seen == [5 * 6**2 * 8, 5 * 6**3 * 8] * 2
+
+
+def test_layernorm_variance_boundaries():
+    from blockhess.validation import check_ln_variance
+
+    fi = torch.finfo(torch.float64)
+    small = fi.tiny / fi.eps
+    ok = torch.tensor([[1.0, -1.0]], dtype=torch.float64) * math.sqrt(1.2 * small)  # variance 1.2 tiny/eps
+    check_ln_variance("X", ok, 0.0)
+    with pytest.raises(ValueError, match="below"):
+        check_ln_variance("X", ok / 2, 0.0)
+    with pytest.raises(ValueError, match="variance"):  # its variance overflows (var_mean: -inf)
+        check_ln_variance("X", torch.tensor([[fi.max, -fi.max]], dtype=torch.float64), 1e-5)
+    with pytest.raises(ValueError, match="variance"):  # a mean of 1e300: the message's own arithmetic must not overflow
+        bh.layernorm.jacobian(torch.full((2, 4), 1e300, dtype=torch.float64))
+    with pytest.raises(ValueError, match="ln_eps must be a finite float >= 0, got inf"):
+        bh.BlockConfig(ln_eps=float("inf"))
+
+
+def test_ints_stay_ints_and_flags_stay_flags():
+    import numpy as np
+
+    cfg = bh.BlockConfig(d_model=np.int64(4), d_ff=np.int32(6))
+    assert type(cfg.d_model) is int and type(cfg.d_ff) is int  # JSON-serialisable
+    with pytest.raises(ValueError, match="BlockConfig.bias must be True or False, got 1"):
+        bh.BlockConfig(bias=1)
+    cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0)
+    with pytest.raises(ValueError, match="wrt must be None, a parameter name or a list of names"):
+        bh.hessian(p, X, cfg, target=torch.zeros_like(X), wrt=[1])

@@ -277,7 +277,7 @@ def test_config_errors():
         bh.BlockConfig(d_model=6, n_heads=4)
     with pytest.raises(ValueError, match="norm='pre' has no meaning for kind='attention'"):
         bh.BlockConfig(kind="attention", norm="pre")
-    with pytest.raises(ValueError, match="causal must be a bool"):
+    with pytest.raises(ValueError, match="causal must be True or False"):
         bh.BlockConfig(causal=1)
     cfg = bh.BlockConfig(d_model=4, d_ff=5, norm="pre")
     p = bh.init_params(cfg)

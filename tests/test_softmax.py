@@ -54,5 +54,17 @@ def test_errors():
         softmax.jacobian(torch.ones(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"B must have the shape of A \(3, 4\)"):
         softmax.contract_hessian(A, A[:2])
-    with pytest.raises(ValueError, match="B has dtype torch.float32"):
+    with pytest.raises(ValueError, match="B has dtype torch.float32 but A has torch.float64"):
         softmax.contract_hessian(A, A.float())
+
+
+def test_probability_checks():
+    with pytest.raises(ValueError, match="softmax probabilities"):
+        softmax.jacobian(torch.tensor([[1.5, -0.5]], dtype=torch.float64))  # sums to 1, one entry negative
+    A = torch.softmax(torch.randn(3, 4, dtype=torch.float64), -1)
+    with pytest.raises(ValueError, match="softmax probabilities"):
+        softmax.jacobian(A * (1 + 1e-11))  # rows off by 1e-11: far above float64 rounding
+    long_rows = torch.softmax(10 * torch.randn(2, 4096), -1)  # float32 rows of 4,096 entries sum to 1 only to rounding
+    assert softmax.jacobian(long_rows, compact=True).shape == (2, 4096, 4096)
+    causal = torch.softmax(torch.randn(3, 3, dtype=torch.float64).masked_fill(torch.ones(3, 3).triu(1).bool(), float("-inf")), -1)
+    softmax.hessian(causal)  # exact zeros are probabilities too

@@ -206,6 +206,15 @@ def test_unsupported_settings_are_named():
     part = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt=["W_Q", "W_1"])
     with pytest.raises(ValueError, match=r"self_attn.in_proj_weight stores W_Q, W_K, W_V together, but this Hessian has only W_Q"):
         part.to_module(layer)
+    ours = bh.BlockConfig(d_model=8, n_heads=2, kind="attention", bias=True, out_proj=True)  # d_k, d_ff left to defaults
+    Ho = bh.hessian(mp, torch.randn(3, 8, dtype=DT), ours, target=torch.zeros(3, 8, dtype=DT))
+    assert Ho.to_module(nn.MultiheadAttention(8, 2, batch_first=True, dtype=DT)).names[0] == "in_proj_weight"
+    training = make_layer(False, "relu", True, 2, 1e-5, True).train()  # dropout 0.1: from_torch refuses it, to_module need not
+    Hl = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt="W_1")
+    assert Hl.to_module(training).names == ("linear1.weight",)
+    part2 = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt=["W_Q", "W_K"])
+    with pytest.raises(ValueError, match="has only W_Q, W_K:"):
+        part2.to_module(layer)
     with pytest.raises(ValueError, match="block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got Linear"):
         bh.block_input(nn.Linear(8, 8), torch.randn(3, 8, dtype=DT))
     with pytest.raises(ValueError, match="from_torch: dtype must be float32 or float64, got torch.float16"):

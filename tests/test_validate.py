@@ -39,8 +39,12 @@ def test_atomic_dir_replaces_only_results_or_empty_folders(tmp_path, monkeypatch
         with atomic_dir(work):
             raise AssertionError("not reached: refused before any work")
     assert [p.name for p in work.iterdir()] == ["main.py"]
-    monkeypatch.chdir(work / "..")
-    for here in (".", tmp_path):  # the current folder, and one above it, even if they were results
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (tmp_path / MARKER).write_text("")  # even a folder of results
+    (inner / MARKER).write_text("")
+    monkeypatch.chdir(inner)
+    for here in (".", inner, "..", tmp_path):  # the current folder, and one above it
         with pytest.raises(OSError, match="is the current folder or one above it"):
             with atomic_dir(here):
                 raise AssertionError("not reached")
@@ -70,3 +74,30 @@ def test_unwritable_out_is_one_line_error(tmp_path, capsys):
     assert main(["validate", "--quick", "--quiet", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("blockhess validate: error: cannot write to --out") and "\n" not in err
+
+
+def test_atomic_dir_rechecks_before_replacing(tmp_path):
+    """A file put into --out while the command ran is not deleted by the final move."""
+    out = tmp_path / "res"
+    out.mkdir()
+    with pytest.raises(OSError, match="not blockhess results"):
+        with atomic_dir(out) as tmp:
+            (tmp / "a.json").write_text("{}")
+            (out / "user.txt").write_text("written during the run")
+    assert [p.name for p in out.iterdir()] == ["user.txt"]
+
+
+@pytest.mark.parametrize("cmd, module, work", [("scaling", "scaling", "compute"), ("bounds", "bounds", "_random_tables"),
+                                               ("convergence", "vit", "load_or_train")])
+def test_bad_out_is_refused_before_any_work(tmp_path, monkeypatch, cmd, module, work):
+    import importlib
+
+    def started(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(importlib.import_module(f"blockhess.experiments.{module}"), work, started)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "main.py").write_text("code")
+    assert main([cmd, "--quiet", "--out", str(folder)]) == 2
+    assert [p.name for p in folder.iterdir()] == ["main.py"]

@@ -287,6 +287,9 @@ def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
     assert fewer.train_info["trained_in_this_run"] is True and fewer.train_info["steps"] == 1
     assert (tmp_path / "ck" / "digits_vit_steps1.pt").is_file()
     assert torch.equal(V.load_or_train(quiet=True).params["W_V"], first.params["W_V"])
+    V.save(fewer, tmp_path / "ck" / "digits_vit.pt")  # as the earlier `report --steps 1` did: the default file, 1 step
+    with pytest.raises(ValueError, match="holds a model of seed 0 trained 1 steps, not seed 0 and 3 steps"):
+        V.load_or_train(quiet=True)
 
 
 def test_embed_refuses_raw_pixels_and_other_shapes(tiny):

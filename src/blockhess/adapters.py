@@ -101,6 +101,42 @@ def _check_dropout(module: nn.Module, names: dict) -> None:
                              "call module.eval() or set the dropout to 0")
 
 
+def _module_config(module: nn.Module, is_causal: bool) -> BlockConfig:
+    """The :class:`BlockConfig` of ``module`` (structure only: no dropout or mask checks);
+    ``ValueError`` for what the closed form does not cover, as :func:`from_torch`."""
+    if isinstance(module, nn.MultiheadAttention):
+        _check_attention(module, "")
+        d, H = module.embed_dim, module.num_heads
+        has_b = module.in_proj_bias is not None
+        if has_b != (module.out_proj.bias is not None):
+            raise ValueError("bias: in_proj_bias and out_proj.bias must both be present or both absent")
+        return BlockConfig(d_model=d, n_heads=H, d_k=d // H, bias=has_b, out_proj=True, causal=is_causal,
+                           kind="attention")
+    if isinstance(module, nn.TransformerEncoderLayer):
+        sa = module.self_attn
+        _check_attention(sa, "self_attn: ")
+        act = _activation(module.activation)
+        d, H, dff = sa.embed_dim, sa.num_heads, module.linear1.out_features
+        n1, n2 = module.norm1, module.norm2
+        if tuple(n1.normalized_shape) != (d,) or tuple(n2.normalized_shape) != (d,):
+            raise ValueError(f"norm1/norm2: normalized_shape must be ({d},)")
+        if n1.eps != n2.eps:
+            raise ValueError(f"layer_norm_eps: norm1.eps={n1.eps} != norm2.eps={n2.eps}; one eps is supported")
+        affine = {n1.weight is not None, n2.weight is not None}
+        if len(affine) != 1:
+            raise ValueError("norm1/norm2: elementwise_affine must be the same for both LayerNorms")
+        biases = {"self_attn.in_proj_bias": sa.in_proj_bias is not None,
+                  "self_attn.out_proj.bias": sa.out_proj.bias is not None,
+                  "linear1.bias": module.linear1.bias is not None, "linear2.bias": module.linear2.bias is not None,
+                  "norm1.bias": n1.bias is not None, "norm2.bias": n2.bias is not None}
+        if len(set(biases.values())) != 1:
+            raise ValueError(f"bias: present on some layers only ({biases}); the closed form needs all or none")
+        return BlockConfig(d_model=d, d_ff=dff, n_heads=H, d_k=d // H, norm="pre" if module.norm_first else "post",
+                           activation=act, bias=biases["linear1.bias"], out_proj=True, ln_affine=affine.pop(),
+                           ln_eps=float(n1.eps), causal=is_causal)
+    raise ValueError(f"from_torch supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got {type(module).__name__}")
+
+
 def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_causal: bool = False,
                src_key_padding_mask: torch.Tensor | None = None, dtype: torch.dtype | None = None):
     """``(cfg, params)`` of an ``nn.TransformerEncoderLayer`` (or ``nn.MultiheadAttention``).
@@ -128,41 +164,12 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
         if not isinstance(src_mask, torch.Tensor) or not _is_causal_mask(src_mask, None):
             raise ValueError("src_mask: only the causal mask (-inf or True above the diagonal) is supported")
         is_causal = True
+    cfg = _module_config(module, bool(is_causal))
     if isinstance(module, nn.MultiheadAttention):
-        _check_attention(module, "")
         _check_dropout(module, {"dropout": module.dropout})
-        d, H = module.embed_dim, module.num_heads
-        has_b = module.in_proj_bias is not None
-        if has_b != (module.out_proj.bias is not None):
-            raise ValueError("bias: in_proj_bias and out_proj.bias must both be present or both absent")
-        cfg = BlockConfig(d_model=d, n_heads=H, d_k=d // H, bias=has_b, out_proj=True, causal=bool(is_causal),
-                          kind="attention")
-    elif isinstance(module, nn.TransformerEncoderLayer):
-        sa = module.self_attn
-        _check_attention(sa, "self_attn: ")
-        _check_dropout(module, {"dropout": module.dropout.p, "dropout1": module.dropout1.p,
-                                "dropout2": module.dropout2.p, "self_attn.dropout": sa.dropout})
-        act = _activation(module.activation)
-        d, H, dff = sa.embed_dim, sa.num_heads, module.linear1.out_features
-        n1, n2 = module.norm1, module.norm2
-        if tuple(n1.normalized_shape) != (d,) or tuple(n2.normalized_shape) != (d,):
-            raise ValueError(f"norm1/norm2: normalized_shape must be ({d},)")
-        if n1.eps != n2.eps:
-            raise ValueError(f"layer_norm_eps: norm1.eps={n1.eps} != norm2.eps={n2.eps}; one eps is supported")
-        affine = {n1.weight is not None, n2.weight is not None}
-        if len(affine) != 1:
-            raise ValueError("norm1/norm2: elementwise_affine must be the same for both LayerNorms")
-        biases = {"self_attn.in_proj_bias": sa.in_proj_bias is not None,
-                  "self_attn.out_proj.bias": sa.out_proj.bias is not None,
-                  "linear1.bias": module.linear1.bias is not None, "linear2.bias": module.linear2.bias is not None,
-                  "norm1.bias": n1.bias is not None, "norm2.bias": n2.bias is not None}
-        if len(set(biases.values())) != 1:
-            raise ValueError(f"bias: present on some layers only ({biases}); the closed form needs all or none")
-        cfg = BlockConfig(d_model=d, d_ff=dff, n_heads=H, d_k=d // H, norm="pre" if module.norm_first else "post",
-                          activation=act, bias=biases["linear1.bias"], out_proj=True, ln_affine=affine.pop(),
-                          ln_eps=float(n1.eps), causal=bool(is_causal))
     else:
-        raise ValueError(f"from_torch supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got {type(module).__name__}")
+        _check_dropout(module, {"dropout": module.dropout.p, "dropout1": module.dropout1.p,
+                                "dropout2": module.dropout2.p, "self_attn.dropout": module.self_attn.dropout})
     named = dict(module.named_parameters())
     params = {}
     for mname, parts in _spec(module).items():
@@ -190,6 +197,12 @@ def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return X if batch_first or X.ndim == 2 else X.transpose(0, 1)
 
 
+def _structure(cfg: BlockConfig) -> BlockConfig:
+    """``cfg`` with what does not change the parameters' meaning made equal: the mask, ``d_k``
+    left to its default, ``d_ff`` of the bare attention layer (unused)."""
+    return dataclasses.replace(cfg, causal=False, d_k=cfg.head_dim, d_ff=cfg.d_ff if cfg.kind == "block" else 1)
+
+
 def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     """``H`` re-keyed by ``module``'s parameter names, each in its storage layout.
 
@@ -204,13 +217,13 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
     Raises ``ValueError`` if ``H`` is of another block than ``module`` (``H.cfg``, when it has
-    one, against :func:`from_torch`'s reading of ``module``; the mask aside), covers none
+    one, against :func:`from_torch`'s reading of ``module``; the mask and dropout aside), covers none
     of its parameters, or covers a stored tensor only in part (``in_proj_weight`` holds
     ``W_Q, W_K, W_V``); :func:`from_torch`'s errors for a module it cannot read.
     """
     if H.cfg is not None:
-        mine = from_torch(module)[0]
-        if dataclasses.replace(H.cfg, causal=False) != mine:
+        mine = _module_config(module, False)
+        if _structure(H.cfg) != _structure(mine):
             raise ValueError(f"H is the Hessian of {H.cfg}, but module {type(module).__name__} is {mine} "
                              "(up to the mask): its labels would not describe these numbers")
     offsets, off = {}, 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import FLOAT_DTYPES, check_eps, check_int
+from .validation import FLOAT_DTYPES, check_bool, check_eps, check_int
 
 __all__ = ["BlockConfig", "param_shapes", "init_params"]
 
@@ -89,8 +89,8 @@ class BlockConfig:
     kind: str = "block"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "n_heads") + (("d_k",) if self.d_k is not None else ()):
-            check_int(f"BlockConfig.{name}", getattr(self, name), 1)
+        for name in ("d_model", "d_ff", "n_heads") + (("d_k",) if self.d_k is not None else ()):  # stored as int
+            object.__setattr__(self, name, check_int(f"BlockConfig.{name}", getattr(self, name), 1))
         if self.kind not in _KINDS:
             raise ValueError(f"BlockConfig.kind must be one of {_KINDS}, got {self.kind!r}")
         if self.norm not in _NORMS:
@@ -99,10 +99,9 @@ class BlockConfig:
             raise ValueError(
                 f"BlockConfig.activation must be one of {_ACTIVATIONS}, got {self.activation!r}"
             )
-        check_eps("BlockConfig.ln_eps", self.ln_eps)
+        object.__setattr__(self, "ln_eps", check_eps("BlockConfig.ln_eps", self.ln_eps))
         for flag in ("bias", "out_proj", "ln_affine", "causal"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"BlockConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+            check_bool(f"BlockConfig.{flag}", getattr(self, flag))
         if self.kind == "attention":
             for name, default in (("norm", "post"), ("ln_affine", False), ("ln_eps", 0.0), ("activation", "relu")):
                 if getattr(self, name) != default:

@@ -135,7 +135,7 @@ def random_orderings(n_samples: int, n_orderings: int, seed: int = 0) -> torch.T
     """
     check_int("n_samples", n_samples, 1)
     check_int("n_orderings", n_orderings, 1)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
     return torch.stack([torch.randperm(int(n_samples), generator=gen) for _ in range(int(n_orderings))])
 
 
@@ -174,7 +174,7 @@ def batch_running_mean(per_sample, batch_size: int, epochs: int = 1, seed: int =
     check_int("batch_size", batch_size, 1)
     check_int("epochs", epochs, 1)
     N, b = v.shape[0], int(batch_size)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
     sums, counts = [], []
     for _ in range(int(epochs)):
         perm = v[torch.randperm(N, generator=gen)]
@@ -692,7 +692,7 @@ def unit_directions(params: dict, cfg: BlockConfig, n_directions: int, seed: int
     names = _names(params, cfg, wrt)
     n = sum(params[k].numel() for k in names)
     ref = params[names[0]]
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
     U = torch.randn(int(n_directions), n, generator=gen, dtype=torch.float64)
     U = U / U.norm(dim=1, keepdim=True)
     return U.to(dtype=ref.dtype, device=ref.device)

@@ -77,8 +77,10 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
             raise ValueError(f"target must have the shape of the output {shown(Z.shape)} for loss='mse', "
                              f"got {shown(target.shape)}")
     elif loss == "ce":
-        if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype == torch.bool:
+        if (not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype.is_complex
+                or target.dtype == torch.bool):
             raise ValueError("target must be an integer tensor of class indices for loss='ce'")
+        target = target.long()  # any integer dtype (uint16/32/64 have no min/max kernels)
         if tuple(target.shape) != tuple(Z.shape[:-1]):
             raise ValueError(f"target must have shape {shown(Z.shape[:-1])} for loss='ce', got {shown(target.shape)}")
         if target.device != Z.device:
@@ -157,6 +159,13 @@ def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
 
 
 RANGE_PROBE, CHECK_PROBE = 16, 8  # first width of the random range sketch, and the columns that check it
+RANGE_SLACK = 4  # a sketch of p columns is trusted only if it finds at most p - RANGE_SLACK directions
+
+
+def _kept(lam: torch.Tensor, tol: float, per_sequence: bool) -> torch.Tensor:
+    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` times the batch's (or each sequence's) largest."""
+    scale = lam.abs().amax(-1, keepdim=True) if per_sequence else lam.abs().amax()
+    return lam.abs() > tol * scale
 
 
 def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,11 +185,13 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     The range comes first, by a randomised range finder: ``Q = orth(hess @ G)`` for a fixed
     Gaussian ``G`` of ``p = RANGE_PROBE`` columns, accepted when ``CHECK_PROBE`` further
     Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega\|_F`
-    (the batch's largest or the sequence's own, as above) for every sequence; then
-    :math:`\Omega_b = Q S_b Q^\top` to rounding and the small :math:`S_b = Q^\top\Omega_b Q` is
-    diagonalised. A rank near or above ``p`` fails the check (a missed direction shows in a
-    random column almost surely) and ``p`` doubles; from ``2p > m`` on, the full ``m × m``
-    eigendecomposition.
+    (the batch's largest or the sequence's own, as above) for every sequence, and when the small
+    :math:`S_b = Q^\top\Omega_b Q`, diagonalised, keeps at most ``p - RANGE_SLACK`` directions in
+    every sequence; then :math:`\Omega_b = Q S_b Q^\top` to rounding. Otherwise ``p`` doubles;
+    from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
+    residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
+    direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
+    the sketch with kept directions, which the count sees.
     """
     B, m, _ = hess.shape
     eps = torch.finfo(hess.dtype).eps
@@ -197,12 +208,15 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
         missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax(-1)  # (B,)
         if bool((missed <= m * eps * (norms if per_sequence else norms.amax())).all()):
             lam, U = linalg.eigh(Q.mT @ (hess @ Q))
-            W = Q @ U
+            keep = _kept(lam, tol, per_sequence)
+            if int(keep.sum(-1).max()) <= p - RANGE_SLACK:
+                W = Q @ U
+            else:
+                lam = None
         p *= 2
     if lam is None:
         lam, W = linalg.eigh(hess)
-    scale = lam.abs().amax(-1, keepdim=True) if per_sequence else lam.abs().amax()
-    keep = lam.abs() > tol * scale
+        keep = _kept(lam, tol, per_sequence)
     R = max(int(keep.sum(-1).max()), 1)
     order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
     return (lam * keep).gather(1, order), W.gather(2, order[:, None, :].expand(B, m, R))

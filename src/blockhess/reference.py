@@ -139,8 +139,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the batch loss is the mean of per-sequence losses: its Z-Hessian is block-diagonal over sequences
     in_dims = (0, 0 if isinstance(target, torch.Tensor) else None)
 
-    def per_sequence(z, t):
-        return _plain_loss(loss, None if t is None else t[None], z[None]) / B
+    def per_sequence(z, t):  # a tensor target gets its batch axis back; any other target is passed whole
+        return _plain_loss(loss, t[None] if isinstance(t, torch.Tensor) else t, z[None]) / B
 
     H_Z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(Z, target).reshape(B, L * d, L * d)
     J = torch.func.jacrev(out)(sel)

@@ -48,9 +48,10 @@ def check_eps(name: str, value) -> float:
 
 
 def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: torch.Tensor | None = None,
-                 finite: bool = True) -> None:
-    """``t`` must be a float32 or float64 tensor (same dtype and device as ``like``, if given), finite
-    unless ``finite=False`` (the caller then checks it with others in :func:`check_finite`).
+                 finite: bool = True, like_name: str = "X") -> None:
+    """``t`` must be a float32 or float64 tensor (same dtype and device as ``like``, named
+    ``like_name`` in the message, if given), finite unless ``finite=False`` (the caller then
+    checks it with others in :func:`check_finite`).
 
     Raises ``ValueError`` naming ``name`` otherwise.
     """
@@ -62,9 +63,9 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
     if like is not None:
         if t.dtype != like.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but X has {like.dtype}; use one dtype throughout")
+            raise ValueError(f"{name} has dtype {t.dtype} but {like_name} has {like.dtype}; use one dtype throughout")
         if t.device != like.device:
-            raise ValueError(f"{name} is on {t.device} but X is on {like.device}; use one device throughout")
+            raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; use one device throughout")
     if finite:
         check_finite({name: t})
 
@@ -148,10 +149,11 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     if not math.isfinite(v):
         raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
-    if v <= (m * fi.eps) ** 2 / (1 - e2) and (v >= small or m * m >= small):
+    me = m * fi.eps  # products, not **: a Python float power raises OverflowError where * gives inf
+    if v <= me * me / (1 - e2) and (v >= small or m * m >= small):
         raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
                          "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
-    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, at or below {small:.3g} (plus its mean's rounding), "
+    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
                      f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
 
 

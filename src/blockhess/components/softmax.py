@@ -111,7 +111,7 @@ def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     ``A``'s shape, dtype and device.
     """
     _check(A)
-    check_tensor("B", B, like=A)
+    check_tensor("B", B, like=A, like_name="A")
     if B.shape != A.shape:
         raise ValueError(f"B must have the shape of A {tuple(A.shape)}, got {tuple(B.shape)}")
     return _contract(A, B)

@@ -318,7 +318,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Curvature scaling laws (exact Hessians)", "",
         f"Preset `{result['preset']}`: d_model={P['d_model']}, d_k={P['d_k']}, d_ff={P['d_ff']}, "
-        f"L={P['L']}, {P['seeds']} seeds; MSE, fixed target T ~ N(0, 1). Run time {result['runtime_s']:.1f} s computing, {result['total_runtime_s']:.1f} s with the figures.",
+        f"L={P['L']}, {P['seeds']} seeds; MSE, fixed target T ~ N(0, 1). Run time {result['runtime_s']:.1f} s computing, {result.get('total_runtime_s', result['runtime_s']):.1f} s with the figures.",
         "",
         "Exponent = least-squares slope in log-log (one intercept per seed), 95% CI from the "
         "slope's standard error and a t quantile. Window: input scale σ ≤ "

@@ -551,14 +551,20 @@ def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps:
     ------
     ValueError
         One line: an explicit path that does not exist, or a file that is not a valid checkpoint
-        (unreadable, wrong format, wrong shapes, NaN weights, damaged split).
+        (unreadable, wrong format, wrong shapes, NaN weights, damaged split); a default
+        checkpoint holding a model of another seed or step count.
     """
     if checkpoint is not None:
         return load(checkpoint)
     steps = DEFAULT_STEPS if steps is None else steps
     path = default_checkpoint(seed, steps)
     if path.exists():
-        return load(path)
+        vit = load(path)
+        got = (vit.seed, vit.train_info.get("steps"))
+        if got != (seed, steps):  # e.g. written by an earlier version that kept one file for every --steps
+            raise ValueError(f"{path} holds a model of seed {got[0]} trained {got[1]} steps, not seed {seed} and "
+                             f"{steps} steps: remove it to train again, or pass it as the checkpoint")
+        return vit
     vit = train(seed, steps=steps, quiet=quiet)
     save(vit, path)
     vit.train_info["trained_in_this_run"] = True
