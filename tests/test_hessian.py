@@ -289,7 +289,7 @@ def test_inputs_that_require_grad_are_used_detached():
         assert rows == bounds.spectral_bounds(p, X[0], cfg, "mse", T[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.uint16, torch.uint64])
 def test_ce_targets_of_any_integer_dtype(dtype):
     """Class indices as int32/int16/uint8 give the int64 results everywhere a CE target is taken."""
     cfg = bh.BlockConfig(d_model=4, d_ff=6)
