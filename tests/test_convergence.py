@@ -350,8 +350,10 @@ def test_argument_checks():
         cv.loglog_slope(torch.tensor([3.0, 1.0, 2.0, 4.0]), torch.ones(4))
     with pytest.raises(ValueError, match="n_samples must be an int >= 1, got 2.5"):
         cv.random_orderings(2.5, 3)
-    with pytest.raises(ValueError, match="seed must be an int >= 0"):
-        cv.random_orderings(4, 3, seed=0.5)
+    for call in (lambda: cv.random_orderings(4, 3, seed=0.5), lambda: cv.batch_running_mean(torch.ones(4), 2, seed=-1),
+                 lambda: cv.unit_directions(bh.init_params(bh.BlockConfig(d_model=4, d_ff=6)), bh.BlockConfig(d_model=4, d_ff=6), 2, seed=0.5)):
+        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+            call()
     cfg = bh.BlockConfig(d_model=4, d_ff=6)
     p = bh.init_params(cfg, seed=0)
     with pytest.raises(ValueError, match="delta contains NaN"):

@@ -206,12 +206,13 @@ def test_loss_hessian_factorisation_rank_above_the_first_sketch_float32():
     B, m = 2, 1024
     g = torch.Generator().manual_seed(6)
     Q = torch.linalg.qr(torch.randn(B, m, 24, generator=g, dtype=torch.float64)).Q
-    ev = torch.cat([torch.ones(12), torch.full((12,), 2e-5)]).to(torch.float64)
-    hess = ((Q * ev) @ Q.mT).float()
+    ev = torch.cat([torch.ones(12), torch.full((12,), 2e-5)]).to(torch.float64).expand(B, 24).clone()
+    ev[1, 2:] = 0  # the second sequence has rank 2: the batch's largest count decides
+    hess = ((Q * ev[:, None, :]) @ Q.mT).float()
     lam, W = eig_lowrank(hess)
-    assert lam.shape[1] == 24 and bool((lam != 0).all())
+    assert lam.shape[1] == 24 and bool((lam[0] != 0).all())
     rebuilt = (W * lam[:, None, :]) @ W.mT
-    assert float((rebuilt - hess).norm() / hess.norm()) < 1e-5
+    assert float((rebuilt[0] - hess[0]).norm() / hess[0].norm()) < 1e-5
 
 
 @pytest.mark.parametrize("wrt, wrt_input", [(None, False), (["W_K", "W_1"], False), (None, True)])
@@ -289,6 +290,13 @@ def test_inputs_that_require_grad_are_used_detached():
         assert rows == bounds.spectral_bounds(p, X[0], cfg, "mse", T[0])
 
 
+def test_ce_target_complex_is_refused():
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    X = torch.randn(2, 3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="integer tensor of class indices"):
+        bh.hessian(bh.init_params(cfg), X, cfg, loss="ce", target=torch.zeros(2, 3, dtype=torch.complex64))
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.uint16, torch.uint64])
 def test_ce_targets_of_any_integer_dtype(dtype):
     """Class indices as int32/int16/uint8 give the int64 results everywhere a CE target is taken."""
@@ -348,3 +356,30 @@ def test_callable_loss_single_sequence_target_is_passed_whole():
     assert torch.equal(bh.hessian(p, X, cfg, loss=shifted, target={"shift": 0.5}).dense(), ref)
     assert_close(bh.hessian(p, X, cfg, loss=scaled, target=[0.5, 2.0]).dense(), 2 * ref, what="list target")
     assert bh.reference.hessian(p, X, cfg, loss=shifted, target={"shift": 0.5}).cfg == cfg
+
+
+def test_loss_hessian_factorisation_scales_and_slack():
+    """The full eigh keeps each sequence to its own scale with per_sequence; a rank of p - 3 takes
+    the next width, p - 4 not."""
+    from blockhess.losses import eig_lowrank
+
+    m = 160
+    g = torch.Generator().manual_seed(7)
+
+    def low_rank(B, rank, scale=1.0):
+        A = torch.randn(B, m, rank, generator=g, dtype=torch.float64)
+        return scale * A @ A.mT
+
+    for rank, widths in ((12, [16]), (13, [16, 32])):
+        sizes, eigh = [], torch.linalg.eigh
+        torch.linalg.eigh = lambda M: sizes.append(M.shape[-1]) or eigh(M)
+        try:
+            eig_lowrank(low_rank(2, rank))
+        finally:
+            torch.linalg.eigh = eigh
+        assert sizes == widths, rank
+    full = low_rank(2, m)  # full rank: the m x m eigh
+    full[1] *= 1e-16
+    lam, W = eig_lowrank(full, per_sequence=True)
+    rebuilt = (W * lam[:, None, :]) @ W.mT
+    assert_close(rebuilt[1], full[1], tol=1e-12, what="the 1e-16 sequence, full eigh")

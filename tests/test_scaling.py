@@ -79,5 +79,7 @@ def test_command_writes_outputs(tmp_path, monkeypatch):
         assert (out / name).stat().st_size > 0
     assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]  # no temporary left behind
     assert (out / MARKER).is_file()  # a later run may replace these results
+    del res["total_runtime_s"]
+    assert "Run time" in scaling.markdown(res)  # the table also renders a result of compute() alone
     with pytest.raises(ValueError):
         scaling.run(p.parse_args(["--out", str(out), "--quick", "--seeds", "1", "--quiet"]))

@@ -219,3 +219,37 @@ def test_unsupported_settings_are_named():
         bh.block_input(nn.Linear(8, 8), torch.randn(3, 8, dtype=DT))
     with pytest.raises(ValueError, match="from_torch: dtype must be float32 or float64, got torch.float16"):
         bh.from_torch(layer, dtype=torch.float16)
+
+
+def test_to_module_refuses_every_structural_mismatch():
+    layer = make_layer(False, "relu", True, 2, 1e-5, True)
+    cfg, p = bh.from_torch(layer)
+    X = torch.randn(3, 8, dtype=DT)
+    H = bh.hessian(p, X, cfg, target=torch.zeros(3, 8, dtype=DT), wrt="W_1")
+    others = [make_layer(True, "relu", True, 2, 1e-5, True), make_layer(False, "gelu", True, 2, 1e-5, True),
+              make_layer(False, "relu", True, 2, 1e-3, True), make_layer(False, "relu", True, 4, 1e-5, True),
+              make_layer(False, "relu", False, 2, 1e-5, True)]
+    for other in others:  # pre-LN, activation, eps, heads, biases
+        with pytest.raises(ValueError, match="H is the Hessian of"):
+            H.to_module(other)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DT)
+    mcfg, mp = bh.from_torch(mha)
+    ours = bh.BlockConfig(d_model=8, n_heads=2, kind="attention", d_ff=64, bias=True, out_proj=True)
+    assert bh.hessian(mp, X, ours, target=torch.zeros(3, 8, dtype=DT)).to_module(mha).names[0] == "in_proj_weight"
+
+
+def test_from_torch_dropout_and_bias_checks():
+    with pytest.raises(ValueError, match="dropout=0.1 in training mode"):
+        bh.from_torch(nn.MultiheadAttention(8, 2, dropout=0.1, dtype=DT))
+    for name, where in (("self_attn.dropout", "self_attn"), ("dropout1", "dropout1")):
+        layer = nn.TransformerEncoderLayer(8, 2, 6, dropout=0.0, dtype=DT).train()
+        if where == "self_attn":
+            layer.self_attn.dropout = 0.2
+        else:
+            layer.dropout1.p = 0.2
+        with pytest.raises(ValueError, match=f"{name}=0.2 in training mode"):
+            bh.from_torch(layer)
+    mha = nn.MultiheadAttention(8, 2, dtype=DT)
+    mha.out_proj.bias = None
+    with pytest.raises(ValueError, match="in_proj_bias and out_proj.bias must both be present"):
+        bh.from_torch(mha)

@@ -290,6 +290,10 @@ def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
     V.save(fewer, tmp_path / "ck" / "digits_vit.pt")  # as the earlier `report --steps 1` did: the default file, 1 step
     with pytest.raises(ValueError, match="holds a model of seed 0 trained 1 steps, not seed 0 and 3 steps"):
         V.load_or_train(quiet=True)
+    other_seed = V.load(tmp_path / "ck" / "digits_vit_seed2_steps1.pt")
+    V.save(other_seed, tmp_path / "ck" / "digits_vit_steps1.pt")
+    with pytest.raises(ValueError, match="holds a model of seed 2"):
+        V.load_or_train(quiet=True, steps=1)
 
 
 def test_embed_refuses_raw_pixels_and_other_shapes(tiny):

@@ -382,9 +382,9 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
     Xb = X[None] if X.ndim == 2 else X
-    tb = None
-    if isinstance(target, torch.Tensor):
-        tb = target[None] if X.ndim == 2 else target
+    # a tensor target per sequence; anything else (one sequence's callable target) passed whole
+    tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,
+                      single=X.ndim == 2)
     names = tuple(param_shapes(cfg))
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
     acc = {k: {pr: 0.0 for pr in pairs} | {"all": 0.0} for k in ("outer", "functional", "full")}
@@ -392,7 +392,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     has_paper = True
     nB = Xb.shape[0]
     for bi in range(nB):
-        ing = ingredients(params, Xb[bi], cfg, loss, None if tb is None else tb[bi])
+        ing = ingredients(params, Xb[bi], cfg, loss, tb[bi] if isinstance(tb, torch.Tensor) else tb)
         v = ing["valid"]
         mats = {k: [[0.0] * len(names) for _ in names] for k in ("outer", "functional", "full")}
         for a, b in pairs:

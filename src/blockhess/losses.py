@@ -173,7 +173,8 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     ``hess`` ``(B, m, m)`` that stand above rounding. Derived here, docs/derivations.md §7.
 
     Kept: :math:`|\lambda_{br}| > \sqrt m\,\epsilon\,s`, with ``s`` the largest :math:`|\lambda|` of
-    the batch, or of sequence ``b`` when ``per_sequence``: :math:`\sqrt m\,\epsilon\,s` is the
+    the batch, or of sequence ``b`` when ``per_sequence`` (up to the range finder's blind spot
+    below): :math:`\sqrt m\,\epsilon\,s` is the
     spectral norm of an ``m × m`` rounding error of relative size :math:`\epsilon` (a bound of
     ``m ε s`` dropped real directions in float32: the report's batch came out 1e-4 off). The batch's scale suits a sum over
     sequences (the weight blocks of the batch Hessian: a confidently classified sequence's
@@ -191,7 +192,9 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
     residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
     direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
-    the sketch with kept directions, which the count sees.
+    the sketch with kept directions, which the count sees, when the missed part has one sign
+    (a missed tail of many small directions of both signs can cancel in the sketch and pass
+    both tests; docs/derivations.md §7).
     """
     B, m, _ = hess.shape
     eps = torch.finfo(hess.dtype).eps
