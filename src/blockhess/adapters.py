@@ -213,7 +213,8 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     ``Hm.dense()`` is the Hessian of the loss through ``torch.func.functional_call(module, ...)``,
     flattened. (``torch.func.hessian`` of the module itself agrees only inside
     ``sdpa_kernel(SDPBackend.MATH)``, and then in the upper triangle: torch 2.13's LayerNorm
-    weight double backward is wrong, docs/derivations.md §9; the tests use a plain-ops forward.) ``.outer`` and ``.functional``
+    weight double backward is wrong, docs/derivations.md §9; the tests use a plain-ops forward.)
+    ``.outer`` and ``.functional``
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
     Raises ``ValueError`` if ``H`` is of another block than ``module`` (``H.cfg``, when it has

@@ -387,7 +387,8 @@ def per_sample_losses(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse
     """Per-sequence losses :math:`l_i(w)` of a batch, shape ``(B,)``, dtype of ``X``.
 
     Same arguments and errors as :func:`blockhess.hessian` (``X``: ``(B, L, d_model)`` or one
-    sequence; the batch mean of the result is the batch loss). Source: the losses of :func:`blockhess.hessian` (docs/derivations.md §8).
+    sequence; the batch mean of the result is the batch loss). Source: the losses of
+    :func:`blockhess.hessian` (docs/derivations.md §8).
     """
     params, Xb, target, c, _ = _prepare(params, X, cfg, loss, target, None)
     return _per_sample_values(loss, target, c.out)
