@@ -188,7 +188,9 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega\|_F`
     (the batch's largest or the sequence's own, as above) for every sequence, and when the small
     :math:`S_b = Q^\top\Omega_b Q`, diagonalised, keeps at most ``p - RANGE_SLACK`` directions in
-    every sequence; then :math:`\Omega_b = Q S_b Q^\top` to rounding. Otherwise ``p`` doubles;
+    every sequence; then :math:`\Omega_b = Q S_b Q^\top` to rounding. Otherwise ``p`` doubles
+    (the wider sketch keeps the columns already multiplied, the check columns included, and
+    adds fresh ones, the last ``CHECK_PROBE`` of which check it);
     from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
     residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
     direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
@@ -203,11 +205,12 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     gen = torch.Generator(device=hess.device).manual_seed(0)
     lam = W = None
     p = RANGE_PROBE
+    Y = hess.new_empty(B, m, 0)  # the sketch so far: a wider one keeps its columns and adds fresh ones
     while lam is None and 2 * p <= m:
-        G = torch.randn(m, p + CHECK_PROBE, generator=gen, dtype=hess.dtype, device=hess.device)
-        Y = hess @ G
+        G = torch.randn(m, p + CHECK_PROBE - Y.shape[-1], generator=gen, dtype=hess.dtype, device=hess.device)
+        Y = torch.cat([Y, hess @ G], -1)
         Q = torch.linalg.qr(Y[..., :p]).Q  # (B, m, p)
-        P = Y[..., p:]
+        P = Y[..., p:]  # the newest columns, independent of Q
         missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax(-1)  # (B,)
         if bool((missed <= m * eps * (norms if per_sequence else norms.amax())).all()):
             lam, U = linalg.eigh(Q.mT @ (hess @ Q))
