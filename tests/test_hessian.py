@@ -295,6 +295,9 @@ def test_ce_target_complex_is_refused():
     X = torch.randn(2, 3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="integer tensor of class indices"):
         bh.hessian(bh.init_params(cfg), X, cfg, loss="ce", target=torch.zeros(2, 3, dtype=torch.complex64))
+    huge = torch.full((2, 3), 2**63, dtype=torch.uint64)  # wraps to a negative int64
+    with pytest.raises(ValueError, match=r"classes must lie in \[0, 3\] .* got a class of 2\*\*63 or more"):
+        bh.hessian(bh.init_params(cfg), X, cfg, loss="ce", target=huge)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.uint16, torch.uint64])

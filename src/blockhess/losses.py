@@ -80,6 +80,7 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
         if (not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype.is_complex
                 or target.dtype == torch.bool):
             raise ValueError("target must be an integer tensor of class indices for loss='ce'")
+        wrapped = target.dtype == torch.uint64  # its classes >= 2**63 turn negative as int64
         target = target.long()  # any integer dtype (uint16/32/64 have no min/max kernels)
         if tuple(target.shape) != tuple(Z.shape[:-1]):
             raise ValueError(f"target must have shape {shown(Z.shape[:-1])} for loss='ce', got {shown(target.shape)}")
@@ -87,7 +88,9 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
             raise ValueError(f"target is on {target.device} but X is on {Z.device}")
         d = Z.shape[-1]
         if target.numel() and (target.min() < 0 or target.max() >= d):
-            raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got range [{int(target.min())}, {int(target.max())}]")
+            got = ("a class of 2**63 or more" if wrapped and target.min() < 0
+                   else f"range [{int(target.min())}, {int(target.max())}]")
+            raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got {got}")
         return target.long()
     elif callable(loss):
         if target is not None and not isinstance(target, torch.Tensor) and not single:
