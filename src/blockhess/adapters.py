@@ -212,8 +212,9 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     ``Hm[a, b]`` is ``(numel_a, numel_b)`` in row-major order of the stored tensors and
     ``Hm.dense()`` is the Hessian of the loss through ``torch.func.functional_call(module, ...)``,
     flattened. (``torch.func.hessian`` of the module itself agrees only inside
-    ``sdpa_kernel(SDPBackend.MATH)``, and then in the upper triangle: torch 2.13's LayerNorm
-    weight double backward is wrong, docs/derivations.md §9; the tests use a plain-ops forward.)
+    ``sdpa_kernel(SDPBackend.MATH)``, and then in the upper triangle: ``torch.func``'s second
+    derivative of ``F.layer_norm`` with a weight is wrong in torch 2.13, docs/derivations.md §9;
+    ``torch.autograd.functional.hvp`` agrees; the tests use a plain-ops forward.)
     ``.outer`` and ``.functional``
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 
