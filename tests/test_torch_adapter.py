@@ -232,10 +232,6 @@ def test_to_module_refuses_every_structural_mismatch():
     for other in others:  # pre-LN, activation, eps, heads, biases
         with pytest.raises(ValueError, match="H is the Hessian of"):
             H.to_module(other)
-    mha = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DT)
-    mcfg, mp = bh.from_torch(mha)
-    ours = bh.BlockConfig(d_model=8, n_heads=2, kind="attention", d_ff=64, bias=True, out_proj=True)
-    assert bh.hessian(mp, X, ours, target=torch.zeros(3, 8, dtype=DT)).to_module(mha).names[0] == "in_proj_weight"
 
 
 def test_from_torch_dropout_and_bias_checks():

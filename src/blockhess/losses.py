@@ -91,7 +91,7 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
             got = ("a class of 2**63 or more" if wrapped and target.min() < 0
                    else f"range [{int(target.min())}, {int(target.max())}]")
             raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got {got}")
-        return target.long()
+        return target
     elif callable(loss):
         if target is not None and not isinstance(target, torch.Tensor) and not single:
             try:  # a batch's target is split per sequence along its first axis: it must be a tensor

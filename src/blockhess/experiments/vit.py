@@ -284,7 +284,7 @@ class TrainedViT:
         ``[0, 1]`` like the training data. Raises ``ValueError`` for another shape, NaN/Inf or
         values outside ``[0, 1]`` (e.g. raw 0–255 or 0–16 pixels).
         """
-        side = IMAGE_SIZE
+        side = IMAGE_SIZE  # the images are square
         if not isinstance(images, torch.Tensor) or images.ndim not in (2, 3) or tuple(images.shape[-2:]) != (side, side):
             raise ValueError(f"images must be a tensor of shape (B, {side}, {side}) or ({side}, {side}), "
                              f"got {tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
