@@ -128,6 +128,10 @@ def test_losses_and_targets(case):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(), target=torch.zeros(5))
     with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
         bh.hessian(p, X, cfg, target=T, wrt=["W_O"])
+    with pytest.raises(ValueError, match=r"'linear1.weight' is PyTorch's W_1, transposed .*to_module"):
+        bh.hessian(p, X, cfg, target=T, wrt=["W_2", "linear1.weight"])
+    with pytest.raises(ValueError, match=r"'in_proj_weight' is PyTorch's W_Q, W_K, W_V stacked \(each transposed\)"):
+        bh.jacobian(p, X, cfg, wrt="in_proj_weight")
     with pytest.raises(ValueError, match=r"wrt must be None, a parameter name or a list of names from \[.*\], got 3"):
         bh.jacobian(p, X, cfg, wrt=3)
     assert list(bh.jacobian(p, X, cfg, wrt=p.keys())) == list(p)  # any iterable of names

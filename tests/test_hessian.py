@@ -39,6 +39,9 @@ def test_against_autograd(grid_case, kind, loss):
     for a in p:  # block access, both orders
         for b in p:
             assert torch.equal(H[a, b], H.dense()[_sl(H, a), _sl(H, b)])
+    stored = dict(H.items())  # each unordered pair once, in names order
+    assert list(stored) == H.pairs() == [(a, b) for i, a in enumerate(H.names) for b in H.names[i:]]
+    assert all(torch.equal(block, H[a, b]) for (a, b), block in stored.items())
 
 
 def _sl(H, name):

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from .blocks import HessianBlocks
+from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .validation import FLOAT_DTYPES
 
@@ -44,6 +44,23 @@ _SPEC = {
     "norm2.weight": [("gamma_2", False)],
     "norm2.bias": [("beta_2", False)],
 }
+
+
+def name_hint(names) -> str:
+    """A note for ``names`` given where this library's names are expected: for each that is a
+    PyTorch parameter name (``linear1.weight``, ``self_attn.in_proj_weight``, ``in_proj_weight``
+    of a bare attention layer), what it is called here; ``""`` if none is."""
+    hints = []
+    for name in names:
+        parts = _SPEC.get(name) or _SPEC.get(f"self_attn.{name}")
+        if parts:
+            ours = ", ".join(n for n, _ in parts) + (" stacked" if len(parts) > 1 else "")
+            turned = (" (each transposed)" if len(parts) > 1 else ", transposed") if parts[0][1] else ""
+            hints.append(f"{name!r} is PyTorch's {ours}{turned}")
+    if not hints:
+        return ""
+    return ("; " + "; ".join(hints) + " (from_torch reads a layer's weights under these names; "
+            "H.to_module(layer) maps a Hessian back to the layer's)")
 
 
 def _spec(module: nn.Module) -> dict:
@@ -259,15 +276,13 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     perm = torch.cat(perm).to(H.device)
     D = H.dense()
     buf = D.index_select(0, perm).index_select(1, perm)
-    blocks, o = {}, 0
+    o = 0
     sl = {}
     for n in names:
         k = int(torch.Size(shapes[n]).numel())
         sl[n] = slice(o, o + k)
         o += k
-    for i, a in enumerate(names):
-        for b in names[i:]:
-            blocks[(a, b)] = buf[sl[a], sl[b]]
+    blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(names)}
     parts = None
     if H._parts is not None:
         def parts(which):

@@ -669,7 +669,9 @@ def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
         raise ValueError(f"wrt must be None, a parameter name or a list of names from {list(names)}, got {given!r}")
     unknown = [w for w in wrt if w not in names]
     if unknown or not wrt:
-        raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}")
+        from .adapters import name_hint  # the layer names are the adapters' knowledge
+
+        raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{name_hint(unknown)}")
     return tuple(n for n in names if n in wrt)
 
 

@@ -16,9 +16,16 @@ import torch
 from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap, workspace_need
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative"]
+__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative", "pairs"]
 
 Key = tuple[str, str]
+
+
+def pairs(names) -> list[Key]:
+    """Each unordered pair of ``names`` once, as ``(a, b)`` with ``a`` not after ``b``: the
+    blocks a symmetric Hessian over ``names`` stores (row-major over its upper triangle)."""
+    names = tuple(names)
+    return [(a, b) for i, a in enumerate(names) for b in names[i:]]
 
 
 class BlockSum:
@@ -215,6 +222,16 @@ class HessianBlocks:
         size = dict(zip(self.names, self.sizes))
         return torch.zeros(size[a], size[b], dtype=self.dtype, device=self.device)
 
+    def pairs(self) -> list[Key]:
+        """The keys ``(a, b)`` of the stored blocks, ``a`` not after ``b`` in ``names``
+        (:func:`pairs`); ``H[b, a]`` is ``H[a, b].T``."""
+        return pairs(self.names)
+
+    def items(self):
+        """``((a, b), H[a, b])`` for each pair of :meth:`pairs`: every block once (the upper
+        triangle of :meth:`dense`), zero blocks included."""
+        return ((key, self[key]) for key in self.pairs())
+
     def dense(self) -> torch.Tensor:
         """The full ``(n, n)`` matrix, ``n = sum(sizes)``, blocks in ``names`` order.
 
@@ -225,9 +242,8 @@ class HessianBlocks:
         if self._buffer is not None:
             return self._buffer
         acc = BlockSum(self.names, self.shapes, dense=True, dtype=self.dtype, device=self.device)
-        for i, a in enumerate(self.names):
-            for b in self.names[i:]:
-                acc.add(a, b, self[a, b])
+        for (a, b), block in self.items():
+            acc.add(a, b, block)
         return acc.result(self[self.names[0], self.names[0]]).dense()
 
     def to_module(self, module) -> "HessianBlocks":

@@ -38,7 +38,7 @@ import torch
 
 from . import losses
 from .block import check_inputs
-from .blocks import HessianBlocks
+from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
@@ -386,16 +386,16 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,
                       single=X.ndim == 2)
     names = tuple(param_shapes(cfg))
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
-    acc = {k: {pr: 0.0 for pr in pairs} | {"all": 0.0} for k in ("outer", "functional", "full")}
-    pap = {pr: 0.0 for pr in pairs} | {"all": 0.0}
+    keys = pairs(names)
+    acc = {k: {pr: 0.0 for pr in keys} | {"all": 0.0} for k in ("outer", "functional", "full")}
+    pap = {pr: 0.0 for pr in keys} | {"all": 0.0}
     has_paper = True
     nB = Xb.shape[0]
     for bi in range(nB):
         ing = ingredients(params, Xb[bi], cfg, loss, tb[bi] if isinstance(tb, torch.Tensor) else tb)
         v = ing["valid"]
         mats = {k: [[0.0] * len(names) for _ in names] for k in ("outer", "functional", "full")}
-        for a, b in pairs:
+        for a, b in keys:
             ab = _pair(a, b)
             o = v["lam"] * v["J"][a] * v["J"][b]
             f = v["gam"] * v["zeta"][ab]
@@ -409,7 +409,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
             has_paper = False
         else:
             bp = ing["paper"]["block"]
-            for a, b in pairs:
+            for a, b in keys:
                 pap[(a, b)] += bp[_pair(a, b)] / nB
             pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
     if not has_paper:
@@ -430,11 +430,9 @@ def exact_norms(H) -> dict[str, Any]:
     if not isinstance(H, HessianBlocks) or H._parts is None:
         raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
-    names = H.names
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
     out = {}
     for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
-        vals = {pr: norm2(part[pr]) for pr in pairs}
+        vals = {pr: norm2(block) for pr, block in part.items()}
         D = part.dense()
         vals["all"] = _sym_spec(0.5 * (D + D.T))
         out[key] = vals
@@ -483,8 +481,7 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
     H = _hessian(params, X, cfg, loss=loss, target=target)
     ex = exact_norms(H)
     bd = block_bounds(params, X, cfg, loss=loss, target=target)
-    names = bd["names"]
-    keys = [(a, b) for i, a in enumerate(names) for b in names[i:]] + ["all"]
+    keys = pairs(bd["names"]) + ["all"]
     rows = []
     for k in keys:
         norm = ex["full"][k]

@@ -16,7 +16,7 @@ import torch.nn.functional as Fn
 
 from . import losses
 from .block import _select, check_inputs
-from .blocks import BlockSum, HessianBlocks
+from .blocks import BlockSum, HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .validation import check_bool
 
@@ -146,13 +146,12 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     J = torch.func.jacrev(out)(sel)
     J = {n: J[n].reshape(B, L * d, -1) for n in names}
     parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
-    for i, a in enumerate(names):
-        for b in names[i:]:
-            full = Hf[a][b].reshape(allv[a].numel(), allv[b].numel())
-            outer = torch.einsum("bia,bij,bjc->ac", J[a], H_Z, J[b])
-            parts["full"].add(a, b, full)
-            parts["outer"].add(a, b, outer)
-            parts["functional"].add(a, b, full - outer)
+    for a, b in pairs(names):
+        full = Hf[a][b].reshape(allv[a].numel(), allv[b].numel())
+        outer = torch.einsum("bia,bij,bjc->ac", J[a], H_Z, J[b])
+        parts["full"].add(a, b, full)
+        parts["outer"].add(a, b, outer)
+        parts["functional"].add(a, b, full - outer)
     H = parts["full"].result(X, cfg)
     H._parts = lambda which: parts[which].result(X, cfg)
     return H

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..blocks import pairs
 from ..hessian import hessian as closed_form_hessian
 from .. import linalg, reference
 from . import plots
@@ -76,10 +77,6 @@ def _offsets(sizes) -> list[int]:
     for s in sizes:
         off.append(off[-1] + s)
     return off
-
-
-def _pairs(names):
-    return [(a, b) for i, a in enumerate(names) for b in names[i:]]
 
 
 def _block(D: torch.Tensor, names, off, a, b) -> torch.Tensor:
@@ -174,7 +171,7 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
     for part in _PARTS:
         whole = float(torch.linalg.matrix_norm(ref[part])) or 1.0
         per = {f"{a},{b}": _rel(_block(closed[part], names, off, a, b), _block(ref[part], names, off, a, b), whole)
-               for a, b in _pairs(names)}
+               for a, b in pairs(names)}
         errors[part] = {"whole": float(torch.linalg.matrix_norm(closed[part] - ref[part])) / whole,
                         "max_over_blocks": max(per.values()), "blocks": per}
     sym = float(torch.linalg.matrix_norm(closed["full"] - closed["full"].T)) / float(torch.linalg.matrix_norm(closed["full"]))
@@ -183,7 +180,7 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
 
     # norms per block pair
     blocks = {}
-    for a, b in progress(_pairs(names), quiet, desc=f"{tag}: block norms", unit="pair"):
+    for a, b in progress(pairs(names), quiet, desc=f"{tag}: block norms", unit="pair"):
         entry = {}
         for part in _PARTS:
             M = _block(closed[part], names, off, a, b)
@@ -250,11 +247,11 @@ def _figures(tmp: Path, phases: dict, names) -> list[str]:
             f"log10|H| of the digits-ViT block, {title} (test accuracy {100 * ph['test_accuracy']:.1f}%, loss {ph['loss']:.3f})",
         )
         files.append(fname)
-    pair_labels = [f"{_SHORT[a]},{_SHORT[b]}" for a, b in _pairs(names)]
+    pair_labels = [f"{_SHORT[a]},{_SHORT[b]}" for a, b in pairs(names)]
     groups = {}
     for tag, ph in phases.items():
         groups["initialisation" if tag == "init" else "trained"] = {
-            part: [ph["norms"]["blocks"][f"{a},{b}"][part]["spectral"] for a, b in _pairs(names)] for part in ("outer", "functional", "full")
+            part: [ph["norms"]["blocks"][f"{a},{b}"][part]["spectral"] for a, b in pairs(names)] for part in ("outer", "functional", "full")
         }
     plots.block_norm_bars(tmp / "block_norms.png", groups, pair_labels, "Spectral norm per Hessian block: outer (Gauss-Newton) vs functional term")
     files.append("block_norms.png")
@@ -352,7 +349,7 @@ def _markdown(rep: dict, phases: dict, names) -> str:
             "| block | ‖H‖_F | ‖H‖₂ | ‖outer‖_F | ‖outer‖₂ | ‖functional‖_F | ‖functional‖₂ | max abs entry |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for a, b in _pairs(names):
+        for a, b in pairs(names):
             n = ph["norms"]["blocks"][f"{a},{b}"]
             lines.append(
                 f"| {a},{b} | {_fmt(n['full']['fro'])} | {_fmt(n['full']['spectral'])} | {_fmt(n['outer']['fro'])} | "

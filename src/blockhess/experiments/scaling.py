@@ -162,9 +162,7 @@ def _measure(params, X, cfg, T):
 
     H = bh.hessian(params, X, cfg, loss="mse", target=T)
     bb = bounds.block_bounds(params, X, cfg, loss="mse", target=T)
-    names = H.names
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
-    return _norms(H, bb, pairs)
+    return _norms(H, bb, H.pairs())
 
 
 def _att(params: dict) -> dict:
