@@ -230,7 +230,7 @@ def test_per_sample_hessians_name_the_sequence_with_a_bad_loss_derivative():
 
     t = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=DT)
     for f in (cv.per_sample_hessians, bh.hessian):
-        with pytest.raises(ValueError, match="NaN or Inf gradient or Hessian w.r.t. Z at sequence 2"):
+        with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 2"):
             f(p, X, cfg, loss=loss, target=t)
 
 

@@ -152,8 +152,11 @@ def test_losses_and_targets(case):
         bh.hessian(p, X[0], cfg, loss="ce", target=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"scalar \(0-dim\) tensor for one sequence Z of shape \(3, 4\), got shape \(4,\)"):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(0))
-    with pytest.raises(ValueError, match="NaN or Inf gradient or Hessian w.r.t. Z at sequence 1"):
+    with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 1"):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum() / t, target=torch.tensor([1.0, 0.0]))
+    # a value that is not finite although its derivatives w.r.t. Z are (log 0 is a constant in Z)
+    with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 1"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum() + torch.log(t), target=torch.tensor([1.0, 0.0]))
 
 
 def test_config_errors():

@@ -147,6 +147,12 @@ def test_head_loss_is_the_model_loss(tiny):
     assert float(tiny.head_loss(Z, labels)) == pytest.approx(float(per.mean()), abs=1e-13)
     # one image at a time through embed
     assert torch.equal(tiny.embed(images[3]), tiny.embed(images)[3])
+    # a class outside 0..9 is refused through the loss's value, naming the sequence
+    assert math.isnan(float(tiny.head_loss(Z[0], 10))) and math.isnan(float(tiny.head_loss(Z[0], -1)))
+    bad = labels[:3].clone()
+    bad[2] = 10
+    with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 2"):
+        bh.hessian(tiny.block_params(), tiny.embed(images[:3]), tiny.cfg, loss=tiny.head_loss, target=bad)
 
 
 def test_other_block_weights_change_the_loss(tiny):

@@ -133,8 +133,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
         forward pass that overflows the dtype; a zero-variance (or underflowing) LayerNorm
         input row with ``ln_eps = 0`` (Assumption 2); an unknown loss; a target of the wrong
-        shape or class range; a callable loss that does not return a scalar, or whose gradient
-        or Hessian w.r.t. ``Z`` has a NaN or Inf; an unknown name in ``wrt``; ``out`` of the
+        shape or class range; a callable loss that does not return a scalar, or whose value,
+        gradient or Hessian w.r.t. ``Z`` has a NaN or Inf; an unknown name in ``wrt``; ``out`` of the
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
         ``X``, ``params`` or ``target``.
     InsufficientMemoryError

@@ -125,8 +125,9 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
 
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
     callable: a tensor with one entry per sequence along axis 0, or ``None``). Raises
-    ``ValueError`` when a callable's gradient or Hessian has a NaN or Inf (naming the
-    sequence); the other arguments are not checked here (:func:`check`).
+    ``ValueError`` when a callable's value, gradient or Hessian has a NaN or Inf (naming the
+    sequence; its derivatives can be finite where its value is not); the other arguments are
+    not checked here (:func:`check`).
     """
     B, L, d = Z.shape
     if loss == "mse":
@@ -140,13 +141,14 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * B)
         return LossDerivatives((p - onehot) / (L * B), hess, True)
     in_dims = _in_dims(target)
-    grad = torch.func.vmap(torch.func.grad(loss), in_dims=in_dims)(Z, target)
+    grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
     hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
-    if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum())):  # only then search (a sum can overflow)
-        ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1)
+    if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum()) and math.isfinite(val.sum())):
+        # only then search (a sum can overflow)
+        ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
         if not bool(ok.all()):
             b = int((~ok).nonzero()[0])
-            raise ValueError(f"loss has a NaN or Inf gradient or Hessian w.r.t. Z at sequence {b}")
+            raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {b}")
     return LossDerivatives(grad / B, hess.reshape(B, L * d, L * d) / B, False)
 
 

@@ -303,12 +303,15 @@ class TrainedViT:
         Hessian of the model's mean cross-entropy over the batch. Also accepts a batch
         ``Z`` ``(B, L, d)`` with ``y`` ``(B,)`` and then returns the mean. Twice
         differentiable in ``Z`` (``torch.func``-traceable, ``vmap``-able); computed in ``Z.dtype``.
+        A class outside ``0..9`` makes the value NaN (a check that ``vmap`` can trace; its
+        derivatives stay finite), which :func:`blockhess.hessian` refuses, naming the sequence.
         """
         w = self._weights(Z.dtype)
         logits = _head(w, Z)  # (..., C)
         y = torch.as_tensor(y, device=Z.device)
         onehot = (torch.arange(N_CLASSES, device=Z.device) == y[..., None]).to(Z.dtype)
-        return (torch.logsumexp(logits, -1) - (logits * onehot).sum(-1)).mean()
+        ce = torch.logsumexp(logits, -1) - (logits * onehot).sum(-1)
+        return (ce + torch.where(onehot.sum(-1) == 1, 0.0, torch.nan).to(Z.dtype)).mean()
 
     def logits(self, images: torch.Tensor, block_params: dict | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Class logits ``(B, 10)``; ``block_params`` replaces the block's weights (their dtype wins)."""
