@@ -251,3 +251,34 @@ def test_ints_stay_ints_and_flags_stay_flags():
     cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0)
     with pytest.raises(ValueError, match="wrt must be None, a parameter name or a list of names"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X), wrt=[1])
+
+
+def test_cuda_memory_check_counts_the_allocators_unused_cache(monkeypatch):
+    """On CUDA the memory freed into PyTorch's cache is available to the next request (no GPU
+    needed: the device queries are replaced)."""
+    from blockhess.validation import check_fits
+
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * GiB)
+    check_fits(5 * GiB - 1, "five GiB", "cuda")  # 1 free + 4 cached unused
+    with pytest.raises(bh.InsufficientMemoryError, match=r"five GiB needs 5,368,709,121 bytes .* 5,368,709,120 bytes .* on cuda"):
+        check_fits(5 * GiB + 1, "five GiB", "cuda")
+
+
+def test_tf32_warning(monkeypatch):
+    """float32 on CUDA with TF32 matrix products warns; float64, the CPU, or TF32 off do not."""
+    import warnings
+
+    from blockhess import validation
+
+    monkeypatch.setattr(validation, "tf32_enabled", lambda: True)
+    with pytest.warns(UserWarning, match=r"TF32 .*set_float32_matmul_precision\('highest'\)"):
+        validation.warn_tf32(torch.float32, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validation.warn_tf32(torch.float64, "cuda")
+        validation.warn_tf32(torch.float32, "cpu")
+        monkeypatch.setattr(validation, "tf32_enabled", lambda: False)
+        validation.warn_tf32(torch.float32, "cuda")

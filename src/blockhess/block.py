@@ -46,7 +46,7 @@ from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
-from .validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor
+from .validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor, warn_tf32
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
 
@@ -78,7 +78,8 @@ def _as_batch(X: torch.Tensor) -> torch.Tensor:
 def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
     """Validate ``X`` (``(L, d_model)`` or ``(B, L, d_model)``, finite, floating) and ``params``.
 
-    Raises ``ValueError`` naming the argument on a wrong shape, dtype, device, NaN/Inf.
+    Raises ``ValueError`` naming the argument on a wrong shape, dtype, device, NaN/Inf;
+    warns for float32 on CUDA with TF32 matrix products (:func:`~blockhess.validation.warn_tf32`).
     """
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
@@ -87,6 +88,7 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
         raise ValueError(f"X must have shape (L, {cfg.d_model}) or (B, L, {cfg.d_model}) with L >= 1 and B >= 1, "
                          f"got {tuple(X.shape)}")
     check_params(params, param_shapes(cfg), X)
+    warn_tf32(X.dtype, X.device)
 
 
 def _pre(cfg: BlockConfig) -> bool:

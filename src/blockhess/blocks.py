@@ -135,8 +135,12 @@ class BlockSum:
             torch.diagonal(self._view(a, b), 0, dim1, dim2).add_(value)
 
     def _mirror(self, upper: torch.Tensor, lower: torch.Tensor) -> None:
-        """``lower = upper.T``, a tile of ``MIRROR_TILE`` rows of ``upper`` at a time (each tile's
-        transpose stays in cache: about 3× faster than one strided ``copy_`` of the whole block)."""
+        """``lower = upper.T``: on the CPU a tile of ``MIRROR_TILE`` rows of ``upper`` at a time
+        (each tile's transpose stays in cache: about 3× faster than one strided ``copy_`` of the
+        whole block); elsewhere one copy (one kernel rather than one launch per tile)."""
+        if upper.device.type != "cpu":
+            lower.copy_(upper.T)
+            return
         t = self.MIRROR_TILE
         for i in range(0, upper.shape[0], t):
             lower[:, i : i + t].copy_(upper[i : i + t].T)

@@ -586,7 +586,7 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
         add(f"J_{nm}", max(norm2(m) for m in Jc), jv, pp[f"J_{nm}"], "paper lemma uses the row norm as σ_min")
         add(f"H_{nm}", max(norm2(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, pp[f"H_{nm}"],
             "paper layout, per token")
-    JSY = torch.eye(d, dtype=X64.dtype) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
+    JSY = torch.eye(d, dtype=X64.dtype, device=X64.device) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
     add("J_SY", max(norm2(m) for m in JSY), v["J_SY"], v["J_SY"])
     dff = p64["W_1"].shape[1]
     # B_1: rows y_t^T ⊗ W_2^T diag(D_t); B_2 = relu(Y W_1) ⊗ I; B_k = J_SY J_Y G_k per token

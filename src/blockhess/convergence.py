@@ -207,7 +207,7 @@ def ema(values, alpha: float) -> torch.Tensor:
     for i, x in enumerate(v.tolist()):
         y = x if i == 0 else (1 - a) * y + a * x
         out[i] = y
-    return torch.tensor(out, dtype=torch.float64)
+    return torch.tensor(out, dtype=torch.float64, device=v.device)
 
 
 def log_ema(k, y, alpha: float = 0.5, per_decade: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,14 +519,17 @@ def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNor
         return SpectralNorm(norm.reshape(batch), torch.zeros_like(norm).reshape(batch))
     m, Bn = int(iters), A.shape[0]
     tiny = torch.finfo(A.dtype).tiny
-    gen = torch.Generator(device=A.device).manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(int(seed))  # on the CPU: the same draws on every device
+
+    def draw():
+        return torch.randn(Bn, n, generator=gen, dtype=A.dtype).to(A.device)
 
     def orth(w, Qj):  # twice is enough (Kahan)
         for _ in range(2):
             w = w - (Qj.transpose(1, 2) @ (Qj @ w[..., None]))[..., 0]
         return w
 
-    q = torch.randn(Bn, n, generator=gen, dtype=A.dtype, device=A.device)
+    q = draw()
     Q = torch.zeros(Bn, m + 1, n, dtype=A.dtype, device=A.device)
     Q[:, 0] = q / q.norm(dim=1, keepdim=True)
     alpha = torch.zeros(Bn, m, dtype=A.dtype, device=A.device)
@@ -540,14 +543,17 @@ def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNor
         return theta.abs().gather(1, idx)[:, 0], (beta[:, j - 1] * Y[:, -1, :].gather(1, idx)[:, 0]).abs()
 
     for j in range(m):
-        w = torch.stack([A[b] @ Q[b, j] for b in range(Bn)])  # one GEMV each: faster than a batched bmm
+        if A.device.type == "cpu":  # one GEMV each: faster than a batched bmm on the CPU
+            w = torch.stack([A[b] @ Q[b, j] for b in range(Bn)])
+        else:  # one kernel, not one launch per sample
+            w = torch.bmm(A, Q[:, j, :, None])[..., 0]
         alpha[:, j] = (w * Q[:, j]).sum(1)
         w = orth(w, Q[:, : j + 1])
         bj = w.norm(dim=1)
         scale = torch.maximum(scale, torch.maximum(alpha[:, j].abs(), bj))
         dead = bj <= n * torch.finfo(A.dtype).eps * scale
         if bool(dead.any()):  # invariant subspace found: continue with a fresh orthogonal vector
-            r = orth(torch.randn(Bn, n, generator=gen, dtype=A.dtype, device=A.device), Q[:, : j + 1])
+            r = orth(draw(), Q[:, : j + 1])
             w = torch.where(dead[:, None], r / r.norm(dim=1, keepdim=True).clamp_min(tiny), w / bj.clamp_min(tiny)[:, None])
             bj = torch.where(dead, torch.zeros_like(bj), bj)
         else:

@@ -207,12 +207,12 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     eps = torch.finfo(hess.dtype).eps
     tol = math.sqrt(m) * eps  # relative size of the rounding noise's spectral norm
     norms = torch.linalg.matrix_norm(hess)  # (B,) Frobenius
-    gen = torch.Generator(device=hess.device).manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # on the CPU: the same sketch on every device
     lam = W = None
     p = RANGE_PROBE
     Y = hess.new_empty(B, m, 0)  # the sketch so far: a wider one keeps its columns and adds fresh ones
     while lam is None and 2 * p <= m:
-        G = torch.randn(m, p + CHECK_PROBE - Y.shape[-1], generator=gen, dtype=hess.dtype, device=hess.device)
+        G = torch.randn(m, p + CHECK_PROBE - Y.shape[-1], generator=gen, dtype=hess.dtype).to(hess.device)
         Y = torch.cat([Y, hess @ G], -1)
         Q = torch.linalg.qr(Y[..., :p]).Q  # (B, m, p)
         P = Y[..., p:]  # the newest columns, independent of Q

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import psutil
 import torch
@@ -157,19 +158,39 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
                      f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
 
 
+def tf32_enabled() -> bool:
+    """Whether CUDA float32 matrix products may run in TF32 (``torch.backends.cuda.matmul.allow_tf32``,
+    set by ``torch.set_float32_matmul_precision("high")`` among others)."""
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:  # torch refuses to read a mix of its old and new precision settings
+        return True
+
+
+def warn_tf32(dtype: torch.dtype, device: torch.device | str) -> None:
+    """Warn (``UserWarning``) when float32 work on CUDA would run its matrix products in TF32:
+    about 1e-3 relative error instead of float32's 1e-7, silently, in every result."""
+    if dtype == torch.float32 and torch.device(device).type == "cuda" and tf32_enabled():
+        warnings.warn("float32 on CUDA with TF32 matrix products enabled (torch.backends.cuda.matmul.allow_tf32): "
+                      "results carry ~1e-3 relative error; call torch.set_float32_matmul_precision('highest') "
+                      "for float32 accuracy, or use float64", stacklevel=3)
+
+
 SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)
 
 
 def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
     """Raise ``InsufficientMemoryError`` (a ``MemoryError`` and a ``ValueError``) if ``nbytes``
-    exceeds the memory available now on ``device``; the message gives both byte counts.
+    exceeds the memory available now on ``device`` (CUDA: the device's free memory plus the
+    cached blocks PyTorch's allocator holds unused); the message gives both byte counts.
     Requests under ``SMALL_BYTES`` (64 MiB) are not checked: a machine that cannot hold
     them fails in the allocator anyway, and the check would dominate small calls."""
     if nbytes < SMALL_BYTES:
         return
     device = torch.device(device)
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free on the device, plus what PyTorch's allocator holds unused
+        available = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                     - torch.cuda.memory_allocated(device))
     else:
         available = psutil.virtual_memory().available
     if nbytes > available:

@@ -134,6 +134,8 @@ def _git_commit() -> str | None:
 def environment(args) -> dict:
     import torch
 
+    from ..validation import tf32_enabled
+
     vm = psutil.virtual_memory()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -149,6 +151,7 @@ def environment(args) -> dict:
         "torch_threads": args.effective_threads,
         "device": args.device,
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "cuda_tf32_matmul": tf32_enabled() if args.device == "cuda" else None,
         "threads_reason": args.threads_reason,
         "numpy": _version("numpy"),
         "jax": _version("jax"),

@@ -143,14 +143,15 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(N, (H // patch) * (W // patch), patch * patch)
 
 
-def sinusoidal_positions(L: int, d: int, dtype=torch.float64) -> torch.Tensor:
-    """Fixed positions ``(L, d)``: ``P[t, 2i] = sin(t / 10000^{2i/d})``, ``P[t, 2i+1] = cos(·)``."""
+def sinusoidal_positions(L: int, d: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Fixed positions ``(L, d)`` in ``dtype`` on ``device``: ``P[t, 2i] = sin(t / 10000^{2i/d})``,
+    ``P[t, 2i+1] = cos(·)`` (computed in float64 on the CPU)."""
     t = torch.arange(L, dtype=torch.float64)[:, None]
     freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
     P = torch.zeros(L, d, dtype=torch.float64)
     P[:, 0::2] = torch.sin(t * freq)
     P[:, 1::2] = torch.cos(t * freq[: d // 2])
-    return P.to(dtype)
+    return P.to(dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------------- model
@@ -189,7 +190,7 @@ def _shapes(arch: dict) -> dict[str, tuple[int, ...]]:
 
 def _embed(params: dict, images: torch.Tensor, patch: int) -> torch.Tensor:
     x = patchify(images, patch)
-    P = sinusoidal_positions(x.shape[1], params["W_E"].shape[1], params["W_E"].dtype)
+    P = sinusoidal_positions(x.shape[1], params["W_E"].shape[1], params["W_E"].dtype, params["W_E"].device)
     return x @ params["W_E"] + params["b_E"] + P
 
 
@@ -248,10 +249,11 @@ class TrainedViT:
     _cast: dict = field(default_factory=dict, repr=False)
 
     # -- weights ---------------------------------------------------------------------------
-    def _weights(self, dtype: torch.dtype) -> dict:
-        if dtype not in self._cast:
-            self._cast[dtype] = {n: v.to(dtype) for n, v in self.params.items()}
-        return self._cast[dtype]
+    def _weights(self, dtype: torch.dtype, device=None) -> dict:
+        key = (dtype, torch.device(device or "cpu"))
+        if key not in self._cast:
+            self._cast[key] = {n: v.to(dtype=dtype, device=key[1]) for n, v in self.params.items()}
+        return self._cast[key]
 
     def block_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
         """The block's weights ``{W_Q, W_K, W_V, W_1, W_2}`` in ``dtype`` (fresh copies)."""
@@ -291,7 +293,7 @@ class TrainedViT:
         if images.numel() and not (bool(torch.isfinite(images).all()) and float(images.min()) >= 0 and float(images.max()) <= 1):
             raise ValueError("images must hold pixel values in [0, 1], like the training data (scale raw pixels first)")
         one = images.ndim == 2
-        X = _embed(self._weights(dtype), (images[None] if one else images).to(dtype), self.arch["patch"])
+        X = _embed(self._weights(dtype, images.device), (images[None] if one else images).to(dtype), self.arch["patch"])
         return X[0] if one else X
 
     def head_loss(self, Z: torch.Tensor, y) -> torch.Tensor:
@@ -306,7 +308,7 @@ class TrainedViT:
         A class outside ``0..9`` makes the value NaN (a check that ``vmap`` can trace; its
         derivatives stay finite), which :func:`blockhess.hessian` refuses, naming the sequence.
         """
-        w = self._weights(Z.dtype)
+        w = self._weights(Z.dtype, Z.device)
         logits = _head(w, Z)  # (..., C)
         y = torch.as_tensor(y, device=Z.device)
         onehot = (torch.arange(N_CLASSES, device=Z.device) == y[..., None]).to(Z.dtype)
@@ -317,7 +319,7 @@ class TrainedViT:
         """Class logits ``(B, 10)``; ``block_params`` replaces the block's weights (their dtype wins)."""
         if dtype is None:
             dtype = next(iter(block_params.values())).dtype if block_params else torch.float64
-        w = dict(self._weights(dtype))
+        w = dict(self._weights(dtype, images.device))
         if block_params is not None:
             w.update({n: block_params[n] for n in BLOCK_NAMES})
         return _logits(w, images, self.cfg, self.arch["patch"])
