@@ -70,7 +70,7 @@ def test_finite_check_names_the_tensor_and_tolerates_overflowing_sums():
 def test_overflow_inside_the_block_is_an_error(case):
     cfg, p, X, T = case
     p32 = {k: v.float() for k, v in p.items()}
-    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\) contains NaN or Inf: the forward pass overflowed"):
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\) contains NaN or Inf: the forward pass overflowed"):
         bh.hessian(p32, X.float() * 1e19, cfg, target=T.float())  # finite inputs, attention scores overflow float32
 
 
@@ -92,7 +92,7 @@ def test_underflowing_variance_is_an_error(case, dtype, scale):
     """Rows so small that 1/sigma^2 overflows: an error, not a Hessian of NaN (and not 'zero variance')."""
     cfg, p, X, T = case
     q = {k: v.to(dtype) for k, v in p.items()}
-    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\)\): the variance of LayerNorm input row .* below"):
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\): the variance of LayerNorm input row .* below"):
         bh.hessian(q, (X * scale).to(dtype), cfg, target=T.to(dtype))
     H = bh.hessian(q, (X * scale * 1e12).to(dtype), cfg, target=T.to(dtype))  # small but representable
     assert torch.isfinite(H.dense()).all()
@@ -104,8 +104,12 @@ def test_zero_variance_layernorm_row():
     p["W_V"] = torch.zeros(4, 4, dtype=torch.float64)  # X + SA(X) = X
     X = torch.randn(3, 4, dtype=torch.float64)
     X[1] = 0.7  # a constant token row: LN_1 input has zero variance
-    with pytest.raises(ValueError, match="LayerNorm-1 input.*zero variance.*Assumption 2"):
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\): LayerNorm input row \(1,\) has zero variance.*Assumption 2"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    Xb = torch.randn(3, 3, 4, dtype=torch.float64)
+    Xb[2, 1] = 0.7  # in a batch the row is named by (sequence, token), as in X
+    with pytest.raises(ValueError, match=r"LayerNorm input row \(2, 1\) has zero variance"):
+        bh.hessian(p, Xb, cfg, target=torch.zeros_like(Xb))
     cfg_eps = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=1e-5)
     bh.hessian(p, X, cfg_eps, target=torch.zeros_like(X))  # eps > 0 makes it well defined
 
@@ -154,6 +158,8 @@ def test_losses_and_targets(case):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum(0))
     with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 1"):
         bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum() / t, target=torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"loss could not be differentiated by torch.func .*\.item\(\)"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: Z.sum() * Z.max().item(), target=torch.zeros(2))
     # a value that is not finite although its derivatives w.r.t. Z are (log 0 is a constant in Z)
     with pytest.raises(ValueError, match="NaN or Inf value, gradient or Hessian w.r.t. Z at sequence 1"):
         bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum() + torch.log(t), target=torch.tensor([1.0, 0.0]))

@@ -283,7 +283,7 @@ def test_config_errors():
     p = bh.init_params(cfg)
     X = torch.randn(3, 4, dtype=torch.float64)
     X[1] = 0.5
-    with pytest.raises(ValueError, match="LayerNorm-1 input X, pre-LN.*zero variance"):
+    with pytest.raises(ValueError, match=r"X \(the LayerNorm-1 input, pre-LN\): LayerNorm input row \(1,\) has zero variance"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
-    with pytest.raises(ValueError, match="wrt must be a non-empty subset"):
+    with pytest.raises(ValueError, match="wrt must be a non-empty subset .*; the input X is a variable with wrt_input=True"):
         bh.hessian(p, X + torch.arange(4.0, dtype=torch.float64), cfg, target=torch.zeros_like(X), wrt="X")

@@ -228,10 +228,11 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     (``self_attn.in_proj_weight``: ``(3 d, d)``, ``linear1.weight``: ``(d_ff, d)``, ...), so
     ``Hm[a, b]`` is ``(numel_a, numel_b)`` in row-major order of the stored tensors and
     ``Hm.dense()`` is the Hessian of the loss through ``torch.func.functional_call(module, ...)``,
-    flattened. (``torch.func.hessian`` of the module itself agrees only inside
-    ``sdpa_kernel(SDPBackend.MATH)``, and then in the upper triangle: ``torch.func``'s second
-    derivative of ``F.layer_norm`` with a weight is wrong in torch 2.13, docs/derivations.md §9;
-    ``torch.autograd.functional.hvp`` agrees; the tests use a plain-ops forward.)
+    flattened. (Autograd through the module itself needs ``sdpa_kernel(SDPBackend.MATH)``: the
+    CPU flash-attention kernel has no second derivative. There ``torch.autograd.functional.hessian``
+    and ``hvp`` agree, ``torch.func.hessian`` only in the upper triangle: its second derivative
+    of ``F.layer_norm`` with a weight is wrong in torch 2.13, docs/derivations.md §9; the tests
+    use a plain-ops forward.)
     ``.outer`` and ``.functional``
     map likewise. The input block ``"X"`` (``wrt_input``) is not a module parameter and is left out.
 

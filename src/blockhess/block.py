@@ -154,14 +154,14 @@ def _check_forward(c: Cache) -> None:
     and Assumption 2), and the output finite where no checked LayerNorm produces it (pre-LN,
     ``kind="attention"``): an overflow inside, e.g. of float32 attention scores, is an error,
     not a Hessian of NaN."""
-    eps = c.cfg.ln_eps
+    eps, shape = c.cfg.ln_eps, c.x_shape  # rows named as X's: (t,) or (b, t)
     if c.cfg.kind == "block" and c.cfg.norm == "post":
-        check_ln_variance("X (the LayerNorm-1 input X + SA(X))", c.U, eps, computed=True)
-        check_ln_variance("X (the LayerNorm-2 input Y + FFN(Y))", c.fc.S, eps, computed=True)
+        check_ln_variance("the LayerNorm-1 input X + SA(X)", c.U.reshape(shape), eps, computed=True)
+        check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", c.fc.S.reshape(shape), eps, computed=True)
         return  # Z = LN_2(S), finite for a checked S
     if c.cfg.kind == "block":
-        check_ln_variance("X (the LayerNorm-1 input X, pre-LN)", c.X, eps)
-        check_ln_variance("X (the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN)", c.U, eps, computed=True)
+        check_ln_variance("X (the LayerNorm-1 input, pre-LN)", c.X.reshape(shape), eps)
+        check_ln_variance("the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN", c.U.reshape(shape), eps, computed=True)
     check_finite({"the block output": c.out}, f": the forward pass overflowed {c.out.dtype} on finite inputs; "
                  "rescale X or the weights")
 
@@ -673,7 +673,8 @@ def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
     if unknown or not wrt:
         from .adapters import name_hint  # the layer names are the adapters' knowledge
 
-        raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{name_hint(unknown)}")
+        hint = name_hint(unknown) + ("; the input X is a variable with wrt_input=True" if "X" in unknown else "")
+        raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{hint}")
     return tuple(n for n in names if n in wrt)
 
 

@@ -107,7 +107,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         sequence anything the callable takes; for a batch a tensor (or array-like, made a
         tensor) whose first axis has one entry per sequence, each sequence getting its entry.
     wrt : str or list of str or None
-        Restrict to these weights (only their blocks are computed).
+        Restrict to these weights (only their blocks are computed). The result keeps the
+        canonical order of :func:`~blockhess.config.param_shapes` (``H.names``), whatever the
+        order given, and each name once; the names are this library's (``W_1``, not
+        ``linear1.weight``: see :func:`~blockhess.adapters.from_torch`).
     wrt_input : bool
         Also differentiate w.r.t. the block input: a variable named ``"X"`` (first), of
         ``X``'s shape; its blocks with itself (zero across sequences) and with every weight.

@@ -126,8 +126,9 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
     callable: a tensor with one entry per sequence along axis 0, or ``None``). Raises
     ``ValueError`` when a callable's value, gradient or Hessian has a NaN or Inf (naming the
-    sequence; its derivatives can be finite where its value is not); the other arguments are
-    not checked here (:func:`check`).
+    sequence; its derivatives can be finite where its value is not), or when ``torch.func``
+    cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for ``.item()``); the other
+    arguments are not checked here (:func:`check`).
     """
     B, L, d = Z.shape
     if loss == "mse":
@@ -141,8 +142,13 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * B)
         return LossDerivatives((p - onehot) / (L * B), hess, True)
     in_dims = _in_dims(target)
-    grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
-    hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
+    try:
+        grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
+        hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
+    except RuntimeError as exc:  # e.g. .item() or a Python branch on a value inside the loss
+        raise ValueError("loss could not be differentiated by torch.func (vmap of grad and hessian): "
+                         f"{str(exc).splitlines()[0][:200]}; write it in torch ops that vmap can batch "
+                         "(no .item(), no Python branches on values, no in-place changes of Z)") from exc
     if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum()) and math.isfinite(val.sum())):
         # only then search (a sum can overflow)
         ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
