@@ -6,6 +6,7 @@ import os
 import pytest
 
 from blockhess.cli import main
+from blockhess.experiments import validate as V
 from blockhess.experiments.outputs import MARKER, atomic_dir
 
 
@@ -14,7 +15,8 @@ def test_validate_quick(tmp_path):
     assert main(["validate", "--quick", "--quiet", "--out", str(out)]) == 0
     data = json.loads((out / "validate.json").read_text())
     assert data["passed"] and data["max_rel_error"] <= 1e-10
-    assert len(data["cases"]) == 18
+    assert len(data["cases"]) == 45 and {c["setting"] for c in data["cases"]} == set(V.OPTIONS)
+    assert sum(c["wrt_input"] for c in data["cases"]) == 27 and max(c["n_heads"] for c in data["cases"]) == 2
     assert {c["loss"] for c in data["cases"]} == {"mse", "ce", "custom"}
     assert (out / "validate.md").read_text().startswith("# blockhess validate")
 

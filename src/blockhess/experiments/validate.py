@@ -1,9 +1,13 @@
 """``blockhess validate``: the closed forms against ``torch.func`` on a grid of settings.
 
-For each setting (kind, sizes, batch, input scale, loss) it compares, in float64, the
-block Jacobian and the loss Hessian's full, outer and functional parts with
-:mod:`blockhess.reference` by relative Frobenius error, and records both times. Writes
-``validate.json`` and ``validate.md``; exits with status 1 if any error exceeds ``--tol``.
+For each setting (block options, sizes, batch, input scale, loss) it compares, in float64,
+the block Jacobian and the loss Hessian's full, outer and functional parts with
+:mod:`blockhess.reference` by relative Frobenius error, and records both times. The block
+options are the paper's attention layer and post-LN block, and each of them with every
+option beyond the paper on (:data:`OPTIONS`: heads, biases, ``W_O``, causal mask; for the
+block also affine LayerNorm with ``eps``, GELU, and pre-LN), these also differentiated w.r.t.
+the input ``X``. Writes ``validate.json`` and ``validate.md``; exits with status 1 if any
+error exceeds ``--tol``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ FULL_GRID = [(1, 4, 4, 6, None, 1.0), (3, 4, 2, 5, None, 1.0), (5, 7, 3, 9, None
              (4, 6, 3, 8, 3, 10.0), (8, 16, 16, 32, 2, 1.0)]
 QUICK_GRID = FULL_GRID[:3]
 
+# name -> (BlockConfig options, wrt_input); n_heads=2 becomes 1 where d_model is odd
+_RICH = dict(n_heads=2, bias=True, out_proj=True, causal=True)
+_RICH_LN = dict(_RICH, ln_affine=True, ln_eps=1e-5)
+OPTIONS = {
+    "attention (paper)": (dict(kind="attention"), False),
+    "attention, all options": (dict(_RICH, kind="attention"), True),
+    "post-LN block (paper)": (dict(kind="block"), False),
+    "post-LN block, all options, GELU": (dict(_RICH_LN, kind="block", activation="gelu"), True),
+    "pre-LN block, all options, tanh-GELU": (dict(_RICH_LN, kind="block", norm="pre", activation="gelu_tanh"), True),
+}
+
 
 def _coupled(Z, T):
     """A custom loss whose Hessian in Z couples every entry of the sequence."""
@@ -34,22 +49,24 @@ def _coupled(Z, T):
 def add_arguments(p) -> None:
     p.add_argument("--out", default="validate", metavar="DIR", help=out_help("validate"))
     p.add_argument("--quick", action="store_true",
-                   help="3 size settings instead of 5 (each for the attention layer and the block, with MSE, CE and a "
-                        "custom loss: 18 cases instead of 30)")
+                   help=f"3 size settings instead of 5 (each for the {len(OPTIONS)} block settings, with MSE, CE and a "
+                        f"custom loss: {len(OPTIONS) * 9} cases instead of {len(OPTIONS) * 15})")
     p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _rel(A, B, scale: float) -> float:
-    """``‖A − B‖/‖B‖``; relative to ``scale`` (the full Hessian's norm) where the reference part
-    is exactly zero up to rounding (``‖B‖ <= 1e-12·scale``, e.g. the functional term at L = 1)."""
-    ref = B.norm().item()
-    return (A - B).norm().item() / (ref if ref > 1e-12 * scale else scale)
+def _rel(A, B, scale: float | None = None) -> float:
+    """``‖A − B‖ / scale``, ``scale`` defaulting to ``‖B‖`` (0 for two zero matrices)."""
+    diff = (A - B).norm().item()
+    scale = B.norm().item() if scale is None else scale
+    return diff / scale if scale > 0 else diff
 
 
-def _case(kind, L, d, dk, dff, batch, scale, loss, seed=0):
-    cfg = bh.BlockConfig(d_model=d, d_ff=dff, d_k=dk, kind=kind)
+def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
+    options, wrt_input = OPTIONS[setting]
+    heads = options.get("n_heads", 1) if d % options.get("n_heads", 1) == 0 else 1
+    cfg = bh.BlockConfig(d_model=d, d_ff=dff, d_k=dk, **{**options, "n_heads": heads})
     params = bh.init_params(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     X = scale * torch.randn((L, d) if batch is None else (batch, L, d), generator=g, dtype=torch.float64)
@@ -57,22 +74,27 @@ def _case(kind, L, d, dk, dff, batch, scale, loss, seed=0):
         target = torch.randint(0, d, X.shape[:-1], generator=g)
     else:
         target = torch.randn(X.shape, generator=g, dtype=torch.float64)
+    fn = _coupled if loss == "custom" else loss
     t0 = time.perf_counter()
-    H = bh.hessian(params, X, cfg, loss=_coupled if loss == "custom" else loss, target=target)
+    H = bh.hessian(params, X, cfg, loss=fn, target=target, wrt_input=wrt_input)
     t_closed = time.perf_counter() - t0
     t0 = time.perf_counter()
-    R = bh.reference.hessian(params, X, cfg, loss=_coupled if loss == "custom" else loss, target=target)
+    R = bh.reference.hessian(params, X, cfg, loss=fn, target=target, wrt_input=wrt_input)
     t_ref = time.perf_counter() - t0
     J, J_ref = bh.jacobian(params, X, cfg), bh.reference.jacobian(params, X, cfg)
     Jd = torch.cat([J[n].reshape(-1) for n in J])
     Jr = torch.cat([J_ref[n].reshape(-1) for n in J])
     s = R.dense().norm().item()
+    parts = {"outer": (H.outer.dense(), R.outer.dense()), "functional": (H.functional.dense(), R.functional.dense())}
     return {
-        "kind": kind, "L": L, "d_model": d, "d_k": dk, "d_ff": dff if kind == "block" else None,
+        "setting": setting, "n_heads": heads, "wrt_input": wrt_input,
+        "kind": cfg.kind, "L": L, "d_model": d, "d_k": dk, "d_ff": dff if cfg.kind == "block" else None,
         "batch": batch, "input_scale": scale, "loss": loss, "n": sum(H.sizes),
-        "rel_error": {"jacobian": _rel(Jd, Jr, Jr.norm().item()), "full": _rel(H.dense(), R.dense(), s),
-                      "outer": _rel(H.outer.dense(), R.outer.dense(), s),
-                      "functional": _rel(H.functional.dense(), R.functional.dense(), s)},
+        # a part's error relative to the full Hessian's norm: its rounding is the full's, whatever its own size
+        "rel_error": {"jacobian": _rel(Jd, Jr), "full": _rel(H.dense(), R.dense()),
+                      **{k: _rel(a, b, s) for k, (a, b) in parts.items()}},
+        # None where the part is zero up to rounding (the functional term at L = 1)
+        "rel_error_own_norm": {k: _rel(a, b) if b.norm().item() > 1e-12 * s else None for k, (a, b) in parts.items()},
         "seconds": {"closed_form": t_closed, "torch_func": t_ref},
     }
 
@@ -81,9 +103,9 @@ def run(args) -> int:
     if not args.tol > 0:
         raise ValueError(f"--tol must be positive, got {args.tol}")
     grid = QUICK_GRID if args.quick else FULL_GRID
-    settings = list(itertools.product(("attention", "block"), grid, ("mse", "ce", "custom")))
+    settings = list(itertools.product(OPTIONS, grid, ("mse", "ce", "custom")))
     with atomic_dir(args.out) as tmp, torch_threads(args.threads):
-        rows = [_case(kind, *g, loss) for kind, g, loss in progress(settings, args.quiet, desc="validate")]
+        rows = [_case(setting, *g, loss) for setting, g, loss in progress(settings, args.quiet, desc="validate")]
         worst = max(max(r["rel_error"].values()) for r in rows)
         result = {"torch": torch.__version__, "dtype": "float64", "tol": args.tol,
                   "max_rel_error": worst, "passed": worst <= args.tol, "cases": rows}
@@ -91,11 +113,17 @@ def run(args) -> int:
         lines = ["# blockhess validate", "",
                  f"Closed form vs `torch.func`, float64, torch {torch.__version__}. "
                  f"Largest relative Frobenius error: **{worst:.2e}** (tolerance {args.tol:.0e}).", "",
-                 "| kind | L | d | d_k | d_ff | B | scale | loss | n | Jacobian | full | outer | functional | closed form s | torch.func s |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "Settings with all options also differentiate w.r.t. the input `X` (`wrt_input=True`); "
+                 "`n_heads` is 1 where `d_model` is odd. Errors of the outer and functional parts are relative to the "
+                 "full Hessian's norm (their rounding is the full's, whatever their own size; `validate.json` has them "
+                 "relative to their own norms too, in `rel_error_own_norm`: up to 1e-10 for the attention layer's functional term "
+                 "at input scale 10, where the saturated softmax makes it ill-conditioned and `torch.func` is as far from a "
+                 "40-digit evaluation, tests/test_high_precision.py).", "",
+                 "| setting | heads | L | d | d_k | d_ff | B | scale | loss | n | Jacobian | full | outer | functional | closed form s | torch.func s |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             e, s = r["rel_error"], r["seconds"]
-            lines.append(f"| {r['kind']} | {r['L']} | {r['d_model']} | {r['d_k']} | {r['d_ff'] or '-'} | {r['batch'] or '-'} "
+            lines.append(f"| {r['setting']} | {r['n_heads']} | {r['L']} | {r['d_model']} | {r['d_k']} | {r['d_ff'] or '-'} | {r['batch'] or '-'} "
                          f"| {r['input_scale']:g} | {r['loss']} | {r['n']} | {e['jacobian']:.1e} | {e['full']:.1e} "
                          f"| {e['outer']:.1e} | {e['functional']:.1e} | {s['closed_form']:.4f} | {s['torch_func']:.4f} |")
         (tmp / "validate.md").write_text("\n".join(lines) + "\n")
