@@ -226,7 +226,13 @@ def test_exact_norms_needs_the_parts():
     p = bh.init_params(cfg)
     X, T = torch.randn(2, 3, 4, dtype=torch.float64).unbind(0)
     H = bh.hessian(p, X, cfg, target=T)
-    assert set(bh.bounds.exact_norms(H)) == {"full", "outer", "functional"}
+    norms = bh.bounds.exact_norms(H)
+    assert set(norms) == {"full", "outer", "functional"}
+    assert list(norms["outer"]) == H.pairs() + ["all"]
+    assert norms["outer"]["W_V", "W_Q"] == norms["outer"]["W_Q", "W_V"]
+    assert norms["outer"]["W_V", "W_Q"] == pytest.approx(float(torch.linalg.matrix_norm(H.outer["W_V", "W_Q"], 2)), rel=1e-12)
+    with pytest.raises(KeyError):
+        norms["full"]["W_Q", "W_O"]
     with pytest.raises(ValueError, match="without parts"):
         bh.bounds.exact_norms(H.outer)
     with pytest.raises(ValueError, match="got Tensor"):

@@ -389,3 +389,21 @@ def test_loss_hessian_factorisation_scales_and_slack():
     lam, W = eig_lowrank(full, per_sequence=True)
     rebuilt = (W * lam[:, None, :]) @ W.mT
     assert_close(rebuilt[1], full[1], tol=1e-12, what="the 1e-16 sequence, full eigh")
+
+
+def test_ce_target_as_list_or_array():
+    """CE classes given as a list or NumPy array: the tensor's results, batch and one sequence."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, seed=1)
+    X = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    T = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    want = bh.hessian(p, X, cfg, loss="ce", target=T).dense()
+    for given in (T.tolist(), T.numpy()):
+        assert torch.equal(bh.hessian(p, X, cfg, loss="ce", target=given).dense(), want)
+    assert torch.equal(bh.hessian(p, X[1], cfg, loss="ce", target=[3, 0, 1]).dense(),
+                       bh.hessian(p, X[1], cfg, loss="ce", target=T[1]).dense())
+    assert bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=[0, 1, 2]) == bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=T[0])
+    with pytest.raises(ValueError, match="integer tensor of class indices"):
+        bh.hessian(p, X, cfg, loss="ce", target=[[0.5, 1, 2], [3, 0, 1]])
+    with pytest.raises(ValueError, match=r"integer tensor \(or array\) of class indices for loss='ce', got str"):
+        bh.hessian(p, X, cfg, loss="ce", target="cat")

@@ -51,6 +51,7 @@ __all__ = [
     "ingredients",
     "block_bounds",
     "exact_norms",
+    "PairNorms",
     "spectral_bounds",
     "ingredient_checks",
     "check_setting",
@@ -417,11 +418,22 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     return {"names": names, **acc, "paper": pap}
 
 
+class PairNorms(dict):
+    """Norms keyed by pairs ``(a, b)`` (``a`` not after ``b``) and ``"all"``; a pair in the
+    other order gives the same norm (``‖H[b, a]‖ = ‖H[a, b]ᵀ‖``)."""
+
+    def __missing__(self, key):
+        if isinstance(key, tuple) and len(key) == 2 and key[::-1] in self:
+            return self[key[::-1]]
+        raise KeyError(key)
+
+
 def exact_norms(H) -> dict[str, Any]:
     """Exact spectral norms of a :class:`~blockhess.HessianBlocks` and of its outer/functional parts.
 
     Returns ``{"full"|"outer"|"functional": {(a, b): float, ..., "all": float}}`` over the
-    ordered pairs of ``H.names``; ``"all"`` is the spectral norm of the dense symmetric matrix
+    pairs of ``H.names`` (:meth:`~blockhess.HessianBlocks.pairs`; a :class:`PairNorms`, which
+    takes a pair in either order); ``"all"`` is the spectral norm of the dense symmetric matrix
     (eigenvalues). Computed in float64 (:mod:`blockhess.linalg`) whatever the dtype of ``H``.
 
     Raises ``ValueError`` if ``H`` does not carry its outer and functional parts (it must be
@@ -432,7 +444,7 @@ def exact_norms(H) -> dict[str, Any]:
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     out = {}
     for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
-        vals = {pr: norm2(block) for pr, block in part.items()}
+        vals = PairNorms((pr, norm2(block)) for pr, block in part.items())
         D = part.dense()
         vals["all"] = _sym_spec(0.5 * (D + D.T))
         out[key] = vals

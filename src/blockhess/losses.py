@@ -60,7 +60,8 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
     is passed whole, whatever it is.
 
     Raises ``ValueError``: unknown loss; mse target not shaped like ``Z`` or not finite or of
-    another dtype; ce target not integer, of the wrong shape, or a class outside ``[0, d)``;
+    another dtype; ce target not integer (a list or NumPy array of ints is made a tensor), of
+    the wrong shape, or a class outside ``[0, d)``;
     a callable's batch target that is not a tensor or array-like with one entry per sequence,
     or a callable returning a non-scalar.
     """
@@ -77,6 +78,13 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
             raise ValueError(f"target must have the shape of the output {shown(Z.shape)} for loss='mse', "
                              f"got {shown(target.shape)}")
     elif loss == "ce":
+        if target is not None and not isinstance(target, torch.Tensor):  # a list or NumPy array of classes
+            try:
+                target = torch.as_tensor(target, device=Z.device)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError("target must be an integer tensor (or array) of class indices for loss='ce', "
+                                 f"got {type(target).__name__}") from None
+            target = target[None] if single else target
         if (not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.dtype.is_complex
                 or target.dtype == torch.bool):
             raise ValueError("target must be an integer tensor of class indices for loss='ce'")
