@@ -361,3 +361,12 @@ def test_argument_checks():
     X = torch.randn(2, 3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="lanczos_iters must be an int >= 1"):
         cv.per_sample_statistics(p, X, cfg, loss="mse", target=torch.zeros_like(X), lanczos_iters=0)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])  # the CPU's way, and the GPU's (one bmm), both run here
+def test_lanczos_products_either_way(per_sample):
+    from blockhess.convergence import _matvecs
+
+    A = torch.randn(3, 7, 7, dtype=DT)
+    q = torch.randn(3, 7, dtype=DT)
+    assert torch.allclose(_matvecs(A, q, per_sample), torch.einsum("bij,bj->bi", A, q), rtol=1e-14, atol=1e-14)

@@ -288,3 +288,69 @@ def test_tf32_warning(monkeypatch):
         validation.warn_tf32(torch.float32, "cpu")
         monkeypatch.setattr(validation, "tf32_enabled", lambda: False)
         validation.warn_tf32(torch.float32, "cuda")
+
+
+def test_layernorm_2_rows_are_named_as_in_X():
+    """A zero-variance LayerNorm-2 input (post-LN: FFN(Y) = -Y, pre-LN: X + b_O constant) is named
+    by (sequence, token) in a batch, by hessian and block_bounds alike; an all-zero row is a
+    zero-variance row (Assumption 2), not an underflow."""
+    d = 3
+    cfg = bh.BlockConfig(d_model=d, d_ff=2 * d)
+    p = bh.init_params(cfg, seed=0)
+    eye = torch.eye(d, dtype=torch.float64)
+    p["W_1"], p["W_2"] = torch.cat([eye, -eye], 1), torch.cat([-eye, eye], 0)  # relu(y) - relu(-y) = y, negated
+    X = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for f in (bh.hessian, bh.bounds.block_bounds):
+        with pytest.raises(ValueError, match=r"LayerNorm-2 input Y \+ FFN\(Y\): LayerNorm input row \(0, 0\) has zero variance"):
+            f(p, X, cfg, "mse", torch.zeros_like(X))
+    pre = bh.BlockConfig(d_model=d, d_ff=4, norm="pre", bias=True, out_proj=True)
+    q = bh.init_params(pre, seed=0)
+    q["W_V"] = torch.zeros(d, d, dtype=torch.float64)  # attention output = b_O, so Y = X + b_O
+    q["b_V"] = torch.zeros(d, dtype=torch.float64)
+    q["b_O"] = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64)
+    Xp = torch.randn(2, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    Xp[1, 2] = 5.0 - q["b_O"]  # not constant itself, but X + b_O is
+    with pytest.raises(ValueError, match=r"LayerNorm-2 input Y = X \+ SA\(LN_1\(X\)\), pre-LN: LayerNorm input row \(1, 2\) has zero"):
+        bh.hessian(q, Xp, pre, target=torch.zeros_like(Xp))
+    Xz = X.clone()
+    Xz[1, 1] = 0.0
+    p["W_V"] = torch.zeros(d, d, dtype=torch.float64)  # LN_1 input = X
+    with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\): LayerNorm input row \(1, 1\) has zero variance"):
+        bh.hessian(p, Xz, cfg, target=torch.zeros_like(Xz))
+
+
+def test_tf32_check_runs_on_every_input_and_points_at_the_callers_line(monkeypatch):
+    """check_inputs passes X's dtype and device to warn_tf32; the warning names the user's line."""
+    from blockhess import block, validation
+
+    seen = []
+    monkeypatch.setattr(block, "warn_tf32", lambda dtype, device: seen.append((dtype, device)))
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg, dtype=torch.float32)
+    X = torch.randn(2, 3, 4)
+    bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    assert seen and seen[0] == (torch.float32, X.device)
+    monkeypatch.setattr(validation, "tf32_enabled", lambda: True)
+    monkeypatch.setattr(block, "warn_tf32", lambda dtype, device: validation.warn_tf32(torch.float32, "cuda"))
+    with pytest.warns(UserWarning, match="TF32") as rec:
+        bh.hessian(p, X, cfg, target=torch.zeros_like(X))
+    assert rec[0].filename == __file__
+
+
+def test_callable_loss_memory_is_checked_and_out_of_memory_not_relabelled(monkeypatch):
+    from blockhess import losses
+
+    cfg = bh.BlockConfig(d_model=4, d_ff=6)
+    p = bh.init_params(cfg)
+    X = torch.randn(2, 3, 4, dtype=torch.float64)
+    seen = []
+    monkeypatch.setattr(losses, "check_fits", lambda n, what, device: seen.append((n, what)))
+    bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum(), target=None)
+    assert seen == [(2 * 12**2 * 8, "the 2 per-sequence (12x12) Hessians of the loss")]
+
+    def no_memory(*a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    monkeypatch.setattr(torch.func, "vmap", lambda *a, **k: no_memory)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum(), target=None)

@@ -405,5 +405,6 @@ def test_ce_target_as_list_or_array():
     assert bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=[0, 1, 2]) == bh.bounds.block_bounds(p, X[0], cfg, loss="ce", target=T[0])
     with pytest.raises(ValueError, match="integer tensor of class indices"):
         bh.hessian(p, X, cfg, loss="ce", target=[[0.5, 1, 2], [3, 0, 1]])
-    with pytest.raises(ValueError, match=r"integer tensor \(or array\) of class indices for loss='ce', got str"):
-        bh.hessian(p, X, cfg, loss="ce", target="cat")
+    for bad in ("cat", [[0, 1, 2], [3, 0]], [None, 1, 2]):  # torch's TypeError, ValueError, RuntimeError
+        with pytest.raises(ValueError, match=r"integer tensor \(or array\) of class indices for loss='ce', got (str|list)"):
+            bh.hessian(p, X, cfg, loss="ce", target=bad)

@@ -195,3 +195,12 @@ def test_sandwich_into_refuses_bad_arguments():
         sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, F2, method="dense")
     with pytest.raises(ValueError, match="TokenKron factors"):
         sandwich_into(torch.zeros(n1, n2, dtype=torch.float64), F1, "F2")
+
+
+@pytest.mark.parametrize("tiled", [True, False])  # the CPU's way, and the GPU's (one copy), both run here
+def test_mirror_either_way(tiled):
+    acc = BlockSum(("a", "b"), {"a": (70,), "b": (45,)}, dense=True, dtype=torch.float64, device="cpu")
+    upper = torch.randn(70, 45, dtype=torch.float64)
+    lower = torch.empty(45, 70, dtype=torch.float64)
+    acc._mirror(upper, lower, tiled=tiled)
+    assert torch.equal(lower, upper.T)

@@ -17,6 +17,10 @@ def test_validate_quick(tmp_path):
     assert data["passed"] and data["max_rel_error"] <= 1e-10
     assert len(data["cases"]) == 45 and {c["setting"] for c in data["cases"]} == set(V.OPTIONS)
     assert sum(c["wrt_input"] for c in data["cases"]) == 27 and max(c["n_heads"] for c in data["cases"]) == 2
+    for c in data["cases"]:  # each case ran the block its label names
+        options, wrt_input = V.OPTIONS[c["setting"]]
+        want = {**options, "n_heads": options.get("n_heads", 1) if c["d_model"] % 2 == 0 else 1}
+        assert {k: c["config"][k] for k in want} == want and c["wrt_input"] == wrt_input, c["setting"]
     assert {c["loss"] for c in data["cases"]} == {"mse", "ce", "custom"}
     assert (out / "validate.md").read_text().startswith("# blockhess validate")
 

@@ -134,11 +134,12 @@ class BlockSum:
         else:
             torch.diagonal(self._view(a, b), 0, dim1, dim2).add_(value)
 
-    def _mirror(self, upper: torch.Tensor, lower: torch.Tensor) -> None:
-        """``lower = upper.T``: on the CPU a tile of ``MIRROR_TILE`` rows of ``upper`` at a time
-        (each tile's transpose stays in cache: about 3× faster than one strided ``copy_`` of the
-        whole block); elsewhere one copy (one kernel rather than one launch per tile)."""
-        if upper.device.type != "cpu":
+    def _mirror(self, upper: torch.Tensor, lower: torch.Tensor, tiled: bool | None = None) -> None:
+        """``lower = upper.T``: ``tiled`` (default: on the CPU) a tile of ``MIRROR_TILE`` rows of
+        ``upper`` at a time (each tile's transpose stays in cache: about 3× faster than one
+        strided ``copy_`` of the whole block); else one copy (on a GPU one kernel rather than one
+        launch per tile)."""
+        if not (upper.device.type == "cpu" if tiled is None else tiled):
             lower.copy_(upper.T)
             return
         t = self.MIRROR_TILE

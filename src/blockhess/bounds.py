@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import losses
-from .block import check_inputs
+from .block import _check_forward, _forward, check_inputs
 from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
@@ -303,15 +303,13 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     for k in att:
         xi["1" + _SHORT[k]] = w2 * jY * G[k]
         xi["2" + _SHORT[k]] = w1 * jY * G[k]
-    for i, k in enumerate(att):
-        for l in att[i:]:
-            kl = _pair(k, l)
-            xi[kl] = jSY * (jY * Phi[kl] + eY * G[k] * G[l])
+    for k, l in pairs(att):
+        kl = _pair(k, l)
+        xi[kl] = jSY * (jY * Phi[kl] + eY * G[k] * G[l])
     zeta = {}
-    for i, a in enumerate(names):
-        for b in names[i:]:
-            ab = _pair(a, b)
-            zeta[ab] = jZ * xi[_xi_key(ab)] + eZ * B[a] * B[b]
+    for a, b in pairs(names):
+        ab = _pair(a, b)
+        zeta[ab] = jZ * xi[_xi_key(ab)] + eZ * B[a] * B[b]
     J = {a: jZ * B[a] for a in names}
     if is_mse:
         lam = 2.0 / (L * d)
@@ -335,18 +333,16 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         for k in att:
             xip["1" + _SHORT[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
             xip["2" + _SHORT[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
-        for i, k in enumerate(att):
-            for l in att[i:]:
-                kl = _pair(k, l)
-                xip[kl] = jSY * (Gp[k] * hYp * Gp[l] + jYp * Phip[kl])
+        for k, l in pairs(att):
+            kl = _pair(k, l)
+            xip[kl] = jSY * (Gp[k] * hYp * Gp[l] + jYp * Phip[kl])
         resid = float((Z - target.double()).norm())  # ‖R^tr‖₂ = ‖Z − T‖_F (not expanded in the paper)
         bp = {}
-        for i, a in enumerate(names):
-            for b in names[i:]:
-                ab = _pair(a, b)
-                Htr = jZp * xip[_xi_key(ab)] + Bp[a] * hZp * Bp[b]
-                # printed: (2/(L d))‖∂Z/∂W_i‖‖∂Z/∂W_j‖ + ‖R^tr‖‖H_tr‖ (no 2/(L d) on the second term)
-                bp[ab] = 2.0 / (L * d) * (jZp * Bp[a]) * (jZp * Bp[b]) + resid * Htr
+        for a, b in pairs(names):
+            ab = _pair(a, b)
+            Htr = jZp * xip[_xi_key(ab)] + Bp[a] * hZp * Bp[b]
+            # printed: (2/(L d))‖∂Z/∂W_i‖‖∂Z/∂W_j‖ + ‖R^tr‖‖H_tr‖ (no 2/(L d) on the second term)
+            bp[ab] = 2.0 / (L * d) * (jZp * Bp[a]) * (jZp * Bp[b]) + resid * Htr
         paper = {
             "G": Gp, "Phi": Phip, "B": Bp, "xi": xip, "J_Y": jYp, "H_Y": hYp, "J_Z": jZp, "H_Z": hZp,
             "block": bp, "all_factor": 5.0,
@@ -366,13 +362,34 @@ def _xi_key(ab: str) -> str:
 # ----------------------------------------------------------------------------- bounds
 
 
+class PairNorms(dict):
+    """Norms keyed by pairs ``(a, b)`` (``a`` not after ``b``) and ``"all"``; indexing, ``in``
+    and ``get`` take a pair in the other order too (``‖H[b, a]‖ = ‖H[a, b]ᵀ‖``)."""
+
+    def _key(self, key):
+        if isinstance(key, tuple) and len(key) == 2 and not dict.__contains__(self, key):
+            return key[::-1]
+        return key
+
+    def __missing__(self, key):
+        if self._key(key) == key or not dict.__contains__(self, self._key(key)):
+            raise KeyError(key)
+        return dict.__getitem__(self, self._key(key))
+
+    def __contains__(self, key):
+        return dict.__contains__(self, self._key(key))
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
 def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None) -> dict[str, Any]:
     r"""Per-block and whole-Hessian bounds (valid and printed), averaged over a batch.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; ``loss``/``target`` as
     :func:`blockhess.hessian`. Returns ``{"names", "outer", "functional", "full", "paper"}``:
-    each of the first three maps an ordered name pair ``(a, b)`` (``a`` not after ``b``) to a
-    float and has an ``"all"`` entry (the spectral norm of the symmetric matrix of block
+    each of the first three maps an ordered name pair ``(a, b)`` (``a`` not after ``b``; a
+    :class:`PairNorms`, which takes the other order too) to a float and has an ``"all"`` entry (the spectral norm of the symmetric matrix of block
     bounds); ``"paper"`` maps pairs to the printed per-block bound and ``"all"`` to
     ``√(m n)·max`` (``None`` entries for a loss other than MSE). Source: Theorems 1 and 6;
     derived here (docs/bounds.md).
@@ -382,14 +399,15 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     check_setting(cfg)
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
+    _check_forward(_forward(params, X, cfg, upstream=False))  # the whole batch at once: rows named as in X
     Xb = X[None] if X.ndim == 2 else X
     # a tensor target per sequence; anything else (one sequence's callable target) passed whole
     tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,
                       single=X.ndim == 2)
     names = tuple(param_shapes(cfg))
     keys = pairs(names)
-    acc = {k: {pr: 0.0 for pr in keys} | {"all": 0.0} for k in ("outer", "functional", "full")}
-    pap = {pr: 0.0 for pr in keys} | {"all": 0.0}
+    acc = {k: PairNorms.fromkeys(keys + ["all"], 0.0) for k in ("outer", "functional", "full")}
+    pap = PairNorms.fromkeys(keys + ["all"], 0.0)
     has_paper = True
     nB = Xb.shape[0]
     for bi in range(nB):
@@ -414,18 +432,8 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
                 pap[(a, b)] += bp[_pair(a, b)] / nB
             pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
     if not has_paper:
-        pap = {k: None for k in pap}
+        pap = PairNorms.fromkeys(pap)
     return {"names": names, **acc, "paper": pap}
-
-
-class PairNorms(dict):
-    """Norms keyed by pairs ``(a, b)`` (``a`` not after ``b``) and ``"all"``; a pair in the
-    other order gives the same norm (``‖H[b, a]‖ = ‖H[a, b]ᵀ‖``)."""
-
-    def __missing__(self, key):
-        if isinstance(key, tuple) and len(key) == 2 and key[::-1] in self:
-            return self[key[::-1]]
-        raise KeyError(key)
 
 
 def exact_norms(H) -> dict[str, Any]:

@@ -509,6 +509,15 @@ def _exact(iters, n: int) -> bool:
     return iters is None or int(iters) >= n or n <= 64
 
 
+def _matvecs(A: torch.Tensor, q: torch.Tensor, per_sample: bool | None = None) -> torch.Tensor:
+    """``A[b] @ q[b]`` for ``A`` ``(B, n, n)``, ``q`` ``(B, n)``: ``per_sample`` (default: on the
+    CPU) one GEMV each, faster there than a batched ``bmm``; else one ``bmm`` (on a GPU one
+    kernel, not one launch per sample)."""
+    if A.device.type == "cpu" if per_sample is None else per_sample:
+        return torch.stack([A[b] @ q[b] for b in range(A.shape[0])])
+    return torch.bmm(A, q[:, :, None])[..., 0]
+
+
 def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNorm:
     """:func:`spectral_norm` without input checks (kernel)."""
     batch, n = H.shape[:-2], H.shape[-1]
@@ -543,10 +552,7 @@ def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNor
         return theta.abs().gather(1, idx)[:, 0], (beta[:, j - 1] * Y[:, -1, :].gather(1, idx)[:, 0]).abs()
 
     for j in range(m):
-        if A.device.type == "cpu":  # one GEMV each: faster than a batched bmm on the CPU
-            w = torch.stack([A[b] @ Q[b, j] for b in range(Bn)])
-        else:  # one kernel, not one launch per sample
-            w = torch.bmm(A, Q[:, j, :, None])[..., 0]
+        w = _matvecs(A, Q[:, j])
         alpha[:, j] = (w * Q[:, j]).sum(1)
         w = orth(w, Q[:, : j + 1])
         bj = w.norm(dim=1)

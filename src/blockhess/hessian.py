@@ -141,9 +141,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
         ``X``, ``params`` or ``target``.
     InsufficientMemoryError
-        (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result would not fit in
-        the memory available now; raised before allocating, with the bytes needed (not
-        checked with ``out``).
+        (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
+        ``out``), or a callable loss's ``B`` per-sequence ``(L·d)²`` Hessians w.r.t. ``Z``,
+        would not fit in the memory available now; raised before allocating, with the bytes
+        needed.
 
     Notes
     -----

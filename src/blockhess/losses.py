@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from . import linalg
-from .validation import check_tensor
+from .validation import check_fits, check_tensor
 
 __all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank"]
 
@@ -135,8 +135,10 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     callable: a tensor with one entry per sequence along axis 0, or ``None``). Raises
     ``ValueError`` when a callable's value, gradient or Hessian has a NaN or Inf (naming the
     sequence; its derivatives can be finite where its value is not), or when ``torch.func``
-    cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for ``.item()``); the other
-    arguments are not checked here (:func:`check`).
+    cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for ``.item()``; running out
+    of memory is not re-labelled); ``InsufficientMemoryError`` before a callable's ``B``
+    per-sequence ``(L·d)²`` Hessians that would not fit. The other arguments are not checked
+    here (:func:`check`).
     """
     B, L, d = Z.shape
     if loss == "mse":
@@ -150,10 +152,13 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * B)
         return LossDerivatives((p - onehot) / (L * B), hess, True)
     in_dims = _in_dims(target)
+    check_fits(B * (L * d) ** 2 * Z.element_size(), f"the {B} per-sequence ({L * d}x{L * d}) Hessians of the loss", Z.device)
     try:
         grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
         hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
     except RuntimeError as exc:  # e.g. .item() or a Python branch on a value inside the loss
+        if isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc):
+            raise  # out of memory is not the loss's fault
         raise ValueError("loss could not be differentiated by torch.func (vmap of grad and hessian): "
                          f"{str(exc).splitlines()[0][:200]}; write it in torch ops that vmap can batch "
                          "(no .item(), no Python branches on values, no in-place changes of Z)") from exc

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 import warnings
 
 import psutil
@@ -151,7 +153,7 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
         raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
     me = m * fi.eps  # products, not **: a Python float power raises OverflowError where * gives inf
-    if v <= me * me / (1 - e2) and (v >= small or m * m >= small):
+    if v <= me * me / (1 - e2) and (v >= small or m * m >= small or v == 0):
         raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
                          "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
     raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
@@ -173,7 +175,17 @@ def warn_tf32(dtype: torch.dtype, device: torch.device | str) -> None:
     if dtype == torch.float32 and torch.device(device).type == "cuda" and tf32_enabled():
         warnings.warn("float32 on CUDA with TF32 matrix products enabled (torch.backends.cuda.matmul.allow_tf32): "
                       "results carry ~1e-3 relative error; call torch.set_float32_matmul_precision('highest') "
-                      "for float32 accuracy, or use float64", stacklevel=3)
+                      "for float32 accuracy, or use float64", stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package, seen from the function that
+    calls this one: a warning then points at the user's line, however deep the library's calls."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)

@@ -12,6 +12,7 @@ error exceeds ``--tol``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -87,7 +88,7 @@ def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
     s = R.dense().norm().item()
     parts = {"outer": (H.outer.dense(), R.outer.dense()), "functional": (H.functional.dense(), R.functional.dense())}
     return {
-        "setting": setting, "n_heads": heads, "wrt_input": wrt_input,
+        "setting": setting, "config": dataclasses.asdict(cfg), "n_heads": heads, "wrt_input": wrt_input,
         "kind": cfg.kind, "L": L, "d_model": d, "d_k": dk, "d_ff": dff if cfg.kind == "block" else None,
         "batch": batch, "input_scale": scale, "loss": loss, "n": sum(H.sizes),
         # a part's error relative to the full Hessian's norm: its rounding is the full's, whatever its own size
