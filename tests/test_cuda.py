@@ -1,0 +1,158 @@
+"""The library on a CUDA device gives the CPU's numbers (skipped without a GPU).
+
+Every other test runs on the CPU; these repeat the device-sensitive paths on ``cuda`` and
+compare with the CPU's results (themselves tested against ``torch.func`` elsewhere): the
+dense assembly (sandwiches into one buffer, the mirror of the lower triangle), ``out=``,
+a callable loss's randomised eigen-factorisation, the per-sample statistics' Lanczos, the
+bounds, the convergence helpers, the digits ViT's loss, real PyTorch layers, the memory
+check and the TF32 warning. Run by ``benchmarks/gpu_check.sh`` on a GPU machine;
+``BLOCKHESS_TEST_DEVICE=cpu`` runs the comparisons CPU against CPU, to check the tests
+themselves where there is no GPU (the TF32 and GPU-memory tests are then skipped).
+"""
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import blockhess as bh
+from blockhess.experiments import vit as V
+
+CUDA = os.environ.get("BLOCKHESS_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
+on_gpu = pytest.mark.skipif(CUDA != "cuda", reason="a CUDA-only behaviour")
+DT = torch.float64
+SETTINGS = {
+    "paper": dict(),
+    "post, all options": dict(n_heads=2, bias=True, out_proj=True, causal=True, ln_affine=True, ln_eps=1e-5,
+                              activation="gelu"),
+    "pre, all options": dict(n_heads=2, bias=True, out_proj=True, causal=True, ln_affine=True, ln_eps=1e-5,
+                             activation="gelu_tanh", norm="pre"),
+    "attention": dict(kind="attention", n_heads=2, bias=True, out_proj=True),
+}
+
+
+def _to(tree, device):
+    return {k: v.to(device) for k, v in tree.items()} if isinstance(tree, dict) else tree.to(device)
+
+
+def _rel(a, b):
+    return float((a.cpu() - b).norm() / b.norm())
+
+
+def _coupled(Z, T):
+    return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("loss", ["mse", "ce", "custom"])
+def test_hessian_and_parts_match_the_cpu(setting, loss):
+    cfg = bh.BlockConfig(d_model=8, d_ff=12, **SETTINGS[setting])
+    p = bh.init_params(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(3, 5, 8, generator=g, dtype=DT)
+    T = torch.randint(0, 8, (3, 5), generator=g) if loss == "ce" else torch.randn(3, 5, 8, generator=g, dtype=DT)
+    fn = _coupled if loss == "custom" else loss
+    H = bh.hessian(p, X, cfg, loss=fn, target=T, wrt_input=True)
+    G = bh.hessian(_to(p, CUDA), X.to(CUDA), cfg, loss=fn, target=T.to(CUDA), wrt_input=True)
+    assert G.dense().device.type == torch.device(CUDA).type
+    for part in ("dense", "outer", "functional"):
+        ours = G.dense() if part == "dense" else getattr(G, part).dense()
+        ref = H.dense() if part == "dense" else getattr(H, part).dense()
+        assert _rel(ours, ref) < 1e-12, part
+
+
+def test_large_dense_assembly_and_out_buffer():
+    """n = 7,168: the sandwiches straight into the buffer, the one-copy mirror, ``out=``."""
+    cfg = bh.BlockConfig(d_model=32, d_ff=64)
+    p = bh.init_params(cfg, seed=0)
+    X, T = torch.randn(2, 16, 32, dtype=DT), torch.randn(2, 16, 32, dtype=DT)
+    ref = bh.hessian(p, X, cfg, target=T).dense()
+    pc, Xc, Tc = _to(p, CUDA), X.to(CUDA), T.to(CUDA)
+    D = bh.hessian(pc, Xc, cfg, target=Tc).dense()
+    assert _rel(D, ref) < 1e-12
+    assert float((D - D.T).abs().max()) <= 1e-13 * float(D.abs().max())  # mirrored; diagonal blocks to rounding
+    buf = torch.empty_like(D)
+    assert bh.hessian(pc, Xc, cfg, target=Tc, out=buf).dense().data_ptr() == buf.data_ptr()
+    assert _rel(buf, ref) < 1e-12
+
+
+@on_gpu
+def test_float32_without_tf32_and_the_tf32_warning():
+    cfg = bh.BlockConfig(d_model=16, d_ff=32)
+    p = bh.init_params(cfg, seed=0)
+    X, T = torch.randn(8, 16, dtype=DT), torch.randn(8, 16, dtype=DT)
+    ref = bh.hessian(p, X, cfg, target=T).dense()
+    p32, X32, T32 = _to(bh.init_params(cfg, seed=0, dtype=torch.float32), CUDA), X.float().to(CUDA), T.float().to(CUDA)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _rel(bh.hessian(p32, X32, cfg, target=T32).dense().double(), ref) < 1e-4
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with pytest.warns(UserWarning, match="TF32"):
+            bh.hessian(p32, X32, cfg, target=T32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_per_sample_statistics_and_lanczos_match_the_cpu():
+    cfg = bh.BlockConfig(d_model=8, d_ff=12)
+    p = bh.init_params(cfg, seed=0)
+    X, T = torch.randn(5, 4, 8, dtype=DT), torch.randn(5, 4, 8, dtype=DT)
+    U = torch.randn(3, sum(v.numel() for v in p.values()), dtype=DT)
+    kw = dict(loss=_coupled, target=T, chunk_size=2, lanczos_iters=40)
+    a = bh.convergence.per_sample_statistics(p, X, cfg, directions=U, **kw)
+    b = bh.convergence.per_sample_statistics(_to(p, CUDA), X.to(CUDA), cfg, directions=U.to(CUDA), **{**kw, "target": T.to(CUDA)})
+    for name in ("loss", "spectral", "frobenius", "grad_norm", "grad_dot", "quad"):
+        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-10, atol=1e-12), name
+
+
+def test_bounds_and_convergence_helpers_on_cuda():
+    cfg = bh.BlockConfig(d_model=6, d_ff=10)
+    p = bh.init_params(cfg, seed=0)
+    X, T = torch.randn(4, 6, dtype=DT), torch.randn(4, 6, dtype=DT)
+    a = bh.bounds.block_bounds(p, X, cfg, target=T)
+    b = bh.bounds.block_bounds(_to(p, CUDA), X.to(CUDA), cfg, target=T.to(CUDA))
+    assert all(b["full"][k] == pytest.approx(v, rel=1e-10) for k, v in a["full"].items())
+    rows = bh.bounds.ingredient_checks(_to(p, CUDA), X.to(CUDA), cfg, T.to(CUDA))
+    assert [r["exact"] for r in rows] == pytest.approx([r["exact"] for r in bh.bounds.ingredient_checks(p, X, cfg, T)], rel=1e-10)
+    k = torch.arange(1, 201, dtype=DT, device=CUDA)
+    k_s, y_s = bh.convergence.log_ema(k, 3.0 / k)
+    assert y_s.device == k_s.device
+    assert bh.convergence.loglog_slope(k_s, y_s)["slope"] == pytest.approx(-1.0, abs=0.05)
+
+
+def test_digits_vit_loss_on_cuda():
+    vit = V.train(0, steps=20, quiet=True, arch={"patch": 2, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5},
+                  optim={"warmup_steps": 5, "lr": 1e-2})
+    images, labels = vit.train_images[:4], vit.train_labels[:4]
+    X = vit.embed(images)
+    H = bh.hessian(vit.block_params(), X, vit.cfg, loss=vit.head_loss, target=labels).dense()
+    G = bh.hessian(_to(vit.block_params(), CUDA), vit.embed(images.to(CUDA)), vit.cfg, loss=vit.head_loss,
+                   target=labels.to(CUDA)).dense()
+    assert _rel(G, H) < 1e-10
+
+
+def test_torch_layer_on_cuda():
+    layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True, norm_first=True).double().eval()
+    cfg, p = bh.from_torch(layer)
+    X, T = torch.randn(2, 4, 8, dtype=DT), torch.randn(2, 4, 8, dtype=DT)
+    H = bh.hessian(p, X, cfg, target=T).to_module(layer).dense()
+    cfg_c, p_c = bh.from_torch(layer.to(CUDA))
+    G = bh.hessian(p_c, X.to(CUDA), cfg_c, target=T.to(CUDA)).to_module(layer).dense()
+    assert _rel(G, H) < 1e-12
+
+
+@on_gpu
+def test_memory_check_on_cuda():
+    free, _ = torch.cuda.mem_get_info()
+    d = math.ceil((2 * free / (49 * 8)) ** 0.25) + 1  # n = 7 d²: a dense float64 Hessian of over twice the free memory
+    cfg = bh.BlockConfig(d_model=d, d_ff=2 * d)
+    with pytest.raises(bh.InsufficientMemoryError, match="on cuda"):
+        bh.hessian(_to(bh.init_params(cfg, seed=0), CUDA), torch.randn(4, d, dtype=DT, device=CUDA), cfg,
+                   target=torch.zeros(4, d, dtype=DT, device=CUDA))
