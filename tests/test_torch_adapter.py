@@ -13,6 +13,7 @@ triangle and every lower block except those rows.
 """
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -116,6 +117,42 @@ def test_outer_functional_and_unbatched_input():
     part = bh.hessian(p, Xm, cfg, loss="mse", target=T, wrt=["W_1", "b_1", "gamma_2"]).to_module(layer)
     assert part.names == ("linear1.weight", "linear1.bias", "norm2.weight")
     assert_close(part["linear1.weight", "norm2.weight"], Hm["linear1.weight", "norm2.weight"], what="wrt subset")
+
+
+def test_a_layer_inside_a_stack():
+    """Layer 0 of a two-layer nn.TransformerEncoder with a classifier head: the rest of the network
+    is the callable loss of layer 0's output; against autograd through the whole model."""
+    d, L, B, C = 4, 3, 2, 3
+    g = torch.Generator().manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 2, 6, dropout=0.0, batch_first=True), 2,
+                                enable_nested_tensor=False).double().eval()
+    head = nn.Linear(d, C).double()
+    for q in [*enc.parameters(), *head.parameters()]:
+        q.requires_grad_(False)
+    first, rest = enc.layers
+    X = torch.randn(B, L, d, dtype=DT, generator=g)
+    y = torch.randint(0, C, (B,), generator=g)
+
+    def loss(Z, t):  # one sequence's output of layer 0
+        return F.cross_entropy(head(rest(Z[None]).mean(1)), t[None])
+
+    cfg, p = bh.from_torch(first)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"sdpa_kernel\(SDPBackend.MATH\)"):
+        warnings.simplefilter("ignore", UserWarning)  # torch: no batching rule for the fused kernel
+        bh.hessian(p, X, cfg, loss=loss, target=y)
+    names = [n for n, _ in first.named_parameters()]
+
+    def whole(*ws):
+        Z = torch.func.functional_call(first, dict(zip(names, ws)), (X,))
+        return F.cross_entropy(head(rest(Z).mean(1)), y)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        H = bh.hessian(p, X, cfg, loss=loss, target=y).to_module(first)
+        R = torch.autograd.functional.hessian(whole, tuple(first.get_parameter(n).detach() for n in names))
+    assert list(H.names) == names
+    size = [first.get_parameter(n).numel() for n in names]
+    Rd = torch.cat([torch.cat([R[i][j].reshape(size[i], size[j]) for j in range(len(names))], 1) for i in range(len(names))])
+    assert_close(H.dense(), Rd, what="layer 0 of a stack")
 
 
 @pytest.mark.parametrize("as_mask", [False, True])

@@ -159,9 +159,12 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     except RuntimeError as exc:  # e.g. .item() or a Python branch on a value inside the loss
         if isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc):
             raise  # out of memory is not the loss's fault
+        hint = ("call inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH): the fused attention kernels "
+                "have no second derivative" if "scaled_dot_product" in str(exc) else
+                "write it in torch ops that vmap can batch (no .item(), no Python branches on values, no in-place "
+                "changes of Z)")
         raise ValueError("loss could not be differentiated by torch.func (vmap of grad and hessian): "
-                         f"{str(exc).splitlines()[0][:200]}; write it in torch ops that vmap can batch "
-                         "(no .item(), no Python branches on values, no in-place changes of Z)") from exc
+                         f"{str(exc).splitlines()[0][:200]}; {hint}") from exc
     if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum()) and math.isfinite(val.sum())):
         # only then search (a sum can overflow)
         ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
