@@ -49,7 +49,7 @@ CONFIGS = [
     (True, F.relu, False, 2, 1e-3, True),
     (False, nn.GELU(approximate="tanh"), True, 4, 1e-3, False),
     (True, nn.ReLU(), True, 4, 1e-5, True),
-    (False, "gelu", True, 2, 1e-3, True),
+    (False, nn.GELU(), True, 2, 1e-3, True),
     (True, functools.partial(F.gelu, approximate="tanh"), False, 1, 1e-5, False),
 ]
 IDS = [f"{'pre' if c[0] else 'post'}-{getattr(c[1], '__name__', type(c[1]).__name__) if not isinstance(c[1], str) else c[1]}"

@@ -159,13 +159,18 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     """``(cfg, params)`` of an ``nn.TransformerEncoderLayer`` (or ``nn.MultiheadAttention``).
 
     Reads ``d_model``, ``nhead``, ``dim_feedforward``, ``norm_first`` (``norm="pre"``), the
-    activation (``"relu"``/``"gelu"``, ``F.relu``/``F.gelu``, ``nn.ReLU()``, ``nn.GELU()``, ``nn.GELU(approximate="tanh")``),
-    ``bias`` on or off, ``layer_norm_eps``; ``batch_first`` only changes the input layout
-    (:func:`block_input`). Attention always has its output projection (``out_proj=True``),
-    LayerNorm its scales (``ln_affine=True``); ``d_k = d_model / nhead`` (PyTorch scales by
-    ``1/sqrt(head_dim)``). A causal mask (``is_causal=True``, or ``src_mask`` equal to
+    activation (``"relu"``/``"gelu"``, ``F.relu``/``F.gelu``, ``nn.ReLU()``, ``nn.GELU()``,
+    ``nn.GELU(approximate="tanh")``, ``functools.partial(F.gelu, approximate=...)``), ``bias``
+    on or off, ``layer_norm_eps``, and whether the LayerNorms have scales (``ln_affine``,
+    PyTorch's ``elementwise_affine``); ``batch_first`` only changes the input layout
+    (:func:`block_input`). Attention always has its output projection (``out_proj=True``);
+    ``d_k = d_model / nhead`` (PyTorch scales by ``1/sqrt(head_dim)``). A causal mask
+    (``is_causal=True``, or ``src_mask`` equal to
     ``nn.Transformer.generate_square_subsequent_mask(L)`` or its boolean form) gives
-    ``causal=True``. Params are detached copies (``dtype`` if given, else the module's).
+    ``causal=True``. ``params`` are detached copies in this library's layout, shapes
+    :func:`~blockhess.config.param_shapes` ``(cfg)`` (``nn.Linear`` weights transposed,
+    ``in_proj_weight`` split into ``W_Q, W_K, W_V``), in ``dtype`` if given, else the
+    module's. Source: docs/derivations.md §14.
 
     Raises ``ValueError`` naming the setting for what the closed form does not cover:
     dropout > 0 in training mode, a custom activation, ``kdim``/``vdim`` != ``d_model``,

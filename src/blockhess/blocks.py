@@ -33,9 +33,10 @@ class BlockSum:
 
     ``wanted`` restricts the pairs to those with both names in it (callers test
     :meth:`wants` before computing a contribution). With ``dense=True`` the blocks live in
-    one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check),
-    or in ``out`` when given (a contiguous ``(n, n)`` tensor of that dtype and device;
-    ``ValueError`` naming ``out`` otherwise).
+    one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check:
+    ``InsufficientMemoryError`` with the bytes needed), or in ``out`` when given (a contiguous
+    ``(n, n)`` tensor of that dtype and device; ``ValueError`` naming ``out`` otherwise).
+    Derived here (docs/derivations.md §1: each unordered block pair assembled once).
     """
 
     MIRROR_TILE = 32  # rows of the upper block per transposed-copy tile (6% faster than 64 at n = 28,672)
@@ -66,6 +67,7 @@ class BlockSum:
                 off += self.sizes[name]
 
     def wants(self, a: str, b: str) -> bool:
+        """Whether pair ``(a, b)`` is accumulated (both names wanted)."""
         return a in self.sizes and b in self.sizes
 
     def _view(self, a: str, b: str) -> torch.Tensor:
@@ -170,9 +172,12 @@ class HessianBlocks:
     sizes : tuple[int, ...]
         ``numel`` of each parameter; ``H[a, b]`` has shape ``(n_a, n_b)`` in the row-wise
         vectorisation ``vec_r``.
+    dtype, device
+        Of every block (those of ``X`` in :func:`blockhess.hessian`).
     outer, functional : HessianBlocks
         The Gauss–Newton (outer-product) and functional terms (paper eq. 10). For a result
-        of :func:`blockhess.hessian` they are computed on first access, by their own pass.
+        of :func:`blockhess.hessian` they are computed on first access, by their own pass;
+        a part has no parts of its own (``AttributeError``).
     cfg : BlockConfig or None
         The block whose Hessian this is (results of :func:`blockhess.hessian`), else ``None``.
 

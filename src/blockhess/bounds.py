@@ -124,7 +124,9 @@ def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
 
     Returns a dict of floats:
 
-    * ``jacobian`` :math:`= 1/\sigma_{\min}` — equal to :math:`\|J_{LN}\|_2` for ``d >= 2``;
+    * ``jacobian`` :math:`= 1/\sigma_{\min}` — equal to :math:`\|J_{LN}\|_2` for ``d >= 3``
+      (at ``d = 2`` an upper bound only: LayerNorm maps every row to ``±(1, -1)``, and its
+      Jacobian vanishes with ``eps = 0``);
     * ``hessian`` :math:`= 2/(\sqrt{3d}\,\sigma_{\min}^2)` — bounds the second derivative as a
       bilinear map, :math:`\|D^2\mathrm{LN}[H, H']\|_F \le` ``hessian`` :math:`\|H\|_F\|H'\|_F`
       (sharp);
@@ -200,7 +202,10 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
       in terms of ``‖X‖₂``, ``‖W‖₂`` and ``‖T‖_F``; for another loss their exact values);
     * ``"paper"``: the printed counterparts (MSE only; ``None`` for another loss), with the
       per-block printed bounds under ``"block"``;
-    * ``"primitives"``: the norms they are built from (``x = ‖X‖₂``, ``w_Q = ‖W_Q‖₂``, ...).
+    * ``"primitives"``: the norms they are built from (``x = ‖X‖₂``, ``w_Q = ‖W_Q‖₂``, ...);
+    * ``"names"``: the parameter names, canonical order. For the block ``"valid"`` also holds
+      ``"sigma_U"``, ``"sigma_S"``: the smallest row ``sqrt(var + eps)`` of the two LayerNorm
+      inputs.
 
     Everything is computed in float64. Source: Theorem 1 and its lemmas, Theorem 6 and the
     LayerNorm lemma; valid constants derived here (docs/bounds.md).
@@ -364,7 +369,8 @@ def _xi_key(ab: str) -> str:
 
 class PairNorms(dict):
     """Norms keyed by pairs ``(a, b)`` (``a`` not after ``b``) and ``"all"``; indexing, ``in``
-    and ``get`` take a pair in the other order too (``‖H[b, a]‖ = ‖H[a, b]ᵀ‖``)."""
+    and ``get`` take a pair in the other order too (``‖H[b, a]‖ = ‖H[a, b]ᵀ‖``). Indexing
+    raises ``KeyError`` for a pair of names it does not hold in either order."""
 
     def _key(self, key):
         if isinstance(key, tuple) and len(key) == 2 and not dict.__contains__(self, key):

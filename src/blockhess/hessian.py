@@ -107,7 +107,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         sequence anything the callable takes; for a batch a tensor (or array-like, made a
         tensor) whose first axis has one entry per sequence, each sequence getting its entry.
     wrt : str or list of str or None
-        Restrict to these weights (only their blocks are computed). The result keeps the
+        Restrict to these weights (only their blocks are computed; ``"X"`` too with
+        ``wrt_input=True``). The result keeps the
         canonical order of :func:`~blockhess.config.param_shapes` (``H.names``), whatever the
         order given, and each name once; the names are this library's (``W_1``, not
         ``linear1.weight``: see :func:`~blockhess.adapters.from_torch`).
@@ -137,7 +138,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         forward pass that overflows the dtype; a zero-variance (or underflowing) LayerNorm
         input row with ``ln_eps = 0`` (Assumption 2); an unknown loss; a target of the wrong
         shape or class range; a callable loss that does not return a scalar, or whose value,
-        gradient or Hessian w.r.t. ``Z`` has a NaN or Inf; an unknown name in ``wrt``; ``out`` of the
+        gradient or Hessian w.r.t. ``Z`` has a NaN or Inf, or that ``torch.func`` cannot
+        differentiate; an empty ``wrt`` or an unknown name in it; ``wrt_input`` not a bool; ``out`` of the
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
         ``X``, ``params`` or ``target``.
     InsufficientMemoryError

@@ -175,7 +175,10 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
 
 
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
-    """The batch loss: the mean over sequences of the per-sequence loss; ``Z`` is ``(B, L, d)``."""
+    """The batch loss, a 0-dim tensor of ``Z``'s dtype: the mean over sequences of the
+    per-sequence loss; ``Z`` is ``(B, L, d)``, ``target`` as :func:`check` returns it (the
+    arguments are not checked here). MSE: mean over entries; CE: mean over tokens (paper
+    §1.3; docs/derivations.md §8)."""
     B, L, d = Z.shape
     if loss == "mse":
         return ((Z - target) ** 2).mean()
