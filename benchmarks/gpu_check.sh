@@ -3,10 +3,13 @@
 #
 #   bash benchmarks/gpu_check.sh            # results in $OUT (or ./gpu-check)
 #
-# 1. tests/test_cuda.py: the library on the GPU against its CPU results (about a minute);
+# 1. tests/test_cuda.py: the library on the GPU against its CPU results (at most 2 minutes);
 # 2. `blockhess bench --device cuda`, group (a), the paper's component Jacobians in float32
-#    and float64 (a few minutes);
-# 3. group (b) with MSE at (8, 16, 32), (16, 32, 64) and (32, 64, 128) (a few minutes).
+#    and float64, timings only (at most 2.5 minutes);
+# 3. group (b) with MSE at (8, 16, 32), (16, 32, 64) and (32, 64, 128), with peak memory
+#    (at most 4.5 minutes).
+# Each step is stopped at its cap, so the whole stays under 9.5 minutes; bench rewrites its
+# JSON after every case, so a stopped step still leaves the cases it finished.
 # It uses the machine's own python3 and packages (torch, pytest, psutil, tqdm, matplotlib,
 # scikit-learn, mpmath) with this checkout's src/ on PYTHONPATH: nothing is installed.
 # Writes six files: env.txt, test_cuda.log, bench-a.json, bench-a.md, bench-b.json,
@@ -27,12 +30,15 @@ fail() { [ "$status" -eq 0 ] && status=$1; return 0; }  # keep the first failure
     git rev-parse --short HEAD 2>/dev/null || echo "commit unknown (no .git)"
 } >"$out/env.txt" 2>&1
 
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || fail $?
+timeout -k 10 120 python3 -m pytest -rfEs --durations=5 -p no:cacheprovider tests/test_cuda.py 2>&1 \
+    | tee "$out/test_cuda.log" || fail $?
 
-for step in "a --cases a" "b --cases b --only b/mse/8x16x32,b/mse/16x32x64,b/mse/32x64x128 --disable curvlinops"; do
-    name=${step%% *}
+for step in "a 150 --cases a --no-memory" \
+            "b 270 --cases b --only b/mse/8x16x32,b/mse/16x32x64,b/mse/32x64x128 --disable curvlinops,jax"; do
+    read -r name cap opts <<<"$step"
     # shellcheck disable=SC2086  # the options are meant to split
-    python3 -m blockhess.cli bench --device cuda --out "$work/$name" ${step#* } || fail $?
+    timeout -k 10 "$cap" python3 -m blockhess.cli bench --device cuda --out "$work/$name" $opts || fail $?
+    pkill -f blockhess.experiments.bench_worker  # a worker of a stopped step would hold the GPU
     cp "$work/$name/bench.json" "$out/bench-$name.json" 2>/dev/null
     cp "$work/$name/bench.md" "$out/bench-$name.md" 2>/dev/null
 done

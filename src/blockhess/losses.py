@@ -160,11 +160,13 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         if isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc):
             raise  # out of memory is not the loss's fault
         hint = ("call inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH): the fused attention kernels "
-                "have no second derivative" if "scaled_dot_product" in str(exc) else
+                "have no forward-mode derivative, which torch.func.hessian needs" if "scaled_dot_product" in str(exc) else
                 "write it in torch ops that vmap can batch (no .item(), no Python branches on values, no in-place "
                 "changes of Z)")
         raise ValueError("loss could not be differentiated by torch.func (vmap of grad and hessian): "
                          f"{str(exc).splitlines()[0][:200]}; {hint}") from exc
+    # detached: a loss that closes over tensors requiring grad (a model's downstream layers) gives results with history
+    grad, val, hess = grad.detach(), val.detach(), hess.detach()
     if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum()) and math.isfinite(val.sum())):
         # only then search (a sum can overflow)
         ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
