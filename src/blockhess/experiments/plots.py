@@ -42,11 +42,12 @@ def _draw_blocks(ax, names, sizes, vmin, vmax, data, title):
     return im
 
 
-def hessian_heatmap(path, panels, vmin: float, vmax: float, suptitle: str) -> None:
+def hessian_heatmap(path, panels, vmin: float, vmax: float, suptitle: str, note: str = "") -> None:
     """One row of ``log10|H|`` panels; ``panels`` is a list of ``(H, names, sizes, title)``.
 
     ``vmin``/``vmax`` are decades (shared by all panels, and by the caller across figures so
-    that init and trained compare); entries below ``10**vmin`` are drawn at ``vmin``.
+    that init and trained compare); entries below ``10**vmin`` are drawn at ``vmin``, which the
+    figure says under the panels, followed by ``note``.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 1.2, 6.0), squeeze=False)
     im = None
@@ -54,6 +55,8 @@ def hessian_heatmap(path, panels, vmin: float, vmax: float, suptitle: str) -> No
         im = _draw_blocks(ax, names, sizes, vmin, vmax, log_abs(H, 10.0**vmin), title)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.85, label=r"$\log_{10}|H_{ij}|$")
     fig.suptitle(suptitle)
+    floor = f"Entries below $10^{{{vmin:g}}}$, exact zeros included, are drawn in the lowest colour."
+    fig.text(0.45, 0.1, floor + (" " + note if note else ""), ha="center", va="top", fontsize=9, wrap=True)
     fig.savefig(Path(path), dpi=150, bbox_inches="tight")
     plt.close(fig)
 
@@ -94,7 +97,8 @@ def eigen_spectrum(path, panels: dict, suptitle: str) -> None:
 
     ``panels``: ``{panel title: {series name: 1-D array of eigenvalues}}`` (the first word of a
     series name picks its colour: full, outer, functional); the linear zone of the axis spans
-    six decades below the largest magnitude in the panel.
+    six decades below the largest magnitude in the panel, and its width is in the y label (so
+    eigenvalues drawn on the zero line can still be counted as non-zero by the caller).
     """
     colours = {"full": "0.1", "outer": "tab:blue", "functional": "tab:orange"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
@@ -113,7 +117,7 @@ def eigen_spectrum(path, panels: dict, suptitle: str) -> None:
         ax.set_ylim(-(10.0**top), 10.0**top)
         ax.axhline(0, color="0.6", lw=0.6)
         ax.set_xlabel("rank")
-        ax.set_ylabel("eigenvalue")
+        ax.set_ylabel(f"eigenvalue (symmetric log; linear within ±{lin:.0e})")
         ax.set_title(title)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

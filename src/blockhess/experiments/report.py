@@ -239,12 +239,16 @@ def _figures(tmp: Path, phases: dict, names) -> list[str]:
         na = sum(sizes[:3])
         title = "initialisation" if tag == "init" else "trained"
         fname = f"hessian_{tag}.png"
+        zero = int((D == 0).all(1).sum())  # a ReLU unit off on every token: its W_1 column and W_2 row
+        note = (f"{zero} of {D.shape[0]} rows and columns are exactly zero: the weights of hidden units the ReLU "
+                "switches off on every token of the batch (a W1 column and a W2 row each)." if zero else "")
         plots.hessian_heatmap(
             tmp / fname,
             [(D, labels, sizes, f"Hessian (block weights, n = {sum(sizes)})"),
              (D[:na, :na], labels[:3], sizes[:3], "Hessian (self-attention)")],
             vmin, vmax,
             f"log10|H| of the digits-ViT block, {title} (test accuracy {100 * ph['test_accuracy']:.1f}%, loss {ph['loss']:.3f})",
+            note,
         )
         files.append(fname)
     pair_labels = [f"{_SHORT[a]},{_SHORT[b]}" for a, b in pairs(names)]
