@@ -39,7 +39,11 @@ def test_bare_attention_exponents_input_scale():
             assert abs(f["exponent"] - th) < 0.3, f
             assert f["ci"][0] <= f["exponent"] <= f["ci"][1]
     vv = _fit(res, "attention", "input_scale", "W_V,W_V", "functional")
-    assert vv["zero"] and vv["exponent"] == 0.0 and vv["theory"] == 0.0
+    # identically zero (F is linear in W_V): no slope, not a sigma^0 law
+    assert vv["zero"] and vv["exponent"] is None and vv["ci"] is None and vv["theory"] is None and vv["theory_zero"]
+    md = scaling.markdown(res)
+    assert "| W_V,W_V | functional | ≡ 0 (identically zero) | — | ≡ 0 | ≡ 0 |" in md
+    assert "-0.000" not in md  # a zero slope prints as 0.000
     # every fit that has a theory value agrees with it at small sigma (block included)
     for f in res["fits"]:
         if f["norm"] != "bound" and f["theory"] is not None:
@@ -54,6 +58,15 @@ def test_ln_variance_blowup_only_through_the_value_path():
     assert abs(_fit(res, "block", "ln_variance", "W_Q,W_V", "outer")["exponent"] + 0.5) < 0.05
     assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full")["exponent"]) < 0.05
     assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full", "bound")["exponent"] + 1.0) < 0.05
+    # the window is stated in the plotted variable (the measured variance), not only in tau
+    w = _fit(res, "block", "ln_variance", "W_V,W_V", "full")["window"]
+    assert w["tau_max"] == 1e-2 and 0 < w["min"] < w["max"] < 1e-3
+    assert "LayerNorm-1 input variance v = min_t var(U_t) ≤" in scaling.markdown(res)
+
+
+def test_number_format_has_no_negative_zero():
+    assert scaling._num(-1e-6) == "0.000" and scaling._num(-0.0, 2) == "0.00" and scaling._num(-0.0015) == "-0.002"
+    assert scaling._num(None) == "—"
 
 
 def test_fit_exponent_recovers_slope_and_interval():

@@ -20,8 +20,11 @@ Exponents are least-squares slopes in log-log over a window where the asymptotic
 pooled over seeds with one intercept per seed; the confidence interval is the slope's
 standard error times the 97.5% t quantile (``n − seeds − 1`` degrees of freedom).
 
+A part that is exactly zero at every point (the bare layer's functional V,V block: ``F`` is
+linear in ``W_V``) has no exponent: its fit has ``"zero": true`` and ``exponent``/``ci`` ``None``.
+
 Writes ``scaling.json`` (``"fits"``: ``{setting, block, part, variable, norm, exponent, ci,
-theory, theory_source, n, window}``; ``"records"``: every measured norm), ``scaling.md``
+theory, theory_source, theory_zero, zero, n, window}``; ``"records"``: every measured norm), ``scaling.md``
 (the fit table), ``scaling_input_scale.png``, ``scaling_seq_len.png`` and
 ``scaling_ln_variance.png`` into ``--out``.
 """
@@ -60,6 +63,7 @@ PRESETS = {
 SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
 PARTS = ("outer", "functional", "full")
 ORM = "Ormaniec et al. (2410.10986), small σ"
+ZERO_SRC = "identically zero: F is linear in W_V (Ormaniec et al.)"
 DER = "derived here (docs/bounds.md §9)"
 PAPER_L3 = "paper §3.3 (1/L³ at fixed ‖X‖₂), uniform-attention regime"
 
@@ -84,10 +88,13 @@ def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tup
 
     ``block`` as ``"W_Q,W_K"``; ``part`` outer/functional/full; ``norm`` spectral, frobenius
     (same asymptotic exponent) or bound (the valid Theorem-1/6 bound; only for ``ln_variance``).
-    Source of each value: :data:`ORM`, :data:`PAPER_L3` or derived here (docs/bounds.md).
+    Source of each value: :data:`ORM`, :data:`PAPER_L3` or derived here (docs/bounds.md). A part
+    that is identically zero (:func:`identically_zero`) has no exponent: ``(None, ZERO_SRC)``.
     """
     a, b = block.split(",")
     k = _key(a, b)
+    if identically_zero(setting, block, part) and norm != "bound":
+        return None, ZERO_SRC
     if norm == "bound":
         if setting == "block" and variable == "ln_variance":
             n_att = sum(c in "QKV" for c in k)
@@ -97,7 +104,7 @@ def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tup
         if setting == "attention":
             table = {
                 "outer": {"QQ": 6, "QK": 6, "KK": 6, "QV": 4, "KV": 4, "VV": 2},
-                "functional": {"QQ": 5, "KK": 5, "QK": 3, "QV": 3, "KV": 3, "VV": 0},
+                "functional": {"QQ": 5, "KK": 5, "QK": 3, "QV": 3, "KV": 3},
                 "full": {"QQ": 5, "KK": 5, "QK": 3, "QV": 3, "KV": 3, "VV": 2},
             }
             src = ORM if k in ("QQ", "VV") else DER
@@ -118,7 +125,7 @@ def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tup
             if k in ("QK", "QV", "KV"):
                 return -2.0, DER
             if k == "VV":
-                return (None, None) if part == "functional" else (-2.0, DER)
+                return -2.0, DER
             return None, None
         if part != "outer":
             return None, None
@@ -134,6 +141,12 @@ def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tup
             return -0.5, DER
         return 0.0, DER
     return None, None
+
+
+def identically_zero(setting: str, block: str, part: str) -> bool:
+    """Whether a part is zero for every input by construction: the functional V,V block of the
+    bare attention layer (``F`` is linear in ``W_V``), so it has no scaling exponent."""
+    return setting == "attention" and block == "W_V,W_V" and part == "functional"
 
 
 # --------------------------------------------------------------------------- measuring
@@ -257,7 +270,13 @@ def _window(variable: str, P: dict) -> tuple[float, float]:
 
 
 def fits(records: list[dict], P: dict) -> list[dict]:
-    """The exponent fits of every (setting, variable, block, part, norm) in ``records``."""
+    """The exponent fits of every (setting, variable, block, part, norm) in ``records``.
+
+    A part whose norm is exactly zero at every point of the window gets ``"zero": True`` and
+    ``exponent``/``ci`` ``None`` (there is no slope); ``"theory_zero"`` marks the parts that are
+    zero by construction (:func:`identically_zero`). The ``ln_variance`` window is
+    ``τ <= fit_tau_max``; its ``"min"``/``"max"`` are the measured variances it spans.
+    """
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["setting"], r["variable"], r["block"], r["part"]), []).append(r)
@@ -266,7 +285,8 @@ def fits(records: list[dict], P: dict) -> list[dict]:
         lo, hi = _window(variable, P)
         if variable == "ln_variance":
             sel = [r for r in rs if r["tau"] <= P["fit_tau_max"]]
-            window = {"tau_max": P["fit_tau_max"]}
+            xs = [r["x"] for r in sel]
+            window = {"tau_max": P["fit_tau_max"], "min": min(xs, default=None), "max": max(xs, default=None)}
         else:
             sel = [r for r in rs if lo * (1 - 1e-9) <= r["x"] <= hi * (1 + 1e-9)]
             window = {"min": lo, "max": hi}
@@ -276,10 +296,11 @@ def fits(records: list[dict], P: dict) -> list[dict]:
                 continue
             vals = np.array([r[norm] for r in sel])
             row = {"setting": setting, "block": block, "part": part, "variable": variable, "norm": norm,
-                   "theory": th, "theory_source": src, "window": window}
+                   "theory": th, "theory_source": src, "window": window,
+                   "theory_zero": norm != "bound" and identically_zero(setting, block, part)}
             if len(vals) and np.all(vals == 0):
-                row.update({"exponent": 0.0, "ci": [0.0, 0.0], "n": len(vals), "zero": True,
-                            "note": "identically zero at every point (exact): the norm does not grow"})
+                row.update({"exponent": None, "ci": None, "n": len(vals), "zero": True,
+                            "note": "exactly zero at every point: no exponent (not a σ⁰ law)"})
                 out.append(row)
                 continue
             pos = vals > 0
@@ -305,126 +326,200 @@ def fits(records: list[dict], P: dict) -> list[dict]:
 
 # --------------------------------------------------------------------------- output
 
+#: the sweeps in words (tables and figures)
+VARIABLE_WORDS = {"input_scale": "input scale σ", "seq_len": "sequence length L",
+                  "ln_variance": "LayerNorm-1 input variance"}
+SETTING_WORDS = {"attention": "attention layer", "block": "post-LN block"}
 
-def _fmt(v, nd=2):
-    return "—" if v is None else f"{v:.{nd}f}"
+
+def _num(v, nd=3) -> str:
+    """``v`` with ``nd`` decimals; a value that rounds to zero prints as ``0.000``, never ``-0.000``."""
+    if v is None:
+        return "—"
+    s = f"{v:.{nd}f}"
+    return f"{0.0:.{nd}f}" if float(s) == 0 else s
+
+
+def _theory_s(f: dict, nd=1) -> str:
+    return "≡ 0" if f.get("theory_zero") else _num(f["theory"], nd)
 
 
 def markdown(result: dict) -> str:
     """The fit table (spectral norms; Frobenius and bound fits are in the JSON) as markdown."""
     P = result["config"]
+    fits_ = result["fits"]
+    lnv = [f for f in fits_ if f["variable"] == "ln_variance" and f["window"].get("max") is not None]
+    if lnv:
+        w = lnv[0]["window"]
+        ln_window = (f"LayerNorm-1 input variance v = min_t var(U_t) ≤ {w['max']:.2g} (measured; the points with "
+                     f"τ ≤ {P['fit_tau_max']:g}, where the input rows are X_t = c_t𝟙 + τ z_t and τ is the size of "
+                     f"their non-constant part; v ∝ τ², here {w['min']:.2g} … {w['max']:.2g})")
+    else:
+        ln_window = (f"LayerNorm-1 input variance: the points with τ ≤ {P['fit_tau_max']:g} (input rows "
+                     "X_t = c_t𝟙 + τ z_t; τ is the size of their non-constant part)")
     lines = [
         "# Curvature scaling laws (exact Hessians)", "",
         f"Preset `{result['preset']}`: d_model={P['d_model']}, d_k={P['d_k']}, d_ff={P['d_ff']}, "
-        f"L={P['L']}, {P['seeds']} seeds; MSE, fixed target T ~ N(0, 1). Run time {result['runtime_s']:.1f} s computing, {result.get('total_runtime_s', result['runtime_s']):.1f} s with the figures.",
+        f"L={P['L']}, {P['seeds']} seeds; MSE, fixed target T ~ N(0, 1). Run time {result['runtime_s']:.1f} s computing, "
+        f"{result.get('total_runtime_s', result['runtime_s']):.1f} s with the figures.",
         "",
-        "Exponent = least-squares slope in log-log (one intercept per seed), 95% CI from the "
-        "slope's standard error and a t quantile. Window: input scale σ ≤ "
-        f"{P['fit_sigma_max']:.3g}; sequence length {P['seq_lens'][0]}–{P['seq_lens'][-1]} at ‖X‖₂ = {P['rho']}; "
-        f"LayerNorm variance: τ ≤ {P['fit_tau_max']:g}.", "",
+        "Exponent = least-squares slope of log‖H_block‖ on log(variable) (one intercept per seed), 95% CI from the "
+        "slope's standard error and a t quantile. Fit windows: input scale σ ≤ "
+        f"{P['fit_sigma_max']:.3g}; sequence length L = {P['seq_lens'][0]}–{P['seq_lens'][-1]} at ‖X‖₂ = {P['rho']:g}; "
+        f"{ln_window}.", "",
+        "`≡ 0`: the part is exactly zero at every point (the attention layer's functional V,V block: F is linear "
+        "in W_V), so no exponent is fitted: it does not scale like σ⁰ (a nonzero constant), it vanishes.", "",
         "| setting | variable | block | part | exponent (spectral) | 95% CI | exponent (Frobenius) | theory | source |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    fro = {(f["setting"], f["variable"], f["block"], f["part"]): f for f in result["fits"] if f["norm"] == "frobenius"}
-    for f in result["fits"]:
+    fro = {(f["setting"], f["variable"], f["block"], f["part"]): f for f in fits_ if f["norm"] == "frobenius"}
+    for f in fits_:
         if f["norm"] != "spectral":
             continue
         key = (f["setting"], f["variable"], f["block"], f["part"])
-        ci = "exactly 0" if f.get("zero") else (f"[{f['ci'][0]:.3f}, {f['ci'][1]:.3f}]" if f["ci"] else "—")
-        ex = "0 (≡ 0)" if f.get("zero") else f"{f['exponent']:.3f}"
+        if f.get("zero"):
+            ex, ci = "≡ 0 (identically zero)", "—"
+        else:
+            ex = _num(f["exponent"])
+            ci = f"[{_num(f['ci'][0])}, {_num(f['ci'][1])}]" if f["ci"] else "—"
         fr = fro.get(key)
-        fr_s = "—" if fr is None else ("0 (≡ 0)" if fr.get("zero") else f"{fr['exponent']:.3f}")
-        lines.append(f"| {f['setting']} | {f['variable']} | {f['block']} | {f['part']} | {ex} | {ci} | {fr_s} | "
-                     f"{_fmt(f['theory'], 1)} | {f['theory_source'] or ''} |")
-    bfits = [f for f in result["fits"] if f["norm"] == "bound" and f["variable"] == "ln_variance"]
+        fr_s = "—" if fr is None else ("≡ 0" if fr.get("zero") else _num(fr["exponent"]))
+        lines.append(f"| {f['setting']} | {VARIABLE_WORDS[f['variable']]} | {f['block']} | {f['part']} | {ex} | {ci} | "
+                     f"{fr_s} | {_theory_s(f)} | {f['theory_source'] or ''} |")
+    bfits = [f for f in fits_ if f["norm"] == "bound" and f["variable"] == "ln_variance"]
     if bfits:
         lines += ["", "Valid Theorem-6 bound against the LayerNorm-1 input variance:", "",
                   "| block | part | bound exponent | 95% CI | theory |", "|---|---|---|---|---|"]
         for f in bfits:
-            ci = f"[{f['ci'][0]:.3f}, {f['ci'][1]:.3f}]" if f["ci"] else "—"
-            lines.append(f"| {f['block']} | {f['part']} | {f['exponent']:.3f} | {ci} | {_fmt(f['theory'], 1)} |")
+            ci = f"[{_num(f['ci'][0])}, {_num(f['ci'][1])}]" if f["ci"] else "—"
+            lines.append(f"| {f['block']} | {f['part']} | {_num(f['exponent'])} | {ci} | {_num(f['theory'], 1)} |")
     return "\n".join(lines) + "\n"
 
 
-def _agg(records, setting, variable, block, part, norm):
-    xs = sorted({r["x"] for r in records if r["setting"] == setting and r["variable"] == variable and r["block"] == block})
-    if variable == "ln_variance":  # x differs per seed: aggregate by tau
-        taus = sorted({r["tau"] for r in records if r["variable"] == variable})
-        xv, lo, mid, hi = [], [], [], []
-        for t in taus:
-            rs = [r for r in records if r["variable"] == variable and r["block"] == block and r["part"] == part and r["tau"] == t]
-            v = np.array([r[norm] for r in rs])
-            xv.append(np.exp(np.mean(np.log([r["x"] for r in rs]))))
-            lo.append(v.min()), mid.append(np.exp(np.mean(np.log(np.maximum(v, 1e-300))))), hi.append(v.max())
-        return np.array(xv), np.array(lo), np.array(mid), np.array(hi)
-    lo, mid, hi = [], [], []
-    for x in xs:
-        v = np.array([r[norm] for r in records if r["setting"] == setting and r["variable"] == variable
-                      and r["block"] == block and r["part"] == part and r["x"] == x])
+def _agg(rs: list[dict], variable: str, norm: str):
+    """``(x, min, geometric mean, max)`` over seeds of one series' records ``rs``.
+
+    ``ln_variance``: the variance differs per seed, so points are grouped by ``tau`` and ``x`` is
+    the geometric mean of the seeds' variances."""
+    key = "tau" if variable == "ln_variance" else "x"
+    by: dict[float, list[dict]] = {}
+    for r in rs:
+        by.setdefault(r[key], []).append(r)
+    xv, lo, mid, hi = [], [], [], []
+    for k in sorted(by):
+        g = by[k]
+        v = np.array([r[norm] for r in g])
+        xv.append(float(np.exp(np.mean(np.log([r["x"] for r in g])))) if key == "tau" else k)
         lo.append(v.min()), mid.append(np.exp(np.mean(np.log(np.maximum(v, 1e-300))))), hi.append(v.max())
-    return np.array(xs), np.array(lo), np.array(mid), np.array(hi)
+    return np.array(xv), np.array(lo), np.array(mid), np.array(hi)
+
+
+def _block_tex(block: str) -> str:
+    a, b = block.split(",")
+    return f"$W_{{{a[2:]}}}, W_{{{b[2:]}}}$"
 
 
 def figures(result: dict, out: Path) -> list[str]:
-    """Log-log plots: spectral (solid) and Frobenius (dashed) norms of the outer and functional
-    parts, geometric mean over seeds with the min–max band, theory slopes dotted."""
+    """Log-log plots: spectral (solid, markers) and Frobenius (dashed) norms of the Hessian parts,
+    geometric mean over seeds with the min–max band of the spectral norm over seeds, theory
+    slopes dotted, the fit window shaded; the sequence-length figure also shows the full Hessian."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
 
-    recs = result["records"]
+    P = result["config"]
+    nseeds = P["seeds"]
+    series: dict[tuple, list[dict]] = {}
+    for r in result["records"]:
+        series.setdefault((r["setting"], r["variable"], r["block"], r["part"]), []).append(r)
     fitmap = {(f["setting"], f["variable"], f["block"], f["part"], f["norm"]): f for f in result["fits"]}
     written = []
     panels = {
         "input_scale": ([("attention", b) for b in ("W_Q,W_Q", "W_Q,W_K", "W_Q,W_V", "W_V,W_V")]
-                        + [("block", b) for b in ("W_Q,W_Q", "W_Q,W_K", "W_V,W_V", "W_1,W_1")], 2, "input scale σ"),
+                        + [("block", b) for b in ("W_Q,W_Q", "W_Q,W_K", "W_V,W_V", "W_1,W_1")], 2,
+                        "input scale σ  (X → σX)", ("outer", "functional"),
+                        f"Exact Hessian block norms against the input scale σ (X → σX; d_model = {P['d_model']}, "
+                        f"L = {P['L']})"),
         "seq_len": ([("attention", b) for b in ("W_Q,W_Q", "W_Q,W_K", "W_Q,W_V", "W_V,W_V")]
-                    + [("block", b) for b in ("W_Q,W_Q", "W_Q,W_V", "W_V,W_V", "W_1,W_1")], 2, "sequence length L (‖X‖₂ fixed)"),
+                    + [("block", b) for b in ("W_Q,W_Q", "W_Q,W_V", "W_V,W_V", "W_1,W_1")], 2,
+                    f"sequence length L  (‖X‖₂ = {P['rho']:g} fixed)", ("outer", "functional", "full"),
+                    f"Exact Hessian block norms against the sequence length L at fixed ‖X‖₂ = {P['rho']:g} "
+                    f"(d_model = {P['d_model']})"),
         "ln_variance": ([("block", b) for b in ("W_Q,W_Q", "W_Q,W_V", "W_V,W_V", "W_1,W_1")], 1,
-                        "min LayerNorm-1 input variance"),
+                        "LayerNorm-1 input variance v = min_t var(U_t)", ("outer", "functional"),
+                        "Post-LN block: exact Hessian block norms against the variance of the LayerNorm-1 input "
+                        f"U = X + attention(X)\n(input rows X_t = c_t𝟙 + τz_t, τ = {min(P['taus']):.0e} … "
+                        f"{max(P['taus']):g}, v ∝ τ²; d_model = {P['d_model']}, L = {P['L']})"),
     }
-    colors = {"outer": "tab:blue", "functional": "tab:orange"}
-    for variable, (items, nrows, xlabel) in panels.items():
+    colors = {"outer": "tab:blue", "functional": "tab:orange", "full": "tab:green"}
+    for variable, (items, nrows, xlabel, parts, title) in panels.items():
         if variable not in result.get("sweeps", SWEEPS):
             continue
         ncols = len(items) // nrows
-        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False)
-        for ax, (setting, block) in zip(axes.ravel(), items):
-            for part in ("outer", "functional"):
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, 3.5 * nrows + 0.9), squeeze=False)
+        window = None
+        for i, (ax, (setting, block)) in enumerate(zip(axes.ravel(), items)):
+            for part in parts:
+                rs = series.get((setting, variable, block, part), [])
                 for norm, ls in (("spectral", "-"), ("frobenius", "--")):
-                    x, lo, mid, hi = _agg(recs, setting, variable, block, part, norm)
+                    x, lo, mid, hi = _agg(rs, variable, norm)
                     if len(x) == 0 or np.all(hi == 0):
-                        if norm == "spectral" and len(x):
-                            ax.text(0.03, 0.04 if part == "functional" else 0.12, f"{part}: ≡ 0", transform=ax.transAxes,
-                                    color=colors[part], fontsize=8)
+                        if norm == "spectral" and len(x):  # a legend entry, no line: nothing to plot on log axes
+                            ax.plot([], [], " ", color=colors[part], label=f"{part}: ≡ 0 (identically zero, not plotted)")
                         continue
                     m = lo > 0
                     f = fitmap.get((setting, variable, block, part, norm))
                     lab = None
                     if norm == "spectral":
-                        slope = "" if f is None else f" slope {f['exponent']:.2f}"
-                        th = "" if f is None or f["theory"] is None else f" (th. {f['theory']:g})"
+                        slope = "" if f is None or f["exponent"] is None else f": slope {_num(f['exponent'], 2)}"
+                        th = "" if f is None or f["theory"] is None else f" (theory {_num(f['theory'], 0 if float(f['theory']).is_integer() else 1)})"
                         lab = f"{part}{slope}{th}"
-                    ax.loglog(x[m], mid[m], ls, color=colors[part], label=lab, lw=1.4)
+                    ax.loglog(x[m], mid[m], ls, color=colors[part], label=lab, lw=1.4,
+                              marker="o" if norm == "spectral" else None, ms=2.5)
                     if norm == "spectral":
                         ax.fill_between(x[m], lo[m], hi[m], color=colors[part], alpha=0.15, lw=0)
                         if f is not None and f["theory"] is not None and not f.get("zero"):
                             x0, y0 = x[m][0], mid[m][0]
                             xr = np.array([x[m][0], x[m][-1]])
-                            ax.loglog(xr, y0 * (xr / x0) ** f["theory"], ":", color=colors[part], lw=1)
+                            ax.loglog(xr, y0 * (xr / x0) ** f["theory"], ":", color=colors[part], lw=1.2)
             if variable == "ln_variance":
-                x, lo, mid, hi = _agg(recs, setting, variable, block, "full", "bound")
-                ax.loglog(x, mid, "-.", color="gray", lw=1, label="valid bound (full)")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_title(f"{setting}: {block}", fontsize=10)
+                x, lo, mid, hi = _agg(series.get((setting, variable, block, "full"), []), variable, "bound")
+                ax.loglog(x, mid, "-.", color="gray", lw=1, label="valid Theorem-6 bound (full)")
+            # fit window
+            fw = next((f for f in result["fits"] if f["variable"] == variable and f["setting"] == setting
+                       and f["block"] == block and f["norm"] == "spectral"), None)
+            if fw is not None and variable != "seq_len" and fw["window"].get("max") is not None:
+                window = fw["window"]
+                lo_w = window.get("min") or ax.get_xlim()[0]
+                ax.axvspan(lo_w, window["max"], facecolor="none", edgecolor="0.8", hatch="///", lw=0, zorder=0)
+            if variable == "seq_len":
+                ax.xaxis.set_major_locator(FixedLocator(P["seq_lens"]))
+                ax.xaxis.set_major_formatter(ScalarFormatter())
+                ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_title(f"{SETTING_WORDS[setting]}: block {_block_tex(block)}", fontsize=10)
             ax.set_xlabel(xlabel, fontsize=9)
+            if i % ncols == 0:
+                ax.set_ylabel("norm of the Hessian block", fontsize=9)
             ax.grid(True, which="major", alpha=0.3)
             ax.legend(fontsize=7, loc="best")
-        fig.suptitle(f"Exact Hessian block norms vs {variable} (solid spectral, dashed Frobenius, dotted theory slope)",
-                     fontsize=10)
-        fig.tight_layout()
+        handles = [
+            Line2D([], [], color="k", ls="-", marker="o", ms=2.5, label=f"spectral norm ‖·‖₂, geometric mean over {nseeds} seeds"),
+            Patch(color="tab:blue", alpha=0.15, lw=0, label=f"shaded band (colour of the part): min–max of ‖·‖₂ over the {nseeds} seeds"),
+            Line2D([], [], color="k", ls="--", label="Frobenius norm ‖·‖_F (geometric mean)"),
+            Line2D([], [], color="k", ls=":", lw=1.2, label="theory slope, drawn through the first point"),
+        ]
+        if window is not None:
+            handles.append(Patch(facecolor="none", edgecolor="0.6", hatch="///", lw=0, label="fit window of the slopes"))
+        if variable == "seq_len":
+            handles.append(Line2D([], [], color="none", label="slopes fitted over all L shown"))
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout(rect=(0, 0.05 if nrows == 2 else 0.09, 1, 1))
         name = f"scaling_{variable}.png"
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -489,7 +584,9 @@ def run(args: argparse.Namespace) -> int:
         att = [f for f in result["fits"] if f["setting"] == "attention" and f["variable"] == "input_scale"
                and f["norm"] == "spectral" and f["block"] in ("W_Q,W_Q", "W_V,W_V") and f["part"] != "full"]
         for f in att:
-            ex = "≡ 0" if f.get("zero") else f"{f['exponent']:.3f}"
-            print(f"attention {f['block']} {f['part']}: exponent {ex} (theory {f['theory']:g})")
+            if f.get("zero"):
+                print(f"attention {f['block']} {f['part']}: identically zero, no exponent (theory: ≡ 0)")
+            else:
+                print(f"attention {f['block']} {f['part']}: exponent {_num(f['exponent'])} (theory {_theory_s(f, 0)})")
         print(f"wrote {out}/scaling.json, scaling.md and {len(names)} figures in {result['total_runtime_s']:.1f} s")
     return 0
