@@ -324,8 +324,30 @@ def test_driver_writes_json_and_figures(tmp_path):
     assert isinstance(data["bound_holds"], bool) and data["bound_holds"]
     for key in ("taylor", "theorem7", "assumption1", "series", "batch"):
         assert key in data
-    assert {p.name for p in out.glob("*.png")} >= {"differences.png", "bound.png", "taylor.png", "assumption1.png"}
+    assert {p.name for p in out.glob("*.png")} >= {"differences.png", "bound.png", "taylor.png", "assumption1.png",
+                                                    "spectra.png"}
     assert not list(tmp_path.glob(".conv*"))  # no temporary folder left behind
+    # the delta-0 row is on the Hessian set (its L_max), the all-sample margin separate; the note says so
+    t7 = data["theorem7"]
+    assert t7["hessian_samples"] == 24 and "rows[0]" in t7["note"] and "24 of the 60" in t7["note"]
+    assert t7["rows"][0]["bound_times_k_plus_1"]["exact"] == pytest.approx(2 * t7["loss_max_hessian_set"])
+    assert data["run"]["preset"] in ("quick", "full") and data["run"]["overrides"]
+    # the markdown carries the key numbers of the JSON
+    md = (out / "convergence.md").read_text()
+    assert md.startswith("# Loss-landscape convergence")
+    for number in (f"{data['slope']:.3f}", f"{t7['M_exact']:.4g}", f"{t7['margin_w_star_all_samples']:.5g}",
+                   "24 of the 60 training images", "`--quick`"):
+        assert number in md, number
+    assert md.count("\n| ") >= len(t7["rows"]) + len(data["taylor"]["rows"])
+
+
+def test_describe_run_names_the_preset():
+    from blockhess.experiments import convergence as exp
+
+    assert exp.describe_run(exp.QUICK) == {"preset": "quick", "overrides": {}}
+    assert exp.describe_run(exp.Settings()) == {"preset": "full", "overrides": {}}
+    r = exp.describe_run(exp.replace(exp.QUICK, orderings=7))
+    assert r == {"preset": "quick", "overrides": {"orderings": 7}}
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys, monkeypatch):

@@ -25,8 +25,14 @@ With :math:`L_k = \frac1k\sum_{i\le k} l_i` (paper §4):
 4. **Assumption 1**: :math:`\|\nabla L_N(w^*)\|` against ``N`` for three orderings (the paper's
    seeds), with the expectation for random subsets.
 
-Writes ``convergence.json`` and ``differences.png``, ``bound.png``, ``taylor.png``,
-``assumption1.png``, ``spectra.png`` into ``--out`` (atomically).
+Writes ``convergence.json``, ``convergence.md`` (the key numbers) and ``differences.png``,
+``bound.png``, ``taylor.png``, ``assumption1.png``, ``spectra.png`` into ``--out`` (atomically).
+
+Image sets: the differences at ``w*`` (1.), the bound's check over all training images
+(``margin_w_star_all_samples``) and the batch procedure use every training image, with
+``L_max`` their largest loss; the Theorem 7 rows (δ = 0 included), the Taylor errors and ``M``
+use the Hessian set (all images in a full run, ``hessian_samples`` of them with ``--quick``),
+with ``L_max`` the largest loss of that set.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -89,7 +95,9 @@ QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="convergence", metavar="DIR", help=out_help("convergence"))
     p.add_argument("--quick", action="store_true",
-                   help="exact Hessians of 96 training images (not all), fewer orderings and epochs: under half a minute")
+                   help="exact Hessians of 96 training images (not all), 500 orderings (not 2000), 2 directions (not 4), "
+                        "no 3e-3 delta, 10 epochs (not 26), 100 Taylor orderings (not 200), 16 path images (not 64): "
+                        "about half a minute; M, the path ratios and the Taylor errors then differ from a full run's")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
     p.add_argument("--orderings", type=int, default=None, metavar="N", help="random orderings averaged (default: 2000; quick 500)")
@@ -383,6 +391,13 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
             "n_seen": _series(nb, ib), "delta": _series(db, ib), "paper_ema": _series(db_paper, ib),
             "smoothed_n": [float(v) for v in kbb], "smoothed": [float(v) for v in db_log],
             "fit": fit_batch, "bound_margin": ratio_batch,
+            "bound_note": (
+                f"Theorem 7 at w* summed over the k of each batch: 2 * loss_max_all * (H(n_after) - H(n_before)), all "
+                f"{N} training images. "
+                + (f"Each epoch's last batch has {N % s.batch_size} images, not {s.batch_size}: fewer k are summed, "
+                   "so its bound is smaller by about that ratio: the dips of the bound at every multiple of "
+                   f"{N} samples seen are genuine, not an artefact." if N % s.batch_size and N > s.batch_size else "")
+            ).strip(),
         },
         "theorem7": {
             "loss_max_all": L_max_all, "loss_max_hessian_set": L_max,
@@ -401,10 +416,15 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
                 "ratio = ‖H_i(w* + δ)‖ / ‖H_i(w*)‖. Theorem 7 uses M at w* only (its Taylor step drops the "
                 "remainder); a rigorous remainder bound would need M along the segment."),
             "margin_w_star_all_samples": ratio0,
+            "margin_w_star_all_samples_note": (
+                f"delta 0 over all {N} training images and {s.orderings} orderings, bound 2 * loss_max_all / (k+1) "
+                "(the curve series.bound_w_star and the Theorem 7 line of differences.png)"),
             "rows": bound_rows,
             "note": ("margin = min over orderings, k and directions of bound(k) / |L_{k+1}(w) - L_k(w)|; "
-                     ">= 1 means the bound holds. At w* (delta 0) all training samples; at w* + delta the "
-                     "Hessian set (M is a max over that set)."),
+                     ">= 1 means the bound holds. Every row, delta 0 (rows[0]) included, is on the Hessian set "
+                     f"({m} of the {N} training images; {s.taylor_orderings} orderings of them): its bound uses "
+                     "L_max = loss_max_hessian_set and M, a max over that set (the curves of bound.png). The check "
+                     "over all training images at delta 0 is margin_w_star_all_samples."),
         },
         "taylor": {
             "rows": taylor_rows,
@@ -434,7 +454,9 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
               "kh": kh, "curves": curves, "curve0": curve0, "bound_rows": bound_rows, "taylor_rows": taylor_rows, "Ms": Ms, "L_max": L_max,
               "w_norm": w_norm, "gn": gn, "expected": expected, "Ns": Ns, "g_full": float(g_mean.norm()),
               "g_each": float(G.norm(dim=1).mean()), "spectral": stats.spectral,
-              "thm6": thm6.get("per_sample"), "M_exact": M_exact}
+              "thm6": thm6.get("per_sample"), "M_exact": M_exact, "n_train": N, "hessian_samples": m,
+              "L_max_all": L_max_all, "batch_size": s.batch_size, "orderings": s.orderings,
+              "taylor_orderings": s.taylor_orderings, "directions": s.directions}
     return result, arrays
 
 
@@ -457,8 +479,15 @@ def _bound_row(rel: float, eps: float, Dabs: torch.Tensor, k: torch.Tensor, L_ma
 # --------------------------------------------------------------------------- figures
 
 
+def _image_set(a: dict) -> str:
+    """Which images the Hessian-set curves use, in words."""
+    m, N = a["hessian_samples"], a["n_train"]
+    return f"all {N} training images" if m == N else f"{m} of the {N} training images"
+
+
 def figures(arrays: dict, out: Path) -> list[str]:
-    """Write the PNG figures into ``out``; returns their file names."""
+    """Write the PNG figures into ``out``; returns their file names. Labels use mathtext; every
+    Theorem 7 curve says which images its ``L_max`` (and ``M``) come from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -466,33 +495,36 @@ def figures(arrays: dict, out: Path) -> list[str]:
 
     a = arrays
     names = []
+    N, b = a["n_train"], a["batch_size"]
+    LMAX = r"$L_{\max}$"
 
     def refs(ax, x, y_at, decades=(-2, -1, 0, 1, 2)):
         x0 = float(x[0])
         for j in decades:
             c = y_at * 10.0**j
             ax.plot([x0, float(x[-1])], [c / x0, c / float(x[-1])], color="0.7", ls="--", lw=0.8,
-                    label="c·k⁻¹" if j == decades[0] else None)
+                    label=r"$c/k$ references" if j == decades[0] else None)
 
-    # differences
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    # differences (all training images)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 7.2))
     ax = axes[0]
     k = a["k"]
     ax.loglog(k, a["single"], color="C1", alpha=0.15, lw=0.6, label="|ΔL|, one ordering")
     ax.loglog(k, a["single_paper"], color="C1", lw=1.0, label="one ordering, index EMA as the paper (α=0.02; lags ~1/α steps)")
-    ax.loglog(k, a["mean_abs"], color="C0", alpha=0.35, lw=1.0, label="mean over orderings")
+    ax.loglog(k, a["mean_abs"], color="C0", alpha=0.35, lw=1.0, label=f"mean over {a['orderings']} orderings")
     ax.loglog(a["kb"], a["smooth"], color="C0", lw=2, label="mean, EMA on log-k grid")
     f = a["fit"]
     kk = torch.logspace(math.log10(f["k_min"]), math.log10(f["k_max"]), 20, dtype=torch.float64)
     ax.loglog(kk, math.exp(f["intercept"]) * kk ** f["slope"], "r--", lw=1.2,
               label=f"fit: slope {f['slope']:.3f} (k ∈ [{f['k_min']:.0f}, {f['k_max']:.0f}])")
     ax.loglog(k, a["mad"] / (k + 1), color="C2", ls=":", lw=1.5, label="MAD(l)/(k+1) (identity)")
-    ax.loglog(k, a["bound0"], color="k", lw=1.2, label="Theorem 7 at w*: 2L_max/(k+1)")
+    ax.loglog(k, a["bound0"], color="k", lw=1.2,
+              label=f"Theorem 7 at w*: $2L_{{\\max}}/(k+1)$, {LMAX} = {a['L_max_all']:.3g}\n(largest loss of all {N} images)")
     refs(ax, k, float(a["mean_abs"][0]))
     ax.set_xlabel("k (samples)")
-    ax.set_ylabel("|L_{k+1}(w*) − L_k(w*)|")
-    ax.set_title("per-sample running mean, random orderings")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_ylabel(r"$|L_{k+1}(w^*) - L_k(w^*)|$")
+    ax.set_title(f"per-sample running mean at w*, random orderings of all {N} images", fontsize=11)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes, clear of the data
     ax = axes[1]
     ax.loglog(a["nb"], a["db"], color="C0", alpha=0.25, lw=0.6, label="|ΔL| per batch")
     ax.loglog(a["nb"], a["db_paper"], color="C1", lw=1.2, label="index EMA as the paper (α=0.02; lags ~1/α batches)")
@@ -500,43 +532,52 @@ def figures(arrays: dict, out: Path) -> list[str]:
     fb = a["fit_batch"]
     kk = torch.logspace(math.log10(fb["k_min"]), math.log10(fb["k_max"]), 20, dtype=torch.float64)
     ax.loglog(kk, math.exp(fb["intercept"]) * kk ** fb["slope"], "r--", lw=1.2, label=f"fit: slope {fb['slope']:.3f}")
-    ax.loglog(a["nb"], a["bound_batch"], color="k", lw=1.0, label="Theorem 7 summed over the batch")
+    short = N % b if N > b else 0
+    dips = (f";\ndips: each epoch's last batch has {short} images, not {b} (genuine: fewer k are summed)" if short else "")
+    ax.loglog(a["nb"], a["bound_batch"], color="k", lw=1.0,
+              label=f"Theorem 7 summed over the batch's k, {LMAX} of all {N} images{dips}")
     refs(ax, a["nb"], float(a["db"][0]) * float(a["nb"][0]))
     ax.set_xlabel("N (samples seen, repeats across epochs)")
-    ax.set_ylabel("|L_after − L_before|")
-    ax.set_title("paper's batch-wise running mean (§4.2)")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_ylabel(r"$|L_{\mathrm{after}} - L_{\mathrm{before}}|$ (one batch added)")
+    ax.set_title(f"paper's batch-wise running mean (§4.2), batches of {b}", fontsize=11)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes, clear of the data
     fig.tight_layout()
     fig.savefig(out / "differences.png", dpi=120)
     plt.close(fig)
     names.append("differences.png")
 
-    # bound
+    # bound (Hessian set)
     curves = a["curves"]
     ncol = min(3, len(curves) + 1)
     nrow = math.ceil((len(curves) + 1) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.6 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.5 * nrow + 1.0), squeeze=False)
     kh = a["kh"]
-    for ax, (i, cur) in zip(axes.flat, enumerate([a["curve0"]] + curves)):
+    m_label = {"exact": r"M = max exact $\Vert H_i(w^*)\Vert_2$", "theorem6": "M = Theorem 6 bound"}
+    for ax, cur in zip(axes.flat, [a["curve0"]] + curves):
         rel = cur["delta_rel"]
         eps = rel * a["w_norm"]
-        ax.loglog(kh, cur["max_actual"], color="C3", lw=1, label="max |ΔL(w)| over orderings")
-        ax.loglog(kh, cur["actual"], color="C0", lw=1.5, label="mean |ΔL(w)|")
+        ax.loglog(kh, cur["max_actual"], color="C3", lw=1, label=f"measured, max over {a['taylor_orderings']} orderings")
+        ax.loglog(kh, cur["actual"], color="C0", lw=1.5, label="measured, mean over orderings")
         for name, M in a["Ms"].items():
             ax.loglog(kh, cv.theorem7_bound(kh, a["L_max"], M, eps), lw=1.2, ls="-" if name == "exact" else "--",
-                      color="k" if name == "exact" else "C4", label=f"bound, M {name} = {M:.3g}")
-        ax.set_title(f"‖δ‖/‖w*‖ = {rel:g}" if rel else "at w* (δ = 0)", fontsize=9)
+                      color="k" if name == "exact" else "C4", label=f"Theorem 7 bound, {m_label.get(name, name)} = {M:.3g}")
+        ax.set_title(f"‖δ‖/‖w*‖ = {rel:g} (direction 0)" if rel else "at w* (δ = 0)", fontsize=9)
         ax.set_xlabel("k")
-        ax.legend(fontsize=6)
+        ax.set_ylabel(r"$|L_{k+1}(w) - L_k(w)|$", fontsize=9)
     for ax in list(axes.flat)[len(curves) + 1:]:
         ax.axis("off")
-    fig.suptitle("Theorem 7: (2 L_max + M‖δ‖²)/(k+1) vs measured |L_{k+1}(w) − L_k(w)|, Hessian set", fontsize=10)
-    fig.tight_layout()
+    h, lab = axes.flat[0].get_legend_handles_labels()
+    fig.legend(h, lab, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"Theorem 7: $(2L_{{\\max}} + M\\Vert\\delta\\Vert^2)/(k+1)$ against measured $|L_{{k+1}}(w) - L_k(w)|$, "
+                 f"w = w* + δ, on the Hessian set:\n{_image_set(a)}, {LMAX} = {a['L_max']:.3g} (largest loss of this set"
+                 + (f"; all {N} images: {a['L_max_all']:.3g}" if a["hessian_samples"] < N else ", as in differences.png")
+                 + "), M a max over this set", fontsize=10)
+    fig.tight_layout(rect=(0, 0.5 / (3.5 * nrow + 1.0), 1, 1))
     fig.savefig(out / "bound.png", dpi=110)
     plt.close(fig)
     names.append("bound.png")
 
-    # taylor
+    # taylor (Hessian set)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     ax = axes[0]
     rows = a["taylor_rows"]
@@ -547,8 +588,8 @@ def figures(arrays: dict, out: Path) -> list[str]:
         ax.loglog(x, [max(r[f"rel_error_{key}"]["median"], 1e-17) for r in rows], st, alpha=0.35, ms=3,
                   color=ax.lines[-1].get_color())
     ax.set_xlabel("‖δ‖ / ‖w*‖")
-    ax.set_ylabel("error / δ-induced change of L_{k+1}(w) − L_k(w)\n(faint: error / whole difference)")
-    ax.set_title("Taylor prediction vs actual difference (median over directions)")
+    ax.set_ylabel("error / δ-induced change of $L_{k+1}(w) - L_k(w)$\n(faint: error / whole difference)")
+    ax.set_title(f"Taylor prediction vs actual, median over {a['directions']} directions", fontsize=11)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax = axes[1]
@@ -560,46 +601,50 @@ def figures(arrays: dict, out: Path) -> list[str]:
         ax.loglog(kh, cur["second_order"], color=c, ls="--", lw=1.2, label="2nd-order prediction")
         ax.loglog(kh, cur["assumption1"], color=c, ls=":", lw=1.2, label="paper's (no gradient term)")
     ax.set_xlabel("k")
-    ax.set_ylabel("mean |L_{k+1}(w) − L_k(w)|")
+    ax.set_ylabel(r"mean $|L_{k+1}(w) - L_k(w)|$")
+    ax.set_title(f"{_image_set(a)}, {a['taylor_orderings']} orderings, direction 0", fontsize=11)
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "taylor.png", dpi=120)
     plt.close(fig)
     names.append("taylor.png")
 
-    # assumption 1
+    # assumption 1 (all training images)
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     Ns, gn = a["Ns"], a["gn"]
     for r in range(gn.shape[0]):
-        ax.loglog(Ns, gn[r], color="C0", lw=0.6, alpha=0.5, label="‖∇L_N(w*)‖, one ordering each" if r == 0 else None)
+        ax.loglog(Ns, gn[r], color="C0", lw=0.6, alpha=0.5,
+                  label=r"$\Vert\nabla L_N(w^*)\Vert$, one ordering each" if r == 0 else None)
     ax.loglog(Ns, gn.mean(0), color="C0", lw=1.8, label=f"mean over {gn.shape[0]} orderings")
     ax.loglog(Ns, a["expected"], color="C2", ls="--", label="expected for random subsets")
-    ax.axhline(a["g_full"], color="k", lw=1, label=f"‖∇L_full(w*)‖ = {a['g_full']:.2e}")
-    ax.axhline(a["g_each"], color="C3", lw=1, ls=":", label=f"mean ‖∇l_i(w*)‖ = {a['g_each']:.2e}")
+    ax.axhline(a["g_full"], color="k", lw=1, label=rf"$\Vert\nabla L_{{\mathrm{{full}}}}(w^*)\Vert$ = {a['g_full']:.3g}")
+    ax.axhline(a["g_each"], color="C3", lw=1, ls=":", label=rf"mean $\Vert\nabla l_i(w^*)\Vert$ = {a['g_each']:.3g}")
     ax.set_xlabel("N (samples)")
     ax.set_ylabel("gradient norm")
-    ax.set_title("Assumption 1: ‖∇L_N(w*)‖ against N")
+    ax.set_title(rf"Assumption 1: $\Vert\nabla L_N(w^*)\Vert$ against N (all {N} images)", fontsize=11)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "assumption1.png", dpi=120)
     plt.close(fig)
     names.append("assumption1.png")
 
-    # spectra
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    # spectra (Hessian set); the legend sits right of the axes, clear of the bars
+    fig, ax = plt.subplots(figsize=(8.8, 4.2))
     sp = a["spectral"]
     lo, hi = float(sp.min()), float(sp.max())
     if a["thm6"] is not None:
         hi = max(hi, float(a["thm6"].max()))
     bins = torch.logspace(math.log10(max(lo, 1e-12)) - 0.05, math.log10(hi) + 0.05, 40).numpy()
-    ax.hist(sp.numpy(), bins=bins, color="C0", alpha=0.7, label="exact ‖H_i(w*)‖₂")
+    ax.hist(sp.numpy(), bins=bins, color="C0", alpha=0.7, label=r"exact $\Vert H_i(w^*)\Vert_2$")
+    ax.axvline(a["M_exact"], color="k", lw=1, label=f"M exact = {a['M_exact']:.3g}\n(max + Lanczos residual)")
     if a["thm6"] is not None:
-        ax.hist(a["thm6"].numpy(), bins=bins, color="C4", alpha=0.6, label="Theorem 6 bound per sample")
-    ax.axvline(a["M_exact"], color="k", lw=1, label=f"M exact = {a['M_exact']:.3g}")
+        ax.hist(a["thm6"].numpy(), bins=bins, color="C4", alpha=0.6, label="Theorem 6 bound per image")
+        ax.axvline(float(a["thm6"].max()), color="C4", lw=1, ls="--", label=f"M Theorem 6 = {float(a['thm6'].max()):.3g}")
     ax.set_xscale("log")
     ax.set_xlabel("spectral norm")
-    ax.set_ylabel("samples")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("images")
+    ax.set_title(f"Per-image Hessian spectral norms at w*, {_image_set(a)}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(out / "spectra.png", dpi=120)
     plt.close(fig)
@@ -607,12 +652,160 @@ def figures(arrays: dict, out: Path) -> list[str]:
     return names
 
 
+# --------------------------------------------------------------------------- markdown
+
+_SETTING_WORDS = {
+    "orderings": "random orderings of the differences at w* (all images)",
+    "hessian_samples": "Hessian set: images with exact Hessians (M, Theorem 7 rows, Taylor)",
+    "directions": "random unit directions of δ",
+    "deltas": "‖δ‖/‖w*‖",
+    "epochs": "epochs of the paper's batch procedure",
+    "taylor_orderings": "orderings of the Hessian set (Theorem 7 rows, Taylor errors)",
+    "path_samples": "Hessian-set images of the ratios ‖H_i(w*+δ)‖/‖H_i(w*)‖",
+}
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def describe_run(settings: Settings) -> dict:
+    """``{"preset": "quick" | "full", "overrides": {setting: value}}``: the preset nearest to
+    ``settings`` (``--quick`` or the defaults) and the settings that differ from it."""
+    names = [f.name for f in fields(Settings)]
+
+    def diff(base):
+        return {n: _plain(getattr(settings, n)) for n in names if getattr(settings, n) != getattr(base, n)}
+
+    dq, df = diff(QUICK), diff(Settings())
+    preset = "full" if not df else "quick" if not dq else ("quick" if len(dq) < len(df) else "full")
+    return {"preset": preset, "overrides": dq if preset == "quick" else df}
+
+
+def _show(name, v, n_train=None) -> str:
+    if name == "hessian_samples" and v is None:
+        return "all" if n_train is None else f"all {n_train}"
+    if name == "deltas":
+        return ", ".join(f"{x:g}" for x in v)
+    return str(v)
+
+
+def _g(v, digits: int = 3) -> str:
+    return "—" if v is None else f"{v:.{digits}g}"
+
+
+def markdown(res: dict) -> str:
+    """The key numbers of ``convergence.json`` as markdown (``convergence.md``)."""
+    mo, t7, st, run = res["model"], res["theorem7"], res["settings"], res["run"]
+    N, m = mo["n_train"], t7["hessian_samples"]
+    hset = f"all {N} training images" if m == N else f"{m} of the {N} training images, a random subset (`--seed {st['seed']}`)"
+    over = run["overrides"]
+    over_s = "" if not over else " with " + ", ".join(f"`{k} = {_show(k, v, N)}`" for k, v in over.items())
+    tm = res["timing"]
+    acc = mo.get("test_accuracy")
+    L = ["# Loss-landscape convergence with dataset size (Theorem 7)", "",
+         f"Run: **{'`--quick`' if run['preset'] == 'quick' else 'full (defaults)'}**{over_s}; "
+         f"{tm['total_s']:.1f} s computing. Model: the digits ViT's block, n = {mo['n_params']} parameters, "
+         f"‖w*‖ = {mo['w_star_norm']:.4g}, {N} training images of {mo['tokens']} tokens"
+         + (f", test accuracy {acc:.3f}" if acc is not None else "") + "; float64.", "",
+         "## What was run", "",
+         "| measurement | images | orderings / repeats |", "|---|---|---|",
+         f"| differences at w*, slope, Theorem 7 at w* (all samples) | all {N} | {st['orderings']} orderings |",
+         f"| paper's batch running mean (§4.2) | all {N} | batches of {st['batch_size']}, {st['epochs']} epochs |",
+         f"| exact Hessians: M, Theorem 7 rows (δ = 0 included), Taylor | {hset} | {st['taylor_orderings']} orderings, "
+         f"{st['directions']} directions |",
+         f"| ‖H_i(w*+δ)‖/‖H_i(w*)‖ (direction 0) | first {min(st['path_samples'], m)} of the Hessian set | — |",
+         f"| Assumption 1, ‖∇L_N(w*)‖ | all {N} | seeds {', '.join(str(x) for x in st['gradient_seeds'])} |", "",
+         f"‖δ‖/‖w*‖ ∈ {{{_show('deltas', st['deltas'])}}}. Theorem 6 bound: "
+         + ("computed per image" if st["theorem6"] else "skipped (`--no-theorem6`)") + ".", "",
+         "`--quick` against a full run (defaults):", "",
+         "| setting | `--quick` | full | this run |", "|---|---|---|---|"]
+    full = Settings()
+    for name, words in _SETTING_WORDS.items():
+        q, f_ = getattr(QUICK, name), getattr(full, name)
+        if q != f_:
+            L.append(f"| {words} | {_show(name, q)} | {_show(name, f_, N)} | {_show(name, st[name], N)} |")
+    L += ["", "So M (a max over the Hessian set), L_max of the Theorem 7 rows, the margins at w* + δ, the path "
+          "ratios and the Taylor errors of a `--quick` run differ from a full run's; the slope, the all-sample "
+          "margin at w* and Assumption 1 use every training image in both (quick with fewer orderings and epochs).", ""]
+
+    sf, ls = res["slope_fit"], res["losses"]
+    L += ["## `|L_{k+1} − L_k|` against k at w*", "",
+          f"Slope **{sf['slope']:.3f}** (r² = {sf['r2']:.5f}) over k ∈ [{sf['k_min']:.0f}, {sf['k_max']:.0f}]: mean over "
+          f"{st['orderings']} orderings of all {N} images, EMA on a geometric grid of k. Unsmoothed "
+          f"{sf['slope_unsmoothed']:.3f}; one ordering {sf['slope_single_ordering']:.3f}; the paper's batch procedure "
+          f"{sf['slope_batch']:.3f}. Per-sample losses: mean {ls['mean']:.3g}, median {ls['median']:.3g}, max "
+          f"{ls['max']:.4g}, mean absolute deviation {ls['mad_loss']:.3g} (the curve is MAD/(k+1), the running-mean "
+          "identity: the −1 slope holds for any losses in random order).", ""]
+
+    Ms = [("exact", "M exact"), ("theorem6", "M Theorem 6")] if t7["M_theorem6"] is not None else [("exact", "M exact")]
+    L += ["## Theorem 7: (2 L_max + M‖δ‖²)/(k+1)", "",
+          f"Bound holds everywhere: **{'yes' if res['bound_holds'] else 'NO'}**; smallest margin (bound / measured) "
+          f"**{res['bound_margin']:.5g}**.", "",
+          f"- At w*, all {N} images, {st['orderings']} orderings: L_max = {t7['loss_max_all']:.4g}, margin "
+          f"**{t7['margin_w_star_all_samples']:.5g}** (the Theorem 7 line of `differences.png`).",
+          f"- Paper's batch procedure, all {N} images, bound summed over each batch: margin {res['batch']['bound_margin']:.4g}.",
+          f"- Hessian set, {hset}; {st['taylor_orderings']} orderings, worst of {st['directions']} directions: "
+          f"L_max = {t7['loss_max_hessian_set']:.4g} (its largest loss), M exact = **{t7['M_exact']:.4g}** "
+          "(max ‖H_i(w*)‖₂ + Lanczos residual)"
+          + (f", M Theorem 6 = **{t7['M_theorem6']:.4g}** ({t7['theorem6_over_exact']:.3g} × M exact)"
+             if t7["M_theorem6"] is not None else f"; Theorem 6: {t7['theorem6_note']}") + ". The rows below and "
+          "`bound.png` use these.", "",
+          "| ‖δ‖/‖w*‖ | ‖δ‖ | max (k+1)·\\|ΔL\\| | " + " | ".join(f"bound·(k+1), {lab} | margin, {lab}" for _, lab in Ms) + " |",
+          "|---|---|---|" + "---|---|" * len(Ms)]
+    for r in t7["rows"]:
+        L.append(f"| {r['delta_rel']:g} | {_g(r['delta_norm'])} | {_g(r['max_measured_times_k_plus_1'])} | "
+                 + " | ".join(f"{_g(r['bound_times_k_plus_1'][k_])} | {_g(r['margin'][k_])}" for k_, _ in Ms) + " |")
+    sn = t7["spectral_norm"]
+    L += ["", f"Per-image ‖H_i(w*)‖₂ on the Hessian set: median {sn['median']:.3g}, mean {sn['mean']:.3g}, min "
+          f"{sn['min']:.3g}, max {sn['max']:.4g}; largest Lanczos residual {sn['max_lanczos_residual']:.2g}; largest "
+          f"Frobenius norm {t7['frobenius_norm']['max']:.4g}.", "",
+          "## Along δ: ‖H_i(w* + δ)‖₂ / ‖H_i(w*)‖₂", "",
+          "Theorem 7 uses M at w* only; per image, direction 0:", "",
+          "| ‖δ‖/‖w*‖ | images | median | min | max | max ‖H_i(w*+δ)‖₂ |", "|---|---|---|---|---|---|"]
+    for r in t7["spectral_norm_at_w_star_plus_delta"]:
+        L.append(f"| {r['delta_rel']:g} | {r['samples']} | {_g(r['ratio_median'])} | {_g(r['ratio_min'])} | "
+                 f"{_g(r['ratio_max'])} | {_g(r['max_spectral_norm'])} |")
+    L += ["", "## Taylor prediction of `L_{k+1}(w) − L_k(w)` from exact g_i, H_i at w*", "",
+          f"Median over {st['directions']} directions of ‖pred − actual‖ over all k and {st['taylor_orderings']} orderings "
+          f"of the Hessian set, relative to the part of the difference that δ causes (in parentheses: relative to the "
+          "whole difference).", "",
+          "| ‖δ‖/‖w*‖ | 2nd order (g + H) | paper's form, H only (Assumption 1) | 1st order (g only) |", "|---|---|---|---|"]
+    for r in res["taylor"]["rows"]:
+        L.append(f"| {r['delta_rel']:g} | " + " | ".join(
+            f"{_g(r[f'rel_error_change_{k_}']['median'], 2)} ({_g(r[f'rel_error_{k_}']['median'], 2)})"
+            for k_ in ("second_order", "assumption1", "first_order")) + " |")
+    a1 = res["assumption1"]
+    picks = []
+    for want in (1, 10, 100, 1000, N):
+        if want <= N:
+            i = min(range(len(a1["N"])), key=lambda j: abs(a1["N"][j] - want))
+            if not picks or picks[-1][0] != a1["N"][i]:
+                picks.append((a1["N"][i], a1["grad_norm_mean"][i]))
+    L += ["", f"## Assumption 1: ‖∇L_N(w*)‖ against N (all {N} images, mean of {len(a1['seeds'])} orderings)", "",
+          "; ".join(f"N = {n:.0f}: {v:.3g}" for n, v in picks)
+          + f". Full-data gradient {a1['full_gradient_norm']:.3g}; mean per-image gradient norm "
+          f"{a1['mean_per_sample_gradient_norm']:.3g} (ratio {a1['ratio_full_to_per_sample']:.2f}).", "",
+          "## Files", "",
+          f"`convergence.json` (every number), `differences.png` (all {N} images), `bound.png` (Hessian set), "
+          f"`taylor.png` (Hessian set), `assumption1.png` (all {N} images), `spectra.png` (Hessian set)."]
+    b = st["batch_size"]
+    if N > b and N % b:
+        L += ["", f"In `differences.png` (right) the Theorem 7 line dips once per epoch, at every multiple of {N} samples "
+              f"seen: each epoch's last batch has {N % b} images, not {b}, so the bound summed over its k is about "
+              f"{N % b}/{b} of its neighbours' (genuine: fewer k are summed; not an artefact of the plot)."]
+    return "\n".join(L) + "\n"
+
+
 def run_experiment(model, out, settings: Settings, quiet: bool = True) -> dict:
-    """Compute, then write ``convergence.json`` and the figures into ``out`` atomically; returns the JSON dict."""
+    """Compute, then write ``convergence.json``, ``convergence.md`` and the figures into ``out`` atomically;
+    returns the JSON dict."""
     with atomic_dir(out) as tmp:
         result, arrays = compute(model, settings, quiet=quiet)
         _say(quiet, "writing figures")
+        result["run"] = describe_run(settings)
         result["figures"] = figures(arrays, tmp)
+        (tmp / "convergence.md").write_text(markdown(result))
         write_json(tmp / "convergence.json", result)
     return result
 
@@ -633,5 +826,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"slope {res['slope']:.3f} (k in [{res['slope_fit']['k_min']:.0f}, {res['slope_fit']['k_max']:.0f}]), "
               f"bound holds: {res['bound_holds']} (margin {res['bound_margin']:.3g}), "
               f"M exact {t7['M_exact']:.4g}, M Theorem 6 {m6}, "
-              f"{time.perf_counter() - t0:.0f} s -> {Path(args.out) / 'convergence.json'}")
+              f"{time.perf_counter() - t0:.0f} s -> {Path(args.out) / 'convergence.json'}, convergence.md")
     return 0
