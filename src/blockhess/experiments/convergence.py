@@ -94,10 +94,14 @@ QUICK = Settings(orderings=500, hessian_samples=96, directions=2, deltas=(1e-3, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="convergence", metavar="DIR", help=out_help("convergence"))
+    F, Q = Settings(), QUICK
+    dropped = ", ".join(f"{x:g}" for x in F.deltas if x not in Q.deltas)
     p.add_argument("--quick", action="store_true",
-                   help="exact Hessians of 96 training images (not all), 500 orderings (not 2000), 2 directions (not 4), "
-                        "no 3e-3 delta, 10 epochs (not 26), 100 Taylor orderings (not 200), 16 path images (not 64): "
-                        "about half a minute; M, the path ratios and the Taylor errors then differ from a full run's")
+                   help=f"exact Hessians of {Q.hessian_samples} training images (not all), {Q.orderings} orderings (not "
+                        f"{F.orderings}), {Q.directions} directions (not {F.directions}), no {dropped} delta, {Q.epochs} "
+                        f"epochs (not {F.epochs}), {Q.taylor_orderings} Taylor orderings (not {F.taylor_orderings}), "
+                        f"{Q.path_samples} path images (not {F.path_samples}): about half a minute; M, the path ratios "
+                        "and the Taylor errors then differ from a full run's")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
     p.add_argument("--orderings", type=int, default=None, metavar="N", help="random orderings averaged (default: 2000; quick 500)")
