@@ -157,7 +157,7 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
         hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
     except RuntimeError as exc:  # e.g. .item() or a Python branch on a value inside the loss
-        if isinstance(exc, torch.OutOfMemoryError) or "allocate" in str(exc):
+        if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):  # the CPU allocator's
             raise  # out of memory is not the loss's fault
         hint = ("call inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH): the fused attention kernels "
                 "have no forward-mode derivative, which torch.func.hessian needs" if "scaled_dot_product" in str(exc) else

@@ -241,14 +241,11 @@ def figure(res: dict, path: Path) -> None:
     from matplotlib.lines import Line2D
 
     tables = res["tables"]
-    random_tabs = tables[:2]
-    trained = [t for t in tables if "trained weights" in t["name"]][:2]
-    init = [t for t in tables if "init weights" in t["name"]][:2]
+    groups = [tables[:2], [t for t in tables if "trained weights" in t["name"]],
+              [t for t in tables if "init weights" in t["name"]]]
     fig, axes = plt.subplots(3, 3, figsize=(16, 12.5))
     # rows: random weights | trained digits weights | initial digits weights; right column: the sweep
-    layout = [(axes[0, 0], random_tabs[0] if random_tabs else None), (axes[0, 1], random_tabs[1] if len(random_tabs) > 1 else None),
-              (axes[1, 0], trained[0] if trained else None), (axes[1, 1], trained[1] if len(trained) > 1 else None),
-              (axes[2, 0], init[0] if init else None), (axes[2, 1], init[1] if len(init) > 1 else None)]
+    layout = [(axes[i, j], g[j] if j < len(g) else None) for i, g in enumerate(groups) for j in range(2)]
     for ax, t in layout:
         if t is None:
             ax.axis("off")
