@@ -1,5 +1,7 @@
 """The loss Hessian (eq. 10): closed form against torch.func in float64, and its identities."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -87,6 +89,39 @@ def test_batch_is_mean_of_sequences():
     H = bh.hessian(p, X, cfg, loss="mse", target=T).dense()
     per = sum(bh.hessian(p, X[b], cfg, loss="mse", target=T[b]).dense() for b in range(3)) / 3
     assert_close(H, per, what="batch mean")
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_batch_in_passes(loss, monkeypatch):
+    """A batch too large for one pass is summed over passes of a few sequences (7 = 3 + 3 + 1):
+    the same Hessian and parts as one pass, against autograd; errors still name the batch's
+    own sequence and row."""
+    hess_mod = importlib.import_module("blockhess.hessian")  # the module (bh.hessian is the function)
+    cfg, p, X, g = make_case(3, 4, 2, 5, 7, 1.0, ln_eps=1e-5)
+    T = _target(loss, X, g, 4)
+    whole = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
+    n = sum(v.numel() for v in p.values())
+    per_sequence = 8 * 3 * (hess_mod.FACTOR_ENTRIES * n + (2 * 3 * 4 * 4 if loss == "custom" else 0))
+    monkeypatch.setattr(hess_mod, "PASS_BYTES", 3 * per_sequence)
+    assert hess_mod._chunks(cfg, X, LOSSES[loss], None, False) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert hess_mod._chunks(cfg, X, LOSSES[loss], None, True) == [slice(None)]  # X blocks span the batch
+    H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
+    R = bh.reference.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
+    s = R.dense().norm().item()
+    for part in (lambda h: h, lambda h: h.outer, lambda h: h.functional):
+        assert_close(part(H).dense(), part(whole).dense(), scale=s, tol=1e-13, what="passes vs one pass")
+        assert_close(part(H).dense(), part(R).dense(), scale=s, what="passes vs autograd")
+    Xbad = X.clone()
+    Xbad[5, 1] = Xbad[5, 1].mean()  # a zero-variance LayerNorm-1 row, in the second pass, with eps 0
+    cfg0 = bh.BlockConfig(d_model=4, d_ff=5, d_k=2)
+    p0 = {**p, "W_V": torch.zeros_like(p["W_V"])}  # X + SA(X) = X: the row stays constant
+    with pytest.raises(ValueError, match=r"row \(5, 1\) has zero variance"):
+        bh.hessian(p0, Xbad, cfg0, loss=LOSSES[loss], target=T)
+    if loss == "custom":
+        Tbad = T.clone()
+        Tbad[4] = float("nan")
+        with pytest.raises(ValueError, match="at sequence 4"):
+            bh.hessian(p, X, cfg, loss=LOSSES[loss], target=Tbad)
 
 
 def test_float32_runs_close_to_float64():

@@ -149,19 +149,21 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
                  P.reshape(-1, d), tuple(X.shape))
 
 
-def _check_forward(c: Cache) -> None:
+def _check_forward(c: Cache, first: int = 0) -> None:
     """The forward pass on checked inputs: every LayerNorm input row (``check_ln_variance``: finite,
     and Assumption 2), and the output finite where no checked LayerNorm produces it (pre-LN,
     ``kind="attention"``): an overflow inside, e.g. of float32 attention scores, is an error,
-    not a Hessian of NaN."""
+    not a Hessian of NaN. ``first``: the batch index of ``c``'s first sequence (a pass over part
+    of a batch), for the rows the errors name."""
     eps, shape = c.cfg.ln_eps, c.x_shape  # rows named as X's: (t,) or (b, t)
     if c.cfg.kind == "block" and c.cfg.norm == "post":
-        check_ln_variance("the LayerNorm-1 input X + SA(X)", c.U.reshape(shape), eps, computed=True)
-        check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", c.fc.S.reshape(shape), eps, computed=True)
+        check_ln_variance("the LayerNorm-1 input X + SA(X)", c.U.reshape(shape), eps, computed=True, first=first)
+        check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", c.fc.S.reshape(shape), eps, computed=True, first=first)
         return  # Z = LN_2(S), finite for a checked S
     if c.cfg.kind == "block":
-        check_ln_variance("X (the LayerNorm-1 input, pre-LN)", c.X.reshape(shape), eps)
-        check_ln_variance("the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN", c.U.reshape(shape), eps, computed=True)
+        check_ln_variance("X (the LayerNorm-1 input, pre-LN)", c.X.reshape(shape), eps, first=first)
+        check_ln_variance("the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN", c.U.reshape(shape), eps, computed=True,
+                          first=first)
     check_finite({"the block output": c.out}, f": the forward pass overflowed {c.out.dtype} on finite inputs; "
                  "rescale X or the weights")
 

@@ -16,12 +16,14 @@ it is included here.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import losses
 from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output
 from .blocks import BlockSum, HessianBlocks
-from .config import BlockConfig
+from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
 from .validation import check_bool, detached
 
@@ -34,7 +36,7 @@ def _add_outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, acc: BlockSu
     :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`
     over the eigenpairs of :func:`blockhess.losses.eig_lowrank` (a pooled classifier head over
     ``c`` classes has rank <= c - 1); rounding is judged per sequence when ``X`` is a variable
-    (its blocks are each sequence's own), else at the batch's scale.
+    (its blocks are each sequence's own), else at the scale of the sequences in ``hess`` (one pass).
     """
     lam, W = losses.eig_lowrank(hess, per_sequence="X" in acc.names)
     R = lam.shape[1]
@@ -67,6 +69,58 @@ def _assemble(c, f, ld: losses.LossDerivatives, names, which: str = "full", dens
     acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
     _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
     return acc.result(c.out, c.cfg)
+
+
+PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
+FACTOR_ENTRIES = 8  # per token, about this many entries per weight: forward cache and factors (2.9 n measured
+# for the paper's block, 1.6 n pre-LN, 7.6 n with 4 heads; docs/derivations.md §1)
+
+
+def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, wrt, wrt_input: bool) -> list[slice]:
+    """The batch's sequences, one slice per pass of the closed form (the whole of ``X`` in one
+    when it fits, or ``X`` is one sequence, or ``wrt_input``: the ``X`` blocks span the batch).
+
+    A pass holds the forward cache and the per-token factors of its sequences (about
+    ``FACTOR_ENTRIES · n`` entries per token, ``n`` the number of weights) and, for a callable
+    loss, their ``(L·d)²`` loss Hessians twice over (``torch.func``'s work space); it may use
+    ``PASS_BYTES`` or half of the dense result (over ``wrt``), whichever is more. Derived here,
+    docs/derivations.md §1.
+    """
+    if X.ndim == 2 or wrt_input:
+        return [slice(None)]
+    B, L, d = X.shape
+    sizes = {k: math.prod(shape) for k, shape in param_shapes(cfg).items()}
+    n, n_out = sum(sizes.values()), sum(sizes[k] for k in _select(tuple(sizes), wrt))
+    per_sequence = X.element_size() * L * (FACTOR_ENTRIES * n + (2 * L * d * d if callable(loss) else 0))
+    size = max(PASS_BYTES, n_out * n_out * X.element_size() // 2) // per_sequence
+    if size >= B:
+        return [slice(None)]
+    size = max(int(size), 1)
+    return [slice(s, min(s + size, B)) for s in range(0, B, size)]
+
+
+def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, loss, target, wrt, wrt_input: bool, which: str = "full",
+            dense: bool = True, out=None, check: bool = False) -> tuple[HessianBlocks, object]:
+    """The Hessian over the batch ``X`` summed over passes (:func:`_chunks`), and ``target`` as
+    :func:`blockhess.losses.check` returns it. ``check``: the forward pass and ``target`` are
+    checked (the first call); the parts, computed later from the same inputs, skip it."""
+    B = 1 if X.ndim == 2 else X.shape[0]
+    acc = None
+    for rows in _chunks(cfg, X, loss, wrt, wrt_input):
+        first = rows.start or 0
+        c = _forward(params, X[rows], cfg, wrt_input=wrt_input)
+        if check:
+            _check_forward(c, first=first)
+        if acc is None:
+            if check:  # the whole batch's target against the output's shape (expanded: no copy)
+                target = losses.check(loss, target, c.out[:1].expand(B, -1, -1) if c.out.shape[0] != B else c.out,
+                                      single=X.ndim == 2)
+            acc = BlockSum(c.names, _shapes(c), wanted=_select(c.names, wrt), dense=dense, dtype=c.out.dtype,
+                           device=c.out.device, out=out)
+        ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
+                                batch=B, first=first)
+        _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+    return acc.result(c.out, c.cfg), target
 
 
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
@@ -144,14 +198,16 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         ``X``, ``params`` or ``target``.
     InsufficientMemoryError
         (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
-        ``out``), or a callable loss's ``B`` per-sequence ``(L·d)²`` Hessians w.r.t. ``Z``,
-        would not fit in the memory available now; raised before allocating, with the bytes
+        ``out``), or a callable loss's per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` (those of
+        one pass), would not fit in the memory available now; raised before allocating, with the bytes
         needed.
 
     Notes
     -----
-    The full Hessian is assembled in one pass into one preallocated buffer; ``.outer`` and
-    ``.functional`` are computed on first access, each by its own pass (so that
+    The full Hessian is assembled into one preallocated buffer, a batch in passes of as many
+    sequences as fit in 64 MiB or half the dense result (the per-token factors grow with the
+    batch, the result does not; docs/derivations.md §1); ``.outer`` and
+    ``.functional`` are computed on first access, each by its own passes (so that
     ``outer + functional == full`` checks two independent computations), from copies of
     ``params`` and ``X`` taken at the call: changing those in place afterwards does not
     change the result. Inputs that require grad are used detached: the result carries no
@@ -166,12 +222,6 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
-    c = _forward(params, X, cfg, wrt_input=wrt_input)
-    _check_forward(c)
-    target = losses.check(loss, target, c.out, single=X.ndim == 2)
-    names = _select(c.names, wrt)
-    f = _factors(c)
-    ld = losses.derivatives(loss, target, c.out)
-    full = _assemble(c, f, ld, names, out=out)
-    full._parts = lambda which: _assemble(c, f, ld, names, which, dense=False)
+    full, target = _passes(params, X, cfg, loss, target, wrt, wrt_input, out=out, check=True)
+    full._parts = lambda which: _passes(params, X, cfg, loss, target, wrt, wrt_input, which, dense=False)[0]
     return full

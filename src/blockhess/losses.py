@@ -128,11 +128,13 @@ def _in_dims(target) -> tuple[int, int | None]:
     return (0, 0 if isinstance(target, torch.Tensor) else None)
 
 
-def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
+def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: int = 0) -> LossDerivatives:
     """Gradient and Hessian of the mean-over-sequences loss w.r.t. ``Z`` of shape ``(B, L, d)``.
 
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
-    callable: a tensor with one entry per sequence along axis 0, or ``None``). Raises
+    callable: a tensor with one entry per sequence along axis 0, or ``None``). ``Z`` may be
+    the rows ``first, first + 1, …`` of a batch of ``batch`` sequences (default ``B``, the
+    whole batch): the mean is over ``batch``, and errors name the sequence in it. Raises
     ``ValueError`` when a callable's value, gradient or Hessian has a NaN or Inf (naming the
     sequence; its derivatives can be finite where its value is not), or when ``torch.func``
     cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for ``.item()``; running out
@@ -141,16 +143,17 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
     here (:func:`check`).
     """
     B, L, d = Z.shape
+    mean_over = B if batch is None else batch
     if loss == "mse":
-        c = 2.0 / (L * d * B)
+        c = 2.0 / (L * d * mean_over)
         eye = torch.eye(d, dtype=Z.dtype, device=Z.device)
         return LossDerivatives(c * (Z - target), (c * eye).expand(B * L, d, d), True)
     if loss == "ce":
         p = torch.softmax(Z, -1)
         onehot = torch.nn.functional.one_hot(target, d).to(Z.dtype)
         p_t = p.reshape(B * L, d)
-        hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * B)
-        return LossDerivatives((p - onehot) / (L * B), hess, True)
+        hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * mean_over)
+        return LossDerivatives((p - onehot) / (L * mean_over), hess, True)
     in_dims = _in_dims(target)
     check_fits(B * (L * d) ** 2 * Z.element_size(), f"the {B} per-sequence ({L * d}x{L * d}) Hessians of the loss", Z.device)
     try:
@@ -172,8 +175,8 @@ def derivatives(loss, target, Z: torch.Tensor) -> LossDerivatives:
         ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
         if not bool(ok.all()):
             b = int((~ok).nonzero()[0])
-            raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {b}")
-    return LossDerivatives(grad / B, hess.reshape(B, L * d, L * d) / B, False)
+            raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {first + b}")
+    return LossDerivatives(grad / mean_over, hess.reshape(B, L * d, L * d) / mean_over, False)
 
 
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
@@ -212,6 +215,9 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
     sequences (the weight blocks of the batch Hessian: a confidently classified sequence's
     rounding noise, absolute, would otherwise pass for dozens of directions); each
     sequence's own scale suits results per sequence (the ``X`` blocks, per-sample Hessians).
+    The batch is the ``B`` given: :func:`blockhess.hessian` passes the sequences of one pass
+    (all of them unless the batch's factors exceed its pass memory), so a pass of only
+    confidently classified sequences keeps some rounding directions, a cost and not an error.
     ``R`` is the largest count over the batch (at least 1); a sequence with fewer has zero
     ``lam`` in the rest.
 

@@ -114,7 +114,7 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
     check_finite({"X": X, **{f"params[{n!r}]": params[n] for n in shapes}})
 
 
-def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False) -> None:
+def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False, first: int = 0) -> None:
     """Every LayerNorm input row must have a finite variance, large enough that ``1/sigma^2``
     is representable, and with ``eps = 0`` not zero (the paper's Assumption 2).
 
@@ -129,7 +129,8 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
 
     One test for the whole tensor (a clamp that changes nothing); the offending row is looked
     up only to raise. ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the
-    caller has it. Raises ``ValueError`` naming ``name`` and the first offending row.
+    caller has it. Raises ``ValueError`` naming ``name`` and the first offending row (of a
+    batch ``U`` of shape ``(B, L, d)``: ``(b, t)``, ``b`` counted from ``first``).
     """
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
     fi = torch.finfo(U.dtype)
@@ -142,7 +143,8 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     if torch.equal(clamped, q):
         return
     row = tuple((clamped != q)[..., 0].nonzero()[0].tolist())
-    where = f"LayerNorm input row {row}" if row else "the LayerNorm input row"
+    shown = (row[0] + first, *row[1:]) if len(row) == 2 else row
+    where = f"LayerNorm input row {shown}" if row else "the LayerNorm input row"
     if not torch.isfinite(U).all():
         if computed:
             raise ValueError(f"{name} contains NaN or Inf: the forward pass overflowed {U.dtype} on finite inputs; "
