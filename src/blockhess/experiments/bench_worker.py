@@ -9,8 +9,9 @@ same dense output (our closed form, autograd baselines, the allocate-and-fill fl
 Modes
 -----
 ``time``
-    Every method is called once (its first, cold call is timed and, for the first method
-    of the list only, its peak memory taken: the process is fresh then), then warmed up,
+    Every method is called once (its first, cold call is timed and its peak memory taken;
+    only the first method's is that of a fresh process: the tables take peaks from the
+    ``memory`` jobs), then warmed up,
     then timed in interleaved rounds: round ``r`` calls the methods in an order rotated by
     ``r``, so slow drifts of a shared machine hit every method alike. A sample is ``k``
     back-to-back calls (``k`` chosen so a sample lasts ``min_sample_s``), recorded per call.
@@ -511,7 +512,7 @@ def run_time(job: dict) -> dict:
     ready = _setup_all(P, names, res)
     keep = job.get("exact", True)
     outputs = {}
-    # first (cold) calls; the first method's peak memory is that of a fresh process
+    # first (cold) calls, with their peak memory (a fresh process's for the first method only)
     for i, name in enumerate(list(ready)):
         call, canon = ready[name]
         try:
