@@ -219,8 +219,13 @@ def test_unsupported_settings_are_named():
         bh.from_torch(odd)
     with pytest.raises(ValueError, match="src_mask: only the causal mask"):
         bh.from_torch(layer, src_mask=torch.zeros(3, 3, dtype=DT))
-    with pytest.raises(ValueError, match="src_key_padding_mask is not supported"):
-        bh.from_torch(layer, src_key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    pads = torch.zeros(2, 3, dtype=torch.bool)
+    assert bh.from_torch(layer, src_key_padding_mask=pads)[0] == bh.from_torch(layer)[0]  # pads nothing: no change
+    assert bh.from_torch(layer, src_key_padding_mask=pads.to(DT))[0] == bh.from_torch(layer)[0]  # additive, all 0
+    pads[1, 2] = True
+    for mask in (pads, pads.to(DT).masked_fill(pads, float("-inf"))):
+        with pytest.raises(ValueError, match=r"src_key_padding_mask: a mask that pads is not supported.*at its own length"):
+            bh.from_torch(layer, src_key_padding_mask=mask)
     other = make_layer(False, "relu", True, 2, 1e-5, True)
     other.norm2.eps = 1e-3
     with pytest.raises(ValueError, match="layer_norm_eps: norm1.eps=1e-05 != norm2.eps=0.001"):

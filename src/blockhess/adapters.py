@@ -167,7 +167,12 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     ``d_k = d_model / nhead`` (PyTorch scales by ``1/sqrt(head_dim)``). A causal mask
     (``is_causal=True``, or ``src_mask`` equal to
     ``nn.Transformer.generate_square_subsequent_mask(L)`` or its boolean form) gives
-    ``causal=True``. ``params`` are detached copies in this library's layout, shapes
+    ``causal=True``: the causal mask of whatever length ``X`` has later (the mask's own ``L``
+    is not kept). ``is_causal=True`` alone applies the mask here, whereas PyTorch's layer takes
+    it only as a hint about a ``src_mask`` it must also be given (without one it runs
+    unmasked, or raises). A key padding mask that pads nothing (all False, or all 0) is
+    accepted; one that pads is refused: a padded batch's Hessian is the mean of each
+    sequence's Hessian at its own length. ``params`` are detached copies in this library's layout, shapes
     :func:`~blockhess.config.param_shapes` ``(cfg)`` (``nn.Linear`` weights transposed,
     ``in_proj_weight`` split into ``W_Q, W_K, W_V``), in ``dtype`` if given, else the
     module's. Source: docs/derivations.md §14.
@@ -175,13 +180,16 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     Raises ``ValueError`` naming the setting for what the closed form does not cover:
     dropout > 0 in training mode, a custom activation, ``kdim``/``vdim`` != ``d_model``,
     ``add_bias_kv``, ``add_zero_attn``, a mask other than the causal one, a key padding
-    mask, LayerNorms with different eps or affine settings, biases on some layers only; and
+    mask that pads, LayerNorms with different eps or affine settings, biases on some layers only; and
     for ``dtype`` other than ``None``, float32 or float64.
     """
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ValueError(f"from_torch: dtype must be float32 or float64, got {dtype}")
-    if src_key_padding_mask is not None:
-        raise ValueError("src_key_padding_mask is not supported (only the causal mask is)")
+    if src_key_padding_mask is not None and (not isinstance(src_key_padding_mask, torch.Tensor)
+                                             or bool(src_key_padding_mask.ne(0).any())):
+        raise ValueError("src_key_padding_mask: a mask that pads is not supported (only the causal mask is); "
+                         "compute each sequence's Hessian at its own length, bh.hessian(params, X[b, :L_b], ...), "
+                         "and average them (a batch's loss is the mean over sequences)")
     if src_mask is not None:
         if not isinstance(src_mask, torch.Tensor) or not _is_causal_mask(src_mask, None):
             raise ValueError("src_mask: only the causal mask (-inf or True above the diagonal) is supported")

@@ -92,17 +92,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output folder, written case by case (bench.json, bench.md, bench.png); an existing folder must be "
                         "empty or hold earlier results (default: bench-results)")
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of groups a, b and c (float32 only in a; fewer memory jobs and baselines; about 2 minutes); its numbers do not test the targets")
-    p.add_argument("--cases", default="a,b,c", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n); default a,b,c")
-    p.add_argument("--only", default="", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")
-    p.add_argument("--mem-cap-gb", type=float, default=20.0, help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default 20)")
+    p.add_argument("--cases", default="a,b,c", metavar="LIST", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n) (default: a,b,c)")
+    p.add_argument("--only", default="", metavar="LIST", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")
+    p.add_argument("--mem-cap-gb", type=float, default=20.0, metavar="GIB", help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default: 20)")
     p.add_argument("--slow", action="store_true", help="also run torch.autograd.functional.hessian at (32, 64, 128) (n Hessian-vector passes: many minutes)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses of groups a and b")
-    p.add_argument("--threads", type=int, default=0,
-                   help="threads per worker for torch and JAX (default 0: torch's default, or 1 when the machine is oversubscribed "
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="threads per worker for torch and JAX (default: 0, torch's default, or 1 when the machine is oversubscribed "
                    "at start, load average >= CPUs, where OpenMP barriers stall multi-threaded runs)")
-    p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
+    p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), metavar="LIST", help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the problems live and every torch method runs (default cpu). cuda: groups a and b only "
+                   help="where the problems live and every torch method runs (default: cpu). cuda: groups a and b only "
                    "(group c's memory cap watches host memory), JAX skipped (CPU jaxlib), peak memory is the GPU's")
 
 

@@ -40,8 +40,8 @@ def check_out(out: str | os.PathLike) -> None:
     if out == cwd or out in cwd.parents:
         raise OSError(f"--out {out} is the current folder or one above it; give a folder of its own for the results")
     if any(out.iterdir()) and not (out / MARKER).exists():
-        raise OSError(f"--out {out} exists and holds files that are not blockhess results (no {MARKER} in it; results "
-                      "written before 30 Nov 2026 have none): it is left alone; give a new or empty "
+        raise OSError(f"--out {out} exists and holds files that are not blockhess results (no {MARKER} in it): "
+                      "it is left alone; give a new or empty "
                       "folder, or remove this one")
 
 

@@ -71,7 +71,7 @@ PAPER_L3 = "paper §3.3 (1/L³ at fixed ‖X‖₂), uniform-attention regime"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="scaling", metavar="DIR", help=out_help("scaling"))
     p.add_argument("--quick", action="store_true", help="small sizes, 3 seeds (well under a minute on 2 cores)")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 quick, 8 full)")
+    p.add_argument("--seeds", type=int, default=None, metavar="N", help="number of seeds (default: 3 quick, 8 full)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -120,6 +120,10 @@ def run(args) -> int:
                  "relative to their own norms too, in `rel_error_own_norm`: up to 1e-10 for the attention layer's functional term "
                  "at input scale 10, where the saturated softmax makes it ill-conditioned and `torch.func` is as far from a "
                  "40-digit evaluation, tests/test_high_precision.py).", "",
+                 "Columns: `Jacobian`, the block output's Jacobian w.r.t. the weights against `torch.func.jacrev`; "
+                 "`full`, `outer`, `functional`, the loss Hessian and its parts against `torch.func.hessian`; `B`, the "
+                 "batch size (`-`: one sequence); `n`, the number of variables. The first `torch.func` time includes its "
+                 "one-time set-up in the process.", "",
                  "| setting | heads | L | d | d_k | d_ff | B | scale | loss | n | Jacobian | full | outer | functional | closed form s | torch.func s |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -128,5 +132,5 @@ def run(args) -> int:
                          f"| {r['input_scale']:g} | {r['loss']} | {r['n']} | {e['jacobian']:.1e} | {e['full']:.1e} "
                          f"| {e['outer']:.1e} | {e['functional']:.1e} | {s['closed_form']:.4f} | {s['torch_func']:.4f} |")
         (tmp / "validate.md").write_text("\n".join(lines) + "\n")
-    print(f"max relative error {worst:.2e} over {len(rows)} settings -> {args.out}/validate.json")
+    print(f"max relative error {worst:.2e} over {len(rows)} settings -> {args.out}/validate.md, validate.json")
     return 0 if worst <= args.tol else 1
