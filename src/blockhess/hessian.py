@@ -209,7 +209,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     batch, the result does not; docs/derivations.md §1); ``.outer`` and
     ``.functional`` are computed on first access, each by its own passes (so that
     ``outer + functional == full`` checks two independent computations), from copies of
-    ``params`` and ``X`` taken at the call: changing those in place afterwards does not
+    ``params``, ``X`` and a tensor ``target`` taken at the call: changing those in place afterwards does not
     change the result. Inputs that require grad are used detached: the result carries no
     autograd history (:func:`~blockhess.validation.detached`).
     """
@@ -222,6 +222,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
+    target = target.clone() if isinstance(target, torch.Tensor) else target
     full, target = _passes(params, X, cfg, loss, target, wrt, wrt_input, out=out, check=True)
     full._parts = lambda which: _passes(params, X, cfg, loss, target, wrt, wrt_input, which, dense=False)[0]
     return full
