@@ -103,8 +103,9 @@ def test_batch_in_passes(loss, monkeypatch):
     n = sum(v.numel() for v in p.values())
     per_sequence = 8 * 3 * (hess_mod.FACTOR_ENTRIES * n + (2 * 3 * 4 * 4 if loss == "custom" else 0))
     monkeypatch.setattr(hess_mod, "PASS_BYTES", 3 * per_sequence)
-    assert hess_mod._chunks(cfg, X, LOSSES[loss], None, False) == [slice(0, 3), slice(3, 6), slice(6, 7)]
-    assert hess_mod._chunks(cfg, X, LOSSES[loss], None, True) == [slice(None)]  # X blocks span the batch
+    names = tuple(p)
+    assert hess_mod._chunks(cfg, X, LOSSES[loss], names) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert hess_mod._chunks(cfg, X, LOSSES[loss], ("X",) + names) == [slice(None)]  # X blocks span the batch
     H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     R = bh.reference.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     s = R.dense().norm().item()
@@ -115,13 +116,20 @@ def test_batch_in_passes(loss, monkeypatch):
     Xbad[5, 1] = Xbad[5, 1].mean()  # a zero-variance LayerNorm-1 row, in the second pass, with eps 0
     cfg0 = bh.BlockConfig(d_model=4, d_ff=5, d_k=2)
     p0 = {**p, "W_V": torch.zeros_like(p["W_V"])}  # X + SA(X) = X: the row stays constant
+    out = torch.full((n, n), 7.0, dtype=X.dtype)
     with pytest.raises(ValueError, match=r"row \(5, 1\) has zero variance"):
-        bh.hessian(p0, Xbad, cfg0, loss=LOSSES[loss], target=T)
+        bh.hessian(p0, Xbad, cfg0, loss=LOSSES[loss], target=T, out=out)
+    assert bool((out == 7.0).all())  # every pass is checked before anything is written
     if loss == "custom":
         Tbad = T.clone()
         Tbad[4] = float("nan")
         with pytest.raises(ValueError, match="at sequence 4"):
-            bh.hessian(p, X, cfg, loss=LOSSES[loss], target=Tbad)
+            bh.hessian(p, X, cfg, loss=LOSSES[loss], target=Tbad, out=out)
+        assert bool((out == 7.0).all())
+    # wrt as an iterator (read once), over passes and in the parts
+    Hw = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T, wrt=(w for w in ("W_1", "W_Q")))
+    assert Hw.names == ("W_Q", "W_1") and Hw.outer.names == Hw.names
+    assert_close(Hw.outer.dense() + Hw.functional.dense(), Hw.dense(), scale=s, tol=1e-13, what="wrt iterator parts")
 
 
 def test_float32_runs_close_to_float64():
@@ -287,6 +295,30 @@ def test_out_buffer_errors():
     Xs = big[n * n :].view(X.shape).copy_(X)
     with pytest.raises(ValueError, match="out shares memory with X"):
         bh.hessian(p, Xs, cfg, target=T, out=big[: n * n].view(n, n))
+
+
+def test_parts_do_not_follow_a_loss_or_target_changed_after_the_call():
+    """The parts reuse the loss derivatives taken at the call: a callable's closed-over weights
+    or an array target changed in place afterwards do not reach them."""
+    import numpy as np
+
+    cfg, p, X, g = make_case(3, 4, 2, 5, 3, 1.0)
+    head = torch.randn(4, 3, generator=g, dtype=X.dtype)
+    y = np.array([0, 2, 1])
+
+    def loss(Z, t):
+        return torch.nn.functional.cross_entropy((Z.mean(0) @ head)[None], t[None])
+
+    H = bh.hessian(p, X, cfg, loss=loss, target=y)
+    full = H.dense().clone()
+    head.mul_(3.0)
+    y[:] = [1, 1, 1]
+    assert_close(H.outer.dense() + H.functional.dense(), full, what="parts after the head and target changed")
+    Yce = np.zeros((3, 3), dtype=np.int64)
+    Hce = bh.hessian(p, X, cfg, loss="ce", target=Yce)
+    full = Hce.dense().clone()
+    Yce[:] = 2
+    assert_close(Hce.outer.dense() + Hce.functional.dense(), full, what="CE parts after the array target changed")
 
 
 def test_parts_do_not_follow_later_in_place_changes():

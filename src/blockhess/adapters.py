@@ -185,8 +185,7 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     """
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ValueError(f"from_torch: dtype must be float32 or float64, got {dtype}")
-    if src_key_padding_mask is not None and (not isinstance(src_key_padding_mask, torch.Tensor)
-                                             or bool(src_key_padding_mask.ne(0).any())):
+    if src_key_padding_mask is not None and bool(torch.as_tensor(src_key_padding_mask).ne(0).any()):
         raise ValueError("src_key_padding_mask: a mask that pads is not supported (only the causal mask is); "
                          "compute each sequence's Hessian at its own length, bh.hessian(params, X[b, :L_b], ...), "
                          "and average them (a batch's loss is the mean over sequences)")

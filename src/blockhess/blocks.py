@@ -176,7 +176,7 @@ class HessianBlocks:
         Of every block (those of ``X`` in :func:`blockhess.hessian`).
     outer, functional : HessianBlocks
         The Gauss–Newton (outer-product) and functional terms (paper eq. 10). For a result
-        of :func:`blockhess.hessian` they are computed on first access, by their own pass;
+        of :func:`blockhess.hessian` they are computed on first access, by their own passes;
         a part has no parts of its own (``AttributeError``).
     cfg : BlockConfig or None
         The block whose Hessian this is (results of :func:`blockhess.hessian`), else ``None``.

@@ -30,15 +30,13 @@ from .validation import check_bool, detached
 __all__ = ["hessian"]
 
 
-def _add_outer_lowrank(J: dict[str, TokenKron], hess: torch.Tensor, acc: BlockSum, B: int, L: int, d: int) -> None:
-    r"""Outer term for a general per-sequence loss Hessian ``hess`` of shape ``(B, L·d, L·d)``.
-
-    :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`
-    over the eigenpairs of :func:`blockhess.losses.eig_lowrank` (a pooled classifier head over
-    ``c`` classes has rank <= c - 1); rounding is judged per sequence when ``X`` is a variable
-    (its blocks are each sequence's own), else at the scale of the sequences in ``hess`` (one pass).
+def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tensor, acc: BlockSum, B: int, L: int,
+                       d: int) -> None:
+    r"""Outer term for a general per-sequence loss Hessian with eigenpairs ``lam`` ``(B, R)``,
+    ``W`` ``(B, L·d, R)`` (:func:`blockhess.losses.eig_lowrank`; a pooled classifier head over
+    ``c`` classes has rank <= c - 1):
+    :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`.
     """
-    lam, W = losses.eig_lowrank(hess, per_sequence="X" in acc.names)
     R = lam.shape[1]
     w = W.transpose(1, 2).reshape(B, R, L, d)
     V = {n: J[n].vjp(w).reshape(B * R, -1) for n in acc.names}  # rows J_b^T w_br
@@ -57,17 +55,26 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
     if outer:
-        _add_outer_lowrank(f.J, ld.hess, acc, Bsz, L, d)
+        lam, W = ld.eig if ld.eig is not None else _eig(ld, acc.names).eig
+        _add_outer_lowrank(f.J, lam, W, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
-def _assemble(c, f, ld: losses.LossDerivatives, names, which: str = "full", dense: bool = True, out=None) -> HessianBlocks:
-    """The Hessian (``which``: "full", "outer" or "functional") of the forward pass ``c`` with
-    factors ``f`` and loss derivatives ``ld``, over ``names``: dense in one buffer (``out`` if
-    given) or as a dict of blocks."""
-    acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
-    _add_parts(c, f, ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+def _eig(ld: losses.LossDerivatives, names) -> losses.LossDerivatives:
+    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above rounding,
+    judged per sequence when ``X`` is among ``names`` (its blocks are each sequence's own), else
+    at the scale of the sequences in ``ld`` (one pass)."""
+    if ld.per_token or ld.eig is not None:
+        return ld
+    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess, per_sequence="X" in names))
+
+
+def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
+    """The dense Hessian of one forward pass ``c`` with factors ``f`` and loss derivatives
+    ``ld``, over ``names``, in one buffer (``out`` if given)."""
+    acc = BlockSum(c.names, _shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
+    _add_parts(c, f, ld, acc, outer=True, functional=True)
     return acc.result(c.out, c.cfg)
 
 
@@ -76,21 +83,22 @@ FACTOR_ENTRIES = 8  # per token, about this many entries per weight: forward cac
 # for the paper's block, 1.6 n pre-LN, 7.6 n with 4 heads; docs/derivations.md §1)
 
 
-def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, wrt, wrt_input: bool) -> list[slice]:
+def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...]) -> list[slice]:
     """The batch's sequences, one slice per pass of the closed form (the whole of ``X`` in one
-    when it fits, or ``X`` is one sequence, or ``wrt_input``: the ``X`` blocks span the batch).
+    when it fits, or ``X`` is one sequence, or ``"X"`` is in ``names``: its blocks span the batch).
 
     A pass holds the forward cache and the per-token factors of its sequences (about
     ``FACTOR_ENTRIES · n`` entries per token, ``n`` the number of weights) and, for a callable
     loss, their ``(L·d)²`` loss Hessians twice over (``torch.func``'s work space); it may use
-    ``PASS_BYTES`` or half of the dense result (over ``wrt``), whichever is more. Derived here,
-    docs/derivations.md §1.
+    ``PASS_BYTES`` or half of the dense result over ``names``, whichever is more. Not counted:
+    a callable loss's ``R`` eigen-directions per sequence, ``R·n`` entries (``R`` at most
+    ``L·d``; 9 for a classifier over ten classes). Derived here, docs/derivations.md §1.
     """
-    if X.ndim == 2 or wrt_input:
+    if X.ndim == 2 or "X" in names:
         return [slice(None)]
     B, L, d = X.shape
     sizes = {k: math.prod(shape) for k, shape in param_shapes(cfg).items()}
-    n, n_out = sum(sizes.values()), sum(sizes[k] for k in _select(tuple(sizes), wrt))
+    n, n_out = sum(sizes.values()), sum(sizes[k] for k in names)
     per_sequence = X.element_size() * L * (FACTOR_ENTRIES * n + (2 * L * d * d if callable(loss) else 0))
     size = max(PASS_BYTES, n_out * n_out * X.element_size() // 2) // per_sequence
     if size >= B:
@@ -99,28 +107,38 @@ def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, wrt, wrt_input: bool) -> li
     return [slice(s, min(s + size, B)) for s in range(0, B, size)]
 
 
-def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, loss, target, wrt, wrt_input: bool, which: str = "full",
-            dense: bool = True, out=None, check: bool = False) -> tuple[HessianBlocks, object]:
-    """The Hessian over the batch ``X`` summed over passes (:func:`_chunks`), and ``target`` as
-    :func:`blockhess.losses.check` returns it. ``check``: the forward pass and ``target`` are
-    checked (the first call); the parts, computed later from the same inputs, skip it."""
+def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
+            target=None, derivs=None, which: str = "full", dense: bool = True, out=None) -> tuple[HessianBlocks, list]:
+    """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
+    (:func:`_chunks`), and each pass's loss derivatives.
+
+    Without ``derivs`` (the call itself) every pass is first checked (its forward pass, and the
+    whole ``target`` once) and its loss derivatives taken, before anything is written (an error
+    leaves ``out`` untouched; with several passes each forward pass is then computed again);
+    ``derivs`` given (the parts, later): those derivatives, so a callable loss is not called
+    again and a target changed since does not count.
+    """
     B = 1 if X.ndim == 2 else X.shape[0]
-    acc = None
-    for rows in _chunks(cfg, X, loss, wrt, wrt_input):
-        first = rows.start or 0
-        c = _forward(params, X[rows], cfg, wrt_input=wrt_input)
-        if check:
-            _check_forward(c, first=first)
-        if acc is None:
-            if check:  # the whole batch's target against the output's shape (expanded: no copy)
+    first_pass = None
+    if derivs is None:
+        derivs = []
+        for rows in chunks:
+            c = _forward(params, X[rows], cfg, wrt_input="X" in names)
+            _check_forward(c, first=rows.start or 0)
+            if not derivs:  # the whole batch's target against the output's shape (expanded: no copy)
                 target = losses.check(loss, target, c.out[:1].expand(B, -1, -1) if c.out.shape[0] != B else c.out,
                                       single=X.ndim == 2)
-            acc = BlockSum(c.names, _shapes(c), wanted=_select(c.names, wrt), dense=dense, dtype=c.out.dtype,
-                           device=c.out.device, out=out)
-        ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
-                                batch=B, first=first)
+            ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
+                                    batch=B, first=rows.start or 0)
+            derivs.append(_eig(ld, names))
+        first_pass = c if len(chunks) == 1 else None
+    acc = None
+    for rows, ld in zip(chunks, derivs):
+        c = first_pass or _forward(params, X[rows], cfg, wrt_input="X" in names)
+        if acc is None:
+            acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
         _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    return acc.result(c.out, c.cfg), target
+    return acc.result(c.out, c.cfg), derivs
 
 
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
@@ -209,7 +227,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     batch, the result does not; docs/derivations.md §1); ``.outer`` and
     ``.functional`` are computed on first access, each by its own passes (so that
     ``outer + functional == full`` checks two independent computations), from copies of
-    ``params``, ``X`` and a tensor ``target`` taken at the call: changing those in place afterwards does not
+    ``params`` and ``X`` taken at the call and the loss derivatives computed then (a callable
+    loss is not called again): changing those in place afterwards does not
     change the result. Inputs that require grad are used detached: the result carries no
     autograd history (:func:`~blockhess.validation.detached`).
     """
@@ -222,7 +241,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
-    target = target.clone() if isinstance(target, torch.Tensor) else target
-    full, target = _passes(params, X, cfg, loss, target, wrt, wrt_input, out=out, check=True)
-    full._parts = lambda which: _passes(params, X, cfg, loss, target, wrt, wrt_input, which, dense=False)[0]
+    names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
+    chunks = _chunks(cfg, X, loss, names)
+    full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out)
+    full._parts = lambda which: _passes(params, X, cfg, names, chunks, loss, derivs=derivs, which=which, dense=False)[0]
     return full

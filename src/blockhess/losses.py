@@ -33,15 +33,19 @@ class LossDerivatives(NamedTuple):
     """Derivatives of the batch loss (mean over sequences) w.r.t. ``Z`` of shape ``(B, L, d)``.
 
     ``grad``: ``(B, L, d)``. ``hess``: ``(B·L, d, d)`` when ``per_token`` else ``(B, L·d, L·d)``.
-    Both already include the ``1/B`` of the batch mean.
+    Both already include the ``1/batch`` of the batch mean (:func:`derivatives`). ``eig``: for a
+    general loss, the eigenpairs ``(lam (B, R), W (B, L·d, R))`` of ``hess`` that stand above
+    rounding (:func:`eig_lowrank`), kept in its place (``hess`` then ``None``).
     """
 
     grad: torch.Tensor
-    hess: torch.Tensor
+    hess: torch.Tensor | None
     per_token: bool
+    eig: tuple | None = None
 
     def sequence(self, b: int) -> "LossDerivatives":
-        """The derivatives of sequence ``b``'s own loss (a batch of one): its slices times ``B``."""
+        """The derivatives of sequence ``b``'s own loss (a batch of one): its slices times ``B``
+        (for derivatives of a whole batch, ``batch`` = ``B``, with ``hess``)."""
         B, L = self.grad.shape[:2]
         hess = self.hess[b * L : (b + 1) * L] if self.per_token else self.hess[b : b + 1]
         return LossDerivatives(self.grad[b : b + 1] * B, hess * B, self.per_token)

@@ -19,7 +19,9 @@ How: every job runs in a fresh subprocess (:mod:`blockhess.experiments.bench_wor
 watched by this process, which kills it when its resident memory passes the cap or the
 machine runs low (recorded as out of memory) or when it runs past its time limit. Within
 a job the methods are warmed up and timed in interleaved rounds (median and quartiles);
-ratios compare methods timed in the same process. Peak memory is each method's first
+ratios compare methods timed in the same process (where the closed form cannot run again
+beside a baseline at the largest size, its warm median from another process, flagged). Peak
+memory is each method's first
 call in a fresh process (the kernel's high-water mark, reset just before the call). Every
 output is checked against the closed form's (relative Frobenius error, or a fixed random
 sketch when the two cannot be held at once). Baselines that are not installed are
@@ -517,7 +519,7 @@ def _ratio(case: dict, m: str):
     return _ratio_kind(case, m)[0]
 
 
-RATIO_NOTE = {"other runs": "warm medians; the closed form's from another process (beside the floor): it could not run again beside this one",
+RATIO_NOTE = {"other runs": "warm medians; the closed form's from another process (beside the floor, else over its pairs): it could not run again beside this one",
               "first calls": "ratio of first calls: the closed form could not run again beside this one"}
 
 
@@ -664,7 +666,7 @@ def markdown(results: dict) -> str:
     mem = ("the increase of the GPU memory allocated by torch (torch.cuda.max_memory_allocated)" if env.get("device") == "cuda"
            else "the increase of the process's resident memory")
     w("Times are medians of interleaved rounds after warm-up, [quartiles] beside them; a ratio is the baseline's median over "
-      f"the closed form's, both measured in the same process. Peak memory is {mem} "
+      f"the closed form's, both measured in the same process (unless the cell says otherwise). Peak memory is {mem} "
       "during a method's first call in a fresh process. Errors are relative Frobenius errors against the closed form.")
     w("")
     acases = [c for c in results["cases"] if c["group"] == "a"]
