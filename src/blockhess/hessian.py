@@ -55,14 +55,14 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
     if outer:
-        lam, W = ld.eig if ld.eig is not None else _eig(ld, acc.names).eig
+        lam, W = _eig(ld, acc.names).eig
         _add_outer_lowrank(f.J, lam, W, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
 def _eig(ld: losses.LossDerivatives, names) -> losses.LossDerivatives:
-    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above rounding,
+    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above rounding (as it is if done),
     judged per sequence when ``X`` is among ``names`` (its blocks are each sequence's own), else
     at the scale of the sequences in ``ld`` (one pass)."""
     if ld.per_token or ld.eig is not None:
@@ -134,7 +134,7 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
         first_pass = c if len(chunks) == 1 else None
     acc = None
     for rows, ld in zip(chunks, derivs):
-        c = first_pass or _forward(params, X[rows], cfg, wrt_input="X" in names)
+        c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
         if acc is None:
             acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
         _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
