@@ -119,20 +119,21 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
     again and a target changed since does not count.
     """
     B = 1 if X.ndim == 2 else X.shape[0]
-    first_pass = None
+    first_pass = acc = None
     if derivs is None:
         derivs = []
         for rows in chunks:
             c = _forward(params, X[rows], cfg, wrt_input="X" in names)
             _check_forward(c, first=rows.start or 0)
-            if not derivs:  # the whole batch's target against the output's shape (expanded: no copy)
+            if acc is None:  # the whole target once (against the output's shape, expanded: no copy); out= checked
                 target = losses.check(loss, target, c.out[:1].expand(B, -1, -1) if c.out.shape[0] != B else c.out,
                                       single=X.ndim == 2)
+                acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device,
+                               out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
             derivs.append(_eig(ld, names))
         first_pass = c if len(chunks) == 1 else None
-    acc = None
     for rows, ld in zip(chunks, derivs):
         c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
         if acc is None:
@@ -226,10 +227,13 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     sequences as fit in 64 MiB or half the dense result (the per-token factors grow with the
     batch, the result does not; docs/derivations.md §1); ``.outer`` and
     ``.functional`` are computed on first access, each by its own passes (so that
-    ``outer + functional == full`` checks two independent computations), from copies of
-    ``params`` and ``X`` taken at the call and the loss derivatives computed then (a callable
-    loss is not called again): changing those in place afterwards does not
-    change the result. Inputs that require grad are used detached: the result carries no
+    ``outer + functional == full`` compares separate assemblies), from copies of ``params`` and
+    ``X`` taken at the call and the loss derivatives computed then (a callable loss is not
+    called again): changing those in place afterwards does not change the result. For that a
+    result keeps, per sequence, the ``L·d`` entries of the loss gradient and, for a general
+    loss, the ``R`` eigen-directions of its Hessian (``R·L·d`` entries, ``R <= L·d``: for a
+    full-rank callable as much as the ``(L·d)²`` Hessians themselves; 9 directions for a
+    classifier over ten classes), and for CE the ``L`` per-token ``d × d`` Hessians. Inputs that require grad are used detached: the result carries no
     autograd history (:func:`~blockhess.validation.detached`).
     """
     check_inputs(params, X, cfg)
@@ -244,5 +248,5 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
     chunks = _chunks(cfg, X, loss, names)
     full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out)
-    full._parts = lambda which: _passes(params, X, cfg, names, chunks, loss, derivs=derivs, which=which, dense=False)[0]
+    full._parts = lambda which: _passes(params, X, cfg, names, chunks, None, derivs=derivs, which=which, dense=False)[0]
     return full
