@@ -240,3 +240,14 @@ def test_exact_norms_needs_the_parts():
         bh.bounds.exact_norms(H.outer)
     with pytest.raises(ValueError, match="got Tensor"):
         bh.bounds.exact_norms(H.dense())
+
+
+def test_bounds_md_names_the_largest_cancellation_from_the_run():
+    from blockhess.experiments.bounds import _cancellation
+
+    row = lambda b, n, o, f: {"block": b, "norm": n, "outer_norm": o, "functional_norm": f}  # noqa: E731
+    tables = [{"name": "A", "rows": [row("W_Q,W_Q", 1.0, 3.0, 2.5), row("W_V,W_V", 0.0, 0.0, 0.0)]},
+              {"name": "B", "rows": [row("W_1,W_1", 0.5, 0.6, 4.0)]}]
+    s = _cancellation(tables)
+    assert "(B, W_1,W_1: 0.6 and 4 against 0.5)" in s
+    assert _cancellation([{"name": "A", "rows": [row("W_Q,W_Q", 1.0, 1.5, 0.6)]}]) == ""  # no real cancellation

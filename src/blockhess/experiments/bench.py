@@ -637,8 +637,8 @@ def _missing(e: dict) -> str | None:
 
 def _cell(case, m) -> str:
     e = case["methods"].get(m, {})
-    if _missing(e):
-        return _missing(e)
+    if why := _missing(e):
+        return why
     if m == "closed_form" and case.get("layout") == "paired":
         beside_floor = case.get("pairs", {}).get("floor", {}).get("closed_form_median_s") == e.get("median_s")
         return _fmt_t(e.get("median_s")) + _fmt_spread(e) + (" (timed beside the floor)" if beside_floor else " (median over its pair runs)")
@@ -787,8 +787,8 @@ def plot(results: dict, path: str) -> None:
                 if e.get("median_s"):
                     xs.append(x)
                     ys.append(e["median_s"])
-                elif e and _missing(e):
-                    gaps.append((x, _missing(e)))
+                elif e and (why := _missing(e)):
+                    gaps.append((x, why))
             ax.bar(xs, ys, width, label=METHOD_LABEL[m])
         ax.set_yscale("log")
         for x, why in gaps:  # at the foot of the axis, where the bar would start
