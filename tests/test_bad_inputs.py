@@ -74,7 +74,7 @@ ROWS = [
         ValueError, "X must have 2 or 3 dimensions"),
     Row("bh.jacobian", "shape", "an empty sequence (L = 0)", lambda c: bh.jacobian(c.p, c.X[:, :0], c.cfg),
         ValueError, "with L >= 1 and B >= 1"),
-    Row("bh.hessian", "shape", "a weight transposed", lambda c: bh.hessian({**c.p, "W_Q": c.p["W_Q"][:, :3]}, c.X, c.cfg, target=c.T),
+    Row("bh.hessian", "shape", "a weight of the wrong shape", lambda c: bh.hessian({**c.p, "W_Q": c.p["W_Q"][:, :3]}, c.X, c.cfg, target=c.T),
         ValueError, "params['W_Q'] must have shape (4, 4)"),
     Row("bh.hessian", "shape", "a weight missing", lambda c: bh.hessian({k: v for k, v in c.p.items() if k != "W_2"}, c.X, c.cfg,
                                                                         target=c.T),
