@@ -1,14 +1,37 @@
-"""The examples in the docstrings run and print what they say."""
+"""The examples in the docstrings and in README.md run and print what they say."""
 
 import doctest
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 import blockhess
 from blockhess import convergence
+from blockhess.experiments import vit
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
 
 
 @pytest.mark.parametrize("module", [blockhess, convergence], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_readme_has_its_python_examples():
+    assert len(PYTHON_BLOCKS) >= 3, "README.md's ```python blocks were not found"
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=lambda i: f"block{i + 1}")
+def test_readme_python_block_runs_alone(index, tmp_path, monkeypatch):
+    """Each ```python block of README.md, copied alone into a fresh interpreter namespace, runs."""
+    monkeypatch.chdir(tmp_path)  # what a block writes (the digits checkpoint) stays out of the tree
+    monkeypatch.setattr(vit, "DEFAULT_STEPS", 20)  # the block runs as written; 20 training steps instead of 2,000 for time
+    threads = torch.get_num_threads()  # the first block sets one thread, as it advises
+    try:
+        exec(compile(PYTHON_BLOCKS[index], f"README.md python block {index + 1}", "exec"), {"__name__": "__readme__"})
+    finally:
+        torch.set_num_threads(threads)

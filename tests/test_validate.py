@@ -94,7 +94,7 @@ def test_atomic_dir_rechecks_before_replacing(tmp_path):
 
 
 @pytest.mark.parametrize("cmd, module, work", [("scaling", "scaling", "compute"), ("bounds", "bounds", "_random_tables"),
-                                               ("convergence", "vit", "load_or_train")])
+                                               ("convergence", "vit", "load_for_command")])
 def test_bad_out_is_refused_before_any_work(tmp_path, monkeypatch, cmd, module, work):
     import importlib
 

@@ -158,7 +158,7 @@ def test_head_loss_is_the_model_loss(tiny):
 def test_other_block_weights_change_the_loss(tiny):
     images, labels = tiny.train_images[:8], tiny.train_labels[:8]
     a = tiny.per_sample_losses(images, labels)
-    b = tiny.per_sample_losses(images, labels, tiny.init_block_params())
+    b = tiny.per_sample_losses(images, labels, tiny.at_init().block_params())  # initial block, trained embedding and head
     assert not torch.allclose(a, b)
     c = tiny.at_init().per_sample_losses(images, labels)
     assert not torch.allclose(b, c)  # at_init also resets embedding and head
@@ -204,7 +204,7 @@ def test_training_learns_and_is_seeded(tiny):
     for n in V.MODEL_NAMES:
         assert torch.equal(a.params[n], b.params[n])
     assert not torch.equal(a.params["W_Q"], c.params["W_Q"])
-    assert torch.equal(a.init_block_params()["W_Q"], bh.init_params(a.cfg, seed=3)["W_Q"])
+    assert torch.equal(a.at_init().block_params()["W_Q"], bh.init_params(a.cfg, seed=3)["W_Q"])
     rng = torch.get_rng_state()
     V.train(3, steps=2, quiet=True, arch=TINY)
     assert torch.equal(rng, torch.get_rng_state())  # private generators only
@@ -229,7 +229,8 @@ def test_checkpoint_roundtrip(tiny, tmp_path):
     assert torch.equal(back.test_images, tiny.test_images) and torch.equal(back.train_labels, tiny.train_labels)
     assert back.test_accuracy == tiny.test_accuracy
     assert back.train_info["trained_in_this_run"] is False
-    assert V.load_or_train(path).checkpoint == str(path)
+    assert V.load_or_train(path, seed=tiny.seed, steps=tiny.train_info["steps"]).checkpoint == str(path)
+    assert V.load_for_command(path).checkpoint == str(path)
     assert not list((tmp_path / "sub").glob("*.tmp"))
 
 
@@ -256,7 +257,7 @@ def _broken(tmp_path, tiny, mutate):
 def test_corrupt_checkpoints_are_one_line_errors(tiny, tmp_path, mutate, message):
     path = _broken(tmp_path, tiny, mutate)
     with pytest.raises(ValueError, match=message) as err:
-        V.load_or_train(path)
+        V.load(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
@@ -264,41 +265,56 @@ def test_unreadable_and_missing_checkpoints(tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"\x00not a checkpoint" * 10)
     with pytest.raises(ValueError, match="cannot read") as err:
-        V.load_or_train(junk)
+        V.load_or_train(junk)  # an existing file is read, never trained over
     assert "\n" not in str(err.value)
     empty = tmp_path / "empty.pt"
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="cannot read"):
         V.load_or_train(empty)
     with pytest.raises(ValueError, match="not found"):
-        V.load_or_train(tmp_path / "nope.pt")
+        V.load_for_command(tmp_path / "nope.pt")  # --checkpoint: a path given must exist
+    assert not (tmp_path / "nope.pt").exists()
     with pytest.raises(ValueError, match="not a file"):
         V.load_or_train(tmp_path)
+    with pytest.raises(TypeError):
+        V.load_or_train()  # the file is the caller's to name
 
 
-def test_load_or_train_default_path_trains_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(V, "DEFAULT_CHECKPOINT", str(tmp_path / "ck" / "digits_vit.pt"))
-    monkeypatch.setattr(V, "DEFAULT_STEPS", 3)
-    first = V.load_or_train(quiet=True)
+def test_load_or_train_trains_once_into_the_named_file(tmp_path, capsys):
+    path = tmp_path / "ck" / "m.pt"
+    first = V.load_or_train(path, steps=3)
     assert first.train_info["trained_in_this_run"] is True and first.train_info["steps"] == 3
-    assert (tmp_path / "ck" / "digits_vit.pt").is_file()
+    assert path.is_file() and first.checkpoint == str(path) and [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert f"no checkpoint at {path}: training the digits ViT (seed 0, 3 steps)" in capsys.readouterr().err
     assert first.cfg == bh.BlockConfig(d_model=16, d_ff=32, d_k=16, ln_eps=1e-5)
-    second = V.load_or_train(quiet=True, steps=3)
+    second = V.load_or_train(path, steps=3, quiet=True)
+    assert second.train_info["trained_in_this_run"] is False and capsys.readouterr().err == ""
+    assert torch.equal(second.params["W_V"], first.params["W_V"])
+    with pytest.raises(ValueError, match="holds a model of seed 0 trained 3 steps, not seed 0 and 4 steps"):
+        V.load_or_train(path, steps=4)
+    with pytest.raises(ValueError, match="holds a model of seed 0 trained 3 steps, not seed 2 and 3 steps"):
+        V.load_or_train(path, seed=2, steps=3)
+
+
+def test_load_for_command_keeps_a_default_file_per_seed_and_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(V, "DEFAULT_STEPS", 3)
+    first = V.load_for_command(quiet=True)
+    assert first.train_info["trained_in_this_run"] is True and first.train_info["steps"] == 3
+    assert (tmp_path / "checkpoints" / "digits_vit.pt").is_file()
+    second = V.load_for_command(quiet=True, steps=3)
     assert second.train_info["trained_in_this_run"] is False
     assert torch.equal(second.params["W_V"], first.params["W_V"])
-    other = V.load_or_train(quiet=True, steps=1, seed=2)
-    assert (tmp_path / "ck" / "digits_vit_seed2_steps1.pt").is_file() and other.seed == 2
-    fewer = V.load_or_train(quiet=True, steps=1)  # other steps: its own model, the default one is neither read nor replaced
+    other = V.load_for_command(quiet=True, steps=1, seed=2)
+    assert (tmp_path / "checkpoints" / "digits_vit_seed2_steps1.pt").is_file() and other.seed == 2
+    fewer = V.load_for_command(quiet=True, steps=1)  # other steps: its own model, the default one is neither read nor replaced
     assert fewer.train_info["trained_in_this_run"] is True and fewer.train_info["steps"] == 1
-    assert (tmp_path / "ck" / "digits_vit_steps1.pt").is_file()
-    assert torch.equal(V.load_or_train(quiet=True).params["W_V"], first.params["W_V"])
-    V.save(fewer, tmp_path / "ck" / "digits_vit.pt")  # as the earlier `report --steps 1` did: the default file, 1 step
+    assert (tmp_path / "checkpoints" / "digits_vit_steps1.pt").is_file()
+    assert torch.equal(V.load_for_command(quiet=True).params["W_V"], first.params["W_V"])
+    V.save(fewer, tmp_path / "checkpoints" / "digits_vit.pt")  # as an earlier `report --steps 1` did: the default file, 1 step
     with pytest.raises(ValueError, match="holds a model of seed 0 trained 1 steps, not seed 0 and 3 steps"):
-        V.load_or_train(quiet=True)
-    other_seed = V.load(tmp_path / "ck" / "digits_vit_seed2_steps1.pt")
-    V.save(other_seed, tmp_path / "ck" / "digits_vit_steps1.pt")
-    with pytest.raises(ValueError, match="holds a model of seed 2"):
-        V.load_or_train(quiet=True, steps=1)
+        V.load_for_command(quiet=True)
+    assert V.load_for_command("checkpoints/digits_vit.pt").train_info["steps"] == 1  # given: read as it is
 
 
 def test_embed_refuses_raw_pixels_and_other_shapes(tiny):

@@ -182,7 +182,9 @@ class HessianBlocks:
         The block whose Hessian this is (results of :func:`blockhess.hessian`), else ``None``.
 
     ``H[a, b]`` returns the block (a view where stored, a transposed view otherwise, a zero
-    block for pairs never touched). ``H.dense()`` is the ``(n, n)`` matrix, blocks in
+    block for pairs never touched). ``H.pairs()`` and ``H.items()`` are methods, as
+    ``dict.keys()`` and ``dict.items()``: the list of keys ``(a, b)``, ``a`` not after ``b``,
+    and the ``((a, b), H[a, b])`` of each. ``H.dense()`` is the ``(n, n)`` matrix, blocks in
     ``names`` order.
     """
 
@@ -233,8 +235,8 @@ class HessianBlocks:
         return torch.zeros(size[a], size[b], dtype=self.dtype, device=self.device)
 
     def pairs(self) -> list[Key]:
-        """The keys ``(a, b)`` of the stored blocks, ``a`` not after ``b`` in ``names``
-        (:func:`pairs`); ``H[b, a]`` is ``H[a, b].T``."""
+        """The keys ``(a, b)`` of the blocks, ``a`` not after ``b`` in ``names`` (:func:`pairs`;
+        a new list each call, the keys of :meth:`items`); ``H[b, a]`` is ``H[a, b].T``."""
         return pairs(self.names)
 
     def items(self):

@@ -1,7 +1,13 @@
 """``blockhess`` command line: one subcommand per module of :mod:`blockhess.experiments`.
 
-Every command writes JSON (and figures) into ``--out``; on bad input it prints one line
-``blockhess <command>: error: <reason>`` to stderr and exits with status 2.
+Every command writes JSON (and figures) into ``--out``. Exit status: 0 on success; 2 for the
+user's mistakes, with one line ``blockhess <command>: error: <reason>`` on stderr: an argument
+argparse refuses, a ``ValueError`` (bad input, a missing or unusable checkpoint, and
+:class:`~blockhess.validation.InsufficientMemoryError`: a problem too large for this machine's
+memory) or an ``OSError`` (an ``--out`` that cannot be written, a full disk); 1 when a command's
+own check fails (``validate`` above ``--tol``, ``bounds`` with a violated bound: results are written
+first); 130 on Ctrl-C. Anything else is a bug and shows its traceback (exit 1). ``python -m
+blockhess`` is the same command line (:mod:`blockhess.__main__`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"blockhess.experiments.{module}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -48,10 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError) as exc:  # the user's input or machine; any other exception is a bug: traceback
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"blockhess {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"blockhess {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from pathlib import Path
 import psutil
 
 from .outputs import MARKER, check_out
-from .runtime import cpu_model
+from .runtime import cpu_model, positive_int
 
 HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
 
@@ -89,6 +89,16 @@ NO_PEAK = ("floor", "closed_form_out")  # not in the memory table: the floor is 
 JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "block": "full block Jacobian dZ/dW"}
 
 
+def _threads(text: str) -> int | None:
+    """``--threads``: ``auto`` (``None``: chosen at start by :func:`_choose_threads`) or an integer >= 1."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, got {text!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="output folder, written case by case (bench.json, bench.md, bench.png); an existing folder must be "
@@ -99,9 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-cap-gb", type=float, default=20.0, metavar="GIB", help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default: 20)")
     p.add_argument("--slow", action="store_true", help="also run torch.autograd.functional.hessian at (32, 64, 128) (n Hessian-vector passes: many minutes)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses of groups a and b")
-    p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="threads per worker for torch and JAX (default: 0, torch's default, or 1 when the machine is oversubscribed "
-                   "at start, load average >= CPUs, where OpenMP barriers stall multi-threaded runs)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="auto|N",
+                   help="threads per worker for torch and JAX: an integer >= 1, or auto (the default): torch's default, "
+                   "but 1 when the machine is oversubscribed at start (load average >= CPUs), where OpenMP "
+                   "barriers stall multi-threaded runs; bench.json records the count and why (threads_reason)")
     p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), metavar="LIST", help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the problems live and every torch method runs (default: cpu). cuda: groups a and b only "
@@ -812,7 +823,7 @@ def _choose_threads(args) -> None:
 
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0]
-    if args.threads:
+    if args.threads is not None:
         args.effective_threads, args.threads_reason = args.threads, "--threads"
     elif load >= cpus and cpus > 1:
         args.effective_threads = 1
@@ -825,8 +836,8 @@ def _choose_threads(args) -> None:
 def run(args) -> int:
     if args.mem_cap_gb <= 0:
         raise ValueError(f"--mem-cap-gb must be positive, got {args.mem_cap_gb}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads is not None and not (isinstance(args.threads, int) and args.threads >= 1):
+        raise ValueError(f"--threads must be auto or an integer >= 1, got {args.threads!r}")
     if args.device == "cuda":
         import torch
 

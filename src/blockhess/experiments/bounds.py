@@ -11,7 +11,7 @@ What is computed (the bounds themselves live in :mod:`blockhess.bounds`):
    paper's minimiser setting) on a smaller config: the bound/norm ratios of the whole
    Hessian, every valid-bound violation (there must be none) and every row where the
    printed constants fail.
-3. **Trained digits weights** (:func:`blockhess.experiments.vit.load_or_train`; a batch of
+3. **Trained digits weights** (:func:`blockhess.experiments.vit.load_for_command`; a batch of
    training images embedded by the model): MSE with a fixed random target ``T ~ N(0, 1)``
    (the paper's loss, so Theorem 6 and its printed constants apply), and the model's own
    cross-entropy through the head (general-loss Theorem 6 with the exact ``‖∇²ℓ‖₂``, ``‖∇ℓ‖₂``;
@@ -19,12 +19,14 @@ What is computed (the bounds themselves live in :mod:`blockhess.bounds`):
    The digits model uses ``ln_eps = 1e-5``; the valid bound includes it, the printed
    constants ignore it (paper: ``eps = 0``).
 
-Writes ``bounds.json``, ``bounds.md`` and ``bounds.png`` into ``--out``.
+Writes ``bounds.json``, ``bounds.md`` and ``bounds.png`` into ``--out``; exits with status 1
+(after writing them) if a valid bound is below its exact norm anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +49,8 @@ SWEEP_WEIGHT_SCALES = (1.0, 0.1)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bounds", metavar="DIR", help=out_help("bounds"))
     p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="digits ViT checkpoint (default: checkpoints/digits_vit.pt, trained if missing)")
+                   help="digits ViT checkpoint to read; a path given here must exist (default: checkpoints/digits_vit.pt under the "
+                        "current folder, trained and saved there when absent)")
     p.add_argument("--no-trained", action="store_true", help="skip the trained digits model (random weights only)")
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training images in the trained-model Hessian (default: 8)")
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per point of the sweep (default: 3)")
@@ -113,7 +116,7 @@ def _trained_tables(args) -> tuple[list[dict], list[dict], dict]:
     from blockhess import bounds
     from blockhess.experiments import vit as vitmod
 
-    vit = vitmod.load_or_train(args.checkpoint, quiet=args.quiet)
+    vit = vitmod.load_for_command(args.checkpoint, quiet=args.quiet)
     info = {"checkpoint": vit.checkpoint, "test_accuracy": vit.test_accuracy, "arch": vit.arch,
             "batch": args.batch, "train_info": {k: v for k, v in vit.train_info.items() if isinstance(v, (int, float, str, bool))}}
     imgs, labels = vit.train_images[: args.batch], vit.train_labels[: args.batch]
@@ -369,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{sum(len(t['rows']) for t in tables) + sw['n_rows']} rows: {len(viol)} valid-bound violations, "
               f"{len(fails)} rows where the printed bound fails; wrote {out}/bounds.json, bounds.md, bounds.png "
               f"in {res['runtime_s']:.1f} s")
-    if viol:
-        raise RuntimeError(f"{len(viol)} rows where the valid bound is below the exact norm (a bug): see {out}/bounds.json")
+    if viol:  # a failed check, not bad input: the results are written, the exit status says it (as validate's)
+        print(f"blockhess bounds: {len(viol)} rows where the valid bound is below the exact norm (a bug in blockhess's "
+              f"bounds or closed forms): see valid_violations in {out}/bounds.json", file=sys.stderr)
+        return 1
     return 0

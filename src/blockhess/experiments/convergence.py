@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{Q.path_samples} path images (not {F.path_samples}): about half a minute; M, the path ratios "
                         "and the Taylor errors then differ from a full run's")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="digits ViT checkpoint (default: the report's; trained and saved there if missing)")
+                   help="digits ViT checkpoint to read; a path given here must exist (default: the report's, checkpoints/digits_vit.pt "
+                        "under the current folder, trained and saved there when absent)")
     p.add_argument("--orderings", type=int, default=None, metavar="N", help="random orderings averaged (default: 2000; quick 500)")
     p.add_argument("--hessian-samples", type=int, default=None, metavar="N",
                    help="training images whose exact Hessians are computed, at most all (default: all; quick 96)")
@@ -822,7 +823,7 @@ def run(args: argparse.Namespace) -> int:
 
     _say(args.quiet, "loading the digits ViT (trained first if there is no checkpoint)")
     with torch_threads(args.threads):
-        vit = vit_mod.load_or_train(args.checkpoint, quiet=args.quiet)
+        vit = vit_mod.load_for_command(args.checkpoint, quiet=args.quiet)
         res = run_experiment(vit, args.out, settings, quiet=args.quiet)
     if not args.quiet:
         t7 = res["theorem7"]

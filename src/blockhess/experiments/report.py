@@ -407,7 +407,7 @@ def _run(args: argparse.Namespace) -> int:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
-        vit = vitmod.load_or_train(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
+        vit = vitmod.load_for_command(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
         n_train = len(vit.train_labels)
         if args.batch > n_train:
             raise ValueError(f"--batch {args.batch} is larger than the {n_train} training images")

@@ -11,13 +11,26 @@ import time
 
 import torch
 
-__all__ = ["add_threads_argument", "torch_threads", "progress", "cpu_model", "environment"]
+__all__ = ["positive_int", "add_threads_argument", "torch_threads", "progress", "cpu_model", "environment"]
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (else argparse's usage error, exit status 2)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
 
 
 def add_threads_argument(parser, default: int = 1) -> None:
-    """Add ``--threads N`` (torch intra-op threads while the command runs)."""
+    """Add ``--threads N`` (torch intra-op threads while the command runs; an integer >= 1)."""
     parser.add_argument(
-        "--threads", type=int, default=default, metavar="N",
+        "--threads", type=positive_int, default=default, metavar="N",
         help=f"torch CPU threads while the command runs (default: {default}; the matrices per step are small, "
              "and on cores shared with other processes more threads oversubscribe them and run slower)",
     )

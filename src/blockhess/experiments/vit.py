@@ -28,9 +28,11 @@ Everything after the block is a function of the block output ``Z`` alone, so the
 w.r.t. the block's weights, with the embedded patches ``vit.embed(images)`` as the block's
 input ``X``.
 
-The interface used by the ``report``, ``bounds`` and ``convergence`` commands:
+The interface used by the ``report``, ``bounds`` and ``convergence`` commands (they read
+``--checkpoint``, or keep the model in :func:`default_checkpoint` under the current folder:
+:func:`load_for_command`):
 
->>> vit = load_or_train()                         # doctest: +SKIP
+>>> vit = load_or_train("checkpoints/digits_vit.pt")   # doctest: +SKIP
 >>> X = vit.embed(vit.train_images[:128])          # (128, 16, 16) float64, the block's input
 >>> y = vit.train_labels[:128]
 >>> H = bh.hessian(vit.block_params(), X, vit.cfg, loss=vit.head_loss, target=y)   # doctest: +SKIP
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -72,11 +75,12 @@ __all__ = [
     "save",
     "load",
     "load_or_train",
+    "load_for_command",
 ]
 
-#: Where :func:`load_or_train` keeps the model when no path is given (relative to the working directory).
+#: Where the commands keep the model when no ``--checkpoint`` is given (relative to the current folder; :func:`default_checkpoint`).
 DEFAULT_CHECKPOINT = "checkpoints/digits_vit.pt"
-#: Training steps (batches of 128) when :func:`load_or_train` has to train.
+#: Training steps (batches of 128) when :func:`load_or_train` has to train and none are given.
 DEFAULT_STEPS = 2000
 #: The block's weights, canonical order.
 BLOCK_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
@@ -259,15 +263,14 @@ class TrainedViT:
         """The block's weights ``{W_Q, W_K, W_V, W_1, W_2}`` in ``dtype`` (fresh copies)."""
         return {n: self.params[n].to(dtype).clone() for n in BLOCK_NAMES}
 
-    def init_block_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-        """The block's weights at initialisation (same seed), in ``dtype``."""
-        return {n: self.init_params_[n].to(dtype).clone() for n in BLOCK_NAMES}
-
     def at_init(self) -> "TrainedViT":
         """The same model with *every* weight (embedding, block, head) at its initial value.
 
-        Its ``embed``, ``head_loss`` and ``block_params`` describe the untrained model; its
-        ``test_accuracy`` is that of the initial weights.
+        Its ``embed``, ``head_loss`` and ``block_params`` describe the untrained model (the
+        report's and ``bounds``' "init" numbers); its ``test_accuracy`` is that of the initial
+        weights. ``vit.at_init().block_params()`` are the block's initial weights; passed to
+        this (trained) model's ``logits`` or ``per_sample_losses`` they give a hybrid: the
+        initial block inside the trained embedding and head.
         """
         vit = replace(self, params=self.init_params_, _cast={})
         vit.test_accuracy = vit.accuracy(self.test_images, self.test_labels)
@@ -401,8 +404,8 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     params = {n: v.detach().to(torch.float64) for n, v in w.items()}
-    if not all(torch.isfinite(v).all() for v in params.values()):
-        raise RuntimeError("training diverged: the weights contain NaN or Inf")
+    if not all(torch.isfinite(v).all() for v in params.values()):  # not bad input: the recipe failed (traceback)
+        raise RuntimeError(f"training diverged (seed {seed}, {steps} steps, lr {opt['lr']}): the weights contain NaN or Inf")
     info = {
         "steps": steps,
         "optimizer": "AdamW",
@@ -525,52 +528,68 @@ def load(path: str | os.PathLike) -> TrainedViT:
 
 
 def default_checkpoint(seed: int = 0, steps: int = DEFAULT_STEPS) -> Path:
-    """Where :func:`load_or_train` keeps the model of ``seed`` trained for ``steps`` steps:
-    :data:`DEFAULT_CHECKPOINT` for the defaults, with ``_seed{seed}`` and ``_steps{steps}``
-    added for others (relative to the current folder)."""
+    """Where the commands keep the model of ``seed`` trained for ``steps`` steps when no
+    ``--checkpoint`` is given: :data:`DEFAULT_CHECKPOINT` for the defaults, with ``_seed{seed}``
+    and ``_steps{steps}`` added for others (a relative path: under the current folder)."""
     tag = (f"_seed{seed}" if seed != 0 else "") + (f"_steps{steps}" if steps != DEFAULT_STEPS else "")
     return Path(DEFAULT_CHECKPOINT.replace(".pt", f"{tag}.pt"))
 
 
-def load_or_train(checkpoint=None, *, quiet: bool = False, seed: int = 0, steps: int | None = None) -> TrainedViT:
-    """The digits ViT: loaded from ``checkpoint``, or trained and saved there.
+def load_or_train(checkpoint: str | os.PathLike, *, seed: int = 0, steps: int | None = None,
+                  quiet: bool = False) -> TrainedViT:
+    """The digits ViT kept in the file ``checkpoint``: read when it exists, else trained and written there.
 
     Parameters
     ----------
-    checkpoint : str or path or None
-        An explicit file must exist and be a valid checkpoint (else ``ValueError``). ``None``
-        means :func:`default_checkpoint` of ``seed`` and ``steps`` (``checkpoints/digits_vit.pt``
-        for the defaults, relative to the current folder): loaded when present, otherwise the
-        model is trained (:func:`train`, a few seconds on one core) and saved there.
-    quiet : bool
-        No progress bar.
+    checkpoint : str or path
+        The file (required: nothing is written anywhere the caller did not name). When it
+        exists it is read (:func:`load`) and must hold the model of ``seed`` and ``steps``;
+        otherwise the model is trained (:func:`train`, a few seconds on one core) and saved
+        there (:func:`save`, parent folders created), and a line on stderr says so unless
+        ``quiet``. ``train_info["trained_in_this_run"]`` records which happened.
     seed : int
-        Seed of the split, initialisation and batch order when training; a loaded
-        checkpoint keeps its own seed.
+        Seed of the split, initialisation and batch order.
     steps : int or None
-        Training steps when training happens (default :data:`DEFAULT_STEPS`); each
-        ``(seed, steps)`` has its own default checkpoint, so a run with other steps never
-        reads (or overwrites) the default model.
+        Training steps (default :data:`DEFAULT_STEPS`).
+    quiet : bool
+        No progress bar and no line about training.
 
     Raises
     ------
     ValueError
-        One line: an explicit path that does not exist, or a file that is not a valid checkpoint
-        (unreadable, wrong format, wrong shapes, NaN weights, damaged split); a default
-        checkpoint holding a model of another seed or step count.
+        One line: ``checkpoint`` exists but is not a valid checkpoint (a folder, unreadable,
+        wrong format, wrong shapes, NaN weights, damaged split), or holds a model of another
+        seed or step count (read it with :func:`load` instead, or remove it to train again).
     """
-    if checkpoint is not None:
-        return load(checkpoint)
     steps = DEFAULT_STEPS if steps is None else steps
-    path = default_checkpoint(seed, steps)
+    path = Path(checkpoint)
     if path.exists():
         vit = load(path)
         got = (vit.seed, vit.train_info.get("steps"))
         if got != (seed, steps):  # e.g. written by an earlier version that kept one file for every --steps
             raise ValueError(f"{path} holds a model of seed {got[0]} trained {got[1]} steps, not seed {seed} and "
-                             f"{steps} steps: remove it to train again, or pass it as the checkpoint")
+                             f"{steps} steps: remove it to train again, or read it as it is (--checkpoint, vit.load)")
         return vit
+    if not quiet:
+        print(f"no checkpoint at {path}: training the digits ViT (seed {seed}, {steps} steps) and saving it there",
+              file=sys.stderr, flush=True)
     vit = train(seed, steps=steps, quiet=quiet)
     save(vit, path)
     vit.train_info["trained_in_this_run"] = True
     return vit
+
+
+def load_for_command(checkpoint=None, *, seed: int = 0, steps: int | None = None, quiet: bool = False) -> TrainedViT:
+    """The model of the ``report``, ``bounds`` and ``convergence`` commands.
+
+    A ``checkpoint`` given (``--checkpoint``) must exist and is read as it is (:func:`load`; its
+    own seed and steps). ``None``: :func:`load_or_train` on :func:`default_checkpoint` of
+    ``seed`` and ``steps`` under the current folder (``checkpoints/digits_vit.pt`` for the
+    defaults, as ``make run`` keeps it), so each ``(seed, steps)`` has its own file and a
+    run with other steps never reads or overwrites the default model. Raises ``ValueError``
+    (one line) as :func:`load` and :func:`load_or_train` do.
+    """
+    if checkpoint is not None:
+        return load(checkpoint)
+    steps = DEFAULT_STEPS if steps is None else steps
+    return load_or_train(default_checkpoint(seed, steps), seed=seed, steps=steps, quiet=quiet)

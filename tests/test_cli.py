@@ -1,0 +1,174 @@
+"""The ``blockhess`` command line: exit status of user errors and of bugs, ``python -m blockhess``,
+``--threads`` of every command, and what ``validate --help`` says it checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import blockhess
+from blockhess import cli
+from blockhess.experiments import bench, validate
+from blockhess.validation import InsufficientMemoryError
+
+SRC = str(Path(blockhess.__file__).resolve().parents[1])
+
+
+def _python_m(*argv, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "blockhess", *argv], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_python_m_blockhess_is_the_console_script(capsys, monkeypatch):
+    done = _python_m("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: blockhess ")
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])  # the console script's entry point
+    assert exit_.value.code == 0 and capsys.readouterr().out == done.stdout
+    bad = _python_m("report", "--threads", "0")
+    assert bad.returncode == 2 and "blockhess report: error: argument --threads" in bad.stderr
+
+
+@pytest.fixture
+def fake_command(monkeypatch):
+    """A command ``fake`` whose run raises what the test puts in ``box``."""
+    box = {}
+    mod = types.ModuleType("blockhess.experiments._fake_command")
+    mod.HELP = "a command of the tests"
+    mod.add_arguments = lambda p: p.add_argument("--out", default="x")
+
+    def run(args):
+        raise box["exc"]
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(cli, "COMMANDS", {"fake": "_fake_command"})
+    return box
+
+
+@pytest.mark.parametrize("exc", [
+    ValueError("--batch must be >= 1, got 0\nsecond line"),
+    InsufficientMemoryError("the dense 9x9 Hessian needs 8.0 GiB, 1.0 GiB available"),
+    OSError("cannot write to --out /x: Permission denied"),
+], ids=["ValueError", "InsufficientMemoryError", "OSError"])
+def test_user_errors_are_one_line_and_exit_2(fake_command, capsys, exc):
+    fake_command["exc"] = exc
+    assert cli.main(["fake"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"blockhess fake: error: {str(exc).splitlines()[0]}\n"
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("an internal invariant failed"), TypeError("bad call"), KeyError("W_Q"),
+                                 AssertionError("unreachable")])
+def test_a_bug_is_not_reported_as_bad_input(fake_command, capsys, exc):
+    """Anything but ValueError/OSError propagates: the console script exits 1 with the traceback."""
+    fake_command["exc"] = exc
+    with pytest.raises(type(exc)):
+        cli.main(["fake"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_bug_shows_its_traceback_from_python_m(tmp_path):
+    plugin = tmp_path / "sitecustomize.py"  # makes validate's run a bug before the interpreter starts the CLI
+    plugin.write_text("import blockhess.experiments.validate as v\n"
+                      "def run(args):\n    raise RuntimeError('an internal invariant failed')\n"
+                      "v.run = run\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC])}
+    done = subprocess.run([sys.executable, "-m", "blockhess", "validate", "--out", str(tmp_path / "v")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: an internal invariant failed" in done.stderr
+    assert "error:" not in done.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(fake_command, capsys):
+    fake_command["exc"] = KeyboardInterrupt()
+    assert cli.main(["fake"]) == 130
+    assert capsys.readouterr().err == "blockhess fake: interrupted\n"
+
+
+def _parser(name):
+    p = argparse.ArgumentParser(prog=f"blockhess {name}")
+    __import__(f"blockhess.experiments.{cli.COMMANDS[name]}", fromlist=["x"]).add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize("name", [n for n in cli.COMMANDS if n != "bench"])
+def test_threads_default_1_and_below_1_refused(name, capsys):
+    assert _parser(name).parse_args([]).threads == 1
+    assert _parser(name).parse_args(["--threads", "3"]).threads == 3
+    for bad in ("0", "-2", "two", "auto"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([name, "--threads", bad])
+        assert exit_.value.code == 2
+        assert f"blockhess {name}: error: argument --threads: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_bench_threads_auto_or_at_least_1(tmp_path, capsys, monkeypatch):
+    p = _parser("bench")
+    assert p.parse_args([]).threads is None and p.parse_args(["--threads", "auto"]).threads is None
+    assert p.parse_args(["--threads", "2"]).threads == 2
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["bench", "--threads", bad])
+        assert exit_.value.code == 2
+        assert "blockhess bench: error: argument --threads: expected auto or an integer >= 1" in capsys.readouterr().err
+    assert "auto (the default)" in p.format_help()
+    import torch
+
+    cpus = os.cpu_count() or 1
+    for load, threads, want, reason in [(0.0, None, torch.get_num_threads(), "torch default"), (0.0, 3, 3, "--threads")]:
+        args = p.parse_args([] if threads is None else ["--threads", str(threads)])
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        bench._choose_threads(args)
+        assert (args.effective_threads, args.threads_reason) == (want, reason)
+    if cpus > 1:  # auto on a busy machine: one thread, and why
+        monkeypatch.setattr(os, "getloadavg", lambda: (float(cpus), 0.0, 0.0))
+        args = p.parse_args([])
+        bench._choose_threads(args)
+        assert args.effective_threads == 1 and args.threads_reason.startswith("auto: load average")
+    args = p.parse_args(["--out", str(tmp_path / "b")])
+    args.threads = 0  # a Namespace built by hand is checked too
+    with pytest.raises(ValueError, match="--threads must be auto or an integer >= 1, got 0"):
+        bench.run(args)
+
+
+def test_validate_help_says_what_it_checks(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "every closed form" not in text
+    for what in ("bh.jacobian against torch.func.jacrev", "bh.hessian against torch.func.hessian", "MSE, CE and a custom",
+                 f"{len(validate.OPTIONS)} block settings", "w.r.t. the input X", "Not covered here",
+                 f"{len(validate.OPTIONS) * 9} cases instead of {len(validate.OPTIONS) * 15}"):
+        assert what in text, what
+
+
+def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeypatch, capsys):
+    from blockhess.experiments import bounds as cmd
+
+    monkeypatch.setattr(cmd, "RANDOM_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
+    monkeypatch.setattr(cmd, "SWEEP_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
+    monkeypatch.setattr(cmd, "SWEEP_SCALES", (1.0,))
+    monkeypatch.setattr(cmd, "SWEEP_LENGTHS", (3,))
+    monkeypatch.setattr(cmd, "SWEEP_WEIGHT_SCALES", (1.0,))
+    table = cmd._table
+
+    def violated(name, rows, **meta):  # as if one valid bound were below its exact norm
+        t = table(name, rows, **meta)
+        t["valid_violations"].append(rows[0]["block"])
+        return t
+
+    monkeypatch.setattr(cmd, "_table", violated)
+    out = tmp_path / "b"
+    assert cli.main(["bounds", "--out", str(out), "--no-trained", "--seeds", "1", "--quiet"]) == 1
+    assert "valid bound is below the exact norm" in capsys.readouterr().err
+    assert (out / "bounds.json").is_file()  # the results are there to look at
