@@ -1,13 +1,14 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run   -> .venv with the package (torch pinned), trains the digits ViT if needed, writes report/
 #   make test  -> the same set-up plus the dev dependencies, then the whole test suite
+# make docs-data re-runs the commands whose JSON docs/ quotes into runs/ and stores it in docs/data/
 PYTHON ?= python3
 VENV := .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 CONSTRAINTS := constraints.txt
 
-.PHONY: run test install install-dev bench clean
+.PHONY: run test install install-dev bench docs-data clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +32,8 @@ bench: install
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[bench]"
 	$(VENV)/bin/blockhess bench --out bench-results
 
+docs-data: install
+	$(PY) docs/data/refresh.py
+
 clean:
-	rm -rf $(VENV) report bench-results checkpoints
+	rm -rf $(VENV) report bench-results checkpoints runs
