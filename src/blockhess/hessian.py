@@ -39,8 +39,9 @@ def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tens
     """
     R = lam.shape[1]
     w = W.transpose(1, 2).reshape(B, R, L, d)
-    V = {n: J[n].vjp(w).reshape(B * R, -1) for n in acc.names}  # rows J_b^T w_br
-    lam = lam.reshape(B * R, 1)
+    kept = (lam != 0).reshape(B * R)  # a sequence with fewer than R directions is padded with zeros: not multiplied
+    V = {n: J[n].vjp(w).reshape(B * R, -1)[kept] for n in acc.names}  # rows J_b^T w_br
+    lam = lam.reshape(B * R, 1)[kept]
     for i, a in enumerate(acc.names):
         Va = V[a] * lam
         for b in acc.names[i:]:
@@ -55,19 +56,19 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
     if outer:
-        lam, W = _eig(ld, acc.names).eig
+        lam, W = _eig(ld).eig
         _add_outer_lowrank(f.J, lam, W, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
-def _eig(ld: losses.LossDerivatives, names) -> losses.LossDerivatives:
-    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above rounding (as it is if done),
-    judged per sequence when ``X`` is among ``names`` (its blocks are each sequence's own), else
-    at the scale of the sequences in ``ld`` (one pass)."""
+def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
+    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above
+    rounding, each sequence judged at its own scale (:func:`blockhess.losses.eig_lowrank`);
+    as it is if done."""
     if ld.per_token or ld.eig is not None:
         return ld
-    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess, per_sequence="X" in names))
+    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess))
 
 
 def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
@@ -132,7 +133,7 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
                                out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
-            derivs.append(_eig(ld, names))
+            derivs.append(_eig(ld))
         first_pass = c if len(chunks) == 1 else None
     for rows, ld in zip(chunks, derivs):
         c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
