@@ -25,7 +25,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
-from .validation import check_bool, detached
+from .validation import check_bool, check_result, detached
 
 __all__ = ["hessian"]
 
@@ -140,7 +140,10 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
         if acc is None:
             acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
         _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    return acc.result(c.out, c.cfg), derivs
+    H = acc.result(c.out, c.cfg)
+    check_result({"the Hessian": H.dense()} if dense else  # one sum over the buffer (faster than over its blocks)
+                 {f"the Hessian's {which} part, block {key}": block for key, block in H.items()})
+    return H, derivs
 
 
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
@@ -209,13 +212,17 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     ------
     ValueError
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
-        forward pass that overflows the dtype; a zero-variance (or underflowing) LayerNorm
-        input row with ``ln_eps = 0`` (Assumption 2); an unknown loss; a target of the wrong
+        forward pass that overflows the dtype; a LayerNorm input row whose ``var + ln_eps``
+        does not stand above its values' rounding and ``tiny/e`` (with ``ln_eps = 0``: zero or
+        underflowing variance, Assumption 2; docs/derivations.md §3); an unknown loss; a target of the wrong
         shape or class range; a callable loss that does not return a scalar, or whose value,
         gradient or Hessian w.r.t. ``Z`` has a NaN or Inf, or that ``torch.func`` cannot
         differentiate; an empty ``wrt`` or an unknown name in it; ``wrt_input`` not a bool; ``out`` of the
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
-        ``X``, ``params`` or ``target``.
+        ``X``, ``params`` or ``target``; a Hessian with a NaN or Inf (a value overflowed on
+        finite inputs, e.g. LayerNorm rows of tiny ``var + ln_eps``: a post-LN block's
+        Hessian carries ``1/sigma`` of both LayerNorms up to four times; checked once the
+        Hessian is assembled, so ``out`` then holds that partial result).
     InsufficientMemoryError
         (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
         ``out``), or a callable loss's per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` (those of
