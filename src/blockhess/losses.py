@@ -218,7 +218,7 @@ def eig_lowrank(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and any sum :math:`\sum_b J_b^\top\Omega_b J_b` built from the eigenpairs is off by at most
     :math:`\sqrt m\,\epsilon\sum_b s_b\|J_b\|_2^2`: each sequence's term to its own rounding,
     whatever the other sequences' scales or Jacobians (a batch gives the mean of its
-    single-sequence results, and how it is split into passes does not matter). Cost, not
+    single-sequence results to rounding, however it is split into passes). Cost, not
     error: a sequence whose :math:`\Omega_b` carries rounding noise above its own
     :math:`\sqrt m\,\epsilon\,s_b` (an absolute noise, e.g. a confidently classified sequence's
     ``diag p - p pᵀ``) keeps those noise directions. ``R`` is the largest count over the batch
