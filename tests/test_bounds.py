@@ -251,3 +251,33 @@ def test_bounds_md_names_the_largest_cancellation_from_the_run():
     s = _cancellation(tables)
     assert "(B, W_1,W_1: 0.6 and 4 against 0.5)" in s
     assert _cancellation([{"name": "A", "rows": [row("W_Q,W_Q", 1.0, 1.5, 0.6)]}]) == ""  # no real cancellation
+
+
+def test_constant_layernorm_row_with_tiny_eps():
+    """ln_eps > 0 and a row of zeros (W_V = 0: LN_1's input is X): the printed LayerNorm lemma divides by
+    the row's norm, so the printed bounds are None; the valid bounds are finite while they fit in float64
+    (ln_eps 1e-100: 1/sigma^4 = 1e200) and a named error where they do not (1e-200, as the Hessian)."""
+    X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X[1] = 0.0
+    lb = bounds.layernorm_bounds(X, 1e-100)
+    assert lb["jacobian_paper"] is None and lb["hessian_paper"] is None and lb["jacobian"] == pytest.approx(1e50)
+    T = torch.zeros_like(X)
+    for eps in (1e-100, 1e-200):
+        cfg = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=eps)
+        p = bh.init_params(cfg, seed=0)
+        p["W_V"] = torch.zeros_like(p["W_V"])
+        if eps == 1e-100:
+            bd = bounds.block_bounds(p, X, cfg, "mse", T)
+            assert all(math.isfinite(v) for k in ("outer", "functional", "full") for v in bd[k].values())
+            assert all(v is None for v in bd["paper"].values())
+            rows = bounds.spectral_bounds(p, X, cfg, "mse", T)
+            assert all(r["bound"] >= r["norm"] * (1 - TOL) and r["bound_paper"] is None for r in rows)
+            checks = bounds.ingredient_checks(p, X, cfg, T)  # printed values from the lemmas: None; dA/dT, A, J_SY: not
+            assert all((r["bound_paper"] is None) == (r["ingredient"] not in ("dA/dT", "A", "J_SY")) for r in checks)
+            assert all(math.isfinite(r["exact"]) and math.isfinite(r["bound"]) for r in checks if r["exact"] is not None)
+            continue
+        for f in (bounds.block_bounds, bounds.ingredients):
+            with pytest.raises(ValueError, match=r"ingredients: \['valid'\]\['zeta'\]\['VV'\] is inf on finite inputs"):
+                f(p, X, cfg, "mse", T)
+        with pytest.raises(ValueError, match="the Hessian contains NaN or Inf"):
+            bounds.spectral_bounds(p, X, cfg, "mse", T)

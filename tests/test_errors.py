@@ -9,7 +9,7 @@ import torch
 
 import blockhess as bh
 
-from conftest import make_case
+from conftest import TOL, assert_close, make_case, rel_err
 
 
 @pytest.fixture
@@ -112,6 +112,115 @@ def test_zero_variance_layernorm_row():
         bh.hessian(p, Xb, cfg, target=torch.zeros_like(Xb))
     cfg_eps = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=1e-5)
     bh.hessian(p, X, cfg_eps, target=torch.zeros_like(X))  # eps > 0 makes it well defined
+
+
+def _constant_row(dtype, eps, c, norm="post"):
+    """The block with ``W_V = 0`` (post-LN: LN_1's input is X) and token row 1 of X constant at ``c``;
+    float64 inputs and weights, and ``dtype``'s copies."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=eps, norm=norm)
+    p = bh.init_params(cfg, seed=0)
+    p["W_V"] = torch.zeros_like(p["W_V"])
+    X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X[1] = c
+    T = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return cfg, p, X, T, {k: v.to(dtype) for k, v in p.items()}, X.to(dtype), T.to(dtype)
+
+
+def _entry_points(p, X, cfg, T):
+    return {"forward": lambda: bh.forward(p, X, cfg), "jacobian": lambda: bh.jacobian(p, X, cfg),
+            "input_jacobian": lambda: bh.input_jacobian(p, X, cfg),
+            "second_derivative": lambda: bh.second_derivative(p, X, cfg, "W_Q", "W_V"),
+            "hessian": lambda: bh.hessian(p, X, cfg, target=T).dense()}
+
+
+def _finite(result) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in (result.values() if isinstance(result, dict) else [result]))
+
+
+@pytest.mark.parametrize("dtype, eps", [(torch.float64, 1e-200), (torch.float64, 1e-300), (torch.float32, 1e-30)])
+def test_tiny_ln_eps_on_a_constant_row_is_refused_or_exact(dtype, eps):
+    """A constant row at 0.7 (its centred entries are rounding, which 1/sigma = eps^-1/2 blows up) is
+    refused up front by every entry point; a row of zeros is exact, refused only where var + eps is
+    below tiny/e (float64 1e-300); otherwise the results are finite and right, and the post-LN
+    Hessian, whose true entries (~1/eps^2) overflow, is a named error, not a matrix of NaN."""
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, eps, 0.7)
+    for name, f in _entry_points(q, Xq, cfg, Tq).items():
+        with pytest.raises(ValueError, match=r"LayerNorm-1 input X \+ SA\(X\): LayerNorm input row \(1,\) is constant to the "
+                                             r"rounding of its values .* use ln_eps > "):
+            f()
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, eps, 0.0)
+    if eps == 1e-300:
+        for name, f in _entry_points(q, Xq, cfg, Tq).items():
+            with pytest.raises(ValueError, match=r"the variance of LayerNorm input row \(1,\) plus ln_eps is 1e-300, below 1e-292"):
+                f()
+        return
+    for name, f in _entry_points(q, Xq, cfg, Tq).items():
+        if name == "hessian":
+            with pytest.raises(ValueError, match=f"the Hessian contains NaN or Inf: a value overflowed {dtype}"):
+                f()
+        else:
+            assert _finite(f()), name
+    assert _beyond(dtype, bh.reference.hessian(p, X, cfg, target=T).dense())  # a true overflow
+    _assert_jacobian_right(q, Xq, p, X, cfg)  # entries of 1/eps in row 1
+
+
+def _assert_jacobian_right(q, Xq, p, X, cfg):
+    """All weights' Jacobians side by side against autograd's: float64 to the rule, float32 within 3x
+    of float32 autograd's own error."""
+    J, R, R32 = (torch.cat([v.double() for v in f(*a, cfg).values()], -1)
+                 for f, a in ((bh.jacobian, (q, Xq)), (bh.reference.jacobian, (p, X)), (bh.reference.jacobian, (q, Xq))))
+    J, R, R32 = (M / R.abs().max() for M in (J, R, R32))  # entries up to 1e200: their squares would overflow the norm
+    # float32: 3x autograd's error, or 3 roundings where autograd's is below one (1e-30: 2e-8; the chain J_Z J_SY J_Y
+    # of row 1, entries ~1/eps, is four float32 products, 8e-8 off)
+    tol = TOL if Xq.dtype == torch.float64 else 3 * max(rel_err(R32, R), torch.finfo(torch.float32).eps)
+    assert_close(J, R, tol=tol, what="Jacobian")
+
+
+def _beyond(dtype, R: torch.Tensor) -> bool:
+    """Whether the float64 reference ``R`` has entries beyond ``dtype``'s range (or overflows float64 itself)."""
+    return not _finite(R) or float(R.abs().max()) > torch.finfo(dtype).max
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_ln_eps_just_either_side_of_the_constant_row_threshold(dtype, norm):
+    """A row constant at 1.0 needs var + ln_eps above its values' squared rounding e^2 (plus tiny/e):
+    just below it is refused, just above the Hessian is finite and right."""
+    fi = torch.finfo(dtype)
+    threshold = fi.tiny / fi.eps + fi.eps**2
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, 0.9 * threshold, 1.0, norm)
+    with pytest.raises(ValueError, match=r"LayerNorm input row \(1,\) is constant to the rounding of its values"):
+        bh.hessian(q, Xq, cfg, target=Tq)
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, 1.1 * threshold, 1.0, norm)
+    H, R = bh.hessian(q, Xq, cfg, target=Tq).dense().double(), bh.reference.hessian(p, X, cfg, target=T).dense()
+    own = rel_err(bh.reference.hessian(q, Xq, cfg, target=Tq).dense().double(), R)
+    assert_close(H, R, tol=TOL if dtype == torch.float64 else 3 * own, what="Hessian")  # float32: 3x float32 autograd
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_ln_eps_just_either_side_of_the_overflow_threshold(dtype, norm):
+    """A row of zeros needs ln_eps >= tiny/e (1/sigma^2 representable with 4/e to spare): just below it
+    is refused; just above, Jacobians are finite and right, and the Hessian is finite (pre-LN) or, where
+    its true entries overflow (post-LN: ~1/ln_eps^2, autograd's too), a named error."""
+    fi = torch.finfo(dtype)
+    threshold = fi.tiny / fi.eps
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, 0.9 * threshold, 0.0, norm)
+    for name, f in _entry_points(q, Xq, cfg, Tq).items():
+        with pytest.raises(ValueError, match=r"the variance of LayerNorm input row \(1,\) plus ln_eps is .*, below "):
+            f()
+    cfg, p, X, T, q, Xq, Tq = _constant_row(dtype, 1.1 * threshold, 0.0, norm)
+    _assert_jacobian_right(q, Xq, p, X, cfg)
+    if norm == "post":
+        with pytest.raises(ValueError, match=f"the Hessian contains NaN or Inf: a value overflowed {dtype}"):
+            bh.hessian(q, Xq, cfg, target=Tq)
+        assert _beyond(dtype, bh.reference.hessian(p, X, cfg, target=T).dense())
+    else:  # autograd's Hessian is NaN here (it forms 1/sigma^3 = inf times a zero), so it is taken at ln_eps = 1e-20:
+        # row 1's LN_2 output is 0 and ReLU's derivative there 0, so only the other rows see ln_eps, 1e-20 of their variance
+        H = bh.hessian(q, Xq, cfg, target=Tq).dense().double()
+        ref = bh.BlockConfig(d_model=4, d_ff=5, ln_eps=1e-20, norm=norm)
+        R, R32 = bh.reference.hessian(p, X, ref, target=T).dense(), bh.reference.hessian(q, Xq, ref, target=Tq).dense()
+        assert_close(H, R, tol=TOL if dtype == torch.float64 else 3 * rel_err(R32.double(), R), what="Hessian")
 
 
 def test_losses_and_targets(case):

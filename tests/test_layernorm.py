@@ -7,7 +7,7 @@ import torch.nn.functional as Fn
 import blockhess as bh
 from blockhess.components import layernorm
 
-from conftest import assert_close
+from conftest import TOL, assert_close, rel_err
 
 CASES = [(1, 4, 0.0, False), (3, 4, 0.0, False), (5, 7, 1e-3, False), (4, 5, 1e-5, True), (2, 3, 0.0, True)]
 
@@ -112,3 +112,73 @@ def test_shared_centering_matrix_is_a_plain_tensor():
     X = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
     layernorm.hessian(X, compact=True).sum().backward()
     assert X.grad is not None and torch.isfinite(X.grad).all()
+
+
+def _functions(X, eps, gamma=None):
+    G = torch.ones_like(X)
+    return {"forward": lambda: layernorm.forward(X, eps, gamma), "jacobian": lambda: layernorm.jacobian(X, eps, gamma),
+            "hessian": lambda: layernorm.hessian(X, eps, gamma),
+            "contract_hessian": lambda: layernorm.contract_hessian(X, G, eps, gamma)}
+
+
+def _assert_right(X, eps, hessian_eps=None):
+    """Jacobian and Hessian against torch.func in float64 (the Hessian's taken at ``hessian_eps`` where
+    autograd's own 1/sigma^3 overflows): float64 to the rule, float32 within 3x of float32 torch.func's error."""
+    for f, ref, ref_eps in ((layernorm.jacobian, torch.func.jacrev(_ln), eps),
+                            (layernorm.hessian, torch.func.jacfwd(torch.func.jacrev(_ln)), hessian_eps or eps)):
+        got = f(X, eps).double()
+        R, R32 = (ref(x, ref_eps, None).reshape(got.shape).double() for x in (X.double(), X))
+        R, R32, got = (M / R.abs().max() for M in (R, R32, got))  # entries of 1/eps: squares would overflow the norm
+        own = rel_err(R32, R) if torch.isfinite(R32).all() else 0.0
+        assert_close(got, R, tol=TOL if X.dtype == torch.float64 else 3 * max(own, torch.finfo(torch.float32).eps),
+                     what=f.__name__)  # float32: 3x torch.func, or 3 roundings where torch.func's error is below one
+
+
+@pytest.mark.parametrize("dtype, eps", [(torch.float64, 1e-200), (torch.float64, 1e-300), (torch.float32, 1e-30)])
+def test_tiny_eps_on_a_constant_row(dtype, eps):
+    """A row constant at 0.7 is refused (its centred entries are rounding, times 1/sigma = eps^-1/2); a row
+    of zeros is exact, refused only where var + eps is below tiny/e (float64 1e-300), else right."""
+    X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
+    X[1] = 0.7
+    for name, f in _functions(X, eps).items():
+        with pytest.raises(ValueError, match=r"X: LayerNorm input row \(1,\) is constant to the rounding of its values"):
+            f()
+    X[1] = 0.0
+    if eps == 1e-300:
+        for name, f in _functions(X, eps).items():
+            with pytest.raises(ValueError, match=r"the variance of LayerNorm input row \(1,\) plus ln_eps is 1e-300, below"):
+                f()
+        return
+    for name, f in _functions(X, eps).items():
+        assert torch.isfinite(f()).all(), name
+    _assert_right(X, eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("c", [1.0, 0.0])
+def test_eps_just_either_side_of_the_threshold(dtype, c):
+    """var + eps must stand above tiny/e plus the squared rounding of the row's values (e^2 c^2 for a row
+    constant at c): 0.9 of that is refused by every function, 1.1 gives finite, right results."""
+    fi = torch.finfo(dtype)
+    threshold = fi.tiny / fi.eps + fi.eps**2 * c * c
+    X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
+    X[1] = c
+    for name, f in _functions(X, 0.9 * threshold).items():
+        with pytest.raises(ValueError, match=r"LayerNorm input row \(1,\) (is constant to the rounding|plus ln_eps is)"):
+            f()
+    for name, f in _functions(X, 1.1 * threshold).items():
+        assert torch.isfinite(f()).all(), name
+    # the zero row's Hessian is 0 (y = 0) and the other rows' var dwarfs eps: autograd, whose 1/sigma^3 overflows
+    # at this eps, is taken at 1e-20
+    _assert_right(X, 1.1 * threshold, hessian_eps=1e-20 if c == 0.0 else None)
+
+
+def test_large_gamma_overflowing_is_an_error():
+    """Finite inputs whose result overflows (gamma 1e306 times 1/sigma^2, about 1e4): a named error, not Inf."""
+    X = 1e-2 * torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    gamma = torch.full((4,), 1e306, dtype=torch.float64)
+    with pytest.raises(ValueError, match="the LayerNorm Hessian contains NaN or Inf: a value overflowed torch.float64"):
+        layernorm.hessian(X, 0.0, gamma)
+    with pytest.raises(ValueError, match="the LayerNorm output contains NaN or Inf"):  # y_0 = sqrt(7) for a one-hot row
+        layernorm.forward(torch.eye(8, dtype=torch.float64), 0.0, torch.full((8,), 1e308, dtype=torch.float64))
+    assert torch.isfinite(layernorm.hessian(X, 0.0, gamma / 1e6)).all()  # 1e300 times 1/sigma^2 (1e4): representable

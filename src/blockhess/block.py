@@ -46,7 +46,7 @@ from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
-from .validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor, warn_tf32
+from .validation import check_finite, check_fits, check_ln_variance, check_params, check_result, check_tensor, warn_tf32
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
 
@@ -151,16 +151,15 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
 
 def _check_forward(c: Cache, first: int = 0) -> None:
     """The forward pass on checked inputs: every LayerNorm input row (``check_ln_variance``: finite,
-    and Assumption 2), and the output finite where no checked LayerNorm produces it (pre-LN,
-    ``kind="attention"``): an overflow inside, e.g. of float32 attention scores, is an error,
-    not a Hessian of NaN. ``first``: the batch index of ``c``'s first sequence (a pass over part
-    of a batch), for the rows the errors name."""
+    ``var + ln_eps`` above its values' rounding and ``tiny/e``; Assumption 2 with ``ln_eps = 0``),
+    and the output finite (one sum): an overflow inside, e.g. of float32 attention scores or of
+    a post-LN output ``gamma * y``, is an error, not a Hessian of NaN. ``first``: the batch index
+    of ``c``'s first sequence (a pass over part of a batch), for the rows the errors name."""
     eps, shape = c.cfg.ln_eps, c.x_shape  # rows named as X's: (t,) or (b, t)
     if c.cfg.kind == "block" and c.cfg.norm == "post":
         check_ln_variance("the LayerNorm-1 input X + SA(X)", c.U.reshape(shape), eps, computed=True, first=first)
         check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", c.fc.S.reshape(shape), eps, computed=True, first=first)
-        return  # Z = LN_2(S), finite for a checked S
-    if c.cfg.kind == "block":
+    elif c.cfg.kind == "block":
         check_ln_variance("X (the LayerNorm-1 input, pre-LN)", c.X.reshape(shape), eps, first=first)
         check_ln_variance("the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN", c.U.reshape(shape), eps, computed=True,
                           first=first)
@@ -491,7 +490,7 @@ def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
     i = 1 if st.kind == "ln1" else 2
     X_in = c.U if i == 1 else c.fc.S
     gamma = c.params.get(f"gamma_{i}")
-    Gam = layernorm.contract_hessian(X_in, g, c.cfg.ln_eps, gamma)
+    Gam = layernorm._contract_hessian(X_in, g, c.cfg.ln_eps, gamma)
     cross = {}
     if f"gamma_{i}" in st.new:
         J = (c.ln1 if i == 1 else c.ln2)[1]
@@ -588,7 +587,7 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
             if pre:
                 v = torch.einsum("bmae,bmanc,bncf->bmenf", J_a, XX, J_a)
                 g_Xa = torch.einsum("blcma,blc->bma", _input_jac_O(c), G)  # gradient at the attention input
-                Gam = layernorm.contract_hessian(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
+                Gam = layernorm._contract_hessian(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
                 v = v + torch.diag_embed(Gam.permute(0, 2, 3, 1), dim1=1, dim2=3)
             acc.add("X", "X", v)
     if not pre:
@@ -654,8 +653,9 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     :func:`~blockhess.config.param_shapes`. Source: paper §1.3 (notation: docs/derivations.md, top; options §10–§13).
 
     Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, a forward pass that
-    overflows the dtype, or a LayerNorm input row of zero (or underflowing) variance with
-    ``ln_eps = 0`` (:func:`~blockhess.validation.check_ln_variance`).
+    overflows the dtype, or a LayerNorm input row whose ``var + ln_eps`` does not stand above
+    its values' rounding and ``tiny/e`` (with ``ln_eps = 0``: zero or underflowing variance,
+    Assumption 2; :func:`~blockhess.validation.check_ln_variance`, docs/derivations.md §3).
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg)
@@ -693,8 +693,10 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     ``(L, d_model)``, or ``(B, L·d_model, numel)`` for a batch; ``wrt`` (a name or a list)
     restricts the names. dtype and device of ``X``. Holds almost everywhere (ReLU, Lemma 1).
 
-    Raises ``ValueError`` as :func:`forward`, and for an unknown name in ``wrt``;
-    ``InsufficientMemoryError`` if the dense Jacobians would not fit in memory.
+    Raises ``ValueError`` as :func:`forward`, for an unknown name in ``wrt``, and for a
+    Jacobian with a NaN or Inf (a value overflowed on finite inputs,
+    :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError`` if the dense
+    Jacobians would not fit in memory.
     """
     check_inputs(params, X, cfg)
     shapes = param_shapes(cfg)
@@ -706,6 +708,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
     B, L, d = c.out.shape
     out = {n: J[n].dense().reshape(B, L * d, -1) for n in names}
+    check_result({f"the Jacobian w.r.t. {n}": v for n, v in out.items()})
     return {n: (v[0] if X.ndim == 2 else v) for n, v in out.items()}
 
 
@@ -717,12 +720,14 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). dtype and device
     of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13).
 
-    Raises ``ValueError`` as :func:`forward`.
+    Raises ``ValueError`` as :func:`forward`, and for a result with a NaN or Inf (an overflow
+    on finite inputs, :func:`~blockhess.validation.check_result`).
     """
     check_inputs(params, X, cfg)
     c = _forward(params, X, cfg, wrt_input=True)
     _check_forward(c)
     J = _factors(c).J["X"].dense()
+    check_result({"the input Jacobian": J})
     return J[0] if X.ndim == 2 else J
 
 
@@ -736,7 +741,8 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     output entries ``o`` (``N = L·d_model``) and entries ``i`` of ``W_a``; columns entries of
     ``W_b``. ``X`` is one sequence ``(L, d_model)``. Valid almost everywhere (ReLU).
 
-    Raises ``ValueError`` as :func:`forward`, for an unknown name or ``of``, and
+    Raises ``ValueError`` as :func:`forward`, for an unknown name or ``of``, and for a result
+    with a NaN or Inf (:func:`~blockhess.validation.check_result`);
     ``InsufficientMemoryError`` if the result would not fit in memory.
     """
     check_inputs(params, X, cfg)
@@ -757,4 +763,6 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     else:
         def contract(g, acc):
             contract_output(c, g[None], factors, acc)
-    return dense_second_derivative(contract, tuple(X.shape), c.names, param_shapes(cfg), a, b, X)
+    D = dense_second_derivative(contract, tuple(X.shape), c.names, param_shapes(cfg), a, b, X)
+    check_result({f"the second derivative d2{of}/d{a}d{b}": D})
+    return D

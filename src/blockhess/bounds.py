@@ -31,6 +31,7 @@ inequality.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -96,6 +97,22 @@ def _ln(U: torch.Tensor, eps: float) -> torch.Tensor:
     return m / torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
 
 
+def _check_numbers(what: str, obj, path: str = "") -> None:
+    """Every float in ``obj`` (nested dicts, lists, tuples; ``None`` skipped) must be finite: the
+    bounds are products of norms and of ``1/sigma`` of the LayerNorm rows, which can overflow
+    float64 on finite inputs. Raises ``ValueError`` naming ``what`` and the entry."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_numbers(what, v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_numbers(what, v, f"{path}[{i}]")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        raise ValueError(f"{what}: {path or 'the result'} is {obj} on finite inputs: a value overflowed float64 (e.g. "
+                         "LayerNorm rows of tiny var + ln_eps: 1/sigma of both LayerNorms enters the bounds up to four "
+                         "times); rescale X or the weights, or use a larger ln_eps")
+
+
 def check_setting(cfg: BlockConfig) -> None:
     """Theorems 1 and 6 cover the paper's block: one head, post-LN, ReLU, no biases, no
     ``W_O``, no LayerNorm affine, no causal mask (``ln_eps >= 0`` is allowed: the valid
@@ -132,14 +149,18 @@ def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
       (sharp);
     * ``jacobian_paper``, ``hessian_paper``: the paper's lemma as printed (§3.4), with
       :math:`\sigma_{\min}` the minimum *row norm* of the centred input and ``‖X‖₂`` of ``X``;
+      ``None`` where that row norm is 0 (a constant row, possible with ``eps > 0``: the printed
+      lemma divides by it);
     * ``sigma_min`` (true row std, :math:`\sqrt{\mathrm{var}+\varepsilon}`), ``row_norm_min``.
 
     ``sigma_min`` includes ``eps``, so the valid bounds hold for any ``eps >= 0``. ``X`` is
     any floating dtype (computed in float64). Source: derived here, docs/bounds.md §LayerNorm;
     the paper's LayerNorm lemma (its typo 11, docs/derivations.md §15).
 
-    Raises ``ValueError`` if ``X`` is not a finite floating ``(L, d)`` tensor, ``eps < 0``, or a
-    row has zero variance with ``eps = 0`` (Assumption 2).
+    Raises ``ValueError`` if ``X`` is not a finite floating ``(L, d)`` tensor, ``eps < 0``, a
+    row's ``var + eps`` does not stand above its values' rounding and ``tiny/e``
+    (:func:`~blockhess.validation.check_ln_variance`; with ``eps = 0``: zero variance,
+    Assumption 2), or a value overflows float64.
     """
     if not isinstance(X, torch.Tensor) or X.ndim != 2 or not X.dtype.is_floating_point:
         raise ValueError(f"X must be a floating (L, d) tensor, got {getattr(X, 'shape', type(X))}")
@@ -166,14 +187,13 @@ def layernorm_bounds(X: torch.Tensor, eps: float = 0.0) -> dict[str, float]:
             xn / rn**3 * (1.0 + math.sqrt(L / d)) + xn**2 / (math.sqrt(d) * rn**3) + 3.0 * xn**3 / (d * rn**5)
         )
     else:
-        out["jacobian_paper"] = out["hessian_paper"] = math.inf
+        out["jacobian_paper"] = out["hessian_paper"] = None
+    _check_numbers("layernorm_bounds", out)
     return out
 
 
 def _paper_ln_lemma(L: int, d: int, xn: float, rn: float) -> tuple[float, float]:
-    """The paper's LayerNorm lemma (§3.4) with ``‖X‖₂ <= xn`` and ``σ_min = rn`` (row norm)."""
-    if rn <= 0:
-        return math.inf, math.inf
+    """The paper's LayerNorm lemma (§3.4) with ``‖X‖₂ <= xn`` and ``σ_min = rn > 0`` (row norm)."""
     J = 1.0 / rn + xn**2 / (math.sqrt(d) * rn**3)
     H = xn / rn**3 * (1.0 + math.sqrt(L / d)) + xn**2 / (math.sqrt(d) * rn**3) + 3.0 * xn**3 / (d * rn**5)
     return J, H
@@ -200,8 +220,9 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
       bound of ∂²out/∂W_Q∂W_K, ...}, "G", "Phi"`` (attention) and for the block ``"B", "xi",
       "J_Y", "eta_Y", "J_Z", "eta_Z", "J_SY"}``; ``lam >= ‖∇²ℓ‖₂``, ``gam >= ‖∇ℓ‖₂`` (for MSE
       in terms of ``‖X‖₂``, ``‖W‖₂`` and ``‖T‖_F``; for another loss their exact values);
-    * ``"paper"``: the printed counterparts (MSE only; ``None`` for another loss), with the
-      per-block printed bounds under ``"block"``;
+    * ``"paper"``: the printed counterparts (MSE only; ``None`` for another loss, or when a
+      LayerNorm input row is constant, possible with ``ln_eps > 0``: the printed lemma divides
+      by its centred row norm), with the per-block printed bounds under ``"block"``;
     * ``"primitives"``: the norms they are built from (``x = ‖X‖₂``, ``w_Q = ‖W_Q‖₂``, ...);
     * ``"names"``: the parameter names, canonical order. For the block ``"valid"`` also holds
       ``"sigma_U"``, ``"sigma_S"``: the smallest row ``sqrt(var + eps)`` of the two LayerNorm
@@ -210,8 +231,8 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     Everything is computed in float64. Source: Theorem 1 and its lemmas, Theorem 6 and the
     LayerNorm lemma; valid constants derived here (docs/bounds.md).
 
-    Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`), or a zero-variance
-    LayerNorm input row with ``ln_eps = 0``.
+    Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`: a LayerNorm input row
+    as :func:`~blockhess.validation.check_ln_variance`), or when a bound overflows float64.
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
@@ -284,6 +305,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
                 + 4.0 * rho / (L * d * math.sqrt(dk)) * wv * (3.0 * L * wk * wq * x**5 + d / L * x**3),
             }
             paper = {"G": Gp, "Phi": Phip, "block": bp, "all_factor": 3.0}
+        _check_numbers("ingredients", {"valid": valid, "paper": paper, "primitives": prim})
         return {"valid": valid, "paper": paper, "primitives": prim, "names": names}
 
     # post-LN block (Theorem 6)
@@ -327,7 +349,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         "sigma_U": lnU["sigma_min"], "sigma_S": lnS["sigma_min"],
     }
     paper = None
-    if is_mse:
+    if is_mse and lnU["row_norm_min"] > 0 and lnS["row_norm_min"] > 0:  # the printed lemma divides by them
         Un = x + L * x * wv  # ‖X + F‖ <= ‖X‖ + ‖A‖‖X‖‖W_V‖ with the paper's ‖A‖ <= L
         Sn = math.sqrt(L * d) * (1.0 + math.sqrt(min(L, dff)) * w1 * w2)  # Proposition, §3.4
         jYp, hYp = _paper_ln_lemma(L, d, Un, lnU["row_norm_min"])
@@ -354,6 +376,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         }
     prim.update({"d_ff": dff, "ln_eps": eps, "sigma_U": lnU["sigma_min"], "sigma_S": lnS["sigma_min"],
                  "T_fro": tF, "T_spec": t2})
+    _check_numbers("ingredients", {"valid": valid, "paper": paper, "primitives": prim})
     return {"valid": valid, "paper": paper, "primitives": prim, "names": names}
 
 
@@ -439,6 +462,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
             pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
     if not has_paper:
         pap = PairNorms.fromkeys(pap)
+    _check_numbers("block_bounds", {**acc, "paper": pap})
     return {"names": names, **acc, "paper": pap}
 
 
@@ -462,6 +486,7 @@ def exact_norms(H) -> dict[str, Any]:
         D = part.dense()
         vals["all"] = _sym_spec(0.5 * (D + D.T))
         out[key] = vals
+    _check_numbers("exact_norms", out)
     return out
 
 
@@ -526,6 +551,7 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
             "paper_holds": (bp >= norm * (1 - PAPER_TIE_RTOL)) if bp is not None else None,
         }
         rows.append(row)
+    _check_numbers("spectral_bounds", rows)
     return rows
 
 
@@ -568,6 +594,9 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
         target = torch.zeros_like(X)
     ing = ingredients(params, X, cfg, "mse", target)
     v, pp = ing["valid"], ing["paper"]
+
+    def printed(*keys):  # the printed value, or None where ingredients has none (a constant LayerNorm row)
+        return None if pp is None else functools.reduce(lambda t, k: t[k], keys, pp)
     L, d = X.shape
     rows: list[dict] = []
 
@@ -590,15 +619,16 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     add("A", norm2(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
     G = _jac(ap, X, acfg)
     for k in ("W_Q", "W_K", "W_V"):
-        add(f"G_{_SHORT[k]}", norm2(G[k]), v["G"][k], pp["G"][k])
+        add(f"G_{_SHORT[k]}", norm2(G[k]), v["G"][k], printed("G", k))
     sizes = {k: t.numel() for k, t in params.items()}
     for a, b in _PHI_PAIRS:
         key = _pair(a, b)
         n_el = L * d * sizes[a] * sizes[b]
         exact = norm2(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
-        add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], pp["Phi"][key],
+        add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], printed("Phi", key),
             "paper layout; printed bound carries a spurious 2/(L d)")
     if cfg.kind != "block":
+        _check_numbers("ingredient_checks", rows)
         return rows
     eps = cfg.ln_eps
     U = X64 + A @ (X64 @ p64["W_V"])
@@ -609,19 +639,20 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     for nm, inp, jv, ev in (("Y", U, v["J_Y"], v["eta_Y"]), ("Z", S, v["J_Z"], v["eta_Z"])):
         Jc = _lnmod.jacobian(inp, eps, compact=True)
         Hc = _lnmod.hessian(inp, eps, compact=True)
-        add(f"J_{nm}", max(norm2(m) for m in Jc), jv, pp[f"J_{nm}"], "paper lemma uses the row norm as σ_min")
-        add(f"H_{nm}", max(norm2(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, pp[f"H_{nm}"],
+        add(f"J_{nm}", max(norm2(m) for m in Jc), jv, printed(f"J_{nm}"), "paper lemma uses the row norm as σ_min")
+        add(f"H_{nm}", max(norm2(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, printed(f"H_{nm}"),
             "paper layout, per token")
     JSY = torch.eye(d, dtype=X64.dtype, device=X64.device) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
     add("J_SY", max(norm2(m) for m in JSY), v["J_SY"], v["J_SY"])
     dff = p64["W_1"].shape[1]
     # B_1: rows y_t^T ⊗ W_2^T diag(D_t); B_2 = relu(Y W_1) ⊗ I; B_k = J_SY J_Y G_k per token
     B1 = (Y[:, None, :, None] * (p64["W_2"].T[None, :, None, :] * Dm[:, None, None, :])).reshape(L * d, d * dff)
-    add("B_1", norm2(B1), v["B"]["W_1"], pp["B"]["W_1"])
-    add("B_2", norm2(P), v["B"]["W_2"], pp["B"]["W_2"])
+    add("B_1", norm2(B1), v["B"]["W_1"], printed("B", "W_1"))
+    add("B_2", norm2(P), v["B"]["W_2"], printed("B", "W_2"))
     EY = _lnmod.jacobian(U, eps, compact=True)
     for k in ("W_Q", "W_K", "W_V"):
         Gk = G[k].double().reshape(L, d, -1)
         Bk = (JSY @ EY @ Gk).reshape(L * d, -1)
-        add(f"B_{_SHORT[k]}", norm2(Bk), v["B"][k], pp["B"][k])
+        add(f"B_{_SHORT[k]}", norm2(Bk), v["B"][k], printed("B", k))
+    _check_numbers("ingredient_checks", rows)
     return rows

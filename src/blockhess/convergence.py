@@ -50,7 +50,7 @@ from . import linalg, losses
 from .block import _check_forward, _factors, _forward, _select, check_inputs
 from .config import BlockConfig, param_shapes
 from .hessian import _assemble
-from .validation import check_fits, check_int, check_tensor, detached
+from .validation import check_fits, check_int, check_result, check_tensor, detached
 
 __all__ = [
     "running_mean",
@@ -445,6 +445,7 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
         ld_i = ld.sequence(i)
         grads[i] = _flat_grad(f, ld_i.grad, names)
         _assemble(c, f, ld_i, names, out=H[i])
+    check_result({"the per-sample gradients": grads, "the per-sample Hessians": H})
     return values, grads, H
 
 

@@ -25,7 +25,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
-from .validation import check_bool, detached
+from .validation import check_bool, check_result, detached
 
 __all__ = ["hessian"]
 
@@ -39,8 +39,9 @@ def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tens
     """
     R = lam.shape[1]
     w = W.transpose(1, 2).reshape(B, R, L, d)
-    V = {n: J[n].vjp(w).reshape(B * R, -1) for n in acc.names}  # rows J_b^T w_br
-    lam = lam.reshape(B * R, 1)
+    kept = (lam != 0).reshape(B * R)  # a sequence with fewer than R directions is padded with zeros: not multiplied
+    V = {n: J[n].vjp(w).reshape(B * R, -1)[kept] for n in acc.names}  # rows J_b^T w_br
+    lam = lam.reshape(B * R, 1)[kept]
     for i, a in enumerate(acc.names):
         Va = V[a] * lam
         for b in acc.names[i:]:
@@ -55,19 +56,19 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
     if outer:
-        lam, W = _eig(ld, acc.names).eig
+        lam, W = _eig(ld).eig
         _add_outer_lowrank(f.J, lam, W, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
-def _eig(ld: losses.LossDerivatives, names) -> losses.LossDerivatives:
-    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above rounding (as it is if done),
-    judged per sequence when ``X`` is among ``names`` (its blocks are each sequence's own), else
-    at the scale of the sequences in ``ld`` (one pass)."""
+def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
+    """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above
+    rounding, each sequence judged at its own scale (:func:`blockhess.losses.eig_lowrank`);
+    as it is if done."""
     if ld.per_token or ld.eig is not None:
         return ld
-    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess, per_sequence="X" in names))
+    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess))
 
 
 def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
@@ -132,14 +133,17 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
                                out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
-            derivs.append(_eig(ld, names))
+            derivs.append(_eig(ld))
         first_pass = c if len(chunks) == 1 else None
     for rows, ld in zip(chunks, derivs):
         c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
         if acc is None:
             acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
         _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    return acc.result(c.out, c.cfg), derivs
+    H = acc.result(c.out, c.cfg)
+    check_result({"the Hessian": H.dense()} if dense else  # one sum over the buffer (faster than over its blocks)
+                 {f"the Hessian's {which} part, block {key}": block for key, block in H.items()})
+    return H, derivs
 
 
 def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
@@ -208,13 +212,17 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     ------
     ValueError
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
-        forward pass that overflows the dtype; a zero-variance (or underflowing) LayerNorm
-        input row with ``ln_eps = 0`` (Assumption 2); an unknown loss; a target of the wrong
+        forward pass that overflows the dtype; a LayerNorm input row whose ``var + ln_eps``
+        does not stand above its values' rounding and ``tiny/e`` (with ``ln_eps = 0``: zero or
+        underflowing variance, Assumption 2; docs/derivations.md §3); an unknown loss; a target of the wrong
         shape or class range; a callable loss that does not return a scalar, or whose value,
         gradient or Hessian w.r.t. ``Z`` has a NaN or Inf, or that ``torch.func`` cannot
         differentiate; an empty ``wrt`` or an unknown name in it; ``wrt_input`` not a bool; ``out`` of the
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
-        ``X``, ``params`` or ``target``.
+        ``X``, ``params`` or ``target``; a Hessian with a NaN or Inf (a value overflowed on
+        finite inputs, e.g. LayerNorm rows of tiny ``var + ln_eps``: a post-LN block's
+        Hessian carries ``1/sigma`` of both LayerNorms up to four times; checked once the
+        Hessian is assembled, so ``out`` then holds that partial result).
     InsufficientMemoryError
         (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
         ``out``), or a callable loss's per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` (those of

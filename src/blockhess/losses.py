@@ -201,38 +201,36 @@ RANGE_PROBE, CHECK_PROBE = 16, 8  # first width of the random range sketch, and 
 RANGE_SLACK = 4  # a sketch of p columns is trusted only if it finds at most p - RANGE_SLACK directions
 
 
-def _kept(lam: torch.Tensor, tol: float, per_sequence: bool) -> torch.Tensor:
-    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` times the batch's (or each sequence's) largest."""
-    scale = lam.abs().amax(-1, keepdim=True) if per_sequence else lam.abs().amax()
-    return lam.abs() > tol * scale
+def _kept(lam: torch.Tensor, tol: float) -> torch.Tensor:
+    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` times their own sequence's largest."""
+    return lam.abs() > tol * lam.abs().amax(-1, keepdim=True)
 
 
-def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def eig_lowrank(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric per-sequence loss Hessians
-    ``hess`` ``(B, m, m)`` that stand above rounding. Derived here, docs/derivations.md §7.
+    ``hess`` ``(B, m, m)`` that stand above rounding, each sequence judged on its own.
+    Derived here, docs/derivations.md §7.
 
-    Kept: :math:`|\lambda_{br}| > \sqrt m\,\epsilon\,s`, with ``s`` the largest :math:`|\lambda|` of
-    the batch, or of sequence ``b`` when ``per_sequence`` (up to the range finder's blind spot
-    below): :math:`\sqrt m\,\epsilon\,s` is the
-    spectral norm of an ``m × m`` rounding error of relative size :math:`\epsilon` (a bound of
-    ``m ε s`` dropped real directions in float32: the report's batch came out 1e-4 off). The batch's scale suits a sum over
-    sequences (the weight blocks of the batch Hessian: a confidently classified sequence's
-    rounding noise, absolute, would otherwise pass for dozens of directions); each
-    sequence's own scale suits results per sequence (the ``X`` blocks, per-sample Hessians).
-    The batch is the ``B`` given: :func:`blockhess.hessian` passes the sequences of one pass
-    (all of them unless the batch's factors exceed its pass memory), so a pass of only
-    confidently classified sequences keeps some rounding directions, a cost and not an error.
-    ``R`` is the largest count over the batch (at least 1); a sequence with fewer has zero
-    ``lam`` in the rest.
+    Kept: :math:`|\lambda_{br}| > \sqrt m\,\epsilon\,s_b`, :math:`s_b` the largest :math:`|\lambda|`
+    of sequence ``b`` (up to the range finder's blind spot below): :math:`\sqrt m\,\epsilon\,s_b` is
+    the spectral norm of an ``m × m`` rounding error of relative size :math:`\epsilon` in
+    :math:`\Omega_b`. So the dropped part :math:`D_b` has :math:`\|D_b\|_2 \le \sqrt m\,\epsilon\,s_b`,
+    and any sum :math:`\sum_b J_b^\top\Omega_b J_b` built from the eigenpairs is off by at most
+    :math:`\sqrt m\,\epsilon\sum_b s_b\|J_b\|_2^2`: each sequence's term to its own rounding,
+    whatever the other sequences' scales or Jacobians (a batch gives the mean of its
+    single-sequence results to rounding, however it is split into passes). Cost, not
+    error: a sequence whose :math:`\Omega_b` carries rounding noise above its own
+    :math:`\sqrt m\,\epsilon\,s_b` (an absolute noise, e.g. a confidently classified sequence's
+    ``diag p - p pᵀ``) keeps those noise directions. ``R`` is the largest count over the batch
+    (at least 1); a sequence with fewer has zero ``lam`` in the rest.
 
     The range comes first, by a randomised range finder: ``Q = orth(hess @ G)`` for a fixed
     Gaussian ``G`` of ``p = RANGE_PROBE`` columns, accepted when ``CHECK_PROBE`` further
-    Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega\|_F`
-    (the batch's largest or the sequence's own, as above) for every sequence, and when the small
-    :math:`S_b = Q^\top\Omega_b Q`, diagonalised, keeps at most ``p - RANGE_SLACK`` directions in
-    every sequence; then :math:`\Omega_b = Q S_b Q^\top` to rounding. Otherwise ``p`` doubles
-    (the wider sketch keeps the columns already multiplied, the check columns included, and
-    adds fresh ones, the last ``CHECK_PROBE`` of which check it);
+    Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega_b\|_F`
+    for every sequence, and when the small :math:`S_b = Q^\top\Omega_b Q`, diagonalised, keeps at
+    most ``p - RANGE_SLACK`` directions in every sequence; then :math:`\Omega_b = Q S_b Q^\top` to
+    rounding. Otherwise ``p`` doubles (the wider sketch keeps the columns already multiplied,
+    the check columns included, and adds fresh ones, the last ``CHECK_PROBE`` of which check it);
     from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
     residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
     direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
@@ -254,9 +252,9 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
         Q = torch.linalg.qr(Y[..., :p]).Q  # (B, m, p)
         P = Y[..., p:]  # the newest columns, independent of Q
         missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax(-1)  # (B,)
-        if bool((missed <= m * eps * (norms if per_sequence else norms.amax())).all()):
+        if bool((missed <= m * eps * norms).all()):
             lam, U = linalg.eigh(Q.mT @ (hess @ Q))
-            keep = _kept(lam, tol, per_sequence)
+            keep = _kept(lam, tol)
             if int(keep.sum(-1).max()) <= p - RANGE_SLACK:
                 W = Q @ U
             else:
@@ -264,7 +262,7 @@ def eig_lowrank(hess: torch.Tensor, per_sequence: bool = False) -> tuple[torch.T
         p *= 2
     if lam is None:
         lam, W = linalg.eigh(hess)
-        keep = _kept(lam, tol, per_sequence)
+        keep = _kept(lam, tol)
     R = max(int(keep.sum(-1).max()), 1)
     order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
     return (lam * keep).gather(1, order), W.gather(2, order[:, None, :].expand(B, m, R))

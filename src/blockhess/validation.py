@@ -16,8 +16,8 @@ import warnings
 import psutil
 import torch
 
-__all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance",
-           "check_int", "check_eps", "check_bool"]
+__all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_result", "check_params", "check_fits",
+           "check_ln_variance", "check_int", "check_eps", "check_bool"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
@@ -76,16 +76,34 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
 def check_finite(named: dict[str, torch.Tensor], why: str = "") -> None:
     """Every tensor of ``named`` (name → tensor, one dtype and device) must be free of NaN and Inf.
 
-    Fast path: one sum over all entries (a NaN or Inf anywhere makes it non-finite); only
-    then are the tensors searched one by one, to name the first offender in the
-    ``ValueError`` (``why`` appended; a sum that merely overflowed finds none and passes).
+    Fast path: one sum over all entries (a NaN or Inf anywhere makes it non-finite), each
+    tensor summed where it lies (a view into a larger buffer is not copied); only then are
+    the tensors searched one by one, to name the first offender in the ``ValueError``
+    (``why`` appended; a sum that merely overflowed finds none and passes).
     """
-    ts = [t.detach().reshape(-1) for t in named.values()]
-    if math.isfinite((ts[0] if len(ts) == 1 else torch.cat(ts)).sum()):
+    sums = [t.detach().sum() for t in named.values()]
+    if math.isfinite(sums[0] if len(sums) == 1 else torch.stack(sums).sum()):
         return
     for name, t in named.items():
         if not torch.isfinite(t).all():
             raise ValueError(f"{name} contains NaN or Inf{why}")
+
+
+def check_result(named: dict[str, torch.Tensor]) -> None:
+    """A result computed from checked, finite inputs must be finite: the last check of the entry
+    points (Hessians, Jacobians, LayerNorm derivatives), one sum as :func:`check_finite`.
+
+    A NaN or Inf there means a value overflowed the dtype while the closed form was evaluated
+    (the true result overflows, or a product on the way does), e.g. LayerNorm rows of tiny
+    ``var + ln_eps``: each LayerNorm multiplies a Jacobian by ``1/sigma`` and its Hessian by
+    ``1/sigma^2``, and a block's Hessian carries both LayerNorms' (docs/derivations.md §3).
+    Raises ``ValueError`` naming the first non-finite tensor of ``named``; with ``out=`` the
+    buffer then holds that partial result.
+    """
+    t = next(iter(named.values()))
+    check_finite(named, f": a value overflowed {t.dtype} while it was computed from finite inputs (e.g. LayerNorm "
+                        "rows of tiny var + ln_eps: 1/sigma enters a block's Hessian up to four times); rescale X or "
+                        "the weights, or use a larger ln_eps")
 
 
 def detached(params: dict, X: torch.Tensor, target=None) -> tuple:
@@ -115,34 +133,48 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
 
 
 def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False, first: int = 0) -> None:
-    """Every LayerNorm input row must have a finite variance, large enough that ``1/sigma^2``
-    is representable, and with ``eps = 0`` not zero (the paper's Assumption 2).
+    r"""Every LayerNorm input row must have a finite variance ``var``, and its
+    :math:`\sigma^2 = \mathrm{var} + \varepsilon` (``eps`` the LayerNorm's ``ln_eps``) must stand
+    above the rounding of the row's values by at least ``tiny / e``:
 
-    * A non-finite variance: a NaN or Inf in ``U`` (``computed``: ``U`` comes from finite
-      inputs inside the block, so the forward pass overflowed), or a row whose spread
-      overflows the dtype.
-    * With ``eps = 0``: a row counts as constant when its variance is at most ``e^2`` times
-      its mean square (variance plus squared mean), ``e`` the dtype's machine epsilon: its
-      spread is below the rounding of its values; and the variance must be at least
-      ``tiny / e`` (``tiny`` the smallest normal number; about 1e-292 in float64, 1e-31 in
-      float32): below it the Hessian's ``1/sigma^2`` factors overflow.
+    .. math::
+        \mathrm{var} + \varepsilon - e^2(\mathrm{var} + \mathrm{mean}^2) \ge (1 - e^2)\,\mathit{tiny}/e,
 
-    One test for the whole tensor (a clamp that changes nothing); the offending row is looked
-    up only to raise. ``stats``: ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the
-    caller has it. Raises ``ValueError`` naming ``name`` and the first offending row (of a
-    batch ``U`` of shape ``(B, L, d)``: ``(b, t)``, ``b`` counted from ``first``).
+    ``e`` the dtype's machine epsilon, ``tiny`` its smallest normal number (``tiny / e`` is about
+    1e-292 in float64, 1e-31 in float32). Derived in docs/derivations.md §3, the two reasons:
+
+    * precision: the centred entries ``x - mean`` carry a rounding of about ``e`` times the
+      row's root mean square :math:`\sqrt{\mathrm{var} + \mathrm{mean}^2}`, and the normalised
+      entries ``y = (x - mean) r``, :math:`r = 1/\sigma`, that rounding times ``r``; at
+      :math:`\sigma \le e\sqrt{\mathrm{var} + \mathrm{mean}^2}` it reaches 1, the size of ``y``
+      itself, so ``y`` and every derivative built from it (the Jacobian ``r(C - y y^T/d)``, the
+      Hessian ``r^2`` times terms linear in ``y``: ``r^3`` times centred entries) has no correct
+      digit. With ``eps = 0`` that is a row of zero variance to the dtype's precision, the
+      paper's Assumption 2; with ``eps > 0`` a row constant to rounding whose ``eps`` is below
+      its values' squared rounding (a constant row of zeros is exact and passes this part).
+    * overflow: :math:`r^2 = 1/\sigma^2 \le e/\mathit{tiny} \approx e \cdot \mathrm{max}/4` (IEEE:
+      ``tiny * max = 4``), so the LayerNorm's own Hessian factor ``r^2`` leaves a margin of
+      ``4/e`` below the largest number for the bounded terms it multiplies (``|y| <= sqrt(d)``).
+
+    A non-finite variance is a NaN or Inf in ``U`` (``computed``: ``U`` comes from finite inputs
+    inside the block, so the forward pass overflowed), or a row whose spread overflows the dtype.
+    A block's Hessian multiplies the ``r`` of two LayerNorms (up to :math:`r_1^2 r_2^2`), which
+    no per-row test decides; the entry points check their results as well (:func:`check_result`).
+
+    One test for the whole tensor; the offending row is looked up only to raise. ``stats``:
+    ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller has it. Raises
+    ``ValueError`` naming ``name`` and the first offending row (of a batch ``U`` of shape
+    ``(B, L, d)``: ``(b, t)``, ``b`` counted from ``first``).
     """
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
     fi = torch.finfo(U.dtype)
     small, e2 = fi.tiny / fi.eps, fi.eps**2
-    q, low = var, 0.0  # every row must have low <= q <= the largest finite number (NaN fails)
-    if not eps > 0:  # var > e2 (var + mean^2) and var >= small: var - (eps mean)^2 / (1 - e2) >= small, cannot overflow
-        me = mean * fi.eps
-        q, low = torch.addcmul(var, me, me, value=-1 / (1 - e2)), small
-    clamped = q.clamp(low, fi.max)
-    if torch.equal(clamped, q):
+    me = mean * fi.eps  # the rounding of the row's values is e sqrt(var + mean^2): e mean, e^2 var folded in below
+    q = var + (eps - me * me) / (1 - e2)  # sigma^2 minus that rounding, / (1 - e^2) (inf passes; var <= max apart)
+    bad = ~((q >= small) & (var <= fi.max))  # NaN fails both
+    if not bool(bad.any()):
         return
-    row = tuple((clamped != q)[..., 0].nonzero()[0].tolist())
+    row = tuple(bad[..., 0].nonzero()[0].tolist())
     shown = (row[0] + first, *row[1:]) if len(row) == 2 else row
     where = f"LayerNorm input row {shown}" if row else "the LayerNorm input row"
     if not torch.isfinite(U).all():
@@ -155,11 +187,21 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
         raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
     me = m * fi.eps  # products, not **: a Python float power raises OverflowError where * gives inf
-    if v <= me * me / (1 - e2) and (v >= small or m * m >= small or v == 0):
-        raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
-                         "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
-    raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
-                     f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
+    noise = me * me / (1 - e2)
+    if not eps > 0:
+        if v <= noise and (v >= small or m * m >= small or v == 0):
+            raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
+                             "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
+        raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
+                         f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
+    need = (1 - e2) * (small - v) + me * me  # the smallest ln_eps that passes, to rounding
+    if v + eps <= noise:
+        raise ValueError(f"{name}: {where} is constant to the rounding of its values (variance {v:.3g}) and ln_eps={eps:.3g} "
+                         f"is below their squared rounding {noise:.3g}: its normalised entries, that rounding times "
+                         f"1/sigma, carry no correct digit; use ln_eps > {need:.3g} or other inputs")
+    raise ValueError(f"{name}: the variance of {where} plus ln_eps is {v + eps:.3g}, below {small + noise:.3g} "
+                     f"({small:.3g} plus its values' squared rounding), where {U.dtype} loses precision and 1/sigma^2 "
+                     f"overflows; use ln_eps > {need:.3g} or rescale the inputs")
 
 
 def tf32_enabled() -> bool:

@@ -184,7 +184,7 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
         own.append(("b_1", "W_2", torch.einsum("tb,tc->cb", c.D, g), (0, 1)))
     if pre:  # LN_2 inside the FFN (pre-LN)
         g_Yf = g_H @ c.W_1.T
-        gamma = layernorm.contract_hessian(c.Y, g_Yf, c.ln_eps, c.gamma)
+        gamma = layernorm._contract_hessian(c.Y, g_Yf, c.ln_eps, c.gamma)
         if "gamma_2" in names:
             cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
             own.append(("gamma_2", "W_1", torch.einsum("ta,tb->ba", c.n, g_H), (0, 1)))

@@ -13,6 +13,10 @@ per-token closed forms (paper §2.4–2.5, equivalent to the P·M Kronecker form
     \Big(y_c C_{ab} + y_b C_{ac} + y_a C_{bc} - \frac{3 y_a y_b y_c}{d}\Big).
 
 Both hold for ``eps >= 0``; with ``eps = 0`` each row needs non-zero variance (Assumption 2).
+The public functions check every row as :func:`~blockhess.validation.check_ln_variance` does:
+``var + eps`` must stand above the rounding of the row's values (else the normalised entries
+carry no correct digit) and above ``tiny/e`` (else ``1/sigma^2`` overflows); and their results
+must be finite (:func:`~blockhess.validation.check_result`). Derived in docs/derivations.md §3.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 
 import torch
 
-from ..validation import check_eps, check_fits, check_ln_variance, check_tensor
+from ..validation import check_eps, check_fits, check_ln_variance, check_result, check_tensor
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian"]
 
@@ -52,8 +56,21 @@ def _centering_cached(d: int, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def forward(X: torch.Tensor, eps: float = 0.0, gamma=None, beta=None) -> torch.Tensor:
-    """LayerNorm of the rows of ``X`` (shape ``(..., d)``), same shape and dtype. No checks."""
-    return _affine(_normalise(X, eps)[0], gamma, beta)
+    """LayerNorm of the rows of ``X`` (shape ``(..., d)``), same shape and dtype; ``gamma``,
+    ``beta`` of shape ``(d,)`` or ``None``.
+
+    Raises ``ValueError`` as :func:`jacobian` (``X`` of any shape ``(..., d)``), for ``beta``
+    of the wrong shape, dtype or device, and for an output with a NaN or Inf (``gamma * y``
+    overflowing).
+    """
+    stats = _check(X, eps, gamma, dense=False)
+    if beta is not None:
+        check_tensor("beta", beta, ndim=(1,), like=X)
+        if beta.shape[0] != X.shape[-1]:
+            raise ValueError(f"beta must have shape ({X.shape[-1]},), got {tuple(beta.shape)}")
+    out = _affine(_normalise(X, eps, stats)[0], gamma, beta)
+    check_result({"the LayerNorm output": out})
+    return out
 
 
 def _affine(y: torch.Tensor, gamma=None, beta=None) -> torch.Tensor:
@@ -84,14 +101,8 @@ def _compact_hessian(X, eps, gamma, stats=None):
     return H if gamma is None else gamma[:, None, None] * H
 
 
-def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
-    r"""Per-token contraction :math:`\Gamma_t = \sum_a G_{ta}\,\partial^2\mathrm{LN}_{ta}/\partial x_t^2`.
-
-    ``X`` and ``G`` of shape ``(..., d)``; returns ``(..., d, d)``, symmetric:
-    :math:`\Gamma = -\frac{1}{d\sigma^2}\big(\hat g y^\top + y\hat g^\top + s\,C - 3 s\, y y^\top/d\big)`,
-    :math:`\tilde g = \gamma\odot G`, :math:`\hat g = C\tilde g`, :math:`s = \tilde g^\top y`.
-    Derived here from Theorem 3 (docs/derivations.md). No input checks (kernel).
-    """
+def _contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
+    """:func:`contract_hessian` without checks (kernel, ``vmap``-traceable)."""
     y, r = _normalise(X, eps)
     d = X.shape[-1]
     g = G if gamma is None else G * gamma
@@ -119,6 +130,27 @@ def _check(X, eps, gamma, dense: bool):
     return stats
 
 
+def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
+    r"""Per-token contraction :math:`\Gamma_t = \sum_a G_{ta}\,\partial^2\mathrm{LN}_{ta}/\partial x_t^2`.
+
+    ``X`` and ``G`` of shape ``(..., d)``; returns ``(..., d, d)``, symmetric:
+    :math:`\Gamma = -\frac{1}{d\sigma^2}\big(\hat g y^\top + y\hat g^\top + s\,C - 3 s\, y y^\top/d\big)`,
+    :math:`\tilde g = \gamma\odot G`, :math:`\hat g = C\tilde g`, :math:`s = \tilde g^\top y`.
+    Derived here from Theorem 3 (docs/derivations.md).
+
+    Raises ``ValueError`` as :func:`jacobian` for ``X``, ``eps`` and ``gamma`` (``X`` of any
+    shape ``(..., d)``), for ``G`` not a finite float tensor of ``X``'s shape, dtype and device,
+    and for a result with a NaN or Inf.
+    """
+    _check(X, eps, gamma, dense=False)
+    check_tensor("G", G, like=X)
+    if G.shape != X.shape:
+        raise ValueError(f"G must have the shape of X {tuple(X.shape)}, got {tuple(G.shape)}")
+    Gam = _contract_hessian(X, G, eps, gamma)
+    check_result({"the contracted LayerNorm Hessian": Gam})
+    return Gam
+
+
 def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False) -> torch.Tensor:
     r"""Jacobian of LayerNorm w.r.t. its input ``X`` of shape ``(..., L, d)`` (Theorem 2).
 
@@ -131,16 +163,22 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
     ------
     ValueError
         ``X`` not floating or with NaN/Inf; ``eps < 0``; ``gamma`` of the wrong shape,
-        dtype or device; a row of zero variance with ``eps = 0`` (Assumption 2).
+        dtype or device; a row whose ``var + eps`` does not stand above its values' rounding
+        and ``tiny/e`` (with ``eps = 0``: zero or underflowing variance, Assumption 2;
+        :func:`~blockhess.validation.check_ln_variance`); a result with a NaN or Inf (e.g. a
+        large ``gamma`` times ``1/sigma^2``).
     InsufficientMemoryError
         The dense layout would not fit in available memory (bytes in the message).
     """
     stats = _check(X, eps, gamma, dense=not compact)
-    if compact:
-        return _compact_jacobian(X, eps, gamma, stats)
     batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
-    J = _compact_jacobian(X, eps, gamma, stats).reshape(-1, L, d, d)
+    if not compact:
+        check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
+    J = _compact_jacobian(X, eps, gamma, stats)
+    check_result({"the LayerNorm Jacobian": J})  # the per-token blocks: the dense layout adds only zeros
+    if compact:
+        return J
+    J = J.reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
     torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
     return dense.reshape(*batch, L * d, L * d)
@@ -155,11 +193,14 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
     """
     stats = _check(X, eps, gamma, dense=not compact)
-    if compact:
-        return _compact_hessian(X, eps, gamma, stats)
     batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
-    H = _compact_hessian(X, eps, gamma, stats).reshape(-1, L, d, d, d)
+    if not compact:
+        check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
+    H = _compact_hessian(X, eps, gamma, stats)
+    check_result({"the LayerNorm Hessian": H})  # the per-token blocks: the dense layout adds only zeros
+    if compact:
+        return H
+    H = H.reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
     dense[:, t, :, t, :, t, :] = H.transpose(0, 1)  # entries where output and both inputs share a token
