@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import blockhess as bh
-from blockhess.experiments import vit as V
+from blockhess_lab import vit as V
 
 CUDA = os.environ.get("BLOCKHESS_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")

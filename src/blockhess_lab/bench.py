@@ -15,7 +15,7 @@ What is measured (benchmarks/README.md; the targets are the project's, beside th
 (c) the largest n whose full Hessian the closed form computes within the memory cap, and
     whether each baseline can.
 
-How: every job runs in a fresh subprocess (:mod:`blockhess.experiments.bench_worker`)
+How: every job runs in a fresh subprocess (:mod:`blockhess_lab.bench_worker`)
 watched by this process, which kills it when its resident memory passes the cap or the
 machine runs low (recorded as out of memory) or when it runs past its time limit. Within
 a job the methods are warmed up and timed in interleaved rounds (median and quartiles);
@@ -147,7 +147,7 @@ def _git_commit() -> str | None:
 def environment(args) -> dict:
     import torch
 
-    from ..validation import tf32_enabled
+    from blockhess.validation import tf32_enabled
 
     vm = psutil.virtual_memory()
     return {
@@ -314,7 +314,7 @@ class Runner:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
         t0 = time.perf_counter()
         with open(lp, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "blockhess.experiments.bench_worker", jp, op], stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "blockhess_lab.bench_worker", jp, op], stdout=log, stderr=subprocess.STDOUT, env=env)
             killed, max_rss = None, 0
             ps = psutil.Process(proc.pid)
             while proc.poll() is None:

@@ -1,6 +1,6 @@
 """One benchmark job of ``blockhess bench``, run in a fresh subprocess.
 
-``python -m blockhess.experiments.bench_worker JOB.json RESULT.json``
+``python -m blockhess_lab.bench_worker JOB.json RESULT.json``
 
 A job names a *problem* (what is computed: a component Jacobian or the full loss Hessian
 of the paper's block at one size, dtype and loss) and a list of *methods* that compute the

@@ -1,7 +1,7 @@
 r"""``blockhess convergence``: loss-landscape convergence with dataset size (Theorem 7) on the digits ViT.
 
 The parameters ``w`` are the block's weights (``W_Q, W_K, W_V, W_1, W_2``) of the trained
-digits ViT (:mod:`blockhess.experiments.vit`); the embedding and the head are fixed, so the
+digits ViT (:mod:`blockhess_lab.vit`); the embedding and the head are fixed, so the
 per-sample loss :math:`l_i(w)` is ``vit.head_loss`` of the block output, and its exact
 Hessian is the closed form (:func:`blockhess.convergence.per_sample_hessians`, batched).
 With :math:`L_k = \frac1k\sum_{i\le k} l_i` (paper §4):
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .. import convergence as cv
+from blockhess import convergence as cv
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
@@ -176,7 +176,7 @@ def _finite(x):
 
 
 def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
-    """Run every measurement on ``model`` (a :class:`~blockhess.experiments.vit.TrainedViT` or
+    """Run every measurement on ``model`` (a :class:`~blockhess_lab.vit.TrainedViT` or
     anything with its ``cfg``, ``block_params``, ``embed``, ``head_loss``, ``train_images``,
     ``train_labels``). Returns ``(result, arrays)``: the JSON-ready dict and the arrays the
     figures need. Raises ``ValueError`` as the closed form does."""
@@ -252,7 +252,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     thm6 = {"available": False, "M": None, "M_paper": None, "note": ""}
     if s.theorem6:
         try:
-            from .. import bounds
+            from blockhess import bounds
 
             vals = []
             bar = progress(total=m, quiet=quiet, desc="Theorem 6 bounds", unit="sample")

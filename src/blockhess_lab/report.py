@@ -1,6 +1,6 @@
 r"""``blockhess report``: the exact Hessian of a trained Transformer block, checked against autograd.
 
-On a fixed batch of training images of the digits ViT (:mod:`~blockhess.experiments.vit`),
+On a fixed batch of training images of the digits ViT (:mod:`~blockhess_lab.vit`),
 at initialisation and at the trained weights:
 
 1. the exact Hessian of the model's mean cross-entropy w.r.t. the block's weights
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ..blocks import pairs
-from ..hessian import hessian as closed_form_hessian
-from .. import linalg, reference
+from blockhess.blocks import pairs
+from blockhess.hessian import hessian as closed_form_hessian
+from blockhess import linalg, reference
 from . import plots
 from . import vit as vitmod
 from .outputs import atomic_dir, out_help, write_json

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import linalg
+from blockhess import linalg
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, progress, torch_threads
 
