@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure; about 25 s)"
 
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     res = {
         "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
         "paper_failures": fails, "valid_violations": viol, "trained": trained_info,
-        "environment": env,
+        "environment": {**env, "load_average_at_end": load_average()},
         "trained_runtime_s": t_trained,
     }
     res["runtime_s"] = time.perf_counter() - t0

@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 
 from blockhess import convergence as cv
+from blockhess.linalg import rel_error
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
 
@@ -182,6 +183,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     figures need. Raises ``ValueError`` as the closed form does."""
     s = settings
     s.check()
+    env = environment()
     t_start = time.perf_counter()
     timing = {}
     dt = torch.float64
@@ -307,14 +309,14 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
                 "first_order": cv.taylor_losses(l0h, eps * stats.grad_dot[:, j]),
             }
             Da = cv.ordering_differences(actual, t_orders)
-            shift = (Da - D0).norm()  # the part of the difference that δ causes
+            shift = float((Da - D0).norm())  # the part of the difference that δ causes
             for key, pred in preds.items():
                 Dp = cv.ordering_differences(pred, t_orders)
-                errs[key].append(float((Dp - Da).norm() / Da.norm()))
-                errs[f"change_{key}"].append(float((Dp - Da).norm() / shift))
-            change = (actual - l0h).norm()
-            errs["loss_second_order"].append(float((preds["second_order"] - actual).norm() / change))
-            errs["loss_assumption1"].append(float((preds["assumption1"] - actual).norm() / change))
+                errs[key].append(rel_error(Dp, Da))
+                errs[f"change_{key}"].append(rel_error(Dp, Da, shift))
+            change = float((actual - l0h).norm())
+            errs["loss_second_order"].append(rel_error(preds["second_order"], actual, change))
+            errs["loss_assumption1"].append(rel_error(preds["assumption1"], actual, change))
             if j == 0:  # per-sample Hessian norms at w* + δ (direction 0), on the path subset
                 sp = cv.per_sample_statistics(cv.perturb(params, delta, cfg), X[hidx][pidx], cfg, loss=loss,
                                               target=labels[hidx][pidx], chunk_size=s.chunk_size,
@@ -451,7 +453,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
         },
         "settings": {**asdict(s), "deltas": list(s.deltas), "gradient_seeds": list(s.gradient_seeds)},
         "timing": timing,
-        "environment": environment(),
+        "environment": {**env, "load_average_at_end": load_average()},
     }
     arrays = {"k": k, "mean_abs": mean_abs, "max_abs": max_abs, "single": single, "single_paper": single_paper,
               "kb": kb, "smooth": smooth, "fit": fit, "mad": mad, "bound0": bound0, "nb": nb, "db": db,

@@ -1,17 +1,23 @@
-"""What every command shares about the machine: its torch thread count and a record of
+"""What every command shares about the machine: its torch thread count and the one record of
 the environment that goes into each JSON next to the timings."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import platform
+import subprocess
 import sys
-import time
+from importlib import metadata
 
+import psutil
 import torch
 
-__all__ = ["positive_int", "add_threads_argument", "torch_threads", "progress", "cpu_model", "environment"]
+__all__ = ["positive_int", "add_threads_argument", "torch_threads", "progress", "cpu_model", "load_average",
+           "package_version", "git_commit", "environment"]
+
+GiB = 1024**3
 
 
 def positive_int(text: str) -> int:
@@ -72,11 +78,70 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment() -> dict:
-    """Torch and Python versions, threads in use, CPU model and count, load average, date."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages now; ``None`` where the platform has none."""
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``; ``None`` when it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout this code runs from (``+dirty`` with uncommitted changes
+    to tracked files); ``None`` outside a git checkout or without git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: str = "cpu") -> dict:
+    """The record of the machine and software a command runs on, the same in every command's JSON
+    (``environment``; bench's ``env`` and each bench job's). Take it when the work starts, inside
+    :func:`torch_threads`: ``threads`` is torch's intra-op thread count in this process then, and
+    ``memory_available_gib_at_start`` and ``load_average_at_start`` (1, 5, 15 min; ``None`` where
+    the platform has none) are measured then; a command adds what it measures later
+    (``load_average_at_end``). Keys: ``date`` (UTC, ISO 8601), ``python``, ``platform``, ``torch``,
+    ``numpy``, ``blockhess_commit`` (:func:`git_commit`), ``threads``, ``interop_threads``,
+    ``cpu_model``, ``logical_cpus``, ``physical_cpus``, ``memory_total_gib``,
+    ``memory_available_gib_at_start``, ``load_average_at_start``, ``cuda``: for a ``device`` of type
+    ``cuda``, the GPU's name, the CUDA version and whether TF32 matmuls are on; else ``None``.
+    """
+    vm = psutil.virtual_memory()
+    cuda = None
+    if torch.device(device).type == "cuda":
+        from blockhess.validation import tf32_enabled
+
+        cuda = {"device": torch.cuda.get_device_name(torch.device(device)), "version": torch.version.cuda,
+                "tf32": tf32_enabled()}
     return {
-        "torch": str(torch.__version__), "python": platform.python_version(), "threads": torch.get_num_threads(),
-        "cpu": cpu_model(), "cpus": os.cpu_count(), "load_average": list(load) if load else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": str(torch.__version__),
+        "numpy": package_version("numpy"),
+        "blockhess_commit": git_commit(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "memory_total_gib": round(vm.total / GiB, 2),
+        "memory_available_gib_at_start": round(vm.available / GiB, 2),
+        "load_average_at_start": load_average(),
+        "cuda": cuda,
     }
