@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
-#   make run   -> .venv with the package (torch pinned), trains the digits ViT if needed, writes report/
+#   make run   -> .venv with the package and its lab extra (torch pinned), trains the digits ViT if needed, writes report/
 #   make test  -> the same set-up plus the dev dependencies, then the whole test suite
+# The library (import blockhess) needs torch, numpy and psutil only: pip install -e . ; the
+# command line and the experiments (blockhess_lab) need the lab extra: pip install -e '.[lab]'.
 # make docs-data re-runs the commands whose JSON docs/ quotes into runs/ and stores it in docs/data/
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +14,7 @@ CONSTRAINTS := constraints.txt
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -c $(CONSTRAINTS) -e .
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[lab]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

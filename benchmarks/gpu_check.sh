@@ -37,8 +37,8 @@ for step in "a 150 --cases a --no-memory" \
             "b 270 --cases b --only b/mse/8x16x32,b/mse/16x32x64,b/mse/32x64x128 --disable curvlinops,jax"; do
     read -r name cap opts <<<"$step"
     # shellcheck disable=SC2086  # the options are meant to split
-    timeout -k 10 "$cap" python3 -m blockhess.cli bench --device cuda --out "$work/$name" $opts || fail $?
-    pkill -f blockhess.experiments.bench_worker  # a worker of a stopped step would hold the GPU
+    timeout -k 10 "$cap" python3 -m blockhess bench --device cuda --out "$work/$name" $opts || fail $?
+    pkill -f blockhess_lab.bench_worker  # a worker of a stopped step would hold the GPU
     cp "$work/$name/bench.json" "$out/bench-$name.json" 2>/dev/null
     cp "$work/$name/bench.md" "$out/bench-$name.md" 2>/dev/null
 done

@@ -12,20 +12,20 @@ import pytest
 import torch
 
 import blockhess as bh
+from blockhess.linalg import rel_error
 
 TOL = 1e-10
 
 
 def rel_err(A: torch.Tensor, B: torch.Tensor, scale: float | None = None) -> float:
-    """``‖A − B‖_F / ‖B‖_F``; ``‖A − B‖_F / scale`` when ``‖B‖_F`` is below ``1e-12·scale``."""
+    """:func:`blockhess.linalg.rel_error` ``‖A − B‖_F / ‖B‖_F``; ``‖A − B‖_F / scale`` when ``‖B‖_F``
+    is below ``1e-12·scale`` (a reference that is zero up to rounding)."""
     assert A.shape == B.shape, f"shape {tuple(A.shape)} != reference {tuple(B.shape)}"
-    diff = (A - B).norm().item()
     ref = B.norm().item()
-    floor = 1e-12 * (scale if scale is not None else 0.0)
-    if ref <= floor:
+    if ref <= 1e-12 * (scale if scale is not None else 0.0):
         assert scale, "reference is exactly zero: give a scale"
-        return diff / scale
-    return diff / ref
+        return rel_error(A, B, scale)
+    return rel_error(A, B)
 
 
 def assert_close(A, B, scale=None, tol=TOL, what=""):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import blockhess as bh
-from blockhess import cli
-from blockhess.experiments import bench
+from blockhess_lab import cli
+from blockhess_lab import bench
 
 
 def _args(tmp_path, *extra):
@@ -88,7 +88,7 @@ def test_jax_block_matches_closed_form():
     pytest.importorskip("jax")
     import numpy as np
 
-    from blockhess.experiments import bench_jax
+    from blockhess_lab import bench_jax
 
     cfg = bh.BlockConfig(d_model=4, d_ff=6, d_k=3)
     params = bh.init_params(cfg, seed=3)
@@ -121,7 +121,7 @@ def test_out_of_other_files_is_refused_before_any_case(tmp_path):
 
 
 def test_results_folder_is_marked(quick):
-    from blockhess.experiments.outputs import MARKER
+    from blockhess_lab.outputs import MARKER
 
     out, _ = quick
     assert (out / MARKER).is_file()

@@ -12,7 +12,7 @@ import torch
 
 import blockhess as bh
 from blockhess import bounds
-from blockhess.experiments.runtime import torch_threads
+from blockhess_lab.runtime import torch_threads
 
 TOL = 1e-9  # relative slack for rounding in the exact norms
 
@@ -202,7 +202,7 @@ def test_bounds_command_random_part(tmp_path, monkeypatch):
     import argparse
     import json
 
-    from blockhess.experiments import bounds as cmd
+    from blockhess_lab import bounds as cmd
 
     monkeypatch.setattr(cmd, "RANDOM_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
     monkeypatch.setattr(cmd, "SWEEP_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
@@ -243,7 +243,7 @@ def test_exact_norms_needs_the_parts():
 
 
 def test_bounds_md_names_the_largest_cancellation_from_the_run():
-    from blockhess.experiments.bounds import _cancellation
+    from blockhess_lab.bounds import _cancellation
 
     row = lambda b, n, o, f: {"block": b, "norm": n, "outer_norm": o, "functional_norm": f}  # noqa: E731
     tables = [{"name": "A", "rows": [row("W_Q,W_Q", 1.0, 3.0, 2.5), row("W_V,W_V", 0.0, 0.0, 0.0)]},

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import blockhess
-from blockhess import cli
-from blockhess.experiments import bench, validate
+from blockhess_lab import cli
+from blockhess_lab import bench, validate
 from blockhess.validation import InsufficientMemoryError
 
 SRC = str(Path(blockhess.__file__).resolve().parents[1])
@@ -41,7 +41,7 @@ def test_python_m_blockhess_is_the_console_script(capsys, monkeypatch):
 def fake_command(monkeypatch):
     """A command ``fake`` whose run raises what the test puts in ``box``."""
     box = {}
-    mod = types.ModuleType("blockhess.experiments._fake_command")
+    mod = types.ModuleType("blockhess_lab._fake_command")
     mod.HELP = "a command of the tests"
     mod.add_arguments = lambda p: p.add_argument("--out", default="x")
 
@@ -78,7 +78,7 @@ def test_a_bug_is_not_reported_as_bad_input(fake_command, capsys, exc):
 
 def test_a_bug_shows_its_traceback_from_python_m(tmp_path):
     plugin = tmp_path / "sitecustomize.py"  # makes validate's run a bug before the interpreter starts the CLI
-    plugin.write_text("import blockhess.experiments.validate as v\n"
+    plugin.write_text("import blockhess_lab.validate as v\n"
                       "def run(args):\n    raise RuntimeError('an internal invariant failed')\n"
                       "v.run = run\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), SRC])}
@@ -97,7 +97,7 @@ def test_ctrl_c_is_one_line_and_exit_130(fake_command, capsys):
 
 def _parser(name):
     p = argparse.ArgumentParser(prog=f"blockhess {name}")
-    __import__(f"blockhess.experiments.{cli.COMMANDS[name]}", fromlist=["x"]).add_arguments(p)
+    __import__(f"blockhess_lab.{cli.COMMANDS[name]}", fromlist=["x"]).add_arguments(p)
     return p
 
 
@@ -153,7 +153,7 @@ def test_validate_help_says_what_it_checks(capsys):
 
 
 def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeypatch, capsys):
-    from blockhess.experiments import bounds as cmd
+    from blockhess_lab import bounds as cmd
 
     monkeypatch.setattr(cmd, "RANDOM_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})
     monkeypatch.setattr(cmd, "SWEEP_SIZE", {"d_model": 4, "d_k": 2, "d_ff": 6, "L": 3})

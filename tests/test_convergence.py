@@ -311,7 +311,7 @@ def _fake_vit(N=60):
 
 
 def test_driver_writes_json_and_figures(tmp_path):
-    from blockhess.experiments import convergence as exp
+    from blockhess_lab import convergence as exp
 
     out = tmp_path / "conv"
     settings = exp.Settings(
@@ -342,7 +342,7 @@ def test_driver_writes_json_and_figures(tmp_path):
 
 
 def test_describe_run_names_the_preset():
-    from blockhess.experiments import convergence as exp
+    from blockhess_lab import convergence as exp
 
     assert exp.describe_run(exp.QUICK) == {"preset": "quick", "overrides": {}}
     assert exp.describe_run(exp.Settings()) == {"preset": "full", "overrides": {}}
@@ -351,7 +351,7 @@ def test_describe_run_names_the_preset():
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys, monkeypatch):
-    from blockhess import cli
+    from blockhess_lab import cli
 
     assert cli.COMMANDS.get("convergence") == "convergence"
     monkeypatch.setattr(cli, "COMMANDS", {"convergence": "convergence"})  # only this command's module

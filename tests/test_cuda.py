@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 import blockhess as bh
-from blockhess.experiments import vit as V
+from blockhess.linalg import rel_error
+from blockhess_lab import vit as V
 
 CUDA = os.environ.get("BLOCKHESS_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
@@ -40,7 +41,7 @@ def _to(tree, device):
 
 
 def _rel(a, b):
-    return float((a.cpu() - b).norm() / b.norm())
+    return rel_error(a.cpu(), b)
 
 
 def _coupled(Z, T):

@@ -9,7 +9,7 @@ import torch
 
 import blockhess
 from blockhess import convergence
-from blockhess.experiments import vit
+from blockhess_lab import vit
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from blockhess.cli import main
-from blockhess.experiments import vit as V
-from blockhess.experiments.outputs import atomic_dir
+from blockhess_lab.cli import main
+from blockhess_lab import vit as V
+from blockhess_lab.outputs import atomic_dir
 
 TINY = {"patch": 4, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from blockhess.experiments import scaling
-from blockhess.experiments.outputs import MARKER
-from blockhess.experiments.runtime import torch_threads
+from blockhess_lab import scaling
+from blockhess_lab.outputs import MARKER
+from blockhess_lab.runtime import torch_threads
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from blockhess.cli import main
-from blockhess.experiments import validate as V
-from blockhess.experiments.outputs import MARKER, atomic_dir
+from blockhess_lab.cli import main
+from blockhess_lab import validate as V
+from blockhess_lab.outputs import MARKER, atomic_dir
 
 
 def test_validate_quick(tmp_path):
@@ -101,7 +101,7 @@ def test_bad_out_is_refused_before_any_work(tmp_path, monkeypatch, cmd, module, 
     def started(*args, **kwargs):
         raise AssertionError("work started")
 
-    monkeypatch.setattr(importlib.import_module(f"blockhess.experiments.{module}"), work, started)
+    monkeypatch.setattr(importlib.import_module(f"blockhess_lab.{module}"), work, started)
     folder = tmp_path / "work"
     folder.mkdir()
     (folder / "main.py").write_text("code")

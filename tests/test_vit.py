@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 import blockhess as bh
-from blockhess.experiments import vit as V
+from blockhess_lab import vit as V
 
 TINY = {"patch": 2, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
 

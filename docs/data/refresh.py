@@ -98,7 +98,7 @@ def refresh(name: str) -> dict:
     load_start = list(os.getloadavg())
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", "import sys; from blockhess.cli import main; sys.exit(main())", *cmd],
+    proc = subprocess.run([sys.executable, "-c", "import sys; from blockhess_lab.cli import main; sys.exit(main())", *cmd],
                           cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)

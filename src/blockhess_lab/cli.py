@@ -1,4 +1,8 @@
-"""``blockhess`` command line: one subcommand per module of :mod:`blockhess.experiments`.
+"""``blockhess`` command line: one subcommand per module of :mod:`blockhess_lab`.
+
+It needs the ``lab`` extra (``pip install 'blockhess[lab]'``: matplotlib, scikit-learn, SciPy,
+tqdm); without it every invocation, ``--help`` included, prints one line naming what is missing
+and how to install it, and exits with status 2, before anything else is imported.
 
 Every command writes JSON (and figures) into ``--out``. Exit status: 0 on success; 2 for the
 user's mistakes, with one line ``blockhess <command>: error: <reason>`` on stderr: an argument
@@ -15,9 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 
-# subcommand -> module in blockhess.experiments (HELP, add_arguments, run)
+# import name -> distribution: what the lab extra adds to the library's torch, numpy and psutil
+LAB_REQUIRES = {"matplotlib": "matplotlib", "sklearn": "scikit-learn", "scipy": "scipy", "tqdm": "tqdm"}
+
+# subcommand -> module in blockhess_lab (HELP, add_arguments, run)
 COMMANDS = {
     "report": "report",
     "bounds": "bounds",
@@ -35,6 +43,12 @@ def _version() -> str:
         return "(not installed)"
 
 
+def missing_lab_requirements() -> list[str]:
+    """The distributions of :data:`LAB_REQUIRES` that cannot be imported here (none when the
+    ``lab`` extra is installed)."""
+    return [dist for name, dist in LAB_REQUIRES.items() if importlib.util.find_spec(name) is None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockhess",
@@ -43,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"blockhess {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        mod = importlib.import_module(f"blockhess.experiments.{module}")
+        mod = importlib.import_module(f"blockhess_lab.{module}")
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
@@ -51,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    missing = missing_lab_requirements()
+    if missing:
+        print(f"blockhess: the command line needs the 'lab' extra, and {', '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'blockhess[lab]' "
+              "(from a checkout: pip install -e '.[lab]'); the library itself (import blockhess) needs only torch, "
+              "numpy and psutil", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)

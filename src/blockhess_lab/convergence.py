@@ -1,7 +1,7 @@
 r"""``blockhess convergence``: loss-landscape convergence with dataset size (Theorem 7) on the digits ViT.
 
 The parameters ``w`` are the block's weights (``W_Q, W_K, W_V, W_1, W_2``) of the trained
-digits ViT (:mod:`blockhess.experiments.vit`); the embedding and the head are fixed, so the
+digits ViT (:mod:`blockhess_lab.vit`); the embedding and the head are fixed, so the
 per-sample loss :math:`l_i(w)` is ``vit.head_loss`` of the block output, and its exact
 Hessian is the closed form (:func:`blockhess.convergence.per_sample_hessians`, batched).
 With :math:`L_k = \frac1k\sum_{i\le k} l_i` (paper §4):
@@ -46,9 +46,10 @@ from pathlib import Path
 
 import torch
 
-from .. import convergence as cv
+from blockhess import convergence as cv
+from blockhess.linalg import rel_error
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
 
@@ -176,12 +177,13 @@ def _finite(x):
 
 
 def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
-    """Run every measurement on ``model`` (a :class:`~blockhess.experiments.vit.TrainedViT` or
+    """Run every measurement on ``model`` (a :class:`~blockhess_lab.vit.TrainedViT` or
     anything with its ``cfg``, ``block_params``, ``embed``, ``head_loss``, ``train_images``,
     ``train_labels``). Returns ``(result, arrays)``: the JSON-ready dict and the arrays the
     figures need. Raises ``ValueError`` as the closed form does."""
     s = settings
     s.check()
+    env = environment()
     t_start = time.perf_counter()
     timing = {}
     dt = torch.float64
@@ -252,7 +254,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     thm6 = {"available": False, "M": None, "M_paper": None, "note": ""}
     if s.theorem6:
         try:
-            from .. import bounds
+            from blockhess import bounds
 
             vals = []
             bar = progress(total=m, quiet=quiet, desc="Theorem 6 bounds", unit="sample")
@@ -307,14 +309,14 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
                 "first_order": cv.taylor_losses(l0h, eps * stats.grad_dot[:, j]),
             }
             Da = cv.ordering_differences(actual, t_orders)
-            shift = (Da - D0).norm()  # the part of the difference that δ causes
+            shift = float((Da - D0).norm())  # the part of the difference that δ causes
             for key, pred in preds.items():
                 Dp = cv.ordering_differences(pred, t_orders)
-                errs[key].append(float((Dp - Da).norm() / Da.norm()))
-                errs[f"change_{key}"].append(float((Dp - Da).norm() / shift))
-            change = (actual - l0h).norm()
-            errs["loss_second_order"].append(float((preds["second_order"] - actual).norm() / change))
-            errs["loss_assumption1"].append(float((preds["assumption1"] - actual).norm() / change))
+                errs[key].append(rel_error(Dp, Da))
+                errs[f"change_{key}"].append(rel_error(Dp, Da, shift))
+            change = float((actual - l0h).norm())
+            errs["loss_second_order"].append(rel_error(preds["second_order"], actual, change))
+            errs["loss_assumption1"].append(rel_error(preds["assumption1"], actual, change))
             if j == 0:  # per-sample Hessian norms at w* + δ (direction 0), on the path subset
                 sp = cv.per_sample_statistics(cv.perturb(params, delta, cfg), X[hidx][pidx], cfg, loss=loss,
                                               target=labels[hidx][pidx], chunk_size=s.chunk_size,
@@ -451,7 +453,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
         },
         "settings": {**asdict(s), "deltas": list(s.deltas), "gradient_seeds": list(s.gradient_seeds)},
         "timing": timing,
-        "environment": environment(),
+        "environment": {**env, "load_average_at_end": load_average()},
     }
     arrays = {"k": k, "mean_abs": mean_abs, "max_abs": max_abs, "single": single, "single_paper": single_paper,
               "kb": kb, "smooth": smooth, "fit": fit, "mad": mad, "bound0": bound0, "nb": nb, "db": db,

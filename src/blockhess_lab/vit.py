@@ -56,8 +56,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as Fn
 
-from ..config import BlockConfig, init_params
-from ..reference import forward as block_forward
+from blockhess.config import BlockConfig, init_params
+from blockhess.reference import forward as block_forward
 from .runtime import progress, torch_threads
 
 __all__ = [

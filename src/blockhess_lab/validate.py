@@ -19,9 +19,10 @@ import time
 import torch
 
 import blockhess as bh
+from blockhess.linalg import rel_error
 
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import add_threads_argument, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = ("check bh.jacobian (w.r.t. the weights) and bh.hessian with its outer and functional parts (MSE, CE, a custom "
         "loss) against torch.func, float64, on a grid of block settings and sizes")
@@ -71,13 +72,6 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _rel(A, B, scale: float | None = None) -> float:
-    """``‖A − B‖ / scale``, ``scale`` defaulting to ``‖B‖`` (0 for two zero matrices)."""
-    diff = (A - B).norm().item()
-    scale = B.norm().item() if scale is None else scale
-    return diff / scale if scale > 0 else diff
-
-
 def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
     options, wrt_input = OPTIONS[setting]
     heads = options.get("n_heads", 1) if d % options.get("n_heads", 1) == 0 else 1
@@ -106,10 +100,10 @@ def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
         "kind": cfg.kind, "L": L, "d_model": d, "d_k": dk, "d_ff": dff if cfg.kind == "block" else None,
         "batch": batch, "input_scale": scale, "loss": loss, "n": sum(H.sizes),
         # a part's error relative to the full Hessian's norm: its rounding is the full's, whatever its own size
-        "rel_error": {"jacobian": _rel(Jd, Jr), "full": _rel(H.dense(), R.dense()),
-                      **{k: _rel(a, b, s) for k, (a, b) in parts.items()}},
+        "rel_error": {"jacobian": rel_error(Jd, Jr), "full": rel_error(H.dense(), R.dense()),
+                      **{k: rel_error(a, b, s) for k, (a, b) in parts.items()}},
         # None where the part is zero up to rounding (the functional term at L = 1)
-        "rel_error_own_norm": {k: _rel(a, b) if b.norm().item() > 1e-12 * s else None for k, (a, b) in parts.items()},
+        "rel_error_own_norm": {k: rel_error(a, b) if b.norm().item() > 1e-12 * s else None for k, (a, b) in parts.items()},
         "seconds": {"closed_form": t_closed, "torch_func": t_ref},
     }
 
@@ -120,10 +114,12 @@ def run(args) -> int:
     grid = QUICK_GRID if args.quick else FULL_GRID
     settings = list(itertools.product(OPTIONS, grid, ("mse", "ce", "custom")))
     with atomic_dir(args.out) as tmp, torch_threads(args.threads):
+        env = environment()
         rows = [_case(setting, *g, loss) for setting, g, loss in progress(settings, args.quiet, desc="validate")]
         worst = max(max(r["rel_error"].values()) for r in rows)
         result = {"torch": torch.__version__, "dtype": "float64", "tol": args.tol,
-                  "max_rel_error": worst, "passed": worst <= args.tol, "cases": rows}
+                  "max_rel_error": worst, "passed": worst <= args.tol, "cases": rows,
+                  "environment": {**env, "load_average_at_end": load_average()}}
         write_json(tmp / "validate.json", result)
         lines = ["# blockhess validate", "",
                  f"Closed form vs `torch.func`, float64, torch {torch.__version__}. "

@@ -11,7 +11,7 @@ What is computed (the bounds themselves live in :mod:`blockhess.bounds`):
    paper's minimiser setting) on a smaller config: the bound/norm ratios of the whole
    Hessian, every valid-bound violation (there must be none) and every row where the
    printed constants fail.
-3. **Trained digits weights** (:func:`blockhess.experiments.vit.load_for_command`; a batch of
+3. **Trained digits weights** (:func:`blockhess_lab.vit.load_for_command`; a batch of
    training images embedded by the model): MSE with a fixed random target ``T ~ N(0, 1)``
    (the paper's loss, so Theorem 6 and its printed constants apply), and the model's own
    cross-entropy through the head (general-loss Theorem 6 with the exact ``‖∇²ℓ‖₂``, ``‖∇ℓ‖₂``;
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure; about 25 s)"
 
@@ -114,7 +114,7 @@ def _sweep(seeds: int, quiet: bool) -> dict:
 
 def _trained_tables(args) -> tuple[list[dict], list[dict], dict]:
     from blockhess import bounds
-    from blockhess.experiments import vit as vitmod
+    from . import vit as vitmod
 
     vit = vitmod.load_for_command(args.checkpoint, quiet=args.quiet)
     info = {"checkpoint": vit.checkpoint, "test_accuracy": vit.test_accuracy, "arch": vit.arch,
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     res = {
         "tables": tables, "sweep": sw, "sweep_summary": _summary(sw), "ingredients": ingr,
         "paper_failures": fails, "valid_violations": viol, "trained": trained_info,
-        "environment": env,
+        "environment": {**env, "load_average_at_end": load_average()},
         "trained_runtime_s": t_trained,
     }
     res["runtime_s"] = time.perf_counter() - t0

@@ -15,7 +15,7 @@ What is measured (benchmarks/README.md; the targets are the project's, beside th
 (c) the largest n whose full Hessian the closed form computes within the memory cap, and
     whether each baseline can.
 
-How: every job runs in a fresh subprocess (:mod:`blockhess.experiments.bench_worker`)
+How: every job runs in a fresh subprocess (:mod:`blockhess_lab.bench_worker`)
 watched by this process, which kills it when its resident memory passes the cap or the
 machine runs low (recorded as out of memory) or when it runs past its time limit. Within
 a job the methods are warmed up and timed in interleaved rounds (median and quartiles);
@@ -38,11 +38,9 @@ allocated by torch, JAX is skipped (CPU jaxlib).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,11 +51,10 @@ from pathlib import Path
 import psutil
 
 from .outputs import MARKER, check_out
-from .runtime import cpu_model, positive_int
+from .runtime import GiB, environment, load_average, package_version, positive_int
 
 HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
 
-GiB = 2**30
 
 # the paper's timing table (the authors' thesis slides; CUDA, FP32, mean ± std)
 PAPER = {
@@ -123,54 +120,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # environment
 
 
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        if rev.returncode:
-            return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment(args) -> dict:
-    import torch
-
-    from ..validation import tf32_enabled
-
-    vm = psutil.virtual_memory()
+def _settings(args) -> dict:
+    """What bench adds to :func:`~blockhess_lab.runtime.environment` in ``bench.json``'s ``env``: the
+    workers' threads and why, the device, the baselines' versions, the memory cap, what was disabled."""
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "physical_cpus": psutil.cpu_count(logical=False),
-        "memory_total_gib": round(vm.total / GiB, 2),
-        "memory_available_gib_at_start": round(vm.available / GiB, 2),
-        "load_average_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
         "torch_threads": args.effective_threads,
-        "device": args.device,
-        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-        "cuda_tf32_matmul": tf32_enabled() if args.device == "cuda" else None,
         "threads_reason": args.threads_reason,
-        "numpy": _version("numpy"),
-        "jax": _version("jax"),
-        "jaxlib": _version("jaxlib"),
-        "curvlinops": _version("curvlinops-for-pytorch"),
-        "blockhess_commit": _git_commit(),
+        "device": args.device,
+        "jax": package_version("jax"),
+        "jaxlib": package_version("jaxlib"),
+        "curvlinops": package_version("curvlinops-for-pytorch"),
         "mem_cap_gib": args.mem_cap_gb,
         "disabled": [d for d in args.disable.split(",") if d],
         "note": "timings are wall-clock medians of interleaved rounds after warm-up; a shared machine adds noise, "
@@ -305,7 +264,7 @@ class Runner:
         vm = psutil.virtual_memory()
         # never let a job take what others on a shared machine are using: cap at what is free now, less a reserve
         cap = int(min(self.cap, vm.available - 1.5 * GiB))
-        info = {"load_before": list(os.getloadavg()), "available_gib_before": round(vm.available / GiB, 2), "cap_gib": round(cap / GiB, 2)}
+        info = {"load_before": load_average(), "available_gib_before": round(vm.available / GiB, 2), "cap_gib": round(cap / GiB, 2)}
         env = dict(os.environ)
         env.setdefault("PYTHONWARNINGS", "ignore")
         nt = str(self.args.effective_threads)
@@ -314,7 +273,7 @@ class Runner:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
         t0 = time.perf_counter()
         with open(lp, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "blockhess.experiments.bench_worker", jp, op], stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "blockhess_lab.bench_worker", jp, op], stdout=log, stderr=subprocess.STDOUT, env=env)
             killed, max_rss = None, 0
             ps = psutil.Process(proc.pid)
             while proc.poll() is None:
@@ -335,7 +294,7 @@ class Runner:
                     proc.wait()
                     break
                 time.sleep(0.05)
-        info.update(wall_s=round(time.perf_counter() - t0, 2), load_after=list(os.getloadavg()), watched_max_rss_gib=round(max_rss / GiB, 3))
+        info.update(wall_s=round(time.perf_counter() - t0, 2), load_after=load_average(), watched_max_rss_gib=round(max_rss / GiB, 3))
         result = None
         if not killed and os.path.exists(op):
             with open(op) as f:
@@ -670,7 +629,7 @@ def markdown(results: dict) -> str:
     w = L.append
     w(f"Environment: {env['cpu_model']}, {env['logical_cpus']} logical CPUs, {env['memory_total_gib']} GiB RAM "
       f"({env['memory_available_gib_at_start']} GiB available at start, load average {env['load_average_at_start'][0]:.1f}); "
-      f"torch {env['torch']} ({env['torch_threads']} threads{', on ' + str(env['gpu']) if env.get('gpu') else ''}), jax {env['jax'] or 'not installed'}, "
+      f"torch {env['torch']} ({env['torch_threads']} threads{', on ' + env['cuda']['device'] if env.get('cuda') else ''}), jax {env['jax'] or 'not installed'}, "
       f"curvlinops {env['curvlinops'] or 'not installed'}; blockhess {env['blockhess_commit'] or '?'}; {env['date']}; "
       f"memory cap per job {env['mem_cap_gib']:g} GiB{'; QUICK run (small sizes)' if results.get('quick') else ''}.")
     w("")
@@ -848,7 +807,7 @@ def run(args) -> int:
     check_out(args.out)  # written as it goes (a long run keeps its finished cases), so never into a folder of other files
     os.makedirs(args.out, exist_ok=True)
     (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
-    results = {"quick": args.quick, "env": environment(args), "cases": []}
+    results = {"quick": args.quick, "env": {**environment(args.device), **_settings(args)}, "cases": []}
     t_start = time.perf_counter()
 
     def progress(msg):
@@ -868,7 +827,7 @@ def run(args) -> int:
             entry.update(body)
             results["cases"].append(entry)
             save()
-    results["env"]["load_average_at_end"] = list(os.getloadavg())
+    results["env"]["load_average_at_end"] = load_average()
     save()
     md = markdown(results)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

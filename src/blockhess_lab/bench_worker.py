@@ -1,6 +1,6 @@
 """One benchmark job of ``blockhess bench``, run in a fresh subprocess.
 
-``python -m blockhess.experiments.bench_worker JOB.json RESULT.json``
+``python -m blockhess_lab.bench_worker JOB.json RESULT.json``
 
 A job names a *problem* (what is computed: a component Jacobian or the full loss Hessian
 of the paper's block at one size, dtype and loss) and a list of *methods* that compute the
@@ -38,6 +38,8 @@ import time
 import traceback
 
 import torch
+
+from .runtime import environment
 
 # ---------------------------------------------------------------------------------------
 # memory
@@ -425,13 +427,6 @@ def summarise(M: torch.Tensor, P: Problem) -> dict:
     return out
 
 
-def rel_err(A: torch.Tensor, B: torch.Tensor) -> float:
-    """``||A - B||_F / ||B||_F`` in float64."""
-    A = A.reshape(B.shape).double()
-    B = B.double()
-    return float(torch.linalg.matrix_norm(A - B) / torch.linalg.matrix_norm(B))
-
-
 # ---------------------------------------------------------------------------------------
 # runs
 
@@ -521,10 +516,12 @@ def run_time(job: dict) -> dict:
             res[name]["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             del ready[name]
     if keep and "closed_form" in outputs and outputs["closed_form"] is not None:
+        from blockhess.linalg import rel_error
+
         ref = outputs["closed_form"]
         for name, M in outputs.items():
             if name not in ("closed_form", "floor") and M is not None:
-                res[name]["rel_err"] = rel_err(M, ref)
+                res[name]["rel_err"] = rel_error(M.reshape(ref.shape), ref)
     outputs.clear()
     gc.collect()
     # warm-up and calibration
@@ -595,15 +592,6 @@ def run_memory(job: dict) -> dict:
     return res
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
-    if torch.cuda.is_available():
-        from blockhess.validation import tf32_enabled
-
-        env["cuda"] = {"device": torch.cuda.get_device_name(0), "version": torch.version.cuda, "tf32": tf32_enabled()}
-    return env
-
-
 def _start_device(device: str) -> None:
     """On a GPU, start the context and the BLAS and LAPACK handles (a product, a factorisation)
     before anything is timed or measured: a first call should not pay for the process's start."""
@@ -621,7 +609,7 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
-    result = {"job": job, "env": environment()}
+    result = {"job": job, "env": environment(job.get("device", "cpu"))}
     t0 = time.perf_counter()
     try:
         _start_device(job.get("device", "cpu"))

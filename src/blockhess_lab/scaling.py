@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import linalg
+from blockhess import linalg
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "curvature scaling laws on exact Hessians: input scale, sequence length, LayerNorm variance (fits, plots)"
 
@@ -570,9 +570,10 @@ def compute(preset: str = "quick", seeds: int | None = None, quiet: bool = True,
 def run(args: argparse.Namespace) -> int:
     check_out(args.out)
     with torch_threads(args.threads):
+        env = environment()
         t0 = time.perf_counter()
         result = compute("quick" if args.quick else "full", seeds=args.seeds, quiet=args.quiet)
-        result["environment"] = environment()
+        result["environment"] = {**env, "load_average_at_end": load_average()}
         with atomic_dir(args.out) as tmp:
             names = figures(result, tmp)
             result["figures"] = names

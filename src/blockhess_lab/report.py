@@ -1,6 +1,6 @@
 r"""``blockhess report``: the exact Hessian of a trained Transformer block, checked against autograd.
 
-On a fixed batch of training images of the digits ViT (:mod:`~blockhess.experiments.vit`),
+On a fixed batch of training images of the digits ViT (:mod:`~blockhess_lab.vit`),
 at initialisation and at the trained weights:
 
 1. the exact Hessian of the model's mean cross-entropy w.r.t. the block's weights
@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from ..blocks import pairs
-from ..hessian import hessian as closed_form_hessian
-from .. import linalg, reference
+from blockhess.blocks import pairs
+from blockhess.hessian import hessian as closed_form_hessian
+from blockhess import linalg, reference
+from blockhess.linalg import rel_error
 from . import plots
 from . import vit as vitmod
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import add_threads_argument, environment, progress, torch_threads
+from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, norms, spectra, figures"
 
@@ -84,13 +85,6 @@ def _block(D: torch.Tensor, names, off, a, b) -> torch.Tensor:
     return D[off[i] : off[i + 1], off[j] : off[j + 1]]
 
 
-def _rel(A: torch.Tensor, R: torch.Tensor, whole: float) -> float:
-    """``‖A − R‖_F / ‖R‖_F``; a zero reference block is measured against the whole matrix (or absolutely)."""
-    den = float(torch.linalg.matrix_norm(R))
-    den = den if den > 0 else (whole if whole > 0 else 1.0)
-    return float(torch.linalg.matrix_norm(A - R)) / den
-
-
 def _eig_summary(lam: torch.Tensor, eps: float) -> dict:
     lam = lam.to(torch.float64)
     n = lam.numel()
@@ -110,12 +104,9 @@ def _eig_summary(lam: torch.Tensor, eps: float) -> dict:
     }
 
 
-def _load() -> float:
-    """The 1-minute load average (NaN where the platform has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return float("nan")
+def _load(averages: list[float] | None) -> str:
+    """The 1-minute figure of :func:`~blockhess_lab.runtime.load_average`'s list, or "n/a"."""
+    return "n/a" if averages is None else f"{averages[0]:.2f}"
 
 
 def _time_closed_form(params, X, cfg, loss, y, repeats: int):
@@ -170,13 +161,14 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
     errors = {}
     for part in _PARTS:
         whole = float(torch.linalg.matrix_norm(ref[part])) or 1.0
-        per = {f"{a},{b}": _rel(_block(closed[part], names, off, a, b), _block(ref[part], names, off, a, b), whole)
-               for a, b in pairs(names)}
-        errors[part] = {"whole": float(torch.linalg.matrix_norm(closed[part] - ref[part])) / whole,
-                        "max_over_blocks": max(per.values()), "blocks": per}
-    sym = float(torch.linalg.matrix_norm(closed["full"] - closed["full"].T)) / float(torch.linalg.matrix_norm(closed["full"]))
-    split = float(torch.linalg.matrix_norm(closed["outer"] + closed["functional"] - closed["full"])) / float(
-        torch.linalg.matrix_norm(closed["full"]))
+        per = {}
+        for a, b in pairs(names):
+            R = _block(ref[part], names, off, a, b)
+            # a block that is exactly zero in the reference is measured against the whole matrix's norm
+            per[f"{a},{b}"] = rel_error(_block(closed[part], names, off, a, b), R, None if R.any() else whole)
+        errors[part] = {"whole": rel_error(closed[part], ref[part], whole), "max_over_blocks": max(per.values()), "blocks": per}
+    sym = rel_error(closed["full"], closed["full"].T)
+    split = rel_error(closed["outer"] + closed["functional"], closed["full"])
 
     # norms per block pair
     blocks = {}
@@ -329,8 +321,8 @@ def _markdown(rep: dict, phases: dict, names) -> str:
     env = rep["environment"]
     lines += [
         "",
-        f"Wall-clock seconds of this process; {_threads(env['threads'])}, {env['cpus']} CPUs, load average "
-        f"{env['load_average_start']:.2f} at the start and {env['load_average'][0]:.2f} at the end (1 min): other work on the "
+        f"Wall-clock seconds of this process; {_threads(env['threads'])}, {env['logical_cpus']} CPUs, load average "
+        f"{_load(env['load_average_at_start'])} at the start and {_load(env['load_average_at_end'])} at the end (1 min): other work on the "
         "machine stretches wall time, less so CPU time.",
         "",
         "The reference is `torch.func.hessian` of the loss through a plain forward, plus `J^T ∇²ℓ J` from `jacrev` for the "
@@ -402,7 +394,7 @@ def _run(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
     t_start = time.perf_counter()
-    load_start = _load()
+    env = environment()
     with atomic_dir(out) as tmp:
         umask = os.umask(0)
         os.umask(umask)
@@ -442,7 +434,7 @@ def _run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
             "n_params": phases["trained"]["n_params"],
             "sizes": phases["trained"]["sizes"],
-            "environment": {**environment(), "load_average_start": load_start},
+            "environment": {**env, "load_average_at_end": load_average()},
             "validation": {
                 "max_rel_error": max_err,
                 "definition": "max over weights (init, trained), parts (full, outer, functional) and block pairs of "

@@ -1,0 +1,115 @@
+"""The shape of the distribution: the library ``blockhess`` needs torch, numpy and psutil only and
+never imports the research harness ``blockhess_lab`` (the drivers and the command line) or the
+harness's extra (matplotlib, scikit-learn, SciPy, tqdm); the harness imports only what the
+core and the ``lab`` (or ``bench``) extra install; without the extra the command line says so."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+CORE = {"torch", "numpy", "psutil"}
+LAB = {"matplotlib", "sklearn", "scipy", "tqdm"}  # import names of the lab extra
+BENCH = {"jax", "jaxlib", "curvlinops"}  # import names of the bench extra (bench's own baselines)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter on this checkout's sources, on one thread."""
+    env = {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": ""}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _without_lab(code: str) -> str:
+    """``code`` in an interpreter where the lab extra's packages cannot be imported (as in an
+    install without it): a ``None`` in ``sys.modules`` makes ``import`` raise ImportError and
+    ``importlib.util.find_spec`` return None."""
+    return f"import sys\nfor _m in {sorted(LAB)!r}:\n    sys.modules[_m] = None\n{code}"
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every absolute import in ``path``, at any depth (lazy imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_import_blockhess_loads_nothing_of_the_harness():
+    # torch itself imports tqdm where it is installed (torch.hub uses it if it can), so the check
+    # is what `import blockhess` adds to `import torch, numpy, psutil`
+    probe = ("import sys\nimport torch, numpy, psutil\nbefore = set(sys.modules)\nimport blockhess\n"
+             f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {sorted(LAB | {'blockhess_lab'})!r}))")
+    run = _python(probe)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_the_library_works_without_the_lab_extra():
+    probe = _without_lab(
+        "import torch, blockhess as bh\n"
+        "cfg = bh.BlockConfig(d_model=4, d_ff=6)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "p, X, T = bh.init_params(cfg, seed=0), *torch.randn(2, 3, 4, generator=g, dtype=torch.float64)\n"
+        "H = bh.hessian(p, X, cfg, loss='mse', target=T)\n"
+        "R = bh.reference.hessian(p, X, cfg, loss='mse', target=T)\n"
+        "from blockhess.linalg import rel_error\n"
+        "assert rel_error(H.dense(), R.dense()) <= 1e-10\n"
+        f"print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in {sorted(LAB)!r}))")
+    run = _python(probe)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("entry", ["from blockhess_lab.cli import main; sys.exit(main(['--help']))",
+                                   "import runpy; runpy.run_module('blockhess', run_name='__main__')"])
+def test_the_command_line_without_the_lab_extra_says_what_to_install(entry):
+    run = _python(_without_lab(entry))
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs the 'lab' extra" in lines[0], run.stderr
+    assert "pip install 'blockhess[lab]'" in lines[0]
+    assert all(dist in lines[0] for dist in ("matplotlib", "scikit-learn", "scipy", "tqdm"))
+
+
+def test_the_core_imports_only_torch_numpy_psutil_and_the_standard_library():
+    allowed = CORE | set(sys.stdlib_module_names) | {"blockhess"}
+    bad = {}
+    for path in sorted((SRC / "blockhess").rglob("*.py")):
+        if path.name == "__main__.py":  # `python -m blockhess`: the harness's command line (never imported by the library)
+            assert _imports(path) - allowed == {"blockhess_lab"}
+            continue
+        extra = _imports(path) - allowed
+        if extra:
+            bad[str(path.relative_to(SRC))] = sorted(extra)
+    assert not bad, bad
+
+
+def test_the_harness_imports_only_what_the_core_and_its_extras_install():
+    allowed = CORE | LAB | BENCH | set(sys.stdlib_module_names) | {"blockhess", "blockhess_lab"}
+    bad = {str(p.relative_to(SRC)): sorted(_imports(p) - allowed)
+           for p in sorted((SRC / "blockhess_lab").rglob("*.py")) if _imports(p) - allowed}
+    assert not bad, bad
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.\-]+(\[[^\]]*\])?", r).group(0).lower() for r in reqs}
+
+
+def test_pyproject_core_requirements_are_torch_numpy_psutil():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert _requirement_names(project["dependencies"]) == {"torch", "numpy", "psutil"}
+    extras = project["optional-dependencies"]
+    assert _requirement_names(extras["lab"]) == {"matplotlib", "scikit-learn", "scipy", "tqdm"}
+    assert "blockhess[lab]" in _requirement_names(extras["dev"]) and "blockhess[lab]" in _requirement_names(extras["bench"])
+    assert project["scripts"] == {"blockhess": "blockhess_lab.cli:main"}
