@@ -98,11 +98,93 @@ def _pre(cfg: BlockConfig) -> bool:
 FFN_NAMES = frozenset(("W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2"))  # the variables entering at the FFN stage or later
 
 
-def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True) -> Cache:
+def _levels(cfg: BlockConfig, name: str) -> int:
+    """How many levels of :class:`Factors` hold their own per-token factor of variable ``name``
+    (its level of entry and every later one that premultiplies it; ``R`` is ``O`` itself without ``W_O``)."""
+    proj = int(cfg.out_proj)
+    if name in ("W_O", "b_O"):
+        entry = 1
+    elif name in ("gamma_1", "beta_1"):
+        entry = 2 if cfg.norm == "post" else 0
+    elif name in FFN_NAMES:
+        entry = 4 if cfg.norm == "post" and name in ("gamma_2", "beta_2") else 3
+    else:  # the attention's weights, and X
+        entry = 0
+    if cfg.kind == "attention":
+        return 1 + proj if entry == 0 else 1
+    later = (("R", proj), ("Y", cfg.norm == "post"), ("S", 1), ("Z", cfg.norm == "post"))
+    return int(entry == 0) + sum(int(on) for k, (_, on) in enumerate(later, 1) if k >= max(entry, 1))
+
+
+def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_input: bool = False,
+                 names=None) -> int:
+    r"""An upper estimate of the tensor entries the closed form holds at once for ``B`` sequences
+    of ``L`` tokens, before any of it is computed (its results not included: the caller adds
+    the ``n²`` Hessian, the Jacobians).
+
+    ``mode``: ``"forward"`` (a plain forward pass), ``"factors"`` (the forward cache with its
+    per-token Jacobians, and the Kronecker factors of ``names``, default all weights; ``X`` as
+    well with ``wrt_input``) or ``"hessian"`` (those, plus the largest working set of the backward
+    walk: the loss Hessian's back-propagation and the per-token cores of one block pair).
+    Per token, with ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``:
+
+    * forward: the scores and weights of every head (``2HL``), ``Q`` and ``K`` (``2q``), a dozen
+      rows of ``d`` and four of ``d_ff``;
+    * per-token Jacobians: up to seven ``d × d`` (the two LayerNorms', their ``γ``-scaled copies,
+      ``J_SY`` and its factor ``W_2^T diag(a') W_1^T``) and one ``d × d_ff``;
+    * factors: each variable's ``d``-row matrix per token at every level that holds its own
+      (:func:`_levels`): ``d·q`` for ``W_Q``, ``b_Q``; ``H·d²`` for ``W_K`` (each head's rows padded
+      to ``d``); ``d·d_ff`` for ``W_1``, ``b_1``; ``d²`` for the rest; ``L·d²`` for ``X``;
+    * walk: the larger of the attention stage (a head's contracted softmax curvature, three
+      ``L × L`` at once, and eight rows of ``L·d``) and the FFN stage (the ``d_ff × d_ff`` core of
+      ``(W_1, W_1)`` or ``(b_1, b_1)``, three of them with a curved activation, and two
+      ``d × d_ff``), plus three ``d × d`` for the loss Hessian being back-propagated;
+    * with ``X`` a variable, or pre-LN ``γ_1``, ``β_1`` (which enter through the attention's input):
+      the attention's input Jacobian and input curvature, sixteen ``L·d²`` and ``L²·(d + 2)`` (a
+      three-operand product contracted left to right, and the softmax Jacobian), its cross derivatives
+      with the heads, ``3·d²·(2q + d)``, and for ``X`` the per-token core of ``X`` against a
+      weight, ``L·d·max(d, d_ff)``, and two ``d`` rows per token of its block with the largest weight.
+
+    The coefficients are counts of the tensors the code forms, checked against measured peaks
+    (docs/derivations.md §1, docs/results.md); ``B``, ``L`` are not checked.
+    """
+    d, H = cfg.d_model, cfg.n_heads
+    q = H * cfg.head_dim
+    ff = cfg.d_ff if cfg.kind == "block" else 0
+    T = B * L
+    fwd = 2 * H * L + 2 * q + 12 * d + 4 * ff
+    if mode == "forward":
+        return T * fwd
+    shapes = param_shapes(cfg)
+    names = tuple(shapes) if names is None else tuple(names)
+    width = {"W_Q": d * q, "b_Q": d * q, "W_K": H * d * d, "b_K": 0, "W_1": d * ff, "b_1": d * ff}
+    factors = sum(width.get(k, d * d) * _levels(cfg, k) for k in names if k in shapes)
+    x_terms = wrt_input or (_pre(cfg) and any(k in names for k in ("gamma_1", "beta_1")))
+    if wrt_input:
+        factors += L * d * d * (_levels(cfg, "X") + 3)
+    per_token = fwd + (7 * d * d + d * ff if cfg.kind == "block" else 0) + factors
+    if mode == "hessian":
+        attn = 3 * L * L + 8 * L * d
+        ffn_stage = (3 if cfg.activation != "relu" else 1) * ff * ff + 2 * d * ff
+        per_token += max(attn, ffn_stage, 6 * d * d) + 3 * d * d
+        if x_terms:
+            per_token += 16 * L * d * d + L * L * (d + 2) + 3 * d * d * (2 * q + d)
+            if wrt_input:
+                per_token += L * d * max(d, ff) + 2 * d * max(math.prod(s) for s in shapes.values())
+    elif x_terms:
+        per_token += L * d * d
+    return T * per_token
+
+
+def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True,
+             plain: bool = False) -> Cache:
     """Forward pass keeping what the derivatives need. No checks (kernel).
 
     ``upstream=False``: only variables in ``FFN_NAMES`` will be differentiated; the per-token
     Jacobians the chain needs for earlier ones (``J_Y``, ``J_SY``) are not formed (``None``).
+    ``plain=True``: nothing will be differentiated; no per-token Jacobian is formed (``E_Y``,
+    ``E_Z``, ``J_SY``, the LayerNorm Jacobians are ``None``): the output and what
+    :func:`_check_forward` reads.
     """
     p = params
     Xb = _as_batch(X)
@@ -110,6 +192,7 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     if wrt_input:
         names = ("X",) + names
     d, eps = cfg.d_model, cfg.ln_eps
+    upstream = upstream and not plain
     ln1 = None
     Xa = Xb
     if _pre(cfg):
@@ -134,16 +217,16 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
         y2, r2 = layernorm._normalise(fc.S, eps)
         Z = layernorm._affine(y2, g2, p.get("beta_2"))
         J1 = layernorm._jacobian_of(y1, r1) if upstream else None
-        J2 = layernorm._jacobian_of(y2, r2)
+        J2 = None if plain else layernorm._jacobian_of(y2, r2)
         E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
-        E_Z = J2 if g2 is None else g2[:, None] * J2
+        E_Z = J2 if g2 is None or J2 is None else g2[:, None] * J2
         ln1, ln2 = (y1, J1), (y2, J2)
         J_SY = ffn.input_jacobian(fc) if upstream else None
         return Cache(cfg, names, att, U, fc, E_Y, E_Z, J_SY, Z.reshape(Xb.shape), p, Xb, ln1, ln2, P.reshape(-1, d),
                      tuple(X.shape))
     fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
-                     gamma=g2, beta=p.get("beta_2"))
-    eye = torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
+                     gamma=g2, beta=p.get("beta_2"), jacobian=not plain)
+    eye = None if plain else torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
     J_SY = ffn.input_jacobian(fc) if upstream else None
     return Cache(cfg, names, att, U, fc, None, eye, J_SY, fc.S.reshape(Xb.shape), p, Xb, ln1, None,
                  P.reshape(-1, d), tuple(X.shape))
@@ -658,7 +741,7 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     ``ln_eps = 0`` (:func:`~blockhess.validation.check_ln_variance`).
     """
     check_inputs(params, X, cfg)
-    c = _forward(params, X, cfg)
+    c = _forward(params, X, cfg, plain=True)
     _check_forward(c)
     return c.out.reshape(X.shape)
 
