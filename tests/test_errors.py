@@ -199,7 +199,8 @@ def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr(bh.validation, "SMALL_BYTES", 0)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
-    bh.jacobian(p, X, cfg)  # 6,912 bytes fit
+    Tiny.available = 10**6
+    bh.jacobian(p, X, cfg)  # 6,912 bytes fit, with the forward cache and factors (tests/test_memory.py)
     Tiny.available = 5_000
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense Jacobians \(12 x 72\) needs 6,912 bytes"):
         bh.jacobian(p, X, cfg)
@@ -226,7 +227,9 @@ def test_dense_layouts_count_their_batch(monkeypatch):
     softmax.hessian(A)
     layernorm.jacobian(torch.randn(5, 2, 3, dtype=torch.float64))
     layernorm.hessian(torch.randn(5, 2, 3, dtype=torch.float64))
-    assert seen == [5 * 6**2 * 8, 5 * 6**3 * 8] * 2
+    rows, tokens = 5 * 2 * 3 * 8, 5 * 2 * 3 * 8  # entries of A (5 batches of 2 rows of 3) and of X (its tokens of 3), in bytes
+    assert seen == [3 * rows * 3 + 5 * 6**2 * 8, 4 * rows * 3**2 + 5 * 6**3 * 8,
+                    2 * tokens * 3 + 5 * 6**2 * 8, 4 * tokens * 3**2 + 5 * 6**3 * 8]
 
 
 def test_layernorm_variance_boundaries():

@@ -777,13 +777,20 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     restricts the names. dtype and device of ``X``. Holds almost everywhere (ReLU, Lemma 1).
 
     Raises ``ValueError`` as :func:`forward`, and for an unknown name in ``wrt``;
-    ``InsufficientMemoryError`` if the dense Jacobians would not fit in memory.
+    ``InsufficientMemoryError`` before the forward pass if the dense Jacobians, or they with
+    the forward cache and factors (:func:`work_entries`) and a copy of the largest one (the
+    heads' merge), would not fit in memory.
     """
     check_inputs(params, X, cfg)
     shapes = param_shapes(cfg)
     names = _select(tuple(shapes), wrt)
     n = sum(math.prod(shapes[k]) for k in names)
-    check_fits(X.numel() * n * X.element_size(), f"the dense Jacobians ({X.numel()} x {n})", X.device)
+    e, (B, L) = X.element_size(), _as_batch(X).shape[:2]
+    result = X.numel() * n * e
+    check_fits(result, f"the dense Jacobians ({X.numel()} x {n})", X.device)
+    work = work_entries(cfg, B, L, "factors", names=names) + X.numel() * max(math.prod(shapes[k]) for k in names)
+    check_fits(result + work * e, f"the dense Jacobians ({X.numel()} x {n}) with the forward cache and factors of "
+               f"{B * L} tokens", X.device)
     c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
     _check_forward(c)
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
@@ -800,12 +807,20 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). dtype and device
     of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13).
 
-    Raises ``ValueError`` as :func:`forward`.
+    Raises ``ValueError`` as :func:`forward`; ``InsufficientMemoryError`` before the forward
+    pass if the ``B`` Jacobians ``(L·d)²``, or they with the forward cache and ``X``'s factors
+    (:func:`work_entries`), would not fit in memory.
     """
     check_inputs(params, X, cfg)
+    e, (B, L, d) = X.element_size(), _as_batch(X).shape
+    result = B * (L * d) ** 2 * e
+    check_fits(result, f"the {B} dense input Jacobians ({L * d}x{L * d})", X.device)
+    check_fits(result + work_entries(cfg, B, L, "factors", wrt_input=True, names=()) * e,
+               f"the {B} dense input Jacobians ({L * d}x{L * d}) with the forward cache and factors of {B * L} tokens",
+               X.device)
     c = _forward(params, X, cfg, wrt_input=True)
     _check_forward(c)
-    J = _factors(c).J["X"].dense()
+    J = _factors(c._replace(names=("X",))).J["X"].dense()  # the weights' factors are not needed
     return J[0] if X.ndim == 2 else J
 
 
@@ -820,7 +835,9 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     ``W_b``. ``X`` is one sequence ``(L, d_model)``. Valid almost everywhere (ReLU).
 
     Raises ``ValueError`` as :func:`forward`, for an unknown name or ``of``, and
-    ``InsufficientMemoryError`` if the result would not fit in memory.
+    ``InsufficientMemoryError`` before the forward pass if the result, or it with the forward
+    cache and factors and the work space of the contractions taken at once
+    (:func:`~blockhess.blocks.dense_second_derivative`, :func:`work_entries`), would not fit in memory.
     """
     check_inputs(params, X, cfg)
     if X.ndim != 2:
@@ -828,11 +845,17 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     allowed = ("F",) if cfg.kind == "attention" else (("Z", "S") if cfg.norm == "post" else ("Z",))
     if of not in allowed:
         raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, norm={cfg.norm!r}, got {of!r}")
+    shapes = param_shapes(cfg)
+    for name, n in (("a", a), ("b", b)):
+        if not (isinstance(n, str) and n in shapes):
+            raise ValueError(f"{name} must be one parameter name of {list(shapes)}, got {n!r}")
+    L, e = X.shape[0], X.element_size()
+    held, walk = work_entries(cfg, 1, L, "factors"), work_entries(cfg, 1, L, "hessian")
+    n_out, (sa, sb) = X.numel(), (math.prod(shapes[a]), math.prod(shapes[b]))
+    check_fits(n_out * sa * sb * e, f"the dense d2/d{a}d{b}", X.device)  # the result alone, then with the factors
+    check_fits((n_out * sa * sb + held) * e, f"the dense d2/d{a}d{b} with the forward cache and factors", X.device)
     c = _forward(params, X, cfg)
     _check_forward(c)
-    for name, n in (("a", a), ("b", b)):
-        if not (isinstance(n, str) and n in c.names):
-            raise ValueError(f"{name} must be one parameter name of {list(c.names)}, got {n!r}")
     factors = _factors(c)
     if of == "S":
         def contract(g, acc):
@@ -840,4 +863,4 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     else:
         def contract(g, acc):
             contract_output(c, g[None], factors, acc)
-    return dense_second_derivative(contract, tuple(X.shape), c.names, param_shapes(cfg), a, b, X)
+    return dense_second_derivative(contract, tuple(X.shape), c.names, shapes, a, b, X, work_bytes=(walk - held) * e)

@@ -42,7 +42,7 @@ from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
-from .validation import check_ln_variance, detached
+from .validation import check_fits, check_ln_variance, detached
 
 __all__ = [
     "SOFTMAX_JACOBIAN_BOUND",
@@ -186,6 +186,8 @@ def _loss_constants(loss, target, out: torch.Tensor) -> tuple[float, float]:
     """Exact ``(‖∇²ℓ‖₂, ‖∇ℓ‖₂)`` at the output ``out`` (``(L, d)``) of one sequence."""
     tgt = target[None] if isinstance(target, torch.Tensor) else target
     ld = losses.derivatives(loss, tgt, out[None])
+    check_fits(3 * ld.hess[0].numel() * 8, f"the symmetrised float64 copies of the loss Hessian {tuple(ld.hess[0].shape)} "
+               "for its eigenvalues", out.device)
     lam = max(_sym_spec(0.5 * (h + h.T)) for h in ld.hess)
     return lam, float(ld.grad.norm())
 
@@ -211,7 +213,9 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     LayerNorm lemma; valid constants derived here (docs/bounds.md).
 
     Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`), or a zero-variance
-    LayerNorm input row with ``ln_eps = 0``.
+    LayerNorm input row with ``ln_eps = 0``; ``InsufficientMemoryError`` as
+    :func:`blockhess.losses.derivatives` for a callable loss's Hessian, or before the
+    symmetrised float64 copies of it that its eigenvalues take.
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
@@ -400,7 +404,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     ``√(m n)·max`` (``None`` entries for a loss other than MSE). Source: Theorems 1 and 6;
     derived here (docs/bounds.md).
 
-    Raises ``ValueError`` as :func:`ingredients`.
+    Raises ``ValueError`` and ``InsufficientMemoryError`` as :func:`ingredients`.
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
@@ -451,16 +455,20 @@ def exact_norms(H) -> dict[str, Any]:
     (eigenvalues). Computed in float64 (:mod:`blockhess.linalg`) whatever the dtype of ``H``.
 
     Raises ``ValueError`` if ``H`` does not carry its outer and functional parts (it must be
-    a result of :func:`blockhess.hessian` or :func:`blockhess.reference.hessian`, not one part).
+    a result of :func:`blockhess.hessian` or :func:`blockhess.reference.hessian`, not one part);
+    ``InsufficientMemoryError`` before any norm if three float64 ``n × n`` matrices (the
+    symmetrised copy and the eigensolver's) would not fit; the parts are checked as they are made.
     """
     if not isinstance(H, HessianBlocks) or H._parts is None:
         raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     out = {}
+    n = sum(H.sizes)
+    check_fits(3 * n * n * 8, f"the symmetrised float64 copies of the {n}x{n} Hessian for its eigenvalues", H.device)
     for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
         vals = PairNorms((pr, norm2(block)) for pr, block in part.items())
         D = part.dense()
-        vals["all"] = _sym_spec(0.5 * (D + D.T))
+        vals["all"] = _sym_spec((D + D.T).mul_(0.5))
         out[key] = vals
     return out
 
@@ -499,6 +507,8 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         As :func:`blockhess.hessian` (shapes, dtypes, NaN/Inf, target, zero-variance
         LayerNorm input with ``ln_eps = 0``), or a config outside the paper's setting
         (:func:`check_setting`: multi-head, pre-LN, GELU, biases, ``W_O``, affine LN, causal).
+    InsufficientMemoryError
+        As :func:`blockhess.hessian` and :func:`exact_norms`, before the allocation.
 
     Source: Theorem 1 and Theorem 6 of arXiv 2510.16927; valid constants
     derived here, see docs/bounds.md.
@@ -554,7 +564,10 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     :mod:`blockhess.layernorm`). Source: the paper's auxiliary bounds and LayerNorm lemma
     (Theorems 1 and 6); derived here (docs/bounds.md).
 
-    Raises ``ValueError`` as :func:`ingredients`.
+    Raises ``ValueError`` as :func:`ingredients`; ``InsufficientMemoryError`` before any of
+    them if the block's dense ingredients (``B_1``, ``L·d × d·d_ff``, and the LayerNorm second
+    derivatives, ``L·d³``, each with its float64 copy) would not fit, or as the closed forms
+    called (:func:`blockhess.jacobian`, :func:`blockhess.second_derivative`).
     """
     from .block import jacobian as _jac, second_derivative as _d2
     from .components import layernorm as _lnmod
@@ -566,9 +579,12 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
         raise ValueError(f"ingredient_checks: X must be one sequence (L, d_model), got {tuple(X.shape)}")
     if target is None:
         target = torch.zeros_like(X)
+    L, d = X.shape
+    if cfg.kind == "block":  # B_1 (L·d × d·d_ff) and the LayerNorm second derivatives (L·d³), each with a float64 copy
+        check_fits(16 * L * d * d * (cfg.d_ff + 2 * d), "the dense ingredient matrices of the block (B_1, the LayerNorm "
+                   "Hessians) with their float64 copies", X.device)
     ing = ingredients(params, X, cfg, "mse", target)
     v, pp = ing["valid"], ing["paper"]
-    L, d = X.shape
     rows: list[dict] = []
 
     def add(name, exact, bound, paper, note=""):

@@ -133,8 +133,8 @@ def _in_dims(target) -> tuple[int, int | None]:
 
 
 WORK_BYTES = 64 << 20  # torch.func's work space for a callable's per-sequence Hessians: this much, or as much as the Hessians
-TANGENT_COPIES = 4  # of the loss's forward intermediates, per tangent (docs/derivations.md §1, measured)
-SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, a copy
+TANGENT_COPIES = 3  # of the loss's forward intermediates, per tangent (docs/derivations.md §1, measured)
+SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, copies
 
 
 def hessian_work_bytes(loss, target, Z: torch.Tensor) -> int:
@@ -193,8 +193,9 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
         for s in range(0, B, size):
             rows = slice(s, min(s + size, B))
             t = target[rows] if isinstance(target, torch.Tensor) else target
-            g, v = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z[rows], t)
-            h = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z[rows], t)
+            z = Z[rows].clone()  # not a view into the batch: torch.func's tangents of a view span its whole storage
+            g, v = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(z, t)
+            h = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(z, t)
             if hess is None:  # one buffer each, filled group by group
                 grad, val, hess = g.new_empty(B, *g.shape[1:]), v.new_empty(B), h.new_empty(B, *h.shape[1:])
             # detached: a loss that closes over tensors requiring grad (a model's downstream layers) gives results with history
@@ -214,7 +215,7 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
         if not bool(ok.all()):
             b = int((~ok).nonzero()[0])
             raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {first + b}")
-    return LossDerivatives(grad / mean_over, hess.reshape(B, L * d, L * d) / mean_over, False)
+    return LossDerivatives(grad.div_(mean_over), hess.reshape(B, L * d, L * d).div_(mean_over), False)  # our buffers
 
 
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:

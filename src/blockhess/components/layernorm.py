@@ -133,13 +133,17 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
         ``X`` not floating or with NaN/Inf; ``eps < 0``; ``gamma`` of the wrong shape,
         dtype or device; a row of zero variance with ``eps = 0`` (Assumption 2).
     InsufficientMemoryError
-        The dense layout would not fit in available memory (bytes in the message).
+        The result would not fit in available memory with the per-token Jacobians and one
+        temporary of their size (bytes in the message); checked before they are made.
     """
     stats = _check(X, eps, gamma, dense=not compact)
+    d = X.shape[-1]
+    per_token = 2 * X.numel() * d * X.element_size()  # the (d, d) Jacobians and one temporary
     if compact:
+        check_fits(per_token, "the per-token LayerNorm Jacobians", X.device)
         return _compact_jacobian(X, eps, gamma, stats)
-    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
+    batch, L = X.shape[:-2], X.shape[-2]
+    check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size() + per_token, "the dense LayerNorm Jacobian", X.device)
     J = _compact_jacobian(X, eps, gamma, stats).reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
     torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
@@ -152,13 +156,17 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     Compact: ``(..., L, d, d, d)`` with ``[t, a, b, c] = ∂²LN_ta/∂X_tb∂X_tc`` (all
     cross-token entries are zero). Dense: the paper's layout ``(..., (L·d)², L·d)``, rows
     ``(o, q)`` o-major (``o`` output index, ``q`` first input index), column the second
-    input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
+    input index. dtype and device of ``X``. Same errors as :func:`jacobian` (the per-token
+    ``(d, d, d)`` second derivatives counted with three temporaries of their size).
     """
     stats = _check(X, eps, gamma, dense=not compact)
+    d = X.shape[-1]
+    per_token = 4 * X.numel() * d * d * X.element_size()  # the (d, d, d) second derivatives and three temporaries
     if compact:
+        check_fits(per_token, "the per-token LayerNorm Hessians", X.device)
         return _compact_hessian(X, eps, gamma, stats)
-    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
+    batch, L = X.shape[:-2], X.shape[-2]
+    check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size() + per_token, "the dense LayerNorm Hessian", X.device)
     H = _compact_hessian(X, eps, gamma, stats).reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
