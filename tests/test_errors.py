@@ -349,7 +349,7 @@ def test_callable_loss_memory_is_checked_and_out_of_memory_not_relabelled(monkey
     seen = []
     monkeypatch.setattr(losses, "check_fits", lambda n, what, device: seen.append((n, what)))
     bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum(), target=None)
-    F = 12 * 8 + 8  # the loss's own intermediates, Z**2 and its sum: 104 bytes, times 12 tangents
+    F = 12 * 8  # what autograd saves for the loss: Z itself (for Z**2), 96 bytes, carried by each of 12 tangents
     per_sequence = 12 * (losses.TANGENT_COPIES * F + losses.SQUARE_COPIES * 12 * 8)
     assert seen == [(2 * 12**2 * 8 + 2 * per_sequence, "the 2 per-sequence (12x12) Hessians of the loss and "
                      "torch.func's work space for 2 of them at a time (estimated from the loss's own intermediates)")]

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 
 from . import linalg
-from .validation import allocated_bytes, check_fits, check_tensor
+from .validation import check_fits, check_tensor, saved_bytes
 
-__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank", "hessian_work_bytes"]
+__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank", "hessian_work_bytes", "saved_loss_bytes"]
 
 
 class LossDerivatives(NamedTuple):
@@ -133,8 +133,8 @@ def _in_dims(target) -> tuple[int, int | None]:
 
 
 WORK_BYTES = 64 << 20  # torch.func's work space for a callable's per-sequence Hessians: this much, or as much as the Hessians
-TANGENT_COPIES = 3  # of the loss's forward intermediates, per tangent (docs/derivations.md §1, measured)
-SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, copies
+TANGENT_COPIES = 6  # of the loss's saved intermediates, per tangent (docs/derivations.md §1, measured)
+SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, a copy
 
 
 def hessian_work_bytes(loss, target, Z: torch.Tensor) -> int:
@@ -143,13 +143,21 @@ def hessian_work_bytes(loss, target, Z: torch.Tensor) -> int:
     not included. The Hessian is forward mode over reverse mode: each of the ``m = L·d``
     tangents carries the intermediates of the loss's forward and backward pass. Those cannot be
     seen from outside (a classifier head's logits, an MLP's hidden layer), so the loss is called
-    once on ``Z[0]`` and the tensors it creates are counted (:func:`~blockhess.validation.allocated_bytes`,
-    ``F`` bytes): ``m·(TANGENT_COPIES·F + SQUARE_COPIES·m·e)``, ``e`` the bytes per entry.
-    Calibrated on measured peaks (docs/derivations.md §1). The arguments are not checked here."""
+    once on ``Z[0]`` with gradients recorded and what autograd saves is counted
+    (:func:`~blockhess.validation.saved_bytes`, ``F`` bytes): ``m·(TANGENT_COPIES·F + SQUARE_COPIES·m·e)``,
+    ``e`` the bytes per entry. Calibrated on measured peaks (docs/derivations.md §1). The
+    arguments are not checked here."""
     B, L, d = Z.shape
     m = L * d
-    _, F = allocated_bytes(loss, Z[0], target[0] if isinstance(target, torch.Tensor) else target)
-    return m * (TANGENT_COPIES * F + SQUARE_COPIES * m * Z.element_size())
+    return m * (TANGENT_COPIES * saved_loss_bytes(loss, target, Z) + SQUARE_COPIES * m * Z.element_size())
+
+
+def saved_loss_bytes(loss, target, Z: torch.Tensor) -> int:
+    """What autograd saves for the backward pass of the callable ``loss`` on the first sequence
+    ``Z[0]`` (``target`` as for :func:`derivatives`): the intermediates that depend on ``Z``
+    (:func:`~blockhess.validation.saved_bytes`; a classifier head's logits, not its weights)."""
+    z = Z[0].detach().clone().requires_grad_()
+    return saved_bytes(loss, z, target[0] if isinstance(target, torch.Tensor) else target)[1]
 
 
 def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: int = 0) -> LossDerivatives:

@@ -18,7 +18,7 @@ from . import losses
 from .block import _select, check_inputs
 from .blocks import BlockSum, HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
-from .validation import allocated_bytes, check_bool, check_fits
+from .validation import check_bool, check_fits
 
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
 
@@ -83,18 +83,20 @@ def _plain_loss(loss, target, Z: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_BYTES = 64 << 20  # the work space of torch.func on one chunk of the batch may always be this much
-HF_COPIES = 1.0  # torch.func.hessian: bytes per tangent (weight) and per byte of the forward's intermediates
-JAC_COPIES = 0.4  # jacrev of the output: the same per cotangent (output entry) and per byte of the chunk's forward
-# both calibrated on measured peaks (docs/derivations.md §1)
+LOSS_COPIES = 3  # torch.func.hessian: per weight, copies of what autograd saves for a callable loss
 
 
-def _forward_bytes(params: dict, X: torch.Tensor, cfg: BlockConfig, loss=None, target=None) -> int:
-    """What one sequence's forward pass (and its loss, if given) allocates
-    (:func:`~blockhess.validation.allocated_bytes`): the scale of ``torch.func``'s per-tangent work."""
-    x = X[None] if X.ndim == 2 else X[:1]
-    if loss is None:
-        return allocated_bytes(forward, params, x, cfg)[1]
-    return allocated_bytes(lambda: _plain_loss(loss, target, forward(params, x, cfg)))[1]
+def _tangent_entries(cfg: BlockConfig, L: int) -> int:
+    """Entries ``torch.func`` holds per token of the chunk and per tangent of its forward mode
+    (a weight of ``torch.func.hessian``), ``150 + 2d + 4 d_ff + 6 H·L``: fitted to peaks measured
+    at 17 sizes (docs/derivations.md §1); the constant is the per-tangent share of the block's
+    and the loss's fixed work, ``H·L`` the attention's scores, weights and their derivatives."""
+    return 150 + 2 * cfg.d_model + 4 * (cfg.d_ff if cfg.kind == "block" else 0) + 6 * cfg.n_heads * L
+
+
+def _cotangent_entries(cfg: BlockConfig, L: int) -> int:
+    """The same per cotangent of ``jacrev`` (an output entry): ``9 d + d_ff + 2 H·L``, fitted likewise."""
+    return 9 * cfg.d_model + (cfg.d_ff if cfg.kind == "block" else 0) + 2 * cfg.n_heads * L
 
 
 def _chunk(B: int, extra) -> int:
@@ -110,24 +112,23 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     """``torch.func.jacrev`` of :func:`forward`; same shapes as :func:`blockhess.jacobian`.
 
     Each sequence's output depends on its own input only, so the batch is taken in chunks of as
-    many sequences as keep ``jacrev``'s work space (``JAC_COPIES`` per output entry and byte of
-    the chunk's forward) within ``CHUNK_BYTES``. Raises ``InsufficientMemoryError`` before any
-    derivative if the Jacobians with one chunk's work space would not fit, besides the
-    ``ValueError`` of :func:`blockhess.jacobian`."""
+    many sequences as keep ``jacrev``'s work space (:func:`_cotangent_entries` per token and
+    output entry of the chunk) within ``CHUNK_BYTES``. Raises ``InsufficientMemoryError``
+    before any derivative if the Jacobians with one chunk's work space would not fit, besides
+    the ``ValueError`` of :func:`blockhess.jacobian`."""
     check_inputs(params, X, cfg)
     names = _select(tuple(param_shapes(cfg)), wrt)
     fixed = {k: v for k, v in params.items() if k not in names}
     Xb = X[None] if X.ndim == 2 else X
     B, L, d = Xb.shape
-    n = sum(params[k].numel() for k in names)
-    fb = _forward_bytes(params, X, cfg)
+    e, n = X.element_size(), sum(params[k].numel() for k in names)
 
     def work(rows):
-        return JAC_COPIES * rows * L * d * rows * fb
+        return rows * L * d * rows * L * _cotangent_entries(cfg, L) * e
 
     size = _chunk(B, work)
-    check_fits(int(Xb.numel() * n * X.element_size() + work(size)), f"the dense Jacobians ({Xb.numel()} x {n}) by "
-               f"torch.func.jacrev, {size} of the {B} sequences at a time", X.device)
+    check_fits(Xb.numel() * n * e + work(size), f"the dense Jacobians ({Xb.numel()} x {n}) by torch.func.jacrev, "
+               f"{size} of the {B} sequences at a time", X.device)
     out = {k: Xb.new_empty(B, L * d, params[k].numel()) for k in names}
     for s in range(0, B, size):
         J = torch.func.jacrev(lambda sel: forward({**fixed, **sel}, Xb[s : s + size], cfg))({k: params[k] for k in names})
@@ -142,14 +143,14 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     check_inputs(params, X, cfg)
     Xb = X[None] if X.ndim == 2 else X
     B, L, d = Xb.shape
-    fb = _forward_bytes(params, X, cfg)
+    e = X.element_size()
 
     def work(rows):
-        return JAC_COPIES * rows * L * d * fb
+        return rows * L * d * L * _cotangent_entries(cfg, L) * e
 
     size = _chunk(B, work)
-    check_fits(int(B * (L * d) ** 2 * X.element_size() + work(size)), f"the {B} dense input Jacobians ({L * d}x{L * d}) "
-               f"by torch.func.jacrev, {size} of the sequences at a time", X.device)
+    check_fits(B * (L * d) ** 2 * e + work(size), f"the {B} dense input Jacobians ({L * d}x{L * d}) by torch.func.jacrev, "
+               f"{size} of the sequences at a time", X.device)
     one = lambda x: torch.func.jacrev(lambda y: forward(params, y, cfg))(x).reshape(L * d, L * d)  # noqa: E731
     out = Xb.new_empty(B, L * d, L * d)
     for s in range(0, B, size):
@@ -157,18 +158,20 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     return out[0] if X.ndim == 2 else out
 
 
-def _work_bytes(n: int, rows: int, chunks: int, L: int, d: int, e: int, forward_bytes: int, hz_bytes: int) -> int:
+def _work_bytes(cfg: BlockConfig, n: int, rows: int, chunks: int, L: int, e: int, loss_bytes: int, hz_bytes: int) -> int:
     """Bytes :func:`hessian` holds at once for a chunk of ``rows`` sequences (of ``chunks``):
-    the larger of ``torch.func.hessian``'s working set (its result, the tangent basis,
-    ``HF_COPIES · n · rows · forward_bytes``) and what follows it (that result with the outer
-    and functional parts, ``3n²`` entries; the Jacobian of the chunk's ``rows·L·d`` outputs,
-    twice, and ``jacrev``'s work, ``JAC_COPIES · rows·L·d · rows · forward_bytes``; the loss
-    Hessians, ``hz_bytes`` per sequence), plus, from the second chunk on, the ``3n²`` of the
-    parts summed so far. ``forward_bytes``: what one sequence's forward pass and loss allocate;
-    ``n`` variables; ``e`` bytes per entry."""
-    hf = 2 * n * n * e + HF_COPIES * n * rows * forward_bytes
-    after = 3 * n * n * e + rows * L * d * (2 * n * e + JAC_COPIES * rows * forward_bytes) + rows * hz_bytes
-    return int((3 * n * n * e if chunks > 1 else 0) + max(hf, after))
+    the larger of ``torch.func.hessian``'s working set (its result and one and a half more ``n²``,
+    :func:`_tangent_entries` per token and weight, ``LOSS_COPIES · loss_bytes`` per sequence and
+    weight) and what follows it (that result with the outer and functional parts, ``3n²``; the
+    Jacobian of the chunk's ``rows·L·d`` outputs, twice, and ``jacrev``'s
+    :func:`_cotangent_entries` per token and output entry; the loss Hessians, ``hz_bytes`` per
+    sequence), plus, from the second chunk on, the ``3n²`` of the parts summed so far.
+    ``loss_bytes``: what autograd saves for a callable loss on one sequence (0 for MSE and CE,
+    counted in the fit); ``n`` variables; ``e`` bytes per entry."""
+    T, d = rows * L, cfg.d_model
+    hf = (5 * n * n // 2 + n * T * _tangent_entries(cfg, L)) * e + LOSS_COPIES * n * rows * loss_bytes
+    after = (3 * n * n + T * d * (2 * n + T * _cotangent_entries(cfg, L))) * e + rows * hz_bytes
+    return (3 * n * n * e if chunks > 1 else 0) + max(hf, after)
 
 
 def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
@@ -182,11 +185,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     or overflowing LayerNorm row, this oracle returns what autograd gives (NaN or Inf).
 
     The batch loss is the mean of the per-sequence losses, so its Hessian is the sum of the
-    Hessians of ``(sequences of a chunk's loss) · rows / B`` over chunks of the batch: the
-    batch is taken in chunks of as many sequences as keep ``torch.func``'s work space within
-    ``CHUNK_BYTES`` (:func:`_work_bytes`, from what one sequence's forward and loss allocate,
-    counted by :func:`~blockhess.validation.allocated_bytes`; its ``jacrev`` grows with the
-    square of a chunk), one chunk with ``wrt_input`` (the ``X`` blocks span the batch).
+    Hessians of (a chunk's mean loss) · rows / B over chunks of the batch: the batch is taken
+    in chunks of as many sequences as keep ``torch.func``'s work space within ``CHUNK_BYTES``
+    (:func:`_work_bytes`; its ``jacrev`` grows with the square of a chunk), one chunk with
+    ``wrt_input`` (the ``X`` blocks span the batch).
 
     Raises ``InsufficientMemoryError`` before any derivative when the chunk's estimate would
     not fit in the memory available (with the bytes needed and available), besides the
@@ -210,14 +212,15 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     def take(t, rows):  # a tensor target has one entry per sequence; any other target is passed whole
         return t[rows] if isinstance(t, torch.Tensor) else t
 
-    forward_bytes = _forward_bytes(params, Xb, cfg, loss, take(target, slice(0, 1)))
-    hz = (losses.hessian_work_bytes(loss, take(target, slice(0, 1)), Xb[:1]) if callable(loss) else 3 * (L * d) ** 2 * e)
+    first = take(target, slice(0, 1))
+    loss_bytes = losses.saved_loss_bytes(loss, first, Xb[:1]) if callable(loss) else 0
+    hz = (losses.hessian_work_bytes(loss, first, Xb[:1]) if callable(loss) else 3 * (L * d) ** 2 * e)
     hz += (L * d) ** 2 * e  # the Hessian itself
 
     def need(rows):
-        return _work_bytes(n, rows, -(-B // rows), L, d, e, forward_bytes, hz)
+        return _work_bytes(cfg, n, rows, -(-B // rows), L, e, loss_bytes, hz)
 
-    size = B if "X" in names else _chunk(B, lambda rows: need(rows) - _work_bytes(n, 0, 1, L, d, e, forward_bytes, hz))
+    size = B if "X" in names else _chunk(B, lambda rows: need(rows) - _work_bytes(cfg, n, 0, 1, L, e, loss_bytes, hz))
     check_fits(need(size), f"torch.func.hessian of the loss over {n} variables, {size} of the {B} sequences at a time, "
                "with the Jacobian and the outer and functional parts", X.device)
     parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}

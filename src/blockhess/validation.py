@@ -15,11 +15,9 @@ import warnings
 
 import psutil
 import torch
-from torch.utils._pytree import tree_leaves
-from torch.utils._python_dispatch import TorchDispatchMode  # the documented extension point, despite its path
 
 __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_params", "check_fits", "check_ln_variance",
-           "check_int", "check_eps", "check_bool", "allocated_bytes"]
+           "check_int", "check_eps", "check_bool", "saved_bytes"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
@@ -216,27 +214,22 @@ def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> No
         )
 
 
-class _NewStorage(TorchDispatchMode):
-    """Adds up the bytes of the tensors the operations under it create (not views of, or
-    in-place changes to, existing ones)."""
+def saved_bytes(fn, *args):
+    """``(fn(*args), bytes)``: the result of the call, and the total size of the tensors autograd
+    saves for its backward pass that depend on an input requiring grad (each storage once;
+    constants such as a classifier head's weights do not count). Those are what
+    ``torch.func``'s tangents and cotangents of ``fn`` carry, one copy per tangent, so they
+    scale its work space; the call sees inside a user's function (a callable loss's logits,
+    an MLP's hidden layer) at the cost of one forward pass with gradients recorded. The
+    caller passes inputs that require grad (e.g. ``Z.detach().requires_grad_()``)."""
+    sizes = {}
 
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
+    def pack(t):
+        if t.requires_grad:
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if all(r.alias_info is None for r in func._schema.returns):
-            self.nbytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
-def allocated_bytes(fn, *args):
-    """``(fn(*args), bytes)``: the result of the call and the total size of the tensors its
-    operations created on the way (every intermediate, freed or not; views and in-place
-    changes add nothing). Watches the calls PyTorch dispatches (a ``TorchDispatchMode``), so
-    it sees inside a user's function, e.g. a callable loss's classifier head; the call then
-    costs a few microseconds more per operation."""
-    with _NewStorage() as mode:
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
-    return out, mode.nbytes
+    return out, sum(sizes.values())
