@@ -140,9 +140,9 @@ def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_in
       ``(W_1, W_1)`` or ``(b_1, b_1)``, three of them with a curved activation, and two
       ``d × d_ff``), plus three ``d × d`` for the loss Hessian being back-propagated;
     * with ``X`` a variable, or pre-LN ``γ_1``, ``β_1`` (which enter through the attention's input):
-      the attention's input Jacobian and input curvature, sixteen ``L·d²`` and ``L²·(d + 2)`` (a
+      the attention's input Jacobian and input curvature, eight ``L·d²`` and ``L²·(d + 2)`` (a
       three-operand product contracted left to right, and the softmax Jacobian), its cross derivatives
-      with the heads, ``3·d²·(2q + d)``, and for ``X`` the per-token core of ``X`` against a
+      with the heads, ``2·d²·(2q + d)``, and for ``X`` the per-token core of ``X`` against a
       weight, ``L·d·max(d, d_ff)``, and two ``d`` rows per token of its block with the largest weight.
 
     The coefficients are counts of the tensors the code forms, checked against measured peaks
@@ -168,7 +168,7 @@ def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_in
         ffn_stage = (3 if cfg.activation != "relu" else 1) * ff * ff + 2 * d * ff
         per_token += max(attn, ffn_stage, 6 * d * d) + 3 * d * d
         if x_terms:
-            per_token += 16 * L * d * d + L * L * (d + 2) + 3 * d * d * (2 * q + d)
+            per_token += 8 * L * d * d + L * L * (d + 2) + 2 * d * d * (2 * q + d)
             if wrt_input:
                 per_token += L * d * max(d, ff) + 2 * d * max(math.prod(s) for s in shapes.values())
     elif x_terms:

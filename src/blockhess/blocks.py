@@ -268,7 +268,7 @@ class HessianBlocks:
         return f"HessianBlocks({parts}; n={sum(self.sizes)}, dtype={self.dtype})"
 
 
-CONTRACT_BYTES = 64 << 20  # vmap's work space over the basis vectors may always be this much (or the result's size)
+CONTRACT_BYTES = 64 << 20  # vmap's work space over the basis vectors may always be this much (or half the result)
 
 
 def dense_second_derivative(
@@ -286,9 +286,11 @@ def dense_second_derivative(
     ``contract(G, acc)`` must add into ``acc`` the blocks of :math:`\sum_o G_o \nabla^2 N_o`
     for an output weight ``G`` of shape ``out_shape``; contracting with every basis vector
     gives the ``(N.numel()·n_a, n_b)`` matrix with rows ``(o, i)`` o-major (paper §1.1).
-    ``work_bytes``: what one contraction holds at once; ``vmap`` takes the basis vectors in
-    chunks of as many as keep that (with each vector and its block) within ``CONTRACT_BYTES``
-    or the result's size, whichever is more, each chunk written into the one result buffer.
+    ``work_bytes``: what one contraction holds at once, unbatched; ``vmap`` takes the basis
+    vectors in chunks of as many as keep twice that (batched, measured: docs/derivations.md §1),
+    with each vector and four copies of its block (the block, its Kronecker GEMM's output, a sum
+    and the gathered result), within ``CONTRACT_BYTES`` or half the result, whichever is more,
+    each chunk written into the one result buffer.
     Raises ``InsufficientMemoryError`` before any contraction if the result, or the result with
     one chunk's work space, would not fit.
     """
@@ -297,8 +299,8 @@ def dense_second_derivative(
     e = like.element_size()
     result = n_out * sizes[a] * sizes[b] * e
     check_fits(result, f"the dense d2/d{a}d{b}", like.device)
-    per = work_bytes + (n_out + sizes[a] * sizes[b]) * e  # a contraction, its basis vector and its block
-    size = min(n_out, max(1, max(CONTRACT_BYTES, result) // per))
+    per = 2 * work_bytes + (n_out + 4 * sizes[a] * sizes[b]) * e  # a contraction, its basis vector and its block
+    size = min(n_out, max(1, max(CONTRACT_BYTES, result // 2) // per))
     check_fits(result + size * per, f"the dense d2/d{a}d{b} with the work space of {size} of its {n_out} contractions "
                "at a time", like.device)
 
