@@ -227,9 +227,10 @@ def test_dense_layouts_count_their_batch(monkeypatch):
     softmax.hessian(A)
     layernorm.jacobian(torch.randn(5, 2, 3, dtype=torch.float64))
     layernorm.hessian(torch.randn(5, 2, 3, dtype=torch.float64))
-    rows, tokens = 5 * 2 * 3 * 8, 5 * 2 * 3 * 8  # entries of A (5 batches of 2 rows of 3) and of X (its tokens of 3), in bytes
-    assert seen == [3 * rows * 3 + 5 * 6**2 * 8, 4 * rows * 3**2 + 5 * 6**3 * 8,
-                    2 * tokens * 3 + 5 * 6**2 * 8, 4 * tokens * 3**2 + 5 * 6**3 * 8]
+    size = 5 * 2 * 3 * 8  # bytes of A and of X: 5 batches of 2 rows of 3
+    # each dense layout counted per batch, with its compact row- or token-wise blocks and their temporaries
+    assert seen == [3 * size * 3 + 5 * 6**2 * 8, 4 * size * 3**2 + 5 * 6**3 * 8,
+                    2 * size * 3 + 5 * 6**2 * 8, 4 * size * 3**2 + 5 * 6**3 * 8]
 
 
 def test_layernorm_variance_boundaries():
