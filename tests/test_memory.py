@@ -67,6 +67,18 @@ def test_forward_forms_no_derivative_caches(monkeypatch):
         assert c.E_Y is None and c.E_Z is None and c.J_SY is None and c.fc.J_n is None
 
 
+def test_forward_refuses_scores_that_do_not_fit(monkeypatch):
+    """A plain forward still holds every head's L × L scores and weights: 4 sequences of 16,384
+    tokens with 4 heads need 64 GiB, refused before the forward pass."""
+    cfg = bh.BlockConfig(d_model=16, d_ff=32, n_heads=4)
+    p = bh.init_params(cfg)
+    X = torch.zeros(4, 16384, 16, dtype=torch.float64)
+    _available(monkeypatch, 16 * GiB)
+    monkeypatch.setattr(block_mod, "_forward", _must_not_run("the forward pass"))
+    with pytest.raises(bh.InsufficientMemoryError, match=r"the forward pass over 65536 tokens needs [\d,]+ bytes \(64\.\d\d GiB\)"):
+        bh.forward(p, X, cfg)
+
+
 def test_hessian_refuses_one_long_sequence_before_its_forward(monkeypatch):
     """One 512-token sequence of a d_model = 512 block: its dense Hessian (n = 2,883,584) is
     refused at once, before the forward pass (which used to run first, for 24 s and 7 GiB)."""

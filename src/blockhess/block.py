@@ -738,9 +738,13 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 
     Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, a forward pass that
     overflows the dtype, or a LayerNorm input row of zero (or underflowing) variance with
-    ``ln_eps = 0`` (:func:`~blockhess.validation.check_ln_variance`).
+    ``ln_eps = 0`` (:func:`~blockhess.validation.check_ln_variance`); ``InsufficientMemoryError``
+    before it if its intermediates (every head's ``L × L`` scores, :func:`work_entries`) would
+    not fit. A plain forward: no per-token Jacobian is formed.
     """
     check_inputs(params, X, cfg)
+    B, L = _as_batch(X).shape[:2]
+    check_fits(work_entries(cfg, B, L, "forward") * X.element_size(), f"the forward pass over {B * L} tokens", X.device)
     c = _forward(params, X, cfg, plain=True)
     _check_forward(c)
     return c.out.reshape(X.shape)

@@ -239,10 +239,13 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
         ``X``, ``params`` or ``target``.
     InsufficientMemoryError
-        (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
-        ``out``), or a callable loss's per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` (those of
-        one pass), would not fit in the memory available now; raised before allocating, with the bytes
-        needed.
+        (a ``MemoryError`` and a ``ValueError``) before the first forward pass: the dense
+        ``n × n`` result (not counted with ``out``), or it with the largest pass's forward cache,
+        per-token factors and work space (:func:`blockhess.block.work_entries`), would not fit
+        in the memory available now; before a pass's loss derivatives: a callable loss's
+        per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` with ``torch.func``'s work space for a group
+        of them (:func:`blockhess.losses.derivatives`); before ``.outer`` or ``.functional`` is
+        assembled: that part with its passes. With the bytes needed and available.
 
     Notes
     -----
