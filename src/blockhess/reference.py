@@ -213,8 +213,9 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         return t[rows] if isinstance(t, torch.Tensor) else t
 
     first = take(target, slice(0, 1))
-    loss_bytes = losses.saved_loss_bytes(loss, first, Xb[:1]) if callable(loss) else 0
-    hz = (losses.hessian_work_bytes(loss, first, Xb[:1]) if callable(loss) else 3 * (L * d) ** 2 * e)
+    Z0 = forward(params, Xb[:1], cfg) if callable(loss) else None  # the first sequence's output, for the loss's count
+    loss_bytes = losses.saved_loss_bytes(loss, first, Z0) if callable(loss) else 0
+    hz = (losses.hessian_work_bytes(loss, first, Z0) if callable(loss) else 3 * (L * d) ** 2 * e)
     hz += (L * d) ** 2 * e  # the Hessian itself
 
     def need(rows):
