@@ -308,7 +308,8 @@ def test_dense_hessian_too_large_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr(bh.validation, "SMALL_BYTES", 0)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 72x72 Hessian needs 41,472 bytes"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
-    bh.jacobian(p, X, cfg)  # 6,912 bytes fit
+    Tiny.available = 10**6
+    bh.jacobian(p, X, cfg)  # 6,912 bytes fit, with the forward cache and factors (tests/test_memory.py)
     Tiny.available = 5_000
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense Jacobians \(12 x 72\) needs 6,912 bytes"):
         bh.jacobian(p, X, cfg)
@@ -335,7 +336,10 @@ def test_dense_layouts_count_their_batch(monkeypatch):
     softmax.hessian(A)
     layernorm.jacobian(torch.randn(5, 2, 3, dtype=torch.float64))
     layernorm.hessian(torch.randn(5, 2, 3, dtype=torch.float64))
-    assert seen == [5 * 6**2 * 8, 5 * 6**3 * 8] * 2
+    size = 5 * 2 * 3 * 8  # bytes of A and of X: 5 batches of 2 rows of 3
+    # each dense layout counted per batch, with its compact row- or token-wise blocks and their temporaries
+    assert seen == [3 * size * 3 + 5 * 6**2 * 8, 4 * size * 3**2 + 5 * 6**3 * 8,
+                    2 * size * 3 + 5 * 6**2 * 8, 4 * size * 3**2 + 5 * 6**3 * 8]
 
 
 def test_layernorm_variance_boundaries():
@@ -455,7 +459,10 @@ def test_callable_loss_memory_is_checked_and_out_of_memory_not_relabelled(monkey
     seen = []
     monkeypatch.setattr(losses, "check_fits", lambda n, what, device: seen.append((n, what)))
     bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum(), target=None)
-    assert seen == [(2 * 12**2 * 8, "the 2 per-sequence (12x12) Hessians of the loss")]
+    F = 12 * 8  # what autograd saves for the loss: Z itself (for Z**2), 96 bytes, carried by each of 12 tangents
+    per_sequence = 12 * (losses.TANGENT_COPIES * F + losses.SQUARE_COPIES * 12 * 8)
+    assert seen == [(2 * 12**2 * 8 + 2 * per_sequence, "the 2 per-sequence (12x12) Hessians of the loss and "
+                     "torch.func's work space for 2 of them at a time (estimated from the loss's own intermediates)")]
 
     def no_memory(*a, **k):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")

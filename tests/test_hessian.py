@@ -101,9 +101,9 @@ def test_batch_in_passes(loss, monkeypatch):
     T = _target(loss, X, g, 4)
     whole = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     n = sum(v.numel() for v in p.values())
-    per_sequence = 8 * 3 * (hess_mod.FACTOR_ENTRIES * n + (2 * 3 * 4 * 4 if loss == "custom" else 0))
-    monkeypatch.setattr(hess_mod, "PASS_BYTES", 3 * per_sequence)
     names = tuple(p)
+    per_sequence = 8 * hess_mod._sequence_entries(cfg, X, LOSSES[loss], names)
+    monkeypatch.setattr(hess_mod, "PASS_BYTES", 3 * per_sequence)
     assert hess_mod._chunks(cfg, X, LOSSES[loss], names) == [slice(0, 3), slice(3, 6), slice(6, 7)]
     assert hess_mod._chunks(cfg, X, LOSSES[loss], ("X",) + names) == [slice(None)]  # X blocks span the batch
     H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)

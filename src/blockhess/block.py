@@ -98,11 +98,93 @@ def _pre(cfg: BlockConfig) -> bool:
 FFN_NAMES = frozenset(("W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2"))  # the variables entering at the FFN stage or later
 
 
-def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True) -> Cache:
+def _levels(cfg: BlockConfig, name: str) -> int:
+    """How many levels of :class:`Factors` hold their own per-token factor of variable ``name``
+    (its level of entry and every later one that premultiplies it; ``R`` is ``O`` itself without ``W_O``)."""
+    proj = int(cfg.out_proj)
+    if name in ("W_O", "b_O"):
+        entry = 1
+    elif name in ("gamma_1", "beta_1"):
+        entry = 2 if cfg.norm == "post" else 0
+    elif name in FFN_NAMES:
+        entry = 4 if cfg.norm == "post" and name in ("gamma_2", "beta_2") else 3
+    else:  # the attention's weights, and X
+        entry = 0
+    if cfg.kind == "attention":
+        return 1 + proj if entry == 0 else 1
+    later = (("R", proj), ("Y", cfg.norm == "post"), ("S", 1), ("Z", cfg.norm == "post"))
+    return int(entry == 0) + sum(int(on) for k, (_, on) in enumerate(later, 1) if k >= max(entry, 1))
+
+
+def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_input: bool = False,
+                 names=None) -> int:
+    r"""An upper estimate of the tensor entries the closed form holds at once for ``B`` sequences
+    of ``L`` tokens, before any of it is computed (its results not included: the caller adds
+    the ``n²`` Hessian, the Jacobians).
+
+    ``mode``: ``"forward"`` (a plain forward pass), ``"factors"`` (the forward cache with its
+    per-token Jacobians, and the Kronecker factors of ``names``, default all weights; ``X`` as
+    well with ``wrt_input``) or ``"hessian"`` (those, plus the largest working set of the backward
+    walk: the loss Hessian's back-propagation and the per-token cores of one block pair).
+    Per token, with ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``:
+
+    * forward: the scores and weights of every head (``2HL``), ``Q`` and ``K`` (``2q``), a dozen
+      rows of ``d`` and four of ``d_ff``;
+    * per-token Jacobians: up to seven ``d × d`` (the two LayerNorms', their ``γ``-scaled copies,
+      ``J_SY`` and its factor ``W_2^T diag(a') W_1^T``) and one ``d × d_ff``;
+    * factors: each variable's ``d``-row matrix per token at every level that holds its own
+      (:func:`_levels`): ``d·q`` for ``W_Q``, ``b_Q``; ``H·d²`` for ``W_K`` (each head's rows padded
+      to ``d``); ``d·d_ff`` for ``W_1``, ``b_1``; ``d²`` for the rest; ``L·d²`` for ``X``;
+    * walk: the larger of the attention stage (a head's contracted softmax curvature, three
+      ``L × L`` at once, and eight rows of ``L·d``) and the FFN stage (the ``d_ff × d_ff`` core of
+      ``(W_1, W_1)`` or ``(b_1, b_1)``, three of them with a curved activation, and two
+      ``d × d_ff``), plus three ``d × d`` for the loss Hessian being back-propagated;
+    * with ``X`` a variable, or pre-LN ``γ_1``, ``β_1`` (which enter through the attention's input):
+      the attention's input Jacobian and input curvature, eight ``L·d²`` and ``L²·(d + 2)`` (a
+      three-operand product contracted left to right, and the softmax Jacobian), its cross derivatives
+      with the heads, ``2·d²·(2q + d)``, and for ``X`` the per-token core of ``X`` against a
+      weight, ``L·d·max(d, d_ff)``, and two ``d`` rows per token of its block with the largest weight.
+
+    The coefficients are counts of the tensors the code forms, checked against measured peaks
+    (docs/derivations.md §1, docs/results.md); ``B``, ``L`` are not checked.
+    """
+    d, H = cfg.d_model, cfg.n_heads
+    q = H * cfg.head_dim
+    ff = cfg.d_ff if cfg.kind == "block" else 0
+    T = B * L
+    fwd = 2 * H * L + 2 * q + 12 * d + 4 * ff
+    if mode == "forward":
+        return T * fwd
+    shapes = param_shapes(cfg)
+    names = tuple(shapes) if names is None else tuple(names)
+    width = {"W_Q": d * q, "b_Q": d * q, "W_K": H * d * d, "b_K": 0, "W_1": d * ff, "b_1": d * ff}
+    factors = sum(width.get(k, d * d) * _levels(cfg, k) for k in names if k in shapes)
+    x_terms = wrt_input or (_pre(cfg) and any(k in names for k in ("gamma_1", "beta_1")))
+    if wrt_input:
+        factors += L * d * d * (_levels(cfg, "X") + 3)
+    per_token = fwd + (7 * d * d + d * ff if cfg.kind == "block" else 0) + factors
+    if mode == "hessian":
+        attn = 3 * L * L + 8 * L * d
+        ffn_stage = (3 if cfg.activation != "relu" else 1) * ff * ff + 2 * d * ff
+        per_token += max(attn, ffn_stage, 6 * d * d) + 3 * d * d
+        if x_terms:
+            per_token += 8 * L * d * d + L * L * (d + 2) + 2 * d * d * (2 * q + d)
+            if wrt_input:
+                per_token += L * d * max(d, ff) + 2 * d * max(math.prod(s) for s in shapes.values())
+    elif x_terms:
+        per_token += L * d * d
+    return T * per_token
+
+
+def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True,
+             plain: bool = False) -> Cache:
     """Forward pass keeping what the derivatives need. No checks (kernel).
 
     ``upstream=False``: only variables in ``FFN_NAMES`` will be differentiated; the per-token
     Jacobians the chain needs for earlier ones (``J_Y``, ``J_SY``) are not formed (``None``).
+    ``plain=True``: nothing will be differentiated; no per-token Jacobian is formed (``E_Y``,
+    ``E_Z``, ``J_SY``, the LayerNorm Jacobians are ``None``): the output and what
+    :func:`_check_forward` reads.
     """
     p = params
     Xb = _as_batch(X)
@@ -110,6 +192,7 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     if wrt_input:
         names = ("X",) + names
     d, eps = cfg.d_model, cfg.ln_eps
+    upstream = upstream and not plain
     ln1 = None
     Xa = Xb
     if _pre(cfg):
@@ -134,16 +217,16 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
         y2, r2 = layernorm._normalise(fc.S, eps)
         Z = layernorm._affine(y2, g2, p.get("beta_2"))
         J1 = layernorm._jacobian_of(y1, r1) if upstream else None
-        J2 = layernorm._jacobian_of(y2, r2)
+        J2 = None if plain else layernorm._jacobian_of(y2, r2)
         E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
-        E_Z = J2 if g2 is None else g2[:, None] * J2
+        E_Z = J2 if g2 is None or J2 is None else g2[:, None] * J2
         ln1, ln2 = (y1, J1), (y2, J2)
         J_SY = ffn.input_jacobian(fc) if upstream else None
         return Cache(cfg, names, att, U, fc, E_Y, E_Z, J_SY, Z.reshape(Xb.shape), p, Xb, ln1, ln2, P.reshape(-1, d),
                      tuple(X.shape))
     fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
-                     gamma=g2, beta=p.get("beta_2"))
-    eye = torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
+                     gamma=g2, beta=p.get("beta_2"), jacobian=not plain)
+    eye = None if plain else torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
     J_SY = ffn.input_jacobian(fc) if upstream else None
     return Cache(cfg, names, att, U, fc, None, eye, J_SY, fc.S.reshape(Xb.shape), p, Xb, ln1, None,
                  P.reshape(-1, d), tuple(X.shape))
@@ -655,10 +738,14 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     Raises ``ValueError`` on wrong shapes, dtypes, devices, NaN/Inf, a forward pass that
     overflows the dtype, or a LayerNorm input row whose ``var + ln_eps`` does not stand above
     its values' rounding and ``tiny/e`` (with ``ln_eps = 0``: zero or underflowing variance,
-    Assumption 2; :func:`~blockhess.validation.check_ln_variance`, docs/derivations.md §3).
+    Assumption 2; :func:`~blockhess.validation.check_ln_variance`, docs/derivations.md §3);
+    ``InsufficientMemoryError`` before it if its intermediates (every head's ``L × L`` scores,
+    :func:`work_entries`) would not fit. A plain forward: no per-token Jacobian is formed.
     """
     check_inputs(params, X, cfg)
-    c = _forward(params, X, cfg)
+    B, L = _as_batch(X).shape[:2]
+    check_fits(work_entries(cfg, B, L, "forward") * X.element_size(), f"the forward pass over {B * L} tokens", X.device)
+    c = _forward(params, X, cfg, plain=True)
     _check_forward(c)
     return c.out.reshape(X.shape)
 
@@ -695,14 +782,20 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
 
     Raises ``ValueError`` as :func:`forward`, for an unknown name in ``wrt``, and for a
     Jacobian with a NaN or Inf (a value overflowed on finite inputs,
-    :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError`` if the dense
-    Jacobians would not fit in memory.
+    :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError`` before the forward
+    pass if the dense Jacobians, or they with the forward cache and factors (:func:`work_entries`)
+    and a copy of the largest one (the heads' merge), would not fit in memory.
     """
     check_inputs(params, X, cfg)
     shapes = param_shapes(cfg)
     names = _select(tuple(shapes), wrt)
     n = sum(math.prod(shapes[k]) for k in names)
-    check_fits(X.numel() * n * X.element_size(), f"the dense Jacobians ({X.numel()} x {n})", X.device)
+    e, (B, L) = X.element_size(), _as_batch(X).shape[:2]
+    result = X.numel() * n * e
+    check_fits(result, f"the dense Jacobians ({X.numel()} x {n})", X.device)
+    work = work_entries(cfg, B, L, "factors", names=names) + X.numel() * max(math.prod(shapes[k]) for k in names)
+    check_fits(result + work * e, f"the dense Jacobians ({X.numel()} x {n}) with the forward cache and factors of "
+               f"{B * L} tokens", X.device)
     c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
     _check_forward(c)
     J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
@@ -721,12 +814,20 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13).
 
     Raises ``ValueError`` as :func:`forward`, and for a result with a NaN or Inf (an overflow
-    on finite inputs, :func:`~blockhess.validation.check_result`).
+    on finite inputs, :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError``
+    before the forward pass if the ``B`` Jacobians ``(L·d)²``, or they with the forward cache and
+    ``X``'s factors (:func:`work_entries`), would not fit in memory.
     """
     check_inputs(params, X, cfg)
+    e, (B, L, d) = X.element_size(), _as_batch(X).shape
+    result = B * (L * d) ** 2 * e
+    check_fits(result, f"the {B} dense input Jacobians ({L * d}x{L * d})", X.device)
+    check_fits(result + work_entries(cfg, B, L, "factors", wrt_input=True, names=()) * e,
+               f"the {B} dense input Jacobians ({L * d}x{L * d}) with the forward cache and factors of {B * L} tokens",
+               X.device)
     c = _forward(params, X, cfg, wrt_input=True)
     _check_forward(c)
-    J = _factors(c).J["X"].dense()
+    J = _factors(c._replace(names=("X",))).J["X"].dense()  # the weights' factors are not needed
     check_result({"the input Jacobian": J})
     return J[0] if X.ndim == 2 else J
 
@@ -742,8 +843,10 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     ``W_b``. ``X`` is one sequence ``(L, d_model)``. Valid almost everywhere (ReLU).
 
     Raises ``ValueError`` as :func:`forward`, for an unknown name or ``of``, and for a result
-    with a NaN or Inf (:func:`~blockhess.validation.check_result`);
-    ``InsufficientMemoryError`` if the result would not fit in memory.
+    with a NaN or Inf (:func:`~blockhess.validation.check_result`); ``InsufficientMemoryError``
+    before the forward pass if the result, or it with the forward cache and factors and the work
+    space of the contractions taken at once (:func:`~blockhess.blocks.dense_second_derivative`,
+    :func:`work_entries`), would not fit in memory.
     """
     check_inputs(params, X, cfg)
     if X.ndim != 2:
@@ -751,11 +854,17 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     allowed = ("F",) if cfg.kind == "attention" else (("Z", "S") if cfg.norm == "post" else ("Z",))
     if of not in allowed:
         raise ValueError(f"of must be one of {allowed} for kind={cfg.kind!r}, norm={cfg.norm!r}, got {of!r}")
+    shapes = param_shapes(cfg)
+    for name, n in (("a", a), ("b", b)):
+        if not (isinstance(n, str) and n in shapes):
+            raise ValueError(f"{name} must be one parameter name of {list(shapes)}, got {n!r}")
+    L, e = X.shape[0], X.element_size()
+    held, walk = work_entries(cfg, 1, L, "factors"), work_entries(cfg, 1, L, "hessian")
+    n_out, (sa, sb) = X.numel(), (math.prod(shapes[a]), math.prod(shapes[b]))
+    check_fits(n_out * sa * sb * e, f"the dense d2/d{a}d{b}", X.device)  # the result alone, then with the factors
+    check_fits((n_out * sa * sb + held) * e, f"the dense d2/d{a}d{b} with the forward cache and factors", X.device)
     c = _forward(params, X, cfg)
     _check_forward(c)
-    for name, n in (("a", a), ("b", b)):
-        if not (isinstance(n, str) and n in c.names):
-            raise ValueError(f"{name} must be one parameter name of {list(c.names)}, got {n!r}")
     factors = _factors(c)
     if of == "S":
         def contract(g, acc):
@@ -763,6 +872,6 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     else:
         def contract(g, acc):
             contract_output(c, g[None], factors, acc)
-    D = dense_second_derivative(contract, tuple(X.shape), c.names, param_shapes(cfg), a, b, X)
+    D = dense_second_derivative(contract, tuple(X.shape), c.names, shapes, a, b, X, work_bytes=(walk - held) * e)
     check_result({f"the second derivative d2{of}/d{a}d{b}": D})
     return D

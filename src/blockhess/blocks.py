@@ -270,6 +270,9 @@ class HessianBlocks:
         return f"HessianBlocks({parts}; n={sum(self.sizes)}, dtype={self.dtype})"
 
 
+CONTRACT_BYTES = 64 << 20  # vmap's work space over the basis vectors may always be this much (or half the result)
+
+
 def dense_second_derivative(
     contract: Callable[[torch.Tensor, BlockSum], None],
     out_shape: tuple[int, int],
@@ -278,27 +281,44 @@ def dense_second_derivative(
     a: str,
     b: str,
     like: torch.Tensor,
+    work_bytes: int = 0,
 ) -> torch.Tensor:
     r"""The paper's layout of a second derivative :math:`\partial^2 N/\partial W_a \partial W_b`.
 
     ``contract(G, acc)`` must add into ``acc`` the blocks of :math:`\sum_o G_o \nabla^2 N_o`
     for an output weight ``G`` of shape ``out_shape``; contracting with every basis vector
     gives the ``(N.numel()·n_a, n_b)`` matrix with rows ``(o, i)`` o-major (paper §1.1).
+    ``work_bytes``: what one contraction holds at once, unbatched; ``vmap`` takes the basis
+    vectors in chunks of as many as keep twice that (batched, measured: docs/derivations.md §1),
+    with each vector and four copies of its block (the block, its Kronecker GEMM's output, a sum
+    and the gathered result), within ``CONTRACT_BYTES`` or half the result, whichever is more,
+    each chunk written into the one result buffer.
+    Raises ``InsufficientMemoryError`` before any contraction if the result, or the result with
+    one chunk's work space, would not fit.
     """
     n_out = out_shape[0] * out_shape[1]
     sizes = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
-    check_fits(n_out * sizes[a] * sizes[b] * like.element_size(), f"the dense d2/d{a}d{b}", like.device)
+    e = like.element_size()
+    result = n_out * sizes[a] * sizes[b] * e
+    check_fits(result, f"the dense d2/d{a}d{b}", like.device)
+    per = 2 * work_bytes + (n_out + 4 * sizes[a] * sizes[b]) * e  # a contraction, its basis vector and its block
+    size = min(n_out, max(1, max(CONTRACT_BYTES, result // 2) // per))
+    check_fits(result + size * per, f"the dense d2/d{a}d{b} with the work space of {size} of its {n_out} contractions "
+               "at a time", like.device)
 
     def blocks(G):
         acc = BlockSum(names, shapes, wanted=(a, b))
         contract(G, acc)
         return acc.blocks
 
-    basis = torch.eye(n_out, dtype=like.dtype, device=like.device).reshape(n_out, *out_shape)
-    out = torch.func.vmap(blocks)(basis)
     swap = names.index(a) > names.index(b)
     key = (b, a) if swap else (a, b)
-    if key not in out:
-        return like.new_zeros(n_out * sizes[a], sizes[b])
-    blk = out[key].transpose(1, 2) if swap else out[key]
-    return blk.reshape(n_out * sizes[a], sizes[b])
+    out = like.new_zeros(n_out, sizes[a], sizes[b])
+    for s in range(0, n_out, size):
+        k = min(size, n_out - s)
+        basis = like.new_zeros(k, n_out)
+        basis[torch.arange(k), torch.arange(s, s + k)] = 1
+        got = torch.func.vmap(blocks)(basis.reshape(k, *out_shape))
+        if key in got:
+            out[s : s + k] = got[key].transpose(1, 2) if swap else got[key]
+    return out.reshape(n_out * sizes[a], sizes[b])

@@ -43,7 +43,7 @@ from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
-from .validation import check_ln_variance, detached
+from .validation import check_fits, check_ln_variance, detached
 
 __all__ = [
     "SOFTMAX_JACOBIAN_BOUND",
@@ -206,6 +206,8 @@ def _loss_constants(loss, target, out: torch.Tensor) -> tuple[float, float]:
     """Exact ``(‖∇²ℓ‖₂, ‖∇ℓ‖₂)`` at the output ``out`` (``(L, d)``) of one sequence."""
     tgt = target[None] if isinstance(target, torch.Tensor) else target
     ld = losses.derivatives(loss, tgt, out[None])
+    check_fits(3 * ld.hess[0].numel() * 8, f"the symmetrised float64 copies of the loss Hessian {tuple(ld.hess[0].shape)} "
+               "for its eigenvalues", out.device)
     lam = max(_sym_spec(0.5 * (h + h.T)) for h in ld.hess)
     return lam, float(ld.grad.norm())
 
@@ -232,7 +234,9 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     LayerNorm lemma; valid constants derived here (docs/bounds.md).
 
     Raises ``ValueError`` on bad inputs (as :func:`blockhess.hessian`: a LayerNorm input row
-    as :func:`~blockhess.validation.check_ln_variance`), or when a bound overflows float64.
+    as :func:`~blockhess.validation.check_ln_variance`), or when a bound overflows float64;
+    ``InsufficientMemoryError`` as :func:`blockhess.losses.derivatives` for a callable loss's Hessian, or
+    before the symmetrised float64 copies of it that its eigenvalues take.
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
@@ -423,12 +427,12 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     ``√(m n)·max`` (``None`` entries for a loss other than MSE). Source: Theorems 1 and 6;
     derived here (docs/bounds.md).
 
-    Raises ``ValueError`` as :func:`ingredients`.
+    Raises ``ValueError`` and ``InsufficientMemoryError`` as :func:`ingredients`.
     """
     check_setting(cfg)
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
-    _check_forward(_forward(params, X, cfg, upstream=False))  # the whole batch at once: rows named as in X
+    _check_forward(_forward(params, X, cfg, plain=True))  # the whole batch at once: rows named as in X
     Xb = X[None] if X.ndim == 2 else X
     # a tensor target per sequence; anything else (one sequence's callable target) passed whole
     tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,
@@ -475,16 +479,20 @@ def exact_norms(H) -> dict[str, Any]:
     (eigenvalues). Computed in float64 (:mod:`blockhess.linalg`) whatever the dtype of ``H``.
 
     Raises ``ValueError`` if ``H`` does not carry its outer and functional parts (it must be
-    a result of :func:`blockhess.hessian` or :func:`blockhess.reference.hessian`, not one part).
+    a result of :func:`blockhess.hessian` or :func:`blockhess.reference.hessian`, not one part);
+    ``InsufficientMemoryError`` before any norm if three float64 ``n × n`` matrices (the
+    symmetrised copy and the eigensolver's) would not fit; the parts are checked as they are made.
     """
     if not isinstance(H, HessianBlocks) or H._parts is None:
         raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     out = {}
+    n = sum(H.sizes)
+    check_fits(3 * n * n * 8, f"the symmetrised float64 copies of the {n}x{n} Hessian for its eigenvalues", H.device)
     for key, part in (("full", H), ("outer", H.outer), ("functional", H.functional)):
         vals = PairNorms((pr, norm2(block)) for pr, block in part.items())
         D = part.dense()
-        vals["all"] = _sym_spec(0.5 * (D + D.T))
+        vals["all"] = _sym_spec((D + D.T).mul_(0.5))
         out[key] = vals
     _check_numbers("exact_norms", out)
     return out
@@ -524,6 +532,8 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         As :func:`blockhess.hessian` (shapes, dtypes, NaN/Inf, target, zero-variance
         LayerNorm input with ``ln_eps = 0``), or a config outside the paper's setting
         (:func:`check_setting`: multi-head, pre-LN, GELU, biases, ``W_O``, affine LN, causal).
+    InsufficientMemoryError
+        As :func:`blockhess.hessian` and :func:`exact_norms`, before the allocation.
 
     Source: Theorem 1 and Theorem 6 of arXiv 2510.16927; valid constants
     derived here, see docs/bounds.md.
@@ -580,7 +590,10 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     :mod:`blockhess.layernorm`). Source: the paper's auxiliary bounds and LayerNorm lemma
     (Theorems 1 and 6); derived here (docs/bounds.md).
 
-    Raises ``ValueError`` as :func:`ingredients`.
+    Raises ``ValueError`` as :func:`ingredients`; ``InsufficientMemoryError`` before any of
+    them if the block's dense ingredients (``B_1``, ``L·d × d·d_ff``, and the LayerNorm second
+    derivatives, ``L·d³``, each with its float64 copy) would not fit, or as the closed forms
+    called (:func:`blockhess.jacobian`, :func:`blockhess.second_derivative`).
     """
     from .block import jacobian as _jac, second_derivative as _d2
     from .components import layernorm as _lnmod
@@ -592,12 +605,15 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
         raise ValueError(f"ingredient_checks: X must be one sequence (L, d_model), got {tuple(X.shape)}")
     if target is None:
         target = torch.zeros_like(X)
+    L, d = X.shape
+    if cfg.kind == "block":  # B_1 (L·d × d·d_ff) and the LayerNorm second derivatives (L·d³), each with a float64 copy
+        check_fits(16 * L * d * d * (cfg.d_ff + 2 * d), "the dense ingredient matrices of the block (B_1, the LayerNorm "
+                   "Hessians) with their float64 copies", X.device)
     ing = ingredients(params, X, cfg, "mse", target)
     v, pp = ing["valid"], ing["paper"]
 
     def printed(*keys):  # the printed value, or None where ingredients has none (a constant LayerNorm row)
         return None if pp is None else functools.reduce(lambda t, k: t[k], keys, pp)
-    L, d = X.shape
     rows: list[dict] = []
 
     def add(name, exact, bound, paper, note=""):

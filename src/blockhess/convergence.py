@@ -372,7 +372,7 @@ def _prepare(params, X, cfg, loss, target, wrt):
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
-    c = _forward(params, Xb, cfg)
+    c = _forward(params, Xb, cfg, plain=True)
     _check_forward(c)
     target = losses.check(loss, target, c.out, single=X.ndim == 2)
     names = _select(c.names, wrt)
@@ -434,7 +434,7 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
     batch of one (whose loss is the sequence's own loss).
     """
     B = Xb.shape[0]
-    c = _forward(params, Xb, cfg)
+    c = _forward(params, Xb, cfg, plain=True)
     values = _per_sample_values(loss, target, c.out)
     ld = losses.derivatives(loss, target, c.out)
     n = _size(cfg, names)

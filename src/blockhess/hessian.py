@@ -21,11 +21,11 @@ import math
 import torch
 
 from . import losses
-from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output
+from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output, work_entries
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
-from .validation import check_bool, check_result, detached
+from .validation import check_bool, check_fits, check_result, detached
 
 __all__ = ["hessian"]
 
@@ -80,32 +80,55 @@ def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlock
 
 
 PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
-FACTOR_ENTRIES = 8  # per token, about this many entries per weight: forward cache and factors (2.9 n measured
-# for the paper's block, 1.6 n pre-LN, 7.6 n with 4 heads; docs/derivations.md §1)
+
+
+def _sequence_entries(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...]) -> int:
+    """Entries one sequence adds to a pass (:func:`blockhess.block.work_entries`, every weight's
+    factors being formed; for a callable loss its ``(L·d)²`` Hessian twice: itself and its
+    eigen-decomposition's work)."""
+    L, d = X.shape[-2:]
+    return work_entries(cfg, 1, L, "hessian", wrt_input="X" in names) + (2 * (L * d) ** 2 if callable(loss) else 0)
 
 
 def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...]) -> list[slice]:
     """The batch's sequences, one slice per pass of the closed form (the whole of ``X`` in one
     when it fits, or ``X`` is one sequence, or ``"X"`` is in ``names``: its blocks span the batch).
 
-    A pass holds the forward cache and the per-token factors of its sequences (about
-    ``FACTOR_ENTRIES · n`` entries per token, ``n`` the number of weights) and, for a callable
-    loss, their ``(L·d)²`` loss Hessians twice over (``torch.func``'s work space); it may use
-    ``PASS_BYTES`` or half of the dense result over ``names``, whichever is more. Not counted:
-    a callable loss's ``R`` eigen-directions per sequence, ``R·n`` entries (``R`` at most
-    ``L·d``; 9 for a classifier over ten classes). Derived here, docs/derivations.md §1.
+    A pass holds the forward cache, the per-token factors and the backward walk's work space of
+    its sequences (:func:`_sequence_entries`); it may use ``PASS_BYTES`` or half of the dense
+    result over ``names``, whichever is more. Not counted: a callable loss's ``R``
+    eigen-directions per sequence, ``R·n`` entries (``R`` at most ``L·d``; 9 for a classifier
+    over ten classes), checked when they are made (:func:`blockhess.losses.derivatives`).
+    Derived here, docs/derivations.md §1.
     """
     if X.ndim == 2 or "X" in names:
         return [slice(None)]
-    B, L, d = X.shape
+    B = X.shape[0]
     sizes = {k: math.prod(shape) for k, shape in param_shapes(cfg).items()}
-    n, n_out = sum(sizes.values()), sum(sizes[k] for k in names)
-    per_sequence = X.element_size() * L * (FACTOR_ENTRIES * n + (2 * L * d * d if callable(loss) else 0))
-    size = max(PASS_BYTES, n_out * n_out * X.element_size() // 2) // per_sequence
+    n_out = sum(sizes[k] for k in names)
+    size = max(PASS_BYTES, n_out * n_out * X.element_size() // 2) // (X.element_size() * _sequence_entries(cfg, X, loss, names))
     if size >= B:
         return [slice(None)]
     size = max(int(size), 1)
     return [slice(s, min(s + size, B)) for s in range(0, B, size)]
+
+
+def _check_memory(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...], chunks: list[slice], result: bool,
+                  what: str) -> None:
+    """Before any pass: the ``n × n`` result over ``names`` (unless ``result`` is false: it goes
+    into ``out=``), then that with the largest pass's work space (:func:`_sequence_entries` per
+    sequence). ``what`` names the result (``{n}``: its size). Raises ``InsufficientMemoryError`` with the bytes."""
+    e = X.element_size()
+    n = sum(math.prod(s) for k, s in param_shapes(cfg).items() if k in names) + (X.numel() if "X" in names else 0)
+    what = what.format(n=n)
+    held = n * n * e if result else 0
+    if result:
+        check_fits(held, what, X.device)
+    B, L = (1, X.shape[0]) if X.ndim == 2 else X.shape[:2]
+    rows = max(len(range(B)[c]) for c in chunks)
+    check_fits(held + rows * _sequence_entries(cfg, X, loss, names) * e,
+               f"{what}{'' if result else ' (into out=)'} with a pass of the closed form over {rows} "
+               f"sequence{'s' if rows > 1 else ''} of {L} tokens (forward cache, per-token factors, work space)", X.device)
 
 
 def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
@@ -224,10 +247,13 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         Hessian carries ``1/sigma`` of both LayerNorms up to four times; checked once the
         Hessian is assembled, so ``out`` then holds that partial result).
     InsufficientMemoryError
-        (a ``MemoryError`` and a ``ValueError``) the dense ``n × n`` result (not checked with
-        ``out``), or a callable loss's per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` (those of
-        one pass), would not fit in the memory available now; raised before allocating, with the bytes
-        needed.
+        (a ``MemoryError`` and a ``ValueError``) before the first forward pass: the dense
+        ``n × n`` result (not counted with ``out``), or it with the largest pass's forward cache,
+        per-token factors and work space (:func:`blockhess.block.work_entries`), would not fit
+        in the memory available now; before a pass's loss derivatives: a callable loss's
+        per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` with ``torch.func``'s work space for a group
+        of them (:func:`blockhess.losses.derivatives`); before ``.outer`` or ``.functional`` is
+        assembled: that part with its passes. With the bytes needed and available.
 
     Notes
     -----
@@ -255,6 +281,12 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
     names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
     chunks = _chunks(cfg, X, loss, names)
+    _check_memory(cfg, X, loss, names, chunks, out is None, "the dense {n}x{n} Hessian")
     full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out)
-    full._parts = lambda which: _passes(params, X, cfg, names, chunks, None, derivs=derivs, which=which, dense=False)[0]
+
+    def part(which: str) -> HessianBlocks:
+        _check_memory(cfg, X, None, names, chunks, True, f"the {which} part of the Hessian ({{n}}x{{n}}, in blocks)")
+        return _passes(params, X, cfg, names, chunks, None, derivs=derivs, which=which, dense=False)[0]
+
+    full._parts = part
     return full

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 
 from . import linalg
-from .validation import check_fits, check_tensor
+from .validation import check_fits, check_tensor, saved_bytes
 
-__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank"]
+__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank", "hessian_work_bytes", "saved_loss_bytes"]
 
 
 class LossDerivatives(NamedTuple):
@@ -132,19 +132,50 @@ def _in_dims(target) -> tuple[int, int | None]:
     return (0, 0 if isinstance(target, torch.Tensor) else None)
 
 
+WORK_BYTES = 64 << 20  # torch.func's work space for a callable's per-sequence Hessians: this much, or as much as the Hessians
+TANGENT_COPIES = 6  # of the loss's saved intermediates, per tangent (docs/derivations.md §1, measured)
+SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, a copy
+
+
+def hessian_work_bytes(loss, target, Z: torch.Tensor) -> int:
+    r"""Bytes ``torch.func``'s gradient and Hessian of the callable ``loss`` hold at once for one
+    sequence (``Z`` of shape ``(B, L, d)``, ``target`` as for :func:`derivatives`), its Hessian
+    not included. The Hessian is forward mode over reverse mode: each of the ``m = L·d``
+    tangents carries the intermediates of the loss's forward and backward pass. Those cannot be
+    seen from outside (a classifier head's logits, an MLP's hidden layer), so the loss is called
+    once on ``Z[0]`` with gradients recorded and what autograd saves is counted
+    (:func:`~blockhess.validation.saved_bytes`, ``F`` bytes): ``m·(TANGENT_COPIES·F + SQUARE_COPIES·m·e)``,
+    ``e`` the bytes per entry. Calibrated on measured peaks (docs/derivations.md §1). The
+    arguments are not checked here."""
+    B, L, d = Z.shape
+    m = L * d
+    return m * (TANGENT_COPIES * saved_loss_bytes(loss, target, Z) + SQUARE_COPIES * m * Z.element_size())
+
+
+def saved_loss_bytes(loss, target, Z: torch.Tensor) -> int:
+    """What autograd saves for the backward pass of the callable ``loss`` on the first sequence
+    ``Z[0]`` (``target`` as for :func:`derivatives`): the intermediates that depend on ``Z``
+    (:func:`~blockhess.validation.saved_bytes`; a classifier head's logits, not its weights)."""
+    z = Z[0].detach().clone().requires_grad_()
+    return saved_bytes(loss, z, target[0] if isinstance(target, torch.Tensor) else target)[1]
+
+
 def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: int = 0) -> LossDerivatives:
     """Gradient and Hessian of the mean-over-sequences loss w.r.t. ``Z`` of shape ``(B, L, d)``.
 
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
     callable: a tensor with one entry per sequence along axis 0, or ``None``). ``Z`` may be
     the rows ``first, first + 1, …`` of a batch of ``batch`` sequences (default ``B``, the
-    whole batch): the mean is over ``batch``, and errors name the sequence in it. Raises
-    ``ValueError`` when a callable's value, gradient or Hessian has a NaN or Inf (naming the
-    sequence; its derivatives can be finite where its value is not), or when ``torch.func``
-    cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for ``.item()``; running out
-    of memory is not re-labelled); ``InsufficientMemoryError`` before a callable's ``B``
-    per-sequence ``(L·d)²`` Hessians that would not fit. The other arguments are not checked
-    here (:func:`check`).
+    whole batch): the mean is over ``batch``, and errors name the sequence in it. A callable's
+    per-sequence derivatives are taken by ``torch.func`` (``vmap`` of ``grad_and_value`` and
+    ``hessian``) on as many sequences at a time as keep its work space
+    (:func:`hessian_work_bytes`) within ``WORK_BYTES`` or the size of the ``B`` Hessians, whichever is
+    more (at least one). Raises ``ValueError`` when a callable's value, gradient or Hessian has a
+    NaN or Inf (naming the sequence; its derivatives can be finite where its value is not), or
+    when ``torch.func`` cannot differentiate it (a ``RuntimeError`` of ``vmap``, e.g. for
+    ``.item()``; running out of memory is not re-labelled); ``InsufficientMemoryError`` before a
+    callable's ``B`` per-sequence ``(L·d)²`` Hessians and the work space of one group of
+    sequences, if they would not fit. The other arguments are not checked here (:func:`check`).
     """
     B, L, d = Z.shape
     mean_over = B if batch is None else batch
@@ -159,10 +190,24 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
         hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * mean_over)
         return LossDerivatives((p - onehot) / (L * mean_over), hess, True)
     in_dims = _in_dims(target)
-    check_fits(B * (L * d) ** 2 * Z.element_size(), f"the {B} per-sequence ({L * d}x{L * d}) Hessians of the loss", Z.device)
+    m = L * d
+    out_bytes = B * m * m * Z.element_size()
+    per = hessian_work_bytes(loss, target, Z)
+    size = min(B, max(1, max(WORK_BYTES, out_bytes) // max(per, 1)))
+    check_fits(out_bytes + size * per, f"the {B} per-sequence ({m}x{m}) Hessians of the loss and torch.func's work space "
+               f"for {size} of them at a time (estimated from the loss's own intermediates)", Z.device)
+    grad = val = hess = None
     try:
-        grad, val = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(Z, target)
-        hess = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(Z, target)
+        for s in range(0, B, size):
+            rows = slice(s, min(s + size, B))
+            t = target[rows] if isinstance(target, torch.Tensor) else target
+            z = Z[rows].clone()  # not a view into the batch: torch.func's tangents of a view span its whole storage
+            g, v = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=in_dims)(z, t)
+            h = torch.func.vmap(torch.func.hessian(loss), in_dims=in_dims)(z, t)
+            if hess is None:  # one buffer each, filled group by group
+                grad, val, hess = g.new_empty(B, *g.shape[1:]), v.new_empty(B), h.new_empty(B, *h.shape[1:])
+            # detached: a loss that closes over tensors requiring grad (a model's downstream layers) gives results with history
+            grad[rows], val[rows], hess[rows] = g.detach(), v.detach(), h.detach()
     except RuntimeError as exc:  # e.g. .item() or a Python branch on a value inside the loss
         if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):  # the CPU allocator's
             raise  # out of memory is not the loss's fault
@@ -172,15 +217,13 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
                 "changes of Z)")
         raise ValueError("loss could not be differentiated by torch.func (vmap of grad and hessian): "
                          f"{str(exc).splitlines()[0][:200]}; {hint}") from exc
-    # detached: a loss that closes over tensors requiring grad (a model's downstream layers) gives results with history
-    grad, val, hess = grad.detach(), val.detach(), hess.detach()
     if not (math.isfinite(grad.sum()) and math.isfinite(hess.sum()) and math.isfinite(val.sum())):
         # only then search (a sum can overflow)
         ok = torch.isfinite(grad).flatten(1).all(1) & torch.isfinite(hess).flatten(1).all(1) & torch.isfinite(val)
         if not bool(ok.all()):
             b = int((~ok).nonzero()[0])
             raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {first + b}")
-    return LossDerivatives(grad / mean_over, hess.reshape(B, L * d, L * d) / mean_over, False)
+    return LossDerivatives(grad.div_(mean_over), hess.reshape(B, L * d, L * d).div_(mean_over), False)  # our buffers
 
 
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:

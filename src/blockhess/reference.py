@@ -18,7 +18,7 @@ from . import losses
 from .block import _select, check_inputs
 from .blocks import BlockSum, HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
-from .validation import check_bool
+from .validation import check_bool, check_fits
 
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
 
@@ -82,23 +82,96 @@ def _plain_loss(loss, target, Z: torch.Tensor) -> torch.Tensor:
     return losses.value(loss, target, Z)
 
 
+CHUNK_BYTES = 64 << 20  # the work space of torch.func on one chunk of the batch may always be this much
+LOSS_COPIES = 3  # torch.func.hessian: per weight, copies of what autograd saves for a callable loss
+
+
+def _tangent_entries(cfg: BlockConfig, L: int) -> int:
+    """Entries ``torch.func`` holds per token of the chunk and per tangent of its forward mode
+    (a weight of ``torch.func.hessian``), ``150 + 2d + 4 d_ff + 6 H·L``: fitted to peaks measured
+    at 17 sizes (docs/derivations.md §1); the constant is the per-tangent share of the block's
+    and the loss's fixed work, ``H·L`` the attention's scores, weights and their derivatives."""
+    return 150 + 2 * cfg.d_model + 4 * (cfg.d_ff if cfg.kind == "block" else 0) + 6 * cfg.n_heads * L
+
+
+def _cotangent_entries(cfg: BlockConfig, L: int) -> int:
+    """The same per cotangent of ``jacrev`` (an output entry): ``9 d + d_ff + 2 H·L``, fitted likewise."""
+    return 9 * cfg.d_model + (cfg.d_ff if cfg.kind == "block" else 0) + 2 * cfg.n_heads * L
+
+
+def _chunk(B: int, extra) -> int:
+    """The most sequences per chunk, halving from ``B``, whose work space ``extra(rows)`` is
+    within ``CHUNK_BYTES`` (at least one)."""
+    size = B
+    while size > 1 and extra(size) > CHUNK_BYTES:
+        size = (size + 1) // 2
+    return size
+
+
 def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[str, torch.Tensor]:
-    """``torch.func.jacrev`` of :func:`forward`; same shapes as :func:`blockhess.jacobian`."""
+    """``torch.func.jacrev`` of :func:`forward`; same shapes as :func:`blockhess.jacobian`.
+
+    Each sequence's output depends on its own input only, so the batch is taken in chunks of as
+    many sequences as keep ``jacrev``'s work space (:func:`_cotangent_entries` per token and
+    output entry of the chunk) within ``CHUNK_BYTES``. Raises ``InsufficientMemoryError``
+    before any derivative if the Jacobians with one chunk's work space would not fit, besides
+    the ``ValueError`` of :func:`blockhess.jacobian`."""
     check_inputs(params, X, cfg)
     names = _select(tuple(param_shapes(cfg)), wrt)
     fixed = {k: v for k, v in params.items() if k not in names}
-    J = torch.func.jacrev(lambda sel: forward({**fixed, **sel}, X, cfg))({n: params[n] for n in names})
-    lead = X.shape[:-2]
-    L, d = X.shape[-2:]
-    return {n: J[n].reshape(*lead, L * d, params[n].numel()) for n in names}
+    Xb = X[None] if X.ndim == 2 else X
+    B, L, d = Xb.shape
+    e, n = X.element_size(), sum(params[k].numel() for k in names)
+
+    def work(rows):
+        return rows * L * d * rows * L * _cotangent_entries(cfg, L) * e
+
+    size = _chunk(B, work)
+    check_fits(Xb.numel() * n * e + work(size), f"the dense Jacobians ({Xb.numel()} x {n}) by torch.func.jacrev, "
+               f"{size} of the {B} sequences at a time", X.device)
+    out = {k: Xb.new_empty(B, L * d, params[k].numel()) for k in names}
+    for s in range(0, B, size):
+        J = torch.func.jacrev(lambda sel: forward({**fixed, **sel}, Xb[s : s + size], cfg))({k: params[k] for k in names})
+        for k in names:
+            out[k][s : s + size] = J[k].reshape(-1, L * d, params[k].numel())
+    return {k: (v[0] if X.ndim == 2 else v) for k, v in out.items()}
 
 
 def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
-    """``torch.func.jacrev`` of :func:`forward` w.r.t. ``X``, per sequence: ``(L·d, L·d)`` or ``(B, L·d, L·d)``."""
+    """``torch.func.jacrev`` of :func:`forward` w.r.t. ``X``, per sequence: ``(L·d, L·d)`` or ``(B, L·d, L·d)``;
+    vmapped over chunks of sequences as :func:`jacobian`, with the same errors."""
     check_inputs(params, X, cfg)
-    L, d = X.shape[-2:]
+    Xb = X[None] if X.ndim == 2 else X
+    B, L, d = Xb.shape
+    e = X.element_size()
+
+    def work(rows):
+        return rows * L * d * L * _cotangent_entries(cfg, L) * e
+
+    size = _chunk(B, work)
+    check_fits(B * (L * d) ** 2 * e + work(size), f"the {B} dense input Jacobians ({L * d}x{L * d}) by torch.func.jacrev, "
+               f"{size} of the sequences at a time", X.device)
     one = lambda x: torch.func.jacrev(lambda y: forward(params, y, cfg))(x).reshape(L * d, L * d)  # noqa: E731
-    return one(X) if X.ndim == 2 else torch.func.vmap(one)(X)
+    out = Xb.new_empty(B, L * d, L * d)
+    for s in range(0, B, size):
+        out[s : s + size] = torch.func.vmap(one)(Xb[s : s + size].clone())
+    return out[0] if X.ndim == 2 else out
+
+
+def _work_bytes(cfg: BlockConfig, n: int, rows: int, chunks: int, L: int, e: int, loss_bytes: int, hz_bytes: int) -> int:
+    """Bytes :func:`hessian` holds at once for a chunk of ``rows`` sequences (of ``chunks``):
+    the larger of ``torch.func.hessian``'s working set (its result and one and a half more ``n²``,
+    :func:`_tangent_entries` per token and weight, ``LOSS_COPIES · loss_bytes`` per sequence and
+    weight) and what follows it (that result with the outer and functional parts, ``3n²``; the
+    Jacobian of the chunk's ``rows·L·d`` outputs, twice, and ``jacrev``'s
+    :func:`_cotangent_entries` per token and output entry; the loss Hessians, ``hz_bytes`` per
+    sequence), plus, from the second chunk on, the ``3n²`` of the parts summed so far.
+    ``loss_bytes``: what autograd saves for a callable loss on one sequence (0 for MSE and CE,
+    counted in the fit); ``n`` variables; ``e`` bytes per entry."""
+    T, d = rows * L, cfg.d_model
+    hf = (5 * n * n // 2 + n * T * _tangent_entries(cfg, L)) * e + LOSS_COPIES * n * rows * loss_bytes
+    after = (3 * n * n + T * d * (2 * n + T * _cotangent_entries(cfg, L))) * e + rows * hz_bytes
+    return (3 * n * n * e if chunks > 1 else 0) + max(hf, after)
 
 
 def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
@@ -110,6 +183,16 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     (``wrt_input=True`` adds the block input ``X`` as a variable named ``"X"``, first). The
     forward pass itself is not checked: where :func:`blockhess.hessian` refuses a zero-variance
     or overflowing LayerNorm row, this oracle returns what autograd gives (NaN or Inf).
+
+    The batch loss is the mean of the per-sequence losses, so its Hessian is the sum of the
+    Hessians of (a chunk's mean loss) · rows / B over chunks of the batch: the batch is taken
+    in chunks of as many sequences as keep ``torch.func``'s work space within ``CHUNK_BYTES``
+    (:func:`_work_bytes`; its ``jacrev`` grows with the square of a chunk), one chunk with
+    ``wrt_input`` (the ``X`` blocks span the batch).
+
+    Raises ``InsufficientMemoryError`` before any derivative when the chunk's estimate would
+    not fit in the memory available (with the bytes needed and available), besides the
+    ``ValueError`` of :func:`blockhess.hessian`.
     """
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)
@@ -121,37 +204,66 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
     target = losses.check(loss, target, Xb, single=X.ndim == 2)
-    allv = {**params, "X": X}
-    fixed = {k: v for k, v in allv.items() if k not in names}
-    sel = {n: allv[n] for n in names}
+    B, L, d = Xb.shape
+    e = X.element_size()
+    n = sum(math.prod(shapes[k]) for k in names)
+    fixed = {k: v for k, v in params.items() if k not in names}
+
+    def take(t, rows):  # a tensor target has one entry per sequence; any other target is passed whole
+        return t[rows] if isinstance(t, torch.Tensor) else t
+
+    first = take(target, slice(0, 1))
+    Z0 = forward(params, Xb[:1], cfg) if callable(loss) else None  # the first sequence's output, for the loss's count
+    loss_bytes = losses.saved_loss_bytes(loss, first, Z0) if callable(loss) else 0
+    hz = (losses.hessian_work_bytes(loss, first, Z0) if callable(loss) else 3 * (L * d) ** 2 * e)
+    hz += (L * d) ** 2 * e  # the Hessian itself
+
+    def need(rows):
+        return _work_bytes(cfg, n, rows, -(-B // rows), L, e, loss_bytes, hz)
+
+    size = B if "X" in names else _chunk(B, lambda rows: need(rows) - _work_bytes(cfg, n, 0, 1, L, e, loss_bytes, hz))
+    check_fits(need(size), f"torch.func.hessian of the loss over {n} variables, {size} of the {B} sequences at a time, "
+               "with the Jacobian and the outer and functional parts", X.device)
+    parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
+    for start in range(0, B, size):
+        rows = slice(start, min(start + size, B))
+        _add_chunk(parts, params, fixed, Xb[rows], X, take(target, rows), cfg, loss, names, rows, B)
+    H = parts["full"].result(X, cfg)
+    H._parts = lambda which: parts[which].result(X, cfg)
+    return H
+
+
+def _add_chunk(parts: dict, params: dict, fixed: dict, Xc: torch.Tensor, X: torch.Tensor, target, cfg: BlockConfig,
+               loss, names: tuple[str, ...], rows: slice, B: int) -> None:
+    """Add the Hessian of the chunk ``Xc`` (sequences ``rows`` of ``B``; ``X`` the input as
+    given, whose own entries are the variable ``"X"``) to ``parts``: full, outer, functional."""
+    m = Xc.shape[0]
+    allv = {**params, "X": X if "X" in names else Xc}
+    sel = {k: allv[k] for k in names}
 
     def out(s):
         q = {**fixed, **s}
-        x = q.pop("X")
+        x = q.pop("X", Xc)
         return forward(q, x[None] if x.ndim == 2 else x, cfg)
 
-    def scalar(s):
-        return _plain_loss(loss, target, out(s))
+    def scalar(s):  # this chunk's share of the batch mean
+        return _plain_loss(loss, target, out(s)) * (m / B)
 
     Hf = torch.func.hessian(scalar)(sel)
     Z = out(sel)
-    B, L, d = Z.shape
+    _, L, d = Z.shape
     # the batch loss is the mean of per-sequence losses: its Z-Hessian is block-diagonal over sequences
     in_dims = (0, 0 if isinstance(target, torch.Tensor) else None)
 
     def per_sequence(z, t):  # a tensor target gets its batch axis back; any other target is passed whole
         return _plain_loss(loss, t[None] if isinstance(t, torch.Tensor) else t, z[None]) / B
 
-    H_Z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(Z, target).reshape(B, L * d, L * d)
+    H_Z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(Z, target).reshape(m, L * d, L * d)
     J = torch.func.jacrev(out)(sel)
-    J = {n: J[n].reshape(B, L * d, -1) for n in names}
-    parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
+    J = {k: J[k].reshape(m, L * d, -1) for k in names}
     for a, b in pairs(names):
         full = Hf[a][b].reshape(allv[a].numel(), allv[b].numel())
         outer = torch.einsum("bia,bij,bjc->ac", J[a], H_Z, J[b])
         parts["full"].add(a, b, full)
         parts["outer"].add(a, b, outer)
         parts["functional"].add(a, b, full - outer)
-    H = parts["full"].result(X, cfg)
-    H._parts = lambda which: parts[which].result(X, cfg)
-    return H

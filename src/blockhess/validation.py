@@ -17,7 +17,7 @@ import psutil
 import torch
 
 __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_result", "check_params", "check_fits",
-           "check_ln_variance", "check_int", "check_eps", "check_bool"]
+           "check_ln_variance", "check_int", "check_eps", "check_bool", "saved_bytes"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
@@ -254,3 +254,24 @@ def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> No
             f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) but only {available:,} bytes "
             f"({available / 2**30:.2f} GiB) are available on {device}"
         )
+
+
+def saved_bytes(fn, *args):
+    """``(fn(*args), bytes)``: the result of the call, and the total size of the tensors autograd
+    saves for its backward pass that depend on an input requiring grad (each storage once;
+    constants such as a classifier head's weights do not count). Those are what
+    ``torch.func``'s tangents and cotangents of ``fn`` carry, one copy per tangent, so they
+    scale its work space; the call sees inside a user's function (a callable loss's logits,
+    an MLP's hidden layer) at the cost of one forward pass with gradients recorded. The
+    caller passes inputs that require grad (e.g. ``Z.detach().requires_grad_()``)."""
+    sizes = {}
+
+    def pack(t):
+        if t.requires_grad:
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum(sizes.values())

@@ -83,16 +83,18 @@ def activation(x: torch.Tensor, kind: str = "relu"):
 
 
 def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2=None, act: str = "relu",
-            pre_ln: bool = False, ln_eps: float = 0.0, gamma=None, beta=None) -> Cache:
+            pre_ln: bool = False, ln_eps: float = 0.0, gamma=None, beta=None, jacobian: bool = True) -> Cache:
     """``S = act(Y_f W_1 + b_1) W_2 + b_2 + Y`` for ``Y`` of shape ``(T, d)``; ``Y_f = LN_2(Y)``
-    with ``pre_ln`` (``ln_eps``, ``gamma``, ``beta``), else ``Y``. No checks (kernel)."""
+    with ``pre_ln`` (``ln_eps``, ``gamma``, ``beta``), else ``Y``. ``jacobian=False`` (a plain
+    forward): LN_2's per-token ``(d, d)`` Jacobians ``J_n``, ``J_f`` are not formed. No checks (kernel)."""
     n = J_n = J_f = None
     Yf = Y
     if pre_ln:
         n, r = layernorm._normalise(Y, ln_eps)
-        J_n = layernorm._jacobian_of(n, r)
+        if jacobian:
+            J_n = layernorm._jacobian_of(n, r)
+            J_f = J_n if gamma is None else gamma[:, None] * J_n
         Yf = layernorm._affine(n, gamma, beta)
-        J_f = J_n if gamma is None else gamma[:, None] * J_n
     pre = Yf @ W_1
     if b_1 is not None:
         pre = pre + b_1

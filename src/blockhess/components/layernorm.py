@@ -168,12 +168,18 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
         :func:`~blockhess.validation.check_ln_variance`); a result with a NaN or Inf (e.g. a
         large ``gamma`` times ``1/sigma^2``).
     InsufficientMemoryError
-        The dense layout would not fit in available memory (bytes in the message).
+        The result would not fit in available memory with the per-token Jacobians and one
+        temporary of their size (bytes in the message); checked before they are made.
     """
     stats = _check(X, eps, gamma, dense=not compact)
-    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    if not compact:
-        check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size(), "the dense LayerNorm Jacobian", X.device)
+    d = X.shape[-1]
+    per_token = 2 * X.numel() * d * X.element_size()  # the (d, d) Jacobians and one temporary
+    batch, L = X.shape[:-2], X.shape[-2]
+    if compact:
+        check_fits(per_token, "the per-token LayerNorm Jacobians", X.device)
+    else:
+        check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size() + per_token, "the dense LayerNorm Jacobian",
+                   X.device)
     J = _compact_jacobian(X, eps, gamma, stats)
     check_result({"the LayerNorm Jacobian": J})  # the per-token blocks: the dense layout adds only zeros
     if compact:
@@ -190,12 +196,18 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     Compact: ``(..., L, d, d, d)`` with ``[t, a, b, c] = ∂²LN_ta/∂X_tb∂X_tc`` (all
     cross-token entries are zero). Dense: the paper's layout ``(..., (L·d)², L·d)``, rows
     ``(o, q)`` o-major (``o`` output index, ``q`` first input index), column the second
-    input index. dtype and device of ``X``. Same errors as :func:`jacobian`.
+    input index. dtype and device of ``X``. Same errors as :func:`jacobian` (the per-token
+    ``(d, d, d)`` second derivatives counted with three temporaries of their size).
     """
     stats = _check(X, eps, gamma, dense=not compact)
-    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
-    if not compact:
-        check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size(), "the dense LayerNorm Hessian", X.device)
+    d = X.shape[-1]
+    per_token = 4 * X.numel() * d * d * X.element_size()  # the (d, d, d) second derivatives and three temporaries
+    batch, L = X.shape[:-2], X.shape[-2]
+    if compact:
+        check_fits(per_token, "the per-token LayerNorm Hessians", X.device)
+    else:
+        check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size() + per_token, "the dense LayerNorm Hessian",
+                   X.device)
     H = _compact_hessian(X, eps, gamma, stats)
     check_result({"the LayerNorm Hessian": H})  # the per-token blocks: the dense layout adds only zeros
     if compact:

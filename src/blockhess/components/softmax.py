@@ -51,14 +51,17 @@ def jacobian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
         ``A`` not a float32/float64 tensor of shape ``(..., L, L')``, with NaN/Inf, or not
         softmax probabilities (a negative entry, a row not summing to 1).
     InsufficientMemoryError
-        The dense layout would not fit in available memory (bytes in the message).
+        The result would not fit in available memory with the row-wise Jacobians and two
+        temporaries of their size (bytes in the message); checked before they are made.
     """
     _check(A)
+    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
+    rows = 3 * A.numel() * Lp * A.element_size()  # the (L', L') Jacobian of each row and two temporaries
+    check_fits(rows + (0 if compact else A.numel() * L * Lp * A.element_size()),
+               f"the {'row-wise' if compact else 'dense'} softmax Jacobian", A.device)
     S = _jacobian(A)
     if compact:
         return S
-    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
-    check_fits(A.numel() * L * Lp * A.element_size(), "the dense softmax Jacobian", A.device)
     dense = A.new_zeros(*batch, L, Lp, L, Lp)
     torch.diagonal(dense, 0, -4, -2).copy_(S.movedim(-3, -1))  # the row-diagonal blocks [..., j, k, i]
     return dense.reshape(*batch, L * Lp, L * Lp)
@@ -73,9 +76,14 @@ def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
     Leading axes are a batch. dtype and device of ``A``.
     Source: paper §2.1 (Ormaniec et al. Lemma C.1), checked against autograd in tests/test_softmax.py.
 
-    Raises as :func:`jacobian`.
+    Raises as :func:`jacobian` (the row-wise ``(L', L', L')`` second derivatives counted with
+    three temporaries of their size).
     """
     _check(A)
+    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
+    rows = 4 * A.numel() * Lp * Lp * A.element_size()
+    check_fits(rows + (0 if compact else A.numel() * (L * Lp) ** 2 * A.element_size()),
+               f"the {'row-wise' if compact else 'dense'} softmax Hessian", A.device)
     I = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     a_k = A[..., None, :, None]
     a_l = A[..., None, None, :]
@@ -85,8 +93,6 @@ def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
     H = A[..., :, None, None] * (2 * a_k * a_l + d_jk * d_jl - d_kl * a_k - d_jk * a_l - a_k * d_jl)
     if compact:
         return H
-    batch, L, Lp = A.shape[:-2], A.shape[-2], A.shape[-1]
-    check_fits(A.numel() * (L * Lp) ** 2 * A.element_size(), "the dense softmax Hessian", A.device)
     dense = A.new_zeros(*batch, L, Lp, L, Lp, L, Lp)
     diag = torch.diagonal(torch.diagonal(dense, 0, -6, -4), 0, -3, -1)  # [..., j, k, l, i]: i = i' = i''
     diag.copy_(H.movedim(-4, -1))
@@ -108,10 +114,12 @@ def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     :math:`c_i = a_i\odot(b_i - a_i^\top b_i)`. Derived here (docs/derivations.md).
 
     Raises ``ValueError`` as :func:`jacobian` for ``A``; for ``B`` not a finite float tensor of
-    ``A``'s shape, dtype and device.
+    ``A``'s shape, dtype and device; ``InsufficientMemoryError`` before computing if the result
+    and two temporaries of its size would not fit.
     """
     _check(A)
     check_tensor("B", B, like=A, like_name="A")
     if B.shape != A.shape:
         raise ValueError(f"B must have the shape of A {tuple(A.shape)}, got {tuple(B.shape)}")
+    check_fits(3 * A.numel() * A.shape[-1] * A.element_size(), "the row-wise contracted softmax Hessian", A.device)
     return _contract(A, B)
