@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import blockhess as bh
 
-from conftest import assert_close, assert_part_close, fro, assert_float32_close, assert_identities, randomize_vectors, to_dtype
+from conftest import assert_close, assert_part_close, autograd_defect, fro, assert_float32_close, assert_identities, randomize_vectors, to_dtype
 
 N_CLASSES = 3  # the pooled head's classes
 # The fuzzer's float32 factor: a small matrix's float32 error is a sum over few rounding errors, so
@@ -210,14 +210,14 @@ def check(case):
     per_sequence = wrt_input and X.ndim == 3  # each sequence's (X, X) block is its own result
     if dtype == torch.float64:
         R = A = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=wrt_input)
-        s = fro(R.dense())
-        assert_close(H.dense(), R.dense(), what="full")
+        s, defect = fro(R.dense()), autograd_defect(R.dense())  # allow: autograd's own (measured) error
+        assert_close(H.dense(), R.dense(), what="full", allow=defect)
         # the parts in units of the full Hessian: the reference's functional term is full − outer
-        assert_part_close(H.outer.dense(), R.outer.dense(), s, what="outer")
-        assert_part_close(H.functional.dense(), R.functional.dense(), s, what="functional")
+        assert_part_close(H.outer.dense(), R.outer.dense(), s, what="outer", allow=defect)
+        assert_part_close(H.functional.dense(), R.functional.dense(), s, what="functional", allow=defect)
         if per_sequence:  # to its own norm, whatever the other sequences' scales
             for b, (got, want) in enumerate(zip(_own_blocks(H), _own_blocks(R))):
-                assert_close(got, want, what=f"(X, X) block of sequence {b}")
+                assert_close(got, want, what=f"(X, X) block of sequence {b}", allow=autograd_defect(want))
     else:
         A = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=wrt_input)
         assert H.dense().dtype == torch.float32
@@ -226,20 +226,37 @@ def check(case):
             # no float32 error to judge by; the closed form's result must be finite
             assert bool(torch.isfinite(H.dense()).all()), "closed form not finite"
             return
-        R = bh.reference.hessian(to_dtype(p, torch.float64), X.double(), cfg, loss=loss,
-                                 target=to_dtype(T, torch.float64), wrt_input=wrt_input)
+        p64, X64, T64 = to_dtype(p, torch.float64), X.double(), to_dtype(T, torch.float64)
+        R = bh.reference.hessian(p64, X64, cfg, loss=loss, target=T64, wrt_input=wrt_input)
+        # the floor: how far the exact answer moves when the inputs move by float32's rounding (any
+        # float32 computation rounds its first products so): a small matrix's autograd can be luckier
+        pn, Xn, Tn = _nudged(p64, X64, T64, case["seed"])
+        P = bh.reference.hessian(pn, Xn, cfg, loss=loss, target=Tn, wrt_input=wrt_input)
         parts = fro(R.outer.dense()) + fro(R.functional.dense())
-        assert_float32_close(H.dense(), A.dense(), R.dense(), parts=parts, what="full", factor=FUZZ_FLOAT32_FACTOR)
-        for part in ("outer", "functional"):
-            assert_float32_close(getattr(H, part).dense(), getattr(A, part).dense(), getattr(R, part).dense(), what=part,
+        for part in ("full", "outer", "functional"):
+            h, a, r, q = ((M.dense() if part == "full" else getattr(M, part).dense()) for M in (H, A, R, P))
+            assert_float32_close(h, a, r, parts=parts if part == "full" else None, floor=fro(q - r), what=part,
                                  factor=FUZZ_FLOAT32_FACTOR)
         if per_sequence:  # float32 autograd's error on a sequence's block: in its batch or alone, the larger
             B = X.shape[0]
-            for b, (h, a, r, ro, rf) in enumerate(zip(*(_own_blocks(M) for M in (H, A, R, R.outer, R.functional)))):
+            for b, (h, a, r, ro, rf, q) in enumerate(zip(*(_own_blocks(M) for M in (H, A, R, R.outer, R.functional, P)))):
                 alone = bh.reference.hessian(p, X[b : b + 1], cfg, loss=loss, target=T[b : b + 1], wrt_input=True)
-                assert_float32_close(h, [a, alone["X", "X"] / B], r, parts=fro(ro) + fro(rf),
+                assert_float32_close(h, [a, alone["X", "X"] / B], r, parts=fro(ro) + fro(rf), floor=fro(q - r),
                                      what=f"(X, X) block of sequence {b}", factor=FUZZ_FLOAT32_FACTOR)
     assert_identities(H, convex=case["loss"] in CONVEX, reference=A, what="closed form")
+
+
+def _nudged(p, X, T, seed):
+    """``(params, X, target)`` (float64), each float entry times ``1 ± ε32/2`` (random signs)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    u = torch.finfo(torch.float32).eps / 2
+
+    def nudge(t):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        return t * (1 + u * (2 * torch.randint(0, 2, t.shape, generator=g, dtype=t.dtype) - 1))
+
+    return {k: nudge(v) for k, v in p.items()}, nudge(X), nudge(T)
 
 
 def _own_blocks(H):
