@@ -5,14 +5,17 @@
   block, one part of a Jacobian) is judged against its own norm, and where its reference is
   zero (the query/key blocks at ``L = 1``, where softmax is constant) or below the whole's
   rounding, to that rounding: ``‖A − B‖_F <= 1e-10 ‖B‖_F + ROUND · ε · ‖whole‖_F``
-  (:func:`assert_blocks_close`, or ``scale=`` = the whole's norm).
+  (:func:`assert_blocks_close`, or ``scale=`` = the whole's norm). A part (outer, functional)
+  may be judged in units of the whole (:func:`assert_part_close`).
 * float32: against the float64 reference on the same (float32) inputs, by the error float32
   autograd itself makes there: at most ``FLOAT32_FACTOR`` = 3 times ``torch.func``'s float32
-  error, or than rounding the float64 answer to float32 (:func:`assert_float32_close`).
+  error, or than rounding the float64 answer to float32 (:func:`assert_float32_close`,
+  :func:`assert_float32_hessian`).
 * identities (symmetry, outer + functional = full, PSD outer): to the backward-error bound of a
-  sum of ``n`` terms in the dtype, ``n ε`` (:func:`assert_identities`).
+  sum of ``n`` terms in the dtype, ``n ε`` (:func:`rounding`, :func:`assert_identities`).
+* norms by :func:`fro` (no overflow for entries near 1e200).
 
-Hypothesis profiles (tests/test_properties.py): ``fast`` (the default, ``make test``: few
+Hypothesis profiles (tests/test_properties.py): ``fast`` (the default, ``make test``: 100
 examples, derandomized so CI is reproducible) and ``long`` (``HYPOTHESIS_PROFILE=long``; the
 count from ``HYPOTHESIS_EXAMPLES``, default 3000).
 """
