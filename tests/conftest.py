@@ -101,31 +101,34 @@ def assert_blocks_close(pairs: dict, what: str = "") -> None:
 
 
 def assert_float32_close(C32: torch.Tensor, A32, R64: torch.Tensor, scale: float | None = None,
-                         parts: float | None = None, what: str = "", factor: float = FLOAT32_FACTOR,
-                         floor: float = 0.0) -> None:
+                         terms=None, what: str = "", factor: float = FLOAT32_FACTOR, floor: float = 0.0) -> None:
     """A float32 closed form ``C32`` against the float64 reference ``R64`` computed on the same
     float32 inputs (upcast), judged by float32 autograd ``A32`` on those inputs:
-    ``‖C32 − R64‖ <= factor · max(‖A32 − R64‖, ‖fl32(R64) − R64‖, ε32 · parts)``. ``A32`` may be
-    a list: float32 autograd's evaluations of the same numbers in different ways (a sequence's
-    block in its batch and alone), its error the largest of theirs.
+    ``‖C32 − R64‖ <= factor · max(‖A32 − R64‖, ‖fl32(R64) − R64‖, terms' floor, floor)``.
 
-    The second: no float32 result is closer than the exact answer rounded to float32. The third,
-    with ``parts`` (``‖outer‖ + ‖functional‖`` of the reference, for a full Hessian): the closed
-    form assembles eq. 10's two terms, so where they cancel (``‖H‖ ≪ ‖outer‖ ≈ ‖functional‖``)
-    the rounding of each, relative ``ε32`` to its own norm, stays in the sum; autograd's double
-    derivative never forms them. ``floor``: a further lower bound of float32's error whose reason
-    the caller gives. ``+ ROUND·ε32·scale`` with ``scale`` (the whole's norm, for a block that may
-    be zero)."""
+    ``A32`` may be a list: float32 autograd's evaluations of the same numbers in different ways (a
+    sequence's block in its batch and alone), its error the largest of theirs. The second: no
+    float32 result is closer than the exact answer rounded to float32. ``terms``, for a full
+    Hessian: ``[(A_outer, R_outer), (A_functional, R_functional)]``, autograd's and the
+    reference's eq. 10 terms. The closed form assembles the full Hessian from them, so it is
+    allowed the sum of autograd's errors on them, and ``ε32 (‖R_outer‖ + ‖R_functional‖)``: where
+    they cancel (``‖H‖ ≪ ‖outer‖ ≈ ‖functional‖``) each one's rounding stays in the sum, which
+    autograd's double derivative never forms. ``floor``: a further lower bound of float32's error
+    whose reason the caller gives. ``+ ROUND·ε32·scale`` with ``scale`` (the whole's norm, for a
+    block that may be zero)."""
     A32 = list(A32) if isinstance(A32, (list, tuple)) else [A32]
     assert C32.dtype == torch.float32 and R64.dtype == torch.float64 and all(a.dtype == torch.float32 for a in A32)
     eps32 = torch.finfo(torch.float32).eps
     err, err_rounding = fro(C32.double() - R64), fro(R64.float().double() - R64)
     err_autograd = max(fro(a.double() - R64) for a in A32)
-    floor = max(err_autograd, err_rounding, eps32 * parts if parts else 0.0, floor)
-    bound = factor * floor + (ROUND * eps32 * scale if scale else 0.0)
+    err_terms = 0.0
+    if terms:
+        err_terms = max(eps32 * sum(fro(r) for _, r in terms), sum(fro(a.double() - r) for a, r in terms))
+    allowed = max(err_autograd, err_rounding, err_terms, floor)
+    bound = factor * allowed + (ROUND * eps32 * scale if scale else 0.0)
     ref = fro(R64) or 1.0
     assert err <= bound, (f"{what}: float32 error {err / ref:.3e} > {factor:g} x max(float32 autograd's {err_autograd / ref:.3e}, "
-                          f"rounding of the answer {err_rounding / ref:.3e}, of its parts {eps32 * (parts or 0) / ref:.3e}, "
+                          f"rounding of the answer {err_rounding / ref:.3e}, of its terms {err_terms / ref:.3e}, "
                           f"given floor {floor / ref:.3e}), relative to the float64 reference")
 
 
@@ -152,8 +155,8 @@ def assert_float32_hessian(params, X, cfg, loss="mse", target=None, what="float3
     """The float32 closed form's full Hessian and both parts by :func:`assert_float32_close`."""
     H, A, R = float32_hessians(params, X, cfg, loss=loss, target=target, **kw)
     assert H.dense().dtype == torch.float32
-    parts = fro(R.outer.dense()) + fro(R.functional.dense())
-    assert_float32_close(H.dense(), A.dense(), R.dense(), parts=parts, what=f"{what} full")
+    terms = [(A.outer.dense(), R.outer.dense()), (A.functional.dense(), R.functional.dense())]
+    assert_float32_close(H.dense(), A.dense(), R.dense(), terms=terms, what=f"{what} full")
     for part in ("outer", "functional"):
         assert_float32_close(getattr(H, part).dense(), getattr(A, part).dense(), getattr(R, part).dense(), what=f"{what} {part}")
     return H

@@ -240,16 +240,17 @@ def check(case):
         # float32 computation rounds its first products so): a small matrix's autograd can be luckier
         pn, Xn, Tn = _nudged(p64, X64, T64, case["seed"])
         P = bh.reference.hessian(pn, Xn, cfg, loss=loss, target=Tn, wrt_input=wrt_input)
-        parts = fro(R.outer.dense()) + fro(R.functional.dense())
+        terms = [(A.outer.dense(), R.outer.dense()), (A.functional.dense(), R.functional.dense())]
         for part in ("full", "outer", "functional"):
             h, a, r, q = ((M.dense() if part == "full" else getattr(M, part).dense()) for M in (H, A, R, P))
-            assert_float32_close(h, a, r, parts=parts if part == "full" else None, floor=fro(q - r), what=part,
+            assert_float32_close(h, a, r, terms=terms if part == "full" else None, floor=fro(q - r), what=part,
                                  factor=FUZZ_FLOAT32_FACTOR)
         if per_sequence:  # float32 autograd's error on a sequence's block: in its batch or alone, the larger
             B = X.shape[0]
-            for b, (h, a, r, ro, rf, q) in enumerate(zip(*(_own_blocks(M) for M in (H, A, R, R.outer, R.functional, P)))):
+            blocks = zip(*(_own_blocks(M) for M in (H, A, R, A.outer, R.outer, A.functional, R.functional, P)))
+            for b, (h, a, r, ao, ro, af, rf, q) in enumerate(blocks):
                 alone = bh.reference.hessian(p, X[b : b + 1], cfg, loss=loss, target=T[b : b + 1], wrt_input=True)
-                assert_float32_close(h, [a, alone["X", "X"] / B], r, parts=fro(ro) + fro(rf), floor=fro(q - r),
+                assert_float32_close(h, [a, alone["X", "X"] / B], r, terms=[(ao, ro), (af, rf)], floor=fro(q - r),
                                      what=f"(X, X) block of sequence {b}", factor=FUZZ_FLOAT32_FACTOR)
     assert_identities(H, convex=case["loss"] in CONVEX, reference=A, what="closed form")
 
