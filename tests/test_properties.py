@@ -301,3 +301,13 @@ def test_callable_loss_with_per_sequence_weights_spanning_decades(dtype):
 def test_tiny_ln_eps_on_a_constant_row(norm, activation, wrt_input):
     check(_case(bh.BlockConfig(d_model=3, d_ff=2, d_k=2, norm=norm, activation=activation, ln_eps=1e-200), L=1, batch=None,
                 wrt_input=wrt_input, log_scales=[0.0], log_weights=[0.0], constant_row=True))
+
+
+@pytest.mark.xfail(strict=True, reason="float32, pre-LN with every option, a sequence at input scale 0.013: the closed form's "
+                                       "outer (X, X) block of it is 2.4e-6 off, 18x float32 autograd's 1.3e-7 (6x for the "
+                                       "sequence alone), beyond the fuzzer's 10x")
+def test_float32_outer_input_block_of_a_small_scale_sequence():
+    cfg = bh.BlockConfig(d_model=3, d_ff=4, d_k=3, n_heads=3, norm="pre", activation="gelu_tanh", bias=True, out_proj=True,
+                         ln_affine=True, causal=True)
+    check(_case(cfg, batch=3, dtype=torch.float32, loss="ce", wrt_input=True, log_scales=[0.0, -1.890668720814557, 0.0],
+                log_weights=[0.0, 0.0, 0.0], seed=100))
