@@ -16,6 +16,8 @@ import blockhess as bh
 from blockhess_lab import cli
 from blockhess_lab import bench
 
+from conftest import FLOAT32_FACTOR, TOL, assert_close, assert_float32_close, fro, to_dtype
+
 
 def _args(tmp_path, *extra):
     p = argparse.ArgumentParser()
@@ -61,17 +63,38 @@ def test_quick_every_method_measured_or_explained(quick):
             assert e.get("median_s") is not None or e.get("skip_reason") or e.get("error"), (case["id"], m, e)
 
 
+def _float32_agreement(spec: dict) -> float:
+    """The most a float32 baseline may differ from the float32 closed form on the bench's problem
+    ``spec``, relative to the closed form: ``‖C − M‖ <= ‖C − R‖ + ‖M − R‖ <= (3 + 1) x`` float32
+    autograd's own error against the float64 reference ``R`` of the same inputs (conftest's rule,
+    itself asserted here on the closed form)."""
+    from blockhess_lab import bench_worker as W
+
+    P = W.Problem(spec)
+    outs = {name: canon(call()) for name, (call, canon, _) in
+            ((m, getattr(W, f"setup_{m}")(P)) for m in ("closed_form", "autograd", "jacrev", "jacfwd"))}
+    P.params, P.X = to_dtype(P.params, torch.float64), P.X.double()  # the same numbers, in float64
+    call, canon, _ = W.setup_jacrev(P)
+    R = canon(call())
+    C = outs.pop("closed_form").reshape(R.shape)
+    autograd = [M.reshape(R.shape) for M in outs.values()]
+    assert_float32_close(C, autograd, R, what=spec["of"])
+    worst = max(max(fro(M.double() - R) for M in autograd), fro(R.float().double() - R))
+    return (FLOAT32_FACTOR + 1) * worst / fro(C)
+
+
 def test_quick_outputs_agree_with_closed_form(quick):
     _, res = quick
     checked = 0
     for case in res["cases"]:
         if case["group"] == "c":
             continue
-        tol = 1e-4 if case["problem"]["dtype"] == "float32" else 1e-10
+        # the rule in float64; float32 by its own autograd's error (an 8-column sketch: the same measure, of the sketch)
+        tol = TOL if case["problem"]["dtype"] == "float64" else _float32_agreement(case["problem"])
         for m, e in case["methods"].items():
             for key in ("rel_err", "sketch_rel_err"):
                 if e.get(key) is not None:
-                    assert e[key] < tol, (case["id"], m, key, e[key])
+                    assert e[key] <= tol, (case["id"], m, key, e[key], tol)
                     checked += 1
     assert checked >= 10
 
@@ -99,8 +122,7 @@ def test_jax_block_matches_closed_form():
     for loss, target in (("mse", torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)), ("ce", torch.randint(0, 4, (2, 5), generator=gen))):
         ours = bh.hessian(params, X, cfg, loss=loss, target=target).dense()
         theirs = torch.from_numpy(np.array(bench_jax.make_hessian(shapes, loss)(theta, X.numpy(), target.numpy(), None)))
-        err = torch.linalg.matrix_norm(theirs - ours) / torch.linalg.matrix_norm(ours)
-        assert err < 1e-10, (loss, float(err))
+        assert_close(theirs, ours, what=f"JAX {loss}")
 
 
 def test_device_cuda_is_refused_clearly_without_a_gpu(tmp_path, monkeypatch):

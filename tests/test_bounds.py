@@ -233,6 +233,7 @@ def test_exact_norms_needs_the_parts():
     assert ("W_V", "W_Q") in norms["outer"] and ("W_O", "W_Q") not in norms["outer"] and norms["outer"].get(("W_O", "W_Q")) is None
     bb = bh.bounds.block_bounds(p, X, cfg, target=T)
     assert bb["full"]["W_2", "W_Q"] == bb["full"]["W_Q", "W_2"] and bb["paper"]["W_2", "W_1"] == bb["paper"]["W_1", "W_2"]
+    # the same block's 2-norm by another routine: the eigen-solvers' rounding
     assert norms["outer"]["W_V", "W_Q"] == pytest.approx(float(torch.linalg.matrix_norm(H.outer["W_V", "W_Q"], 2)), rel=1e-12)
     with pytest.raises(KeyError):
         norms["full"]["W_Q", "W_O"]

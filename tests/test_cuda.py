@@ -22,6 +22,8 @@ import blockhess as bh
 from blockhess.linalg import rel_error
 from blockhess_lab import vit as V
 
+from conftest import assert_close, assert_float32_close, fro, rounding, to_dtype
+
 CUDA = os.environ.get("BLOCKHESS_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
 on_gpu = pytest.mark.skipif(CUDA != "cuda", reason="a CUDA-only behaviour")
@@ -44,6 +46,11 @@ def _rel(a, b):
     return rel_error(a.cpu(), b)
 
 
+# The CPU's own closed form, on another device: the same sums in another order (cuBLAS's blocking,
+# the randomised range finder's sketch on the device), so rounding, well inside the 1e-10 rule.
+SAME_SUMS = 1e-12
+
+
 def _coupled(Z, T):
     return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
 
@@ -63,7 +70,7 @@ def test_hessian_and_parts_match_the_cpu(setting, loss):
     for part in ("dense", "outer", "functional"):
         ours = G.dense() if part == "dense" else getattr(G, part).dense()
         ref = H.dense() if part == "dense" else getattr(H, part).dense()
-        assert _rel(ours, ref) < 1e-12, part
+        assert _rel(ours, ref) < SAME_SUMS, part
 
 
 def test_large_dense_assembly_and_out_buffer():
@@ -74,11 +81,11 @@ def test_large_dense_assembly_and_out_buffer():
     ref = bh.hessian(p, X, cfg, target=T).dense()
     pc, Xc, Tc = _to(p, CUDA), X.to(CUDA), T.to(CUDA)
     D = bh.hessian(pc, Xc, cfg, target=Tc).dense()
-    assert _rel(D, ref) < 1e-12
-    assert float((D - D.T).abs().max()) <= 1e-13 * float(D.abs().max())  # mirrored; diagonal blocks to rounding
+    assert _rel(D, ref) < SAME_SUMS
+    assert fro(D - D.T) <= rounding(D) * fro(D)  # mirrored; diagonal blocks to rounding
     buf = torch.empty_like(D)
     assert bh.hessian(pc, Xc, cfg, target=Tc, out=buf).dense().data_ptr() == buf.data_ptr()
-    assert _rel(buf, ref) < 1e-12
+    assert _rel(buf, ref) < SAME_SUMS
 
 
 @on_gpu
@@ -86,14 +93,17 @@ def test_float32_without_tf32_and_the_tf32_warning():
     cfg = bh.BlockConfig(d_model=16, d_ff=32)
     p = bh.init_params(cfg, seed=0)
     X, T = torch.randn(8, 16, dtype=DT), torch.randn(8, 16, dtype=DT)
-    ref = bh.hessian(p, X, cfg, target=T).dense()
     p32, X32, T32 = _to(bh.init_params(cfg, seed=0, dtype=torch.float32), CUDA), X.float().to(CUDA), T.float().to(CUDA)
+    ref = bh.reference.hessian(_to(p32, "cpu"), X32.cpu(), cfg, target=T32.cpu())  # float32 autograd, its inputs
+    ref64 = bh.reference.hessian(to_dtype(_to(p32, "cpu"), DT), X32.cpu().double(), cfg, target=T32.cpu().double())
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert _rel(bh.hessian(p32, X32, cfg, target=T32).dense().double(), ref) < 1e-4
+            H32 = bh.hessian(p32, X32, cfg, target=T32).dense().cpu()
+            terms = [(ref.outer.dense(), ref64.outer.dense()), (ref.functional.dense(), ref64.functional.dense())]
+            assert_float32_close(H32, ref.dense(), ref64.dense(), terms=terms, what="float32 on the device")
         torch.backends.cuda.matmul.allow_tf32 = True
         with pytest.warns(UserWarning, match="TF32"):
             bh.hessian(p32, X32, cfg, target=T32)
@@ -110,7 +120,7 @@ def test_per_sample_statistics_and_lanczos_match_the_cpu():
     a = bh.convergence.per_sample_statistics(p, X, cfg, directions=U, **kw)
     b = bh.convergence.per_sample_statistics(_to(p, CUDA), X.to(CUDA), cfg, directions=U.to(CUDA), **{**kw, "target": T.to(CUDA)})
     for name in ("loss", "spectral", "frobenius", "grad_norm", "grad_dot", "quad"):
-        assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-10, atol=1e-12), name
+        assert_close(getattr(b, name).cpu(), getattr(a, name), what=name)  # Lanczos on each device: the rule
 
 
 def test_bounds_and_convergence_helpers_on_cuda():
@@ -125,7 +135,7 @@ def test_bounds_and_convergence_helpers_on_cuda():
     k = torch.arange(1, 201, dtype=DT, device=CUDA)
     k_s, y_s = bh.convergence.log_ema(k, 3.0 / k)
     assert y_s.device == k_s.device
-    assert bh.convergence.loglog_slope(k_s, y_s)["slope"] == pytest.approx(-1.0, abs=0.05)
+    assert bh.convergence.loglog_slope(k_s, y_s)["slope"] == pytest.approx(-1.0, abs=0.05)  # the EMA smoothing bends 3/k a little
 
 
 def test_digits_vit_loss_on_cuda():
@@ -136,7 +146,7 @@ def test_digits_vit_loss_on_cuda():
     H = bh.hessian(vit.block_params(), X, vit.cfg, loss=vit.head_loss, target=labels).dense()
     G = bh.hessian(_to(vit.block_params(), CUDA), vit.embed(images.to(CUDA)), vit.cfg, loss=vit.head_loss,
                    target=labels.to(CUDA)).dense()
-    assert _rel(G, H) < 1e-10
+    assert_close(G.cpu(), H, what="digits ViT")  # the rule: the callable's range finder draws its own sketch per device
 
 
 def test_torch_layer_on_cuda():
@@ -146,7 +156,7 @@ def test_torch_layer_on_cuda():
     H = bh.hessian(p, X, cfg, target=T).to_module(layer).dense()
     cfg_c, p_c = bh.from_torch(layer.to(CUDA))
     G = bh.hessian(p_c, X.to(CUDA), cfg_c, target=T.to(CUDA)).to_module(layer).dense()
-    assert _rel(G, H) < 1e-12
+    assert _rel(G, H) < SAME_SUMS
 
 
 @on_gpu

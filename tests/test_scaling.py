@@ -23,6 +23,11 @@ TINY = {"sigmas": [float(s) for s in np.logspace(-3, -1.5, 4)], "seq_lens": [16,
         "taus": [1e-4, 1e-3, 1e-2]}
 
 
+# a fitted exponent at small sigma against the theory's: measured within 0.013 (input scale) and
+# 0.003 (LayerNorm variance) on this preset and seeds; 0.05 leaves room, and sees a wrong law
+EXPONENT_TOL = 0.05
+
+
 def _fit(res, setting, variable, block, part, norm="spectral"):
     (f,) = [f for f in res["fits"] if (f["setting"], f["variable"], f["block"], f["part"], f["norm"])
             == (setting, variable, block, part, norm)]
@@ -36,7 +41,7 @@ def test_bare_attention_exponents_input_scale():
         for norm in ("spectral", "frobenius"):
             f = _fit(res, "attention", "input_scale", block, part, norm)
             assert f["theory"] == th
-            assert abs(f["exponent"] - th) < 0.3, f
+            assert abs(f["exponent"] - th) < EXPONENT_TOL, f
             assert f["ci"][0] <= f["exponent"] <= f["ci"][1]
     vv = _fit(res, "attention", "input_scale", "W_V,W_V", "functional")
     # identically zero (F is linear in W_V): no slope, not a sigma^0 law
@@ -47,17 +52,17 @@ def test_bare_attention_exponents_input_scale():
     # every fit that has a theory value agrees with it at small sigma (block included)
     for f in res["fits"]:
         if f["norm"] != "bound" and f["theory"] is not None:
-            assert abs(f["exponent"] - f["theory"]) < 0.3, f
+            assert abs(f["exponent"] - f["theory"]) < EXPONENT_TOL, f
     keys = {"setting", "block", "part", "variable", "exponent", "ci", "theory"}
     assert all(keys <= set(f) for f in res["fits"])
 
 
 def test_ln_variance_blowup_only_through_the_value_path():
     res = scaling.compute("quick", seeds=2, sweeps=("ln_variance",), overrides=TINY)
-    assert abs(_fit(res, "block", "ln_variance", "W_V,W_V", "full")["exponent"] + 1.0) < 0.05
-    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_V", "outer")["exponent"] + 0.5) < 0.05
-    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full")["exponent"]) < 0.05
-    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full", "bound")["exponent"] + 1.0) < 0.05
+    assert abs(_fit(res, "block", "ln_variance", "W_V,W_V", "full")["exponent"] + 1.0) < EXPONENT_TOL
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_V", "outer")["exponent"] + 0.5) < EXPONENT_TOL
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full")["exponent"]) < EXPONENT_TOL
+    assert abs(_fit(res, "block", "ln_variance", "W_Q,W_Q", "full", "bound")["exponent"] + 1.0) < EXPONENT_TOL
     # the window is stated in the plotted variable (the measured variance), not only in tau
     w = _fit(res, "block", "ln_variance", "W_V,W_V", "full")["window"]
     assert w["tau_max"] == 1e-2 and 0 < w["min"] < w["max"] < 1e-3

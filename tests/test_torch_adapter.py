@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import blockhess as bh
 
-from conftest import assert_close
+from conftest import TOL, assert_blocks_close, assert_close, fro, rounding
 
 DT = torch.float64
 
@@ -70,6 +70,7 @@ def _compare(Hm, mp, Hr):
     names = list(mp)
     assert list(Hm.names) == names
     up_num = up_den = 0.0
+    lower = {}
     for i, a in enumerate(names):
         for j, b in enumerate(names):
             R = Hr[a][b].reshape(mp[a].numel(), mp[b].numel())
@@ -78,10 +79,14 @@ def _compare(Hm, mp, Hr):
                 up_num += ((Hm[a, b] - R) ** 2).sum().item()
                 up_den += (R ** 2).sum().item()
             elif not a.startswith("norm") or not a.endswith("weight"):
-                assert_close(Hm[a, b], R, scale=1.0, what=f"lower {a},{b}")
-    assert (up_num / up_den) ** 0.5 <= 1e-10
+                lower[(a, b)] = (Hm[a, b], R)
+    assert (up_num / up_den) ** 0.5 <= TOL
+    # the lower blocks one by one, where torch.func is right (not a LayerNorm weight's row); zero ones to the whole's rounding
+    whole = (up_den + sum(fro(R) ** 2 for _, R in lower.values())) ** 0.5
+    for key, (got, want) in lower.items():
+        assert_close(got, want, scale=whole, what=f"lower {key}")
     D = Hm.dense()
-    assert (D - D.T).norm() <= 1e-13 * D.norm()
+    assert fro(D - D.T) <= rounding(D) * fro(D)
 
 
 @pytest.mark.parametrize("cfg_args", CONFIGS, ids=IDS)
@@ -97,7 +102,7 @@ def test_forward_and_module_hessian(cfg_args):
     X = bh.block_input(layer, Xm)
     with torch.no_grad():
         Ym = layer(Xm)
-    assert_close(bh.forward(p, X, cfg), bh.block_input(layer, Ym), tol=1e-12, what="forward")
+    assert_close(bh.forward(p, X, cfg), bh.block_input(layer, Ym), what="forward")
     H = bh.hessian(p, X, cfg, loss="mse", target=bh.block_input(layer, T))
     mp, Hr = _module_hessian(layer, Xm, T)
     _compare(H.to_module(layer), mp, Hr)
@@ -165,7 +170,7 @@ def test_causal(as_mask):
     assert cfg.causal
     with torch.no_grad():
         Ym = layer(Xm, src_mask=mask, is_causal=True)
-    assert_close(bh.forward(p, Xm, cfg), Ym, tol=1e-12, what="causal forward")
+    assert_close(bh.forward(p, Xm, cfg), Ym, what="causal forward")
     H = bh.hessian(p, Xm, cfg, loss="mse", target=T).to_module(layer)
     mp, Hr = _module_hessian(layer, Xm, T, src_mask=mask, is_causal=True)
     _compare(H, mp, Hr)
@@ -185,7 +190,7 @@ def test_multihead_attention_alone():
     assert cfg.kind == "attention" and cfg.out_proj and cfg.bias
     with torch.no_grad():
         Ym = mha(Xm, Xm, Xm, need_weights=False)[0]
-    assert_close(bh.forward(p, Xm, cfg), Ym, tol=1e-12, what="MHA forward")
+    assert_close(bh.forward(p, Xm, cfg), Ym, what="MHA forward")
     mp = {k: v.detach() for k, v in mha.named_parameters()}
 
     def loss(q):
@@ -194,9 +199,8 @@ def test_multihead_attention_alone():
     with sdpa_kernel([SDPBackend.MATH]):
         Hr = torch.func.hessian(loss)(mp)
     Hm = bh.hessian(p, Xm, cfg, loss="mse", target=T).to_module(mha)
-    for a in mp:
-        for b in mp:
-            assert_close(Hm[a, b], Hr[a][b].reshape(Hm[a, b].shape), scale=1.0, what=f"{a},{b}")
+    # every block to its own norm; zero ones (the key bias's: softmax is shift invariant) to the whole's rounding
+    assert_blocks_close({(a, b): (Hm[a, b], Hr[a][b].reshape(Hm[a, b].shape)) for a in mp for b in mp}, what="MHA")
 
 
 def test_unsupported_settings_are_named():
