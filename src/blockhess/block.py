@@ -587,6 +587,14 @@ def _walk(c: Cache, f: Factors, acc: _Acc, g, omega, start: str | None = None) -
     stages = _stages(c)
     if start is not None:
         stages = stages[: [s.kind for s in stages].index(start) + 1]
+    elif g is None:  # the outer term alone: J^T Ω_Z J with the output's factors (docs/derivations.md §10, float32)
+        if omega is not None:
+            order = tuple(n for s in stages for n in s.new)
+            for j, phi in enumerate(order):
+                for theta in order[: j + 1]:
+                    if acc.wants(theta, phi):
+                        acc.add_sandwich(theta, phi, f.lv["Z"][theta], f.lv["Z"][phi], omega)
+        return
     earlier = {s.kind: tuple(n for t in stages[:k] for n in t.new) for k, s in enumerate(stages)}
     for st in reversed(stages):
         if st.kind == "attn":
