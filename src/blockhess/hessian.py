@@ -25,6 +25,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
+from .threads import serial, threads_for
 from .validation import check_bool, detached
 
 __all__ = ["hessian"]
@@ -44,7 +45,8 @@ def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tens
     for i, a in enumerate(acc.names):
         Va = V[a] * lam
         for b in acc.names[i:]:
-            acc.add(a, b, Va.T @ V[b])
+            with threads_for(macs=Va.shape[0] * Va.shape[1] * V[b].shape[1]):
+                acc.add(a, b, Va.T @ V[b])
 
 
 def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, functional: bool) -> None:
@@ -107,6 +109,7 @@ def _chunks(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...]) -> 
     return [slice(s, min(s + size, B)) for s in range(0, B, size)]
 
 
+@serial()  # many small products: one thread, the large ones the caller's (blockhess.threads)
 def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
             target=None, derivs=None, which: str = "full", dense: bool = True, out=None) -> tuple[HessianBlocks, list]:
     """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
