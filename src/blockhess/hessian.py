@@ -238,6 +238,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     full-rank callable as much as the ``(L·d)²`` Hessians themselves; 9 directions for a
     classifier over ten classes), and for CE the ``L`` per-token ``d × d`` Hessians. Inputs that require grad are used detached: the result carries no
     autograd history (:func:`~blockhess.validation.detached`).
+
+    Threads: the many small products run on one thread, the large ones on torch's thread
+    count (:mod:`blockhess.threads`; the caller's setting is restored). Where other work
+    shares the cores, call ``torch.set_num_threads(1)`` first (docs/results.md, "Threads").
     """
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)

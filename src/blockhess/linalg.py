@@ -9,7 +9,7 @@ eigendecomposition and spectral norm in the package goes through here; results c
 the input's dtype (the 2-norm as a Python float).
 
 LAPACK's eigensolvers and SVD do a matrix-vector product per column (each its own OpenMP
-parallel region, of about ``m·n`` multiply-adds), so a matrix below ``1024 × 1024`` is
+parallel region, of about ``m·n`` multiply-adds), so a matrix below ``512 × 512`` is
 factorised on one thread (:func:`blockhess.threads.threads_for`), a larger one on the
 caller's thread count.
 """
