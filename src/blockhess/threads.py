@@ -60,22 +60,30 @@ def serial():
             _state.threads = None
 
 
-@contextmanager
-def threads_for(macs: int = 0, entries: int = 0):
+class threads_for:
     """Run the enclosed operation on the caller's thread count (inside :func:`serial`: the
     count its outermost caller had) if it does at least ``PARALLEL_MACS`` multiply-adds per
     parallel region (``macs``: a whole ``mm`` or contiguous ``bmm``, one matrix of a ``bmm``
     into a strided output, a column of a factorisation) or writes at least
     ``PARALLEL_ENTRIES`` entries (``entries``), else on one thread. Restores the thread count
-    on exit."""
-    caller = getattr(_state, "threads", None)
-    now = torch.get_num_threads()
-    n = (caller or now) if macs >= PARALLEL_MACS or entries >= PARALLEL_ENTRIES else 1
-    if n == now:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(now)
+    on exit. (A class, not a generator: it is entered for every block product.)"""
+
+    __slots__ = ("_large", "_restore")
+
+    def __init__(self, macs: int = 0, entries: int = 0):
+        self._large = macs >= PARALLEL_MACS or entries >= PARALLEL_ENTRIES
+        self._restore = None
+
+    def __enter__(self):
+        now = torch.get_num_threads()
+        n = (getattr(_state, "threads", None) or now) if self._large else 1
+        if n != now:
+            torch.set_num_threads(n)
+            self._restore = now
+        return self
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            torch.set_num_threads(self._restore)
+            self._restore = None
+        return False
