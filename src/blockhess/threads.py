@@ -2,7 +2,7 @@
 
 torch runs each operation on its intra-op threads (``torch.get_num_threads()``, one per core
 by default) through OpenMP, and each parallel region forks and joins that team: MKL opens two
-for a matrix product of a few thousand multiply-adds already (and two per matrix of a batched
+for most matrix products from a few thousand multiply-adds up (and two per matrix of a batched
 product whose output is not contiguous, as the closed form's rows GEMMs are), LAPACK about
 one per column of a factorisation, ATen one per elementwise operation over 32,768 entries.
 When another process holds a core, each join waits for the scheduler to run the team's
