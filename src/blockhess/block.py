@@ -46,6 +46,7 @@ from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
 from .config import BlockConfig, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
+from .threads import serial
 from .validation import check_finite, check_fits, check_ln_variance, check_params, check_result, check_tensor, warn_tf32
 
 __all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
@@ -781,6 +782,7 @@ def _shapes(c: Cache) -> dict[str, tuple[int, ...]]:
     return {"X": c.x_shape, **shapes} if "X" in c.names else shapes
 
 
+@serial()  # many small products: one thread, the large ones the caller's (blockhess.threads)
 def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[str, torch.Tensor]:
     """Jacobian of the block output w.r.t. each weight (Theorem 4), dense in the paper's layout.
 
@@ -813,6 +815,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     return {n: (v[0] if X.ndim == 2 else v) for n, v in out.items()}
 
 
+@serial()
 def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     r"""Jacobian of the block output w.r.t. its input, per sequence: ``(L·d, L·d)`` or ``(B, L·d, L·d)``.
 

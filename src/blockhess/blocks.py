@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap, workspace_need
+from .threads import TRANSPOSE_ENTRIES, threads_for
 from .validation import check_fits
 
 __all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative", "pairs"]
@@ -74,7 +75,8 @@ class BlockSum:
         """The stored block of pair ``(a, b)`` as a tensor of shape ``shape_a + shape_b`` (a view)."""
         if (a, b) not in self.blocks:
             self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
-            self.buffer[self.slices[a], self.slices[b]].zero_()
+            with threads_for(entries=self.sizes[a] * self.sizes[b]):
+                self.buffer[self.slices[a], self.slices[b]].zero_()
         return self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
 
     def add(self, a: str, b: str, value: torch.Tensor) -> None:
@@ -85,15 +87,16 @@ class BlockSum:
             value = value.reshape(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value
             ra = len(self.shapes[a])
             a, b, value = b, a, value.permute(*range(ra, value.ndim), *range(ra))
-        if self.buffer is None:
-            value = value.reshape(self.sizes[a], self.sizes[b])
-            self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value
-        elif (a, b) in self.blocks:
-            self._view(a, b).add_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
-        else:
-            self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
-            target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
-            target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
+        with threads_for(entries=value.numel()):
+            if self.buffer is None:
+                value = value.reshape(self.sizes[a], self.sizes[b])
+                self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value
+            elif (a, b) in self.blocks:
+                self._view(a, b).add_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
+            else:
+                self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
+                target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
+                target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
 
     def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
         """Add :func:`~blockhess.kronecker.sandwich` ``(F1, F2, omega, core)`` (the factors of ``a``
@@ -145,8 +148,9 @@ class BlockSum:
             lower.copy_(upper.T)
             return
         t = self.MIRROR_TILE
-        for i in range(0, upper.shape[0], t):
-            lower[:, i : i + t].copy_(upper[i : i + t].T)
+        with threads_for(entries=TRANSPOSE_ENTRIES * t * upper.shape[1]):
+            for i in range(0, upper.shape[0], t):
+                lower[:, i : i + t].copy_(upper[i : i + t].T)
 
     def result(self, like: torch.Tensor, cfg=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero blocks)."""

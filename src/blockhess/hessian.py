@@ -25,6 +25,7 @@ from .block import _check_forward, _factors, _forward, _select, _shapes, check_i
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
+from .threads import serial, threads_for
 from .validation import check_bool, check_fits, check_result, detached
 
 __all__ = ["hessian"]
@@ -45,7 +46,8 @@ def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tens
     for i, a in enumerate(acc.names):
         Va = V[a] * lam
         for b in acc.names[i:]:
-            acc.add(a, b, Va.T @ V[b])
+            with threads_for(macs=Va.shape[0] * Va.shape[1] * V[b].shape[1]):
+                acc.add(a, b, Va.T @ V[b])
 
 
 def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, functional: bool) -> None:
@@ -131,6 +133,7 @@ def _check_memory(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...
                f"sequence{'s' if rows > 1 else ''} of {L} tokens (forward cache, per-token factors, work space)", X.device)
 
 
+@serial()  # many small products: one thread, the large ones the caller's (blockhess.threads)
 def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
             target=None, derivs=None, which: str = "full", dense: bool = True, out=None) -> tuple[HessianBlocks, list]:
     """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
@@ -269,6 +272,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     full-rank callable as much as the ``(L·d)²`` Hessians themselves; 9 directions for a
     classifier over ten classes), and for CE the ``L`` per-token ``d × d`` Hessians. Inputs that require grad are used detached: the result carries no
     autograd history (:func:`~blockhess.validation.detached`).
+
+    Threads: the many small products run on one thread, the large ones on torch's thread
+    count (:mod:`blockhess.threads`; the caller's setting is restored). Where other work
+    shares the cores, call ``torch.set_num_threads(1)`` first (docs/results.md, "Threads").
     """
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .threads import threads_for
+
 __all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into", "swap", "choose_method",
            "workspace_need"]
 
@@ -74,13 +76,14 @@ class TokenKron:
     def dense(self) -> torch.Tensor:
         """The Jacobian rows as a dense tensor ``(T, r, numel)``."""
         T, r = self.mat.shape[:2]
-        if self.side == "left":
-            J = self.vec[:, None, :, None] * self.mat[:, :, None, :]
-        elif self.side == "right":
-            J = self.mat[:, :, :, None] * self.vec[:, None, None, :]
-        else:
-            J = self.mat
-        return J.reshape(T, r, self.numel)
+        with threads_for(entries=T * r * self.numel):
+            if self.side == "left":
+                J = self.vec[:, None, :, None] * self.mat[:, :, None, :]
+            elif self.side == "right":
+                J = self.mat[:, :, :, None] * self.vec[:, None, None, :]
+            else:
+                J = self.mat
+            return J.reshape(T, r, self.numel)
 
     def vjp(self, w: torch.Tensor) -> torch.Tensor:
         r"""Per sequence :math:`\sum_{t \in b} J_t^\top w_{b,k,t}`: ``w`` of shape ``(B, K, L, r)``
@@ -188,9 +191,11 @@ def _cmat(F1, F2, omega, core):
     """``C_t = N_1^T Ω_t N_2 (+ core_t)``; ``omega`` ``None`` = identity, ``False`` = zero."""
     if omega is False:
         return core
-    M2 = F2.mat if omega is None else omega @ F2.mat
-    C = F1.mat.transpose(-1, -2) @ M2
-    return C if core is None else C + core
+    T, r, x1 = F1.mat.shape
+    with threads_for(macs=T * r * x1 * F2.mat.shape[-1]):  # a contiguous bmm: one parallel region
+        M2 = F2.mat if omega is None else omega @ F2.mat
+        C = F1.mat.transpose(-1, -2) @ M2
+        return C if core is None else C + core
 
 
 def sandwich(F1, F2, omega: torch.Tensor | None = None, core: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,18 +243,19 @@ def _khatri_rao(F1, F2, C: torch.Tensor, rows: slice = slice(None), scratch: tor
     u2 = None if F2.side == "vector" else F2.vec
     dims = [u.shape[1] for u in (u1, u2) if u is not None]
     m, N = math.prod(dims), x1 * x2
-    if scratch is None:  # out-of-place (vmap-friendly)
-        P = u1[:, :, None] * u2[:, None, :] if len(dims) == 2 else (u1 if u2 is None else u2) if dims else C.new_ones(T)
-        G = P.reshape(T, m).T @ C.reshape(T, N)
-    else:
-        P, G = scratch[: T * m].view(T, *dims), scratch[T * m : m * (T + N)].view(m, N)
-        if len(dims) == 2:
-            torch.mul(u1[:, :, None], u2[:, None, :], out=P)
-        elif dims:
-            P.copy_(u1 if u2 is None else u2)
+    with threads_for(macs=m * T * N, entries=T * m):
+        if scratch is None:  # out-of-place (vmap-friendly)
+            P = u1[:, :, None] * u2[:, None, :] if len(dims) == 2 else (u1 if u2 is None else u2) if dims else C.new_ones(T)
+            G = P.reshape(T, m).T @ C.reshape(T, N)
         else:
-            P.fill_(1)
-        torch.mm(P.view(T, m).T, C.reshape(T, N), out=G)
+            P, G = scratch[: T * m].view(T, *dims), scratch[T * m : m * (T + N)].view(m, N)
+            if len(dims) == 2:
+                torch.mul(u1[:, :, None], u2[:, None, :], out=P)
+            elif dims:
+                P.copy_(u1 if u2 is None else u2)
+            else:
+                P.fill_(1)
+            torch.mm(P.view(T, m).T, C.reshape(T, N), out=G)
     have = ("i" if u1 is not None else "") + ("j" if u2 is not None else "") + "xy"
     want = _AXES[F1.side] + _AXES[F2.side].replace("i", "j").replace("x", "y")
     return G.view(*dims, x1, x2).permute(*(have.index(a) for a in want))
@@ -275,7 +281,8 @@ def _rows(F2, C: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     else:
         a, b, shape = C[..., None], F2.vec[None, :, None, :], (k, T, x2, F2.vec.shape[1])
     R = out[: math.prod(shape)].view(shape)
-    torch.mul(a, b, out=R)
+    with threads_for(entries=R.numel()):
+        torch.mul(a, b, out=R)
     return R.view(k, T, -1)
 
 
@@ -378,10 +385,11 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     for s in range(0, x1, k):
         R = _rows(F2, C[:, s : s + k], workspace)
         Ak = A.expand(R.shape[0], A.shape[0], T)
-        if accumulate:
-            V[s : s + k].baddbmm_(Ak, R)
-        else:
-            torch.bmm(Ak, R, out=V[s : s + k])
+        with threads_for(macs=A.shape[0] * T * n2):  # the output is strided: one product per matrix of the batch
+            if accumulate:
+                V[s : s + k].baddbmm_(Ak, R)
+            else:
+                torch.bmm(Ak, R, out=V[s : s + k])
 
 
 def _khatri_rao_into(out: torch.Tensor, F1, F2, C: torch.Tensor, accumulate: bool, workspace: torch.Tensor) -> None:
@@ -396,10 +404,11 @@ def _khatri_rao_into(out: torch.Tensor, F1, F2, C: torch.Tensor, accumulate: boo
     for sl in chunks:
         G = _khatri_rao(F1, F2, C, sl, workspace)
         target = out if F1.side == "vector" else out.narrow(axis, sl.start, G.shape[axis])
-        if accumulate:
-            target.add_(G)
-        else:
-            target.copy_(G)
+        with threads_for(entries=G.numel()):
+            if accumulate:
+                target.add_(G)
+            else:
+                target.copy_(G)
 
 
 def _seq_sandwich(F1, F2, omega):

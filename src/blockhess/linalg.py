@@ -9,6 +9,11 @@ eigenvalues") for 3 of 300 random inputs, and float64 converges on the same matr
 eigendecomposition and spectral norm in the package goes through here; results come back in
 the input's dtype (the 2-norm as a Python float). :func:`rel_error` is the one measure every
 check against the autograd reference uses (tests, ``blockhess validate``, ``report``, ``bench``).
+
+LAPACK's eigensolvers and SVD do a matrix-vector product per column (each its own OpenMP
+parallel region, of about ``m·n`` multiply-adds), so a matrix below ``512 × 512`` is
+factorised on one thread (:func:`blockhess.threads.threads_for`), a larger one on the
+caller's thread count.
 """
 
 from __future__ import annotations
@@ -17,26 +22,31 @@ import math
 
 import torch
 
+from .threads import threads_for
+
 __all__ = ["eigh", "eigvalsh", "norm2", "rel_error"]
 
 
 def eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues (ascending, ``(..., n)``) and eigenvectors (``(..., n, n)``) of symmetric
     ``M`` ``(..., n, n)`` (lower triangle read, as ``torch.linalg.eigh``), in ``M``'s dtype."""
-    lam, U = torch.linalg.eigh(M.to(torch.float64))
+    with threads_for(macs=M.shape[-1] ** 2):
+        lam, U = torch.linalg.eigh(M.to(torch.float64))
     return lam.to(M.dtype), U.to(M.dtype)
 
 
 def eigvalsh(M: torch.Tensor) -> torch.Tensor:
     """Eigenvalues (ascending, ``(..., n)``) of symmetric ``M`` ``(..., n, n)``, in ``M``'s dtype."""
-    return torch.linalg.eigvalsh(M.to(torch.float64)).to(M.dtype)
+    with threads_for(macs=M.shape[-1] ** 2):
+        return torch.linalg.eigvalsh(M.to(torch.float64)).to(M.dtype)
 
 
 def norm2(M: torch.Tensor) -> float:
     """The spectral norm (largest singular value) of a matrix ``(m, n)``; 0.0 for an empty one."""
     if M.numel() == 0:
         return 0.0
-    return float(torch.linalg.matrix_norm(M.to(torch.float64), ord=2))
+    with threads_for(macs=M.shape[-2] * M.shape[-1]):
+        return float(torch.linalg.matrix_norm(M.to(torch.float64), ord=2))
 
 
 def rel_error(A: torch.Tensor, B: torch.Tensor, scale: float | None = None) -> float:
