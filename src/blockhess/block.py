@@ -44,7 +44,7 @@ import torch
 
 from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
-from .config import BlockConfig, param_shapes
+from .config import BlockConfig, name_hint, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
 from .validation import check_finite, check_fits, check_ln_variance, check_params, check_result, check_tensor, warn_tf32
 
@@ -760,8 +760,6 @@ def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
         raise ValueError(f"wrt must be None, a parameter name or a list of names from {list(names)}, got {given!r}")
     unknown = [w for w in wrt if w not in names]
     if unknown or not wrt:
-        from .adapters import name_hint  # the layer names are the adapters' knowledge
-
         hint = name_hint(unknown) + ("; the input X is a variable with wrt_input=True" if "X" in unknown else "")
         raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{hint}")
     return tuple(n for n in names if n in wrt)

@@ -483,7 +483,7 @@ def exact_norms(H) -> dict[str, Any]:
     ``InsufficientMemoryError`` before any norm if three float64 ``n × n`` matrices (the
     symmetrised copy and the eigensolver's) would not fit; the parts are checked as they are made.
     """
-    if not isinstance(H, HessianBlocks) or H._parts is None:
+    if not isinstance(H, HessianBlocks) or not H.has_parts:
         raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     out = {}

@@ -132,9 +132,11 @@ def _check_memory(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...
 
 
 def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
-            target=None, derivs=None, which: str = "full", dense: bool = True, out=None) -> tuple[HessianBlocks, list]:
+            target=None, derivs=None, which: str = "full", dense: bool = True, out=None,
+            parts=None) -> tuple[HessianBlocks, list]:
     """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
-    (:func:`_chunks`), and each pass's loss derivatives.
+    (:func:`_chunks`), with ``parts`` (:class:`~blockhess.blocks.HessianBlocks`), and each pass's
+    loss derivatives.
 
     Without ``derivs`` (the call itself) every pass is first checked (its forward pass, and the
     whole ``target`` once) and its loss derivatives taken, before anything is written (an error
@@ -163,7 +165,7 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
         if acc is None:
             acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
         _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    H = acc.result(c.out, c.cfg)
+    H = acc.result(c.out, c.cfg, parts)
     check_result({"the Hessian": H.dense()} if dense else  # one sum over the buffer (faster than over its blocks)
                  {f"the Hessian's {which} part, block {key}": block for key, block in H.items()})
     return H, derivs
@@ -282,11 +284,11 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
     chunks = _chunks(cfg, X, loss, names)
     _check_memory(cfg, X, loss, names, chunks, out is None, "the dense {n}x{n} Hessian")
-    full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out)
+    derivs = None  # the call's loss derivatives, from its own passes below: the parts reuse them
 
     def part(which: str) -> HessianBlocks:
         _check_memory(cfg, X, None, names, chunks, True, f"the {which} part of the Hessian ({{n}}x{{n}}, in blocks)")
         return _passes(params, X, cfg, names, chunks, None, derivs=derivs, which=which, dense=False)[0]
 
-    full._parts = part
+    full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out, parts=part)
     return full

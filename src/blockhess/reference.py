@@ -228,9 +228,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     for start in range(0, B, size):
         rows = slice(start, min(start + size, B))
         _add_chunk(parts, params, fixed, Xb[rows], X, take(target, rows), cfg, loss, names, rows, B)
-    H = parts["full"].result(X, cfg)
-    H._parts = lambda which: parts[which].result(X, cfg)
-    return H
+    return parts["full"].result(X, cfg, parts=lambda which: parts[which].result(X, cfg))
 
 
 def _add_chunk(parts: dict, params: dict, fixed: dict, Xc: torch.Tensor, X: torch.Tensor, target, cfg: BlockConfig,
