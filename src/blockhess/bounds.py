@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import losses
-from .block import _check_forward, _forward, check_inputs
+from .block import check_forward, check_inputs, forward_cache
 from .blocks import HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .hessian import hessian as _hessian
@@ -432,7 +432,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     check_setting(cfg)
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
-    _check_forward(_forward(params, X, cfg, plain=True))  # the whole batch at once: rows named as in X
+    check_forward(forward_cache(params, X, cfg, plain=True))  # the whole batch at once: rows named as in X
     Xb = X[None] if X.ndim == 2 else X
     # a tensor target per sequence; anything else (one sequence's callable target) passed whole
     tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,

@@ -47,9 +47,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import linalg, losses
-from .block import _check_forward, _factors, _forward, _select, check_inputs
+from .block import check_forward, check_inputs, forward_cache, jacobian_factors, select_wrt
 from .config import BlockConfig, param_shapes
-from .hessian import _assemble
+from .hessian import assemble
 from .validation import check_fits, check_int, check_result, check_tensor, detached
 
 __all__ = [
@@ -372,10 +372,10 @@ def _prepare(params, X, cfg, loss, target, wrt):
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
-    c = _forward(params, Xb, cfg, plain=True)
-    _check_forward(c)
+    c = forward_cache(params, Xb, cfg, plain=True)
+    check_forward(c)
     target = losses.check(loss, target, c.out, single=X.ndim == 2)
-    names = _select(c.names, wrt)
+    names = select_wrt(c.names, wrt)
     return params, Xb, target, c, names
 
 
@@ -406,7 +406,7 @@ def _flat_grad(f, g: torch.Tensor, names) -> torch.Tensor:
 
 def _grad_one(params, cfg, names):
     def one(x, g):
-        return _flat_grad(_factors(_forward(params, x[None], cfg)), g[None], names)
+        return _flat_grad(jacobian_factors(forward_cache(params, x[None], cfg)), g[None], names)
 
     return one
 
@@ -434,17 +434,17 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
     batch of one (whose loss is the sequence's own loss).
     """
     B = Xb.shape[0]
-    c = _forward(params, Xb, cfg, plain=True)
+    c = forward_cache(params, Xb, cfg, plain=True)
     values = _per_sample_values(loss, target, c.out)
     ld = losses.derivatives(loss, target, c.out)
     n = _size(cfg, names)
     grads, H = Xb.new_empty(B, n), Xb.new_empty(B, n, n)
     for i in range(B):
-        c = _forward(params, Xb[i : i + 1], cfg)
-        f = _factors(c)
+        c = forward_cache(params, Xb[i : i + 1], cfg)
+        f = jacobian_factors(c)
         ld_i = ld.sequence(i)
         grads[i] = _flat_grad(f, ld_i.grad, names)
-        _assemble(c, f, ld_i, names, out=H[i])
+        assemble(c, f, ld_i, names, out=H[i])
     check_result({"the per-sample gradients": grads, "the per-sample Hessians": H})
     return values, grads, H
 
@@ -687,7 +687,7 @@ def _names(params: dict, cfg: BlockConfig, wrt) -> tuple[str, ...]:
     """Canonical names (``param_shapes(cfg)`` order, as :func:`blockhess.hessian`) restricted to ``wrt``."""
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
-    names = _select(tuple(param_shapes(cfg)), wrt)
+    names = select_wrt(tuple(param_shapes(cfg)), wrt)
     missing = [k for k in names if k not in params]
     if missing:
         raise ValueError(f"params is missing {missing} for this cfg")

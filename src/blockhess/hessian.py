@@ -21,13 +21,14 @@ import math
 import torch
 
 from . import losses
-from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output, work_entries
+from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
+                    variable_shapes, work_entries)
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
 from .validation import check_bool, check_fits, check_result, detached
 
-__all__ = ["hessian"]
+__all__ = ["hessian", "assemble"]
 
 
 def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tensor, acc: BlockSum, B: int, L: int,
@@ -71,10 +72,14 @@ def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
     return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess))
 
 
-def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
-    """The dense Hessian of one forward pass ``c`` with factors ``f`` and loss derivatives
-    ``ld``, over ``names``, in one buffer (``out`` if given)."""
-    acc = BlockSum(c.names, _shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
+def assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
+    """The dense Hessian (eq. 10, outer + functional) of one forward pass ``c``
+    (:func:`~blockhess.block.forward_cache`) with its factors ``f``
+    (:func:`~blockhess.block.jacobian_factors`) and loss derivatives ``ld`` of its output, over
+    ``names``, in one ``(n, n)`` buffer (``out`` if given, as :class:`~blockhess.blocks.BlockSum`
+    takes it): one pass of :func:`hessian`, a :class:`~blockhess.blocks.HessianBlocks` without
+    parts, dtype and device of ``c.out``. No input checks (kernel)."""
+    acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
     _add_parts(c, f, ld, acc, outer=True, functional=True)
     return acc.result(c.out, c.cfg)
 
@@ -149,22 +154,22 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
     if derivs is None:
         derivs = []
         for rows in chunks:
-            c = _forward(params, X[rows], cfg, wrt_input="X" in names)
-            _check_forward(c, first=rows.start or 0)
+            c = forward_cache(params, X[rows], cfg, wrt_input="X" in names)
+            check_forward(c, first=rows.start or 0)
             if acc is None:  # the whole target once (against the output's shape, expanded: no copy); out= checked
                 target = losses.check(loss, target, c.out[:1].expand(B, -1, -1) if c.out.shape[0] != B else c.out,
                                       single=X.ndim == 2)
-                acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device,
+                acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device,
                                out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
             derivs.append(_eig(ld))
         first_pass = c if len(chunks) == 1 else None
     for rows, ld in zip(chunks, derivs):
-        c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
+        c = first_pass if first_pass is not None else forward_cache(params, X[rows], cfg, wrt_input="X" in names)
         if acc is None:
-            acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
-        _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+            acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
+        _add_parts(c, jacobian_factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
     H = acc.result(c.out, c.cfg, parts)
     check_result({"the Hessian": H.dense()} if dense else  # one sum over the buffer (faster than over its blocks)
                  {f"the Hessian's {which} part, block {key}": block for key, block in H.items()})
@@ -281,7 +286,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
-    names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
+    names = select_wrt((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
     chunks = _chunks(cfg, X, loss, names)
     _check_memory(cfg, X, loss, names, chunks, out is None, "the dense {n}x{n} Hessian")
     derivs = None  # the call's loss derivatives, from its own passes below: the parts reuse them
