@@ -59,7 +59,7 @@ def test_forward_forms_no_derivative_caches(monkeypatch):
         X = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
         expected = bh.reference.forward(p, X, cfg)
         with monkeypatch.context() as m:
-            m.setattr(layernorm, "_jacobian_of", _must_not_run("a LayerNorm Jacobian"))
+            m.setattr(layernorm, "per_token_jacobian", _must_not_run("a LayerNorm Jacobian"))
             m.setattr(ffn, "input_jacobian", _must_not_run("J_SY"))
             Z = bh.forward(p, X, cfg)
             c = block_mod.forward_cache(p, X, cfg, plain=True)

@@ -203,9 +203,9 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
     ln1 = None
     Xa = Xb
     if _pre(cfg):
-        n1, r1 = layernorm._normalise(Xb, eps)
-        ln1 = (n1.reshape(-1, d), layernorm._jacobian_of(n1, r1).reshape(-1, d, d) if upstream else None)
-        Xa = layernorm._affine(n1, p.get("gamma_1"), p.get("beta_1"))
+        n1, r1 = layernorm.normalise(Xb, eps)
+        ln1 = (n1.reshape(-1, d), layernorm.per_token_jacobian(n1, r1).reshape(-1, d, d) if upstream else None)
+        Xa = layernorm.affine(n1, p.get("gamma_1"), p.get("beta_1"))
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
                             cfg.n_heads, cfg.causal)
     P = att.F
@@ -218,13 +218,13 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
     U = (Xb + P).reshape(-1, d)
     g1, g2 = p.get("gamma_1"), p.get("gamma_2")
     if cfg.norm == "post":
-        y1, r1 = layernorm._normalise(U, eps)
-        fc = ffn.forward(layernorm._affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
+        y1, r1 = layernorm.normalise(U, eps)
+        fc = ffn.forward(layernorm.affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
                          cfg.activation)
-        y2, r2 = layernorm._normalise(fc.S, eps)
-        Z = layernorm._affine(y2, g2, p.get("beta_2"))
-        J1 = layernorm._jacobian_of(y1, r1) if upstream else None
-        J2 = None if plain else layernorm._jacobian_of(y2, r2)
+        y2, r2 = layernorm.normalise(fc.S, eps)
+        Z = layernorm.affine(y2, g2, p.get("beta_2"))
+        J1 = layernorm.per_token_jacobian(y1, r1) if upstream else None
+        J2 = None if plain else layernorm.per_token_jacobian(y2, r2)
         E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
         E_Z = J2 if g2 is None or J2 is None else g2[:, None] * J2
         ln1, ln2 = (y1, J1), (y2, J2)
@@ -580,7 +580,7 @@ def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
     i = 1 if st.kind == "ln1" else 2
     X_in = c.U if i == 1 else c.fc.S
     gamma = c.params.get(f"gamma_{i}")
-    Gam = layernorm._contract_hessian(X_in, g, c.cfg.ln_eps, gamma)
+    Gam = layernorm.contract_hessian_unchecked(X_in, g, c.cfg.ln_eps, gamma)
     cross = {}
     if f"gamma_{i}" in st.new:
         J = (c.ln1 if i == 1 else c.ln2)[1]
@@ -677,7 +677,7 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
             if pre:
                 v = torch.einsum("bmae,bmanc,bncf->bmenf", J_a, XX, J_a)
                 g_Xa = torch.einsum("blcma,blc->bma", _input_jac_O(c), G)  # gradient at the attention input
-                Gam = layernorm._contract_hessian(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
+                Gam = layernorm.contract_hessian_unchecked(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
                 v = v + torch.diag_embed(Gam.permute(0, 2, 3, 1), dim1=1, dim2=3)
             acc.add("X", "X", v)
     if not pre:
