@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from . import losses
+from . import linalg, losses
 from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
                     variable_shapes, work_entries)
 from .blocks import BlockSum, HessianBlocks
@@ -34,7 +34,7 @@ __all__ = ["hessian", "assemble"]
 def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tensor, acc: BlockSum, B: int, L: int,
                        d: int) -> None:
     r"""Outer term for a general per-sequence loss Hessian with eigenpairs ``lam`` ``(B, R)``,
-    ``W`` ``(B, L·d, R)`` (:func:`blockhess.losses.eig_lowrank`; a pooled classifier head over
+    ``W`` ``(B, L·d, R)`` (:func:`blockhess.linalg.eig_lowrank`; a pooled classifier head over
     ``c`` classes has rank <= c - 1):
     :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`.
     """
@@ -65,11 +65,11 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
 
 def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
     """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above
-    rounding, each sequence judged at its own scale (:func:`blockhess.losses.eig_lowrank`);
+    rounding, each sequence judged at its own scale (:func:`blockhess.linalg.eig_lowrank`);
     as it is if done."""
     if ld.per_token or ld.eig is not None:
         return ld
-    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess))
+    return ld._replace(hess=None, eig=linalg.eig_lowrank(ld.hess))
 
 
 def assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
