@@ -40,7 +40,7 @@ import torch
 from . import losses
 from .block import check_forward, check_inputs, forward_cache
 from .blocks import HessianBlocks, pairs
-from .config import BlockConfig, param_shapes
+from .config import SHORT_NAMES, BlockConfig, pair_key, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
 from .validation import check_fits, check_ln_variance, detached
@@ -67,9 +67,6 @@ SOFTMAX_HESSIAN_BOUND = 1.0 / math.sqrt(2.0)
 #: Relative slack when flagging ``bound_paper < norm``: a printed bound that is attained
 #: (e.g. the V–V block at L = 1) is not a failure because of the last bit of rounding.
 PAPER_TIE_RTOL = 1e-10
-
-_SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -127,10 +124,6 @@ def check_setting(cfg: BlockConfig) -> None:
         if bad:
             raise ValueError(f"bounds: Theorems 1 and 6 cover the paper's setting; BlockConfig.{name} must be "
                              f"{want}, got {getattr(cfg, name)!r}")
-
-
-def _pair(a: str, b: str) -> str:
-    return "".join(sorted((_SHORT[a], _SHORT[b]), key="QKV12".index))
 
 
 # ----------------------------------------------------------------------------- LayerNorm
@@ -252,7 +245,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     x = norm2(X64)
     w = {k: norm2(v) for k, v in p.items()}
     wq, wk, wv = w["W_Q"], w["W_K"], w["W_V"]
-    prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{_SHORT[k]}": v for k, v in w.items()}}
+    prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{SHORT_NAMES[k]}": v for k, v in w.items()}}
 
     # forward (plain torch)
     Qm, Km, Vm = X64 @ p["W_Q"], X64 @ p["W_K"], X64 @ p["W_V"]
@@ -332,14 +325,14 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     xi = {"11": 0.0, "22": 0.0, "12": ynorm}
     att = ("W_Q", "W_K", "W_V")
     for k in att:
-        xi["1" + _SHORT[k]] = w2 * jY * G[k]
-        xi["2" + _SHORT[k]] = w1 * jY * G[k]
+        xi["1" + SHORT_NAMES[k]] = w2 * jY * G[k]
+        xi["2" + SHORT_NAMES[k]] = w1 * jY * G[k]
     for k, l in pairs(att):
-        kl = _pair(k, l)
+        kl = pair_key(k, l)
         xi[kl] = jSY * (jY * Phi[kl] + eY * G[k] * G[l])
     zeta = {}
     for a, b in pairs(names):
-        ab = _pair(a, b)
+        ab = pair_key(a, b)
         zeta[ab] = jZ * xi[_xi_key(ab)] + eZ * B[a] * B[b]
     J = {a: jZ * B[a] for a in names}
     if is_mse:
@@ -362,15 +355,15 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         Bp.update({k: jSY * jYp * Gp[k] for k in att})
         xip = {"11": 0.0, "22": 0.0, "12": math.sqrt(d) * ynorm}
         for k in att:
-            xip["1" + _SHORT[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
-            xip["2" + _SHORT[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
+            xip["1" + SHORT_NAMES[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
+            xip["2" + SHORT_NAMES[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
         for k, l in pairs(att):
-            kl = _pair(k, l)
+            kl = pair_key(k, l)
             xip[kl] = jSY * (Gp[k] * hYp * Gp[l] + jYp * Phip[kl])
         resid = float((Z - target.double()).norm())  # ‖R^tr‖₂ = ‖Z − T‖_F (not expanded in the paper)
         bp = {}
         for a, b in pairs(names):
-            ab = _pair(a, b)
+            ab = pair_key(a, b)
             Htr = jZp * xip[_xi_key(ab)] + Bp[a] * hZp * Bp[b]
             # printed: (2/(L d))‖∂Z/∂W_i‖‖∂Z/∂W_j‖ + ‖R^tr‖‖H_tr‖ (no 2/(L d) on the second term)
             bp[ab] = 2.0 / (L * d) * (jZp * Bp[a]) * (jZp * Bp[b]) + resid * Htr
@@ -448,7 +441,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
         v = ing["valid"]
         mats = {k: [[0.0] * len(names) for _ in names] for k in ("outer", "functional", "full")}
         for a, b in keys:
-            ab = _pair(a, b)
+            ab = pair_key(a, b)
             o = v["lam"] * v["J"][a] * v["J"][b]
             f = v["gam"] * v["zeta"][ab]
             ia, ib = names.index(a), names.index(b)
@@ -462,7 +455,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
         else:
             bp = ing["paper"]["block"]
             for a, b in keys:
-                pap[(a, b)] += bp[_pair(a, b)] / nB
+                pap[(a, b)] += bp[pair_key(a, b)] / nB
             pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
     if not has_paper:
         pap = PairNorms.fromkeys(pap)
@@ -635,13 +628,13 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     add("A", norm2(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
     G = _jac(ap, X, acfg)
     for k in ("W_Q", "W_K", "W_V"):
-        add(f"G_{_SHORT[k]}", norm2(G[k]), v["G"][k], printed("G", k))
+        add(f"G_{SHORT_NAMES[k]}", norm2(G[k]), v["G"][k], printed("G", k))
     sizes = {k: t.numel() for k, t in params.items()}
     for a, b in _PHI_PAIRS:
-        key = _pair(a, b)
+        key = pair_key(a, b)
         n_el = L * d * sizes[a] * sizes[b]
         exact = norm2(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
-        add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], printed("Phi", key),
+        add(f"Phi_{SHORT_NAMES[a]}{SHORT_NAMES[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], printed("Phi", key),
             "paper layout; printed bound carries a spurious 2/(L d)")
     if cfg.kind != "block":
         _check_numbers("ingredient_checks", rows)
@@ -669,6 +662,6 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     for k in ("W_Q", "W_K", "W_V"):
         Gk = G[k].double().reshape(L, d, -1)
         Bk = (JSY @ EY @ Gk).reshape(L * d, -1)
-        add(f"B_{_SHORT[k]}", norm2(Bk), v["B"][k], printed("B", k))
+        add(f"B_{SHORT_NAMES[k]}", norm2(Bk), v["B"][k], printed("B", k))
     _check_numbers("ingredient_checks", rows)
     return rows

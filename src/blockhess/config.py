@@ -15,7 +15,7 @@ import torch
 
 from .validation import FLOAT_DTYPES, check_bool, check_eps, check_int
 
-__all__ = ["BlockConfig", "param_shapes", "init_params", "TORCH_NAMES", "name_hint"]
+__all__ = ["BlockConfig", "param_shapes", "init_params", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
 
 _KINDS = ("block", "attention")
 _NORMS = ("post", "pre")
@@ -150,6 +150,19 @@ def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
         ("gamma_2", (d,), block and cfg.ln_affine), ("beta_2", (d,), block and b),
     ]
     return {name: shape for name, shape, present in spec if present}
+
+
+#: One-character names of the paper's weights (Theorems 1 and 6), the one table of abbreviations:
+#: the bounds key their ingredients by them (:func:`pair_key`), the scaling study and the report's
+#: figures label blocks with them.
+SHORT_NAMES = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
+
+
+def pair_key(a: str, b: str) -> str:
+    """The key of the unordered pair of weights ``(a, b)``: their :data:`SHORT_NAMES` in the order
+    ``Q, K, V, 1, 2`` (``pair_key("W_K", "W_Q") == "QK"``). Raises ``KeyError`` for a name not in
+    :data:`SHORT_NAMES`."""
+    return "".join(sorted((SHORT_NAMES[a], SHORT_NAMES[b]), key="QKV12".index))
 
 
 #: The parameters of PyTorch's ``nn.TransformerEncoderLayer`` (names relative to the layer; a bare
