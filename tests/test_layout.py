@@ -102,7 +102,8 @@ def _private(name: str) -> bool:
 
 
 def test_the_modules_are_found():
-    assert {"blockhess.block", "blockhess.adapters", "blockhess.components.layernorm", "blockhess_lab.cli"} <= set(MODULES)
+    assert {"blockhess.block", "blockhess.adapters", "blockhess.components.layernorm",
+            "blockhess_lab.cli"} <= set(MODULES)
 
 
 def test_the_cycle_finder_finds_a_cycle():  # the check below can fail
@@ -156,7 +157,8 @@ def _is_weight(node: ast.AST) -> bool:
             and node.slice.value in WEIGHTS)
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m not in FORWARD_HOMES and not m.startswith(FORWARD_PREFIXES)))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES
+                                          if m not in FORWARD_HOMES and not m.startswith(FORWARD_PREFIXES)))
 def test_no_forward_pass_outside_its_homes(module):
     """Loosely: no softmax or LayerNorm call (but those of :data:`FORWARD_ALLOWED`) and no product
     with a weight of the block (``X @ params["W_Q"]``)."""
@@ -167,7 +169,8 @@ def test_no_forward_pass_outside_its_homes(module):
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
             if name in ("softmax", "layer_norm") and (module, name) not in FORWARD_ALLOWED:
                 bad.append(f"line {node.lineno}: {ast.unparse(f)}(...)")
-        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and (_is_weight(node.left) or _is_weight(node.right))
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+              and (_is_weight(node.left) or _is_weight(node.right))
               and (module, ast.unparse(node)) not in FORWARD_ALLOWED):
             bad.append(f"line {node.lineno}: {ast.unparse(node)}")
     assert not bad, f"{module} computes (part of) the block's forward pass itself: {bad}"
