@@ -172,7 +172,7 @@ def test_functional_bilinear_bound_random_contractions():
             H = bh.hessian(params, X, cfg, loss="mse", target=Z - G * (3 * 4 / 2)).functional
             for (a, b), block in H.items():
                 nrm = float(torch.linalg.matrix_norm(block, 2))
-                assert nrm <= ing["zeta"][bounds._pair(a, b)] * float(G.norm()) * (1 + TOL)
+                assert nrm <= ing["zeta"][bh.config.pair_key(a, b)] * float(G.norm()) * (1 + TOL)
 
 
 def test_bad_inputs_raise():

@@ -389,8 +389,8 @@ def test_argument_checks():
 
 @pytest.mark.parametrize("per_sample", [True, False])  # the CPU's way, and the GPU's (one bmm), both run here
 def test_lanczos_products_either_way(per_sample):
-    from blockhess.convergence import _matvecs
+    from blockhess.linalg import batched_matvec
 
     A = torch.randn(3, 7, 7, dtype=DT)
     q = torch.randn(3, 7, dtype=DT)
-    assert torch.allclose(_matvecs(A, q, per_sample), torch.einsum("bij,bj->bi", A, q), rtol=1e-14, atol=1e-14)  # sums of 7: rounding
+    assert torch.allclose(batched_matvec(A, q, per_sample), torch.einsum("bij,bj->bi", A, q), rtol=1e-14, atol=1e-14)  # sums of 7: rounding

@@ -234,7 +234,7 @@ def test_loss_hessian_factorisation(rank, monkeypatch):
     """``Ω_b = Σ λ w wᵀ`` to rounding; low rank goes through a 16-column range, 33 through 64
     columns, full rank through an m × m eigh; a sequence at 1e-12 of the batch's scale keeps its
     directions to its own rounding, rounding-level noise adds none."""
-    from blockhess.losses import eig_lowrank
+    from blockhess.linalg import eig_lowrank
 
     B, m = 4, 160
     g = torch.Generator().manual_seed(rank)
@@ -259,7 +259,7 @@ def test_loss_hessian_factorisation_keeps_small_real_directions_float32():
     """float32: directions of a confidently classified sequence, a few 1e-6 of the batch's largest
     eigenvalue, are kept, each sequence rebuilt to its own rounding (a cut at m eps of the
     batch's largest, 8e-6 here, dropped them, and the report's float32 batch came out 1e-4 off)."""
-    from blockhess.losses import eig_lowrank
+    from blockhess.linalg import eig_lowrank
 
     B, m, r = 4, 64, 3
     g = torch.Generator().manual_seed(5)
@@ -276,7 +276,7 @@ def test_loss_hessian_factorisation_keeps_small_real_directions_float32():
 def test_loss_hessian_factorisation_rank_above_the_first_sketch_float32():
     """Rank 24 > the first sketch's 16 columns, half of it small (2e-5 of the largest): the probe
     residuals (noise ~ m eps) cannot see the small half, the count of kept directions must."""
-    from blockhess.losses import eig_lowrank
+    from blockhess.linalg import eig_lowrank
 
     B, m = 2, 1024
     g = torch.Generator().manual_seed(6)
@@ -464,7 +464,7 @@ def test_callable_loss_single_sequence_target_is_passed_whole():
 def test_loss_hessian_factorisation_scales_and_slack():
     """The full eigh keeps each sequence to its own scale; a rank of p - 3 takes the next width,
     p - 4 not."""
-    from blockhess.losses import eig_lowrank
+    from blockhess.linalg import eig_lowrank
 
     m = 160
     g = torch.Generator().manual_seed(7)

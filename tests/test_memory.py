@@ -59,10 +59,10 @@ def test_forward_forms_no_derivative_caches(monkeypatch):
         X = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
         expected = bh.reference.forward(p, X, cfg)
         with monkeypatch.context() as m:
-            m.setattr(layernorm, "_jacobian_of", _must_not_run("a LayerNorm Jacobian"))
+            m.setattr(layernorm, "per_token_jacobian", _must_not_run("a LayerNorm Jacobian"))
             m.setattr(ffn, "input_jacobian", _must_not_run("J_SY"))
             Z = bh.forward(p, X, cfg)
-            c = block_mod._forward(p, X, cfg, plain=True)
+            c = block_mod.forward_cache(p, X, cfg, plain=True)
         assert_close(Z, expected, what=f"plain forward, {norm}-LN")
         assert c.E_Y is None and c.E_Z is None and c.J_SY is None and c.fc.J_n is None
 
@@ -74,7 +74,7 @@ def test_forward_refuses_scores_that_do_not_fit(monkeypatch):
     p = bh.init_params(cfg)
     X = torch.zeros(4, 16384, 16, dtype=torch.float64)
     _available(monkeypatch, 16 * GiB)
-    monkeypatch.setattr(block_mod, "_forward", _must_not_run("the forward pass"))
+    monkeypatch.setattr(block_mod, "forward_cache", _must_not_run("the forward pass"))
     with pytest.raises(bh.InsufficientMemoryError, match=r"the forward pass over 65536 tokens needs [\d,]+ bytes \(64\.\d\d GiB\)"):
         bh.forward(p, X, cfg)
 
@@ -85,7 +85,7 @@ def test_hessian_refuses_one_long_sequence_before_its_forward(monkeypatch):
     cfg = bh.BlockConfig(d_model=512, d_ff=2048)
     p = bh.init_params(cfg, dtype=torch.float32)
     X = torch.randn(512, 512)
-    monkeypatch.setattr(hess_mod, "_forward", _must_not_run("the forward pass"))
+    monkeypatch.setattr(hess_mod, "forward_cache", _must_not_run("the forward pass"))
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 2883584x2883584 Hessian needs [\d,]+ bytes .* available"):
         bh.hessian(p, X, cfg, target=torch.zeros_like(X))
 
@@ -100,7 +100,7 @@ def test_hessian_refuses_a_pass_whose_factors_do_not_fit(monkeypatch):
     p = bh.init_params(cfg, dtype=torch.float32)
     X = torch.randn(1024, 768)
     _available(monkeypatch, 16 * GiB)
-    monkeypatch.setattr(hess_mod, "_forward", _must_not_run("the forward pass"))
+    monkeypatch.setattr(hess_mod, "forward_cache", _must_not_run("the forward pass"))
     with pytest.raises(bh.InsufficientMemoryError,
                        match=r"the dense 768x768 Hessian with a pass of the closed form over 1 sequence of 1024 tokens "
                              r"\(forward cache, per-token factors, work space\) needs [\d,]+ bytes") as err:
@@ -148,7 +148,7 @@ def test_dense_jacobians_and_second_derivatives_are_checked_before_the_forward(m
     J = bh.jacobian(p, X, cfg)  # fits
     n = sum(v.numel() for v in p.values())
     _available(monkeypatch, X.numel() * n * 8 + 100)  # the result alone fits, with the factors it does not
-    monkeypatch.setattr(block_mod, "_forward", _must_not_run("the forward pass"))
+    monkeypatch.setattr(block_mod, "forward_cache", _must_not_run("the forward pass"))
     with pytest.raises(bh.InsufficientMemoryError, match=r"the dense Jacobians \(24 x 72\) with the forward cache and factors "
                                                          r"of 6 tokens needs"):
         bh.jacobian(p, X, cfg)

@@ -23,50 +23,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from .blocks import HessianBlocks, pairs
-from .config import BlockConfig, param_shapes
+from .blocks import HessianBlocks, pairs, relabel
+from .config import TORCH_NAMES, BlockConfig, param_shapes
 from .validation import FLOAT_DTYPES
 
 __all__ = ["from_torch", "to_module", "block_input"]
 
-# module parameter (relative name) -> [(our name, transposed)] stacked along the module's first axis
-_SPEC = {
-    "self_attn.in_proj_weight": [("W_Q", True), ("W_K", True), ("W_V", True)],
-    "self_attn.in_proj_bias": [("b_Q", False), ("b_K", False), ("b_V", False)],
-    "self_attn.out_proj.weight": [("W_O", True)],
-    "self_attn.out_proj.bias": [("b_O", False)],
-    "linear1.weight": [("W_1", True)],
-    "linear1.bias": [("b_1", False)],
-    "linear2.weight": [("W_2", True)],
-    "linear2.bias": [("b_2", False)],
-    "norm1.weight": [("gamma_1", False)],
-    "norm1.bias": [("beta_1", False)],
-    "norm2.weight": [("gamma_2", False)],
-    "norm2.bias": [("beta_2", False)],
-}
-
-
-def name_hint(names) -> str:
-    """A note for ``names`` given where this library's names are expected: for each that is a
-    PyTorch parameter name (``linear1.weight``, ``self_attn.in_proj_weight``, ``in_proj_weight``
-    of a bare attention layer), what it is called here; ``""`` if none is."""
-    hints = []
-    for name in names:
-        parts = _SPEC.get(name) or _SPEC.get(f"self_attn.{name}")
-        if parts:
-            ours = ", ".join(n for n, _ in parts) + (" stacked" if len(parts) > 1 else "")
-            turned = (" (each transposed)" if len(parts) > 1 else ", transposed") if parts[0][1] else ""
-            hints.append(f"{name!r} is PyTorch's {ours}{turned}")
-    if not hints:
-        return ""
-    return ("; " + "; ".join(hints) + " (from_torch reads a layer's weights under these names; "
-            "H.to_module(layer) maps a Hessian back to the layer's)")
-
-
 def _spec(module: nn.Module) -> dict:
     if isinstance(module, nn.MultiheadAttention):
-        return {k[len("self_attn."):]: v for k, v in _SPEC.items() if k.startswith("self_attn.")}
-    return _SPEC
+        return {k[len("self_attn."):]: v for k, v in TORCH_NAMES.items() if k.startswith("self_attn.")}
+    return TORCH_NAMES
 
 
 def _activation(act) -> str:
@@ -297,7 +263,12 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
         o += k
     blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(names)}
     parts = None
-    if H._parts is not None:
+    if H.has_parts:
         def parts(which):
             return to_module(getattr(H, which), module)
     return HessianBlocks(names, shapes, blocks, buf, buf, parts)
+
+
+@relabel.register(nn.Module)
+def _relabel_module(module: nn.Module, H: HessianBlocks) -> HessianBlocks:
+    return to_module(H, module)

@@ -44,12 +44,15 @@ import torch
 
 from .blocks import BlockSum, dense_second_derivative
 from .components import attention, ffn, layernorm
-from .config import BlockConfig, param_shapes
+from .config import BlockConfig, name_hint, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
 from .threads import serial
 from .validation import check_finite, check_fits, check_ln_variance, check_params, check_result, check_tensor, warn_tf32
 
-__all__ = ["forward", "jacobian", "input_jacobian", "second_derivative"]
+__all__ = ["forward", "jacobian", "input_jacobian", "second_derivative",
+           # the engine the package's other modules share (hessian, convergence, bounds, reference)
+           "Cache", "Factors", "check_inputs", "forward_cache", "check_forward", "jacobian_factors", "contract_output",
+           "select_wrt", "variable_shapes", "work_entries"]
 
 
 class Cache(NamedTuple):
@@ -177,15 +180,19 @@ def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_in
     return T * per_token
 
 
-def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True,
-             plain: bool = False) -> Cache:
-    """Forward pass keeping what the derivatives need. No checks (kernel).
+def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True,
+                  plain: bool = False) -> Cache:
+    """The block's forward pass on ``X`` (``(L, d_model)`` or ``(B, L, d_model)``), keeping what the
+    derivatives need: the :class:`Cache` (``.out`` is the output, ``(B, L, d_model)``), in ``X``'s dtype
+    and device. The one forward pass of the closed form (:func:`forward`, :func:`blockhess.hessian`,
+    the bounds and the per-sample statistics all take it). No checks (kernel: :func:`check_inputs`
+    before, :func:`check_forward` after).
 
     ``upstream=False``: only variables in ``FFN_NAMES`` will be differentiated; the per-token
     Jacobians the chain needs for earlier ones (``J_Y``, ``J_SY``) are not formed (``None``).
     ``plain=True``: nothing will be differentiated; no per-token Jacobian is formed (``E_Y``,
     ``E_Z``, ``J_SY``, the LayerNorm Jacobians are ``None``): the output and what
-    :func:`_check_forward` reads.
+    :func:`check_forward` reads.
     """
     p = params
     Xb = _as_batch(X)
@@ -197,9 +204,9 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     ln1 = None
     Xa = Xb
     if _pre(cfg):
-        n1, r1 = layernorm._normalise(Xb, eps)
-        ln1 = (n1.reshape(-1, d), layernorm._jacobian_of(n1, r1).reshape(-1, d, d) if upstream else None)
-        Xa = layernorm._affine(n1, p.get("gamma_1"), p.get("beta_1"))
+        n1, r1 = layernorm.normalise(Xb, eps)
+        ln1 = (n1.reshape(-1, d), layernorm.per_token_jacobian(n1, r1).reshape(-1, d, d) if upstream else None)
+        Xa = layernorm.affine(n1, p.get("gamma_1"), p.get("beta_1"))
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
                             cfg.n_heads, cfg.causal)
     P = att.F
@@ -212,13 +219,13 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
     U = (Xb + P).reshape(-1, d)
     g1, g2 = p.get("gamma_1"), p.get("gamma_2")
     if cfg.norm == "post":
-        y1, r1 = layernorm._normalise(U, eps)
-        fc = ffn.forward(layernorm._affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
+        y1, r1 = layernorm.normalise(U, eps)
+        fc = ffn.forward(layernorm.affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
                          cfg.activation)
-        y2, r2 = layernorm._normalise(fc.S, eps)
-        Z = layernorm._affine(y2, g2, p.get("beta_2"))
-        J1 = layernorm._jacobian_of(y1, r1) if upstream else None
-        J2 = None if plain else layernorm._jacobian_of(y2, r2)
+        y2, r2 = layernorm.normalise(fc.S, eps)
+        Z = layernorm.affine(y2, g2, p.get("beta_2"))
+        J1 = layernorm.per_token_jacobian(y1, r1) if upstream else None
+        J2 = None if plain else layernorm.per_token_jacobian(y2, r2)
         E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
         E_Z = J2 if g2 is None or J2 is None else g2[:, None] * J2
         ln1, ln2 = (y1, J1), (y2, J2)
@@ -233,7 +240,7 @@ def _forward(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = 
                  P.reshape(-1, d), tuple(X.shape))
 
 
-def _check_forward(c: Cache, first: int = 0) -> None:
+def check_forward(c: Cache, first: int = 0) -> None:
     """The forward pass on checked inputs: every LayerNorm input row (``check_ln_variance``: finite,
     ``var + ln_eps`` above its values' rounding and ``tiny/e``; Assumption 2 with ``ln_eps = 0``),
     and the output finite (one sum): an overflow inside, e.g. of float32 attention scores or of
@@ -343,7 +350,7 @@ def _input_jac_O(c: Cache) -> torch.Tensor:
     return attention.input_jacobian(c.att, p["W_Q"], p["W_K"], p["W_V"], compact=True)
 
 
-def _factors(c: Cache) -> Factors:
+def jacobian_factors(c: Cache) -> Factors:
     """The :class:`Factors` of a forward pass (Theorem 4 in per-token form)."""
     cfg, p = c.cfg, c.params
     d = cfg.d_model
@@ -574,7 +581,7 @@ def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
     i = 1 if st.kind == "ln1" else 2
     X_in = c.U if i == 1 else c.fc.S
     gamma = c.params.get(f"gamma_{i}")
-    Gam = layernorm._contract_hessian(X_in, g, c.cfg.ln_eps, gamma)
+    Gam = layernorm.contract_hessian_unchecked(X_in, g, c.cfg.ln_eps, gamma)
     cross = {}
     if f"gamma_{i}" in st.new:
         J = (c.ln1 if i == 1 else c.ln2)[1]
@@ -679,7 +686,7 @@ def _attn_stage(c: Cache, f: Factors, acc: _Acc, st: Stage, g, omega) -> None:
             if pre:
                 v = torch.einsum("bmae,bmanc,bncf->bmenf", J_a, XX, J_a)
                 g_Xa = torch.einsum("blcma,blc->bma", _input_jac_O(c), G)  # gradient at the attention input
-                Gam = layernorm._contract_hessian(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
+                Gam = layernorm.contract_hessian_unchecked(c.X, g_Xa, cfg.ln_eps, p.get("gamma_1"))  # (B, L, d, d)
                 v = v + torch.diag_embed(Gam.permute(0, 2, 3, 1), dim1=1, dim2=3)
             acc.add("X", "X", v)
     if not pre:
@@ -754,13 +761,15 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     check_inputs(params, X, cfg)
     B, L = _as_batch(X).shape[:2]
     check_fits(work_entries(cfg, B, L, "forward") * X.element_size(), f"the forward pass over {B * L} tokens", X.device)
-    c = _forward(params, X, cfg, plain=True)
-    _check_forward(c)
+    c = forward_cache(params, X, cfg, plain=True)
+    check_forward(c)
     return c.out.reshape(X.shape)
 
 
-def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
-    """The names of ``wrt`` (``None``: all; a name; or an iterable of names) in canonical order."""
+def select_wrt(names: tuple[str, ...], wrt) -> tuple[str, ...]:
+    """The names of ``wrt`` (``None``: all; a name; or an iterable of names) in the canonical order of
+    ``names``. Raises ``ValueError`` for another type, an empty ``wrt`` or a name not in ``names``
+    (with :func:`~blockhess.config.name_hint` for a PyTorch parameter name)."""
     if wrt is None:
         return names
     given = wrt
@@ -769,14 +778,12 @@ def _select(names: tuple[str, ...], wrt) -> tuple[str, ...]:
         raise ValueError(f"wrt must be None, a parameter name or a list of names from {list(names)}, got {given!r}")
     unknown = [w for w in wrt if w not in names]
     if unknown or not wrt:
-        from .adapters import name_hint  # the layer names are the adapters' knowledge
-
         hint = name_hint(unknown) + ("; the input X is a variable with wrt_input=True" if "X" in unknown else "")
         raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{hint}")
     return tuple(n for n in names if n in wrt)
 
 
-def _shapes(c: Cache) -> dict[str, tuple[int, ...]]:
+def variable_shapes(c: Cache) -> dict[str, tuple[int, ...]]:
     """Shapes of the variables of ``c`` (``X`` first when present)."""
     shapes = dict(param_shapes(c.cfg))
     return {"X": c.x_shape, **shapes} if "X" in c.names else shapes
@@ -798,7 +805,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     """
     check_inputs(params, X, cfg)
     shapes = param_shapes(cfg)
-    names = _select(tuple(shapes), wrt)
+    names = select_wrt(tuple(shapes), wrt)
     n = sum(math.prod(shapes[k]) for k in names)
     e, (B, L) = X.element_size(), _as_batch(X).shape[:2]
     result = X.numel() * n * e
@@ -806,9 +813,9 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     work = work_entries(cfg, B, L, "factors", names=names) + X.numel() * max(math.prod(shapes[k]) for k in names)
     check_fits(result + work * e, f"the dense Jacobians ({X.numel()} x {n}) with the forward cache and factors of "
                f"{B * L} tokens", X.device)
-    c = _forward(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
-    _check_forward(c)
-    J = _factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
+    c = forward_cache(params, X, cfg, upstream=not FFN_NAMES.issuperset(names))
+    check_forward(c)
+    J = jacobian_factors(c._replace(names=names)).J  # only the wanted weights' factors are formed
     B, L, d = c.out.shape
     out = {n: J[n].dense().reshape(B, L * d, -1) for n in names}
     check_result({f"the Jacobian w.r.t. {n}": v for n, v in out.items()})
@@ -836,9 +843,9 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     check_fits(result + work_entries(cfg, B, L, "factors", wrt_input=True, names=()) * e,
                f"the {B} dense input Jacobians ({L * d}x{L * d}) with the forward cache and factors of {B * L} tokens",
                X.device)
-    c = _forward(params, X, cfg, wrt_input=True)
-    _check_forward(c)
-    J = _factors(c._replace(names=("X",))).J["X"].dense()  # the weights' factors are not needed
+    c = forward_cache(params, X, cfg, wrt_input=True)
+    check_forward(c)
+    J = jacobian_factors(c._replace(names=("X",))).J["X"].dense()  # the weights' factors are not needed
     check_result({"the input Jacobian": J})
     return J[0] if X.ndim == 2 else J
 
@@ -874,15 +881,15 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     n_out, (sa, sb) = X.numel(), (math.prod(shapes[a]), math.prod(shapes[b]))
     check_fits(n_out * sa * sb * e, f"the dense d2/d{a}d{b}", X.device)  # the result alone, then with the factors
     check_fits((n_out * sa * sb + held) * e, f"the dense d2/d{a}d{b} with the forward cache and factors", X.device)
-    c = _forward(params, X, cfg)
-    _check_forward(c)
-    factors = _factors(c)
+    c = forward_cache(params, X, cfg)
+    check_forward(c)
+    f = jacobian_factors(c)
     if of == "S":
         def contract(g, acc):
-            _contract_S(c, factors, g, acc)
+            _contract_S(c, f, g, acc)
     else:
         def contract(g, acc):
-            contract_output(c, g[None], factors, acc)
+            contract_output(c, g[None], f, acc)
     D = dense_second_derivative(contract, tuple(X.shape), c.names, shapes, a, b, X, work_bytes=(walk - held) * e)
     check_result({f"the second derivative d2{of}/d{a}d{b}": D})
     return D

@@ -9,6 +9,7 @@ no second copy; the lower triangle is mirrored from the upper one at the end).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -17,7 +18,7 @@ from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap, 
 from .threads import TRANSPOSE_ENTRIES, threads_for
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative", "pairs"]
+__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative", "pairs", "relabel"]
 
 Key = tuple[str, str]
 
@@ -152,8 +153,9 @@ class BlockSum:
             for i in range(0, upper.shape[0], t):
                 lower[:, i : i + t].copy_(upper[i : i + t].T)
 
-    def result(self, like: torch.Tensor, cfg=None) -> "HessianBlocks":
-        """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero blocks)."""
+    def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
+        """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero
+        blocks), with ``parts`` (``which -> HessianBlocks``, see :class:`HessianBlocks`) if given."""
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
@@ -161,7 +163,7 @@ class BlockSum:
                     if a != b:
                         self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
             self._workspace = None
-        return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer, cfg=cfg)
+        return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer, parts, cfg=cfg)
 
 
 class HessianBlocks:
@@ -179,9 +181,10 @@ class HessianBlocks:
     dtype, device
         Of every block (those of ``X`` in :func:`blockhess.hessian`).
     outer, functional : HessianBlocks
-        The Gauss–Newton (outer-product) and functional terms (paper eq. 10). For a result
-        of :func:`blockhess.hessian` they are computed on first access, by their own passes;
-        a part has no parts of its own (``AttributeError``).
+        The Gauss–Newton (outer-product) and functional terms (paper eq. 10): ``parts(which)``
+        of the constructor, ``which`` ``"outer"`` or ``"functional"``, called on first access
+        (for a result of :func:`blockhess.hessian`, by their own passes); without ``parts``
+        (a part has no parts of its own) ``AttributeError``; :attr:`has_parts` tells which.
     cfg : BlockConfig or None
         The block whose Hessian this is (results of :func:`blockhess.hessian`), else ``None``.
 
@@ -262,16 +265,32 @@ class HessianBlocks:
             acc.add(a, b, block)
         return acc.result(self[self.names[0], self.names[0]]).dense()
 
+    @property
+    def has_parts(self) -> bool:
+        """Whether :attr:`outer` and :attr:`functional` are available (a full result, not a part)."""
+        return self._parts is not None
+
     def to_module(self, module) -> "HessianBlocks":
         """The blocks re-keyed by a PyTorch layer's parameter names in their storage layout
-        (:func:`blockhess.adapters.to_module`)."""
-        from .adapters import to_module
-
-        return to_module(self, module)
+        (:func:`relabel`, which :func:`blockhess.adapters.to_module` implements for PyTorch modules)."""
+        return relabel(module, self)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}{list(s)}" for n, s in self.shapes.items())
         return f"HessianBlocks({parts}; n={sum(self.sizes)}, dtype={self.dtype})"
+
+
+@functools.singledispatch
+def relabel(module, H: HessianBlocks) -> HessianBlocks:
+    """``H`` re-keyed by ``module``'s own parameter names, each in its storage layout
+    (:meth:`HessianBlocks.to_module`). One implementation per kind of module, registered by the
+    adapter that reads such modules (``relabel.register``; :mod:`blockhess.adapters` registers
+    ``torch.nn.Module``: :func:`~blockhess.adapters.to_module`), so that the core imports no adapter.
+
+    Raises ``ValueError`` for an object no adapter has registered; the adapter's errors otherwise.
+    """
+    raise ValueError(f"to_module maps a Hessian to the parameters of a module an adapter reads (a torch.nn.Module: "
+                     f"blockhess.adapters.to_module), got {type(module).__name__}")
 
 
 CONTRACT_BYTES = 64 << 20  # vmap's work space over the basis vectors may always be this much (or half the result)

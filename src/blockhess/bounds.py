@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from . import losses
-from .block import _check_forward, _forward, check_inputs
+from .block import check_forward, check_inputs, forward_cache, jacobian, second_derivative
 from .blocks import HessianBlocks, pairs
-from .config import BlockConfig, param_shapes
+from .components import ffn, layernorm, softmax
+from .config import SHORT_NAMES, BlockConfig, pair_key, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2
 from .validation import check_fits, check_ln_variance, detached
@@ -68,9 +69,6 @@ SOFTMAX_HESSIAN_BOUND = 1.0 / math.sqrt(2.0)
 #: (e.g. the V–V block at L = 1) is not a failure because of the last bit of rounding.
 PAPER_TIE_RTOL = 1e-10
 
-_SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -90,11 +88,6 @@ def _perron(N: list[list[float]]) -> float:
 def _row_std(U: torch.Tensor, eps: float) -> torch.Tensor:
     m = U - U.mean(-1, keepdim=True)
     return torch.sqrt((m * m).mean(-1) + eps)
-
-
-def _ln(U: torch.Tensor, eps: float) -> torch.Tensor:
-    m = U - U.mean(-1, keepdim=True)
-    return m / torch.sqrt((m * m).mean(-1, keepdim=True) + eps)
 
 
 def _check_numbers(what: str, obj, path: str = "") -> None:
@@ -127,10 +120,6 @@ def check_setting(cfg: BlockConfig) -> None:
         if bad:
             raise ValueError(f"bounds: Theorems 1 and 6 cover the paper's setting; BlockConfig.{name} must be "
                              f"{want}, got {getattr(cfg, name)!r}")
-
-
-def _pair(a: str, b: str) -> str:
-    return "".join(sorted((_SHORT[a], _SHORT[b]), key="QKV12".index))
 
 
 # ----------------------------------------------------------------------------- LayerNorm
@@ -252,12 +241,9 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     x = norm2(X64)
     w = {k: norm2(v) for k, v in p.items()}
     wq, wk, wv = w["W_Q"], w["W_K"], w["W_V"]
-    prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{_SHORT[k]}": v for k, v in w.items()}}
+    prim = {"L": L, "d": d, "d_k": dk, "x": x, **{f"w_{SHORT_NAMES[k]}": v for k, v in w.items()}}
 
-    # forward (plain torch)
-    Qm, Km, Vm = X64 @ p["W_Q"], X64 @ p["W_K"], X64 @ p["W_V"]
-    A = torch.softmax(Qm @ Km.T * s, dim=-1)
-    F = A @ Vm
+    c = forward_cache(p, X64, cfg, plain=True)  # the block's own forward pass, in float64
 
     # attention layer: valid (derived here) and printed (Theorem 1 / §3.5)
     G = {"W_Q": c1 * s * wv * wk * x**3, "W_K": c1 * s * wv * wq * x**3, "W_V": math.sqrt(L) * x}
@@ -287,7 +273,7 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     r = math.sqrt(min(L, d))
 
     if cfg.kind == "attention":
-        out = F
+        out = c.out[0]
         if is_mse:
             lam = 2.0 / (L * d)
             gam = 2.0 / (L * d) * (r * math.sqrt(L) * x * wv + tF)
@@ -316,13 +302,8 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     eps = cfg.ln_eps
     w1, w2 = w["W_1"], w["W_2"]
     dff = p["W_1"].shape[1]
-    U = X64 + F
-    check_ln_variance("the LayerNorm-1 input X + SA(X)", U, eps, computed=True)
-    Y = _ln(U, eps)
-    P = torch.relu(Y @ p["W_1"])
-    S = Y + P @ p["W_2"]
-    check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", S, eps, computed=True)
-    Z = _ln(S, eps)
+    check_forward(c)  # both LayerNorm inputs (check_ln_variance) and the output
+    U, P, S, Z = c.U, c.fc.h, c.fc.S, c.out[0]  # X + SA(X), relu(Y W_1), Y + FFN(Y), LN(S)
     lnU, lnS = layernorm_bounds(U, eps), layernorm_bounds(S, eps)
     jY, eY, jZ, eZ = lnU["jacobian"], lnU["hessian"], lnS["jacobian"], lnS["hessian"]
     jSY = 1.0 + w1 * w2
@@ -332,14 +313,14 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
     xi = {"11": 0.0, "22": 0.0, "12": ynorm}
     att = ("W_Q", "W_K", "W_V")
     for k in att:
-        xi["1" + _SHORT[k]] = w2 * jY * G[k]
-        xi["2" + _SHORT[k]] = w1 * jY * G[k]
+        xi["1" + SHORT_NAMES[k]] = w2 * jY * G[k]
+        xi["2" + SHORT_NAMES[k]] = w1 * jY * G[k]
     for k, l in pairs(att):
-        kl = _pair(k, l)
+        kl = pair_key(k, l)
         xi[kl] = jSY * (jY * Phi[kl] + eY * G[k] * G[l])
     zeta = {}
     for a, b in pairs(names):
-        ab = _pair(a, b)
+        ab = pair_key(a, b)
         zeta[ab] = jZ * xi[_xi_key(ab)] + eZ * B[a] * B[b]
     J = {a: jZ * B[a] for a in names}
     if is_mse:
@@ -362,15 +343,15 @@ def ingredients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", tar
         Bp.update({k: jSY * jYp * Gp[k] for k in att})
         xip = {"11": 0.0, "22": 0.0, "12": math.sqrt(d) * ynorm}
         for k in att:
-            xip["1" + _SHORT[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
-            xip["2" + _SHORT[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
+            xip["1" + SHORT_NAMES[k]] = math.sqrt(dff) * w2 * jYp * Gp[k]
+            xip["2" + SHORT_NAMES[k]] = math.sqrt(d) * w1 * jYp * Gp[k]
         for k, l in pairs(att):
-            kl = _pair(k, l)
+            kl = pair_key(k, l)
             xip[kl] = jSY * (Gp[k] * hYp * Gp[l] + jYp * Phip[kl])
         resid = float((Z - target.double()).norm())  # ‖R^tr‖₂ = ‖Z − T‖_F (not expanded in the paper)
         bp = {}
         for a, b in pairs(names):
-            ab = _pair(a, b)
+            ab = pair_key(a, b)
             Htr = jZp * xip[_xi_key(ab)] + Bp[a] * hZp * Bp[b]
             # printed: (2/(L d))‖∂Z/∂W_i‖‖∂Z/∂W_j‖ + ‖R^tr‖‖H_tr‖ (no 2/(L d) on the second term)
             bp[ab] = 2.0 / (L * d) * (jZp * Bp[a]) * (jZp * Bp[b]) + resid * Htr
@@ -432,7 +413,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
     check_setting(cfg)
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
-    _check_forward(_forward(params, X, cfg, plain=True))  # the whole batch at once: rows named as in X
+    check_forward(forward_cache(params, X, cfg, plain=True))  # the whole batch at once: rows named as in X
     Xb = X[None] if X.ndim == 2 else X
     # a tensor target per sequence; anything else (one sequence's callable target) passed whole
     tb = losses.check(loss, target[None] if X.ndim == 2 and isinstance(target, torch.Tensor) else target, Xb,
@@ -448,7 +429,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
         v = ing["valid"]
         mats = {k: [[0.0] * len(names) for _ in names] for k in ("outer", "functional", "full")}
         for a, b in keys:
-            ab = _pair(a, b)
+            ab = pair_key(a, b)
             o = v["lam"] * v["J"][a] * v["J"][b]
             f = v["gam"] * v["zeta"][ab]
             ia, ib = names.index(a), names.index(b)
@@ -462,7 +443,7 @@ def block_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", ta
         else:
             bp = ing["paper"]["block"]
             for a, b in keys:
-                pap[(a, b)] += bp[_pair(a, b)] / nB
+                pap[(a, b)] += bp[pair_key(a, b)] / nB
             pap["all"] += ing["paper"]["all_factor"] * max(bp.values()) / nB
     if not has_paper:
         pap = PairNorms.fromkeys(pap)
@@ -483,7 +464,7 @@ def exact_norms(H) -> dict[str, Any]:
     ``InsufficientMemoryError`` before any norm if three float64 ``n × n`` matrices (the
     symmetrised copy and the eigensolver's) would not fit; the parts are checked as they are made.
     """
-    if not isinstance(H, HessianBlocks) or H._parts is None:
+    if not isinstance(H, HessianBlocks) or not H.has_parts:
         raise ValueError("H must be a full Hessian from blockhess.hessian (with .outer and .functional), "
                          f"got {type(H).__name__ if not isinstance(H, HessianBlocks) else 'a HessianBlocks without parts'}")
     out = {}
@@ -595,9 +576,6 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     derivatives, ``L·d³``, each with its float64 copy) would not fit, or as the closed forms
     called (:func:`blockhess.jacobian`, :func:`blockhess.second_derivative`).
     """
-    from .block import jacobian as _jac, second_derivative as _d2
-    from .components import layernorm as _lnmod
-
     check_setting(cfg)
     check_inputs(params, X, cfg)
     params, X, target = detached(params, X, target)
@@ -627,48 +605,44 @@ def ingredient_checks(params: dict, X: torch.Tensor, cfg: BlockConfig, target=No
     ap = {k: params[k] for k in ("W_Q", "W_K", "W_V")}
     X64 = X.double()
     p64 = {k: t.double() for k, t in params.items()}
-    s = 1.0 / math.sqrt(p64["W_Q"].shape[1])
-    A = torch.softmax((X64 @ p64["W_Q"]) @ (X64 @ p64["W_K"]).T * s, -1)
-    Sm = torch.diag_embed(A) - A[:, :, None] * A[:, None, :]
+    c = forward_cache(p64, X64, cfg, plain=True)  # the block's own forward pass, in float64
+    A = c.att.A[0]
+    Sm = softmax.row_jacobians(A)
     add("dA/dT", max(_sym_spec(m) for m in Sm), SOFTMAX_JACOBIAN_BOUND, 1.0 / L,
         "paper: 1/L (uniform attention only)")
     add("A", norm2(A), math.sqrt(L), float(L), "row-stochastic: ‖A‖₂ <= √(‖A‖₁‖A‖_∞) <= √L")
-    G = _jac(ap, X, acfg)
+    G = jacobian(ap, X, acfg)
     for k in ("W_Q", "W_K", "W_V"):
-        add(f"G_{_SHORT[k]}", norm2(G[k]), v["G"][k], printed("G", k))
+        add(f"G_{SHORT_NAMES[k]}", norm2(G[k]), v["G"][k], printed("G", k))
     sizes = {k: t.numel() for k, t in params.items()}
     for a, b in _PHI_PAIRS:
-        key = _pair(a, b)
+        key = pair_key(a, b)
         n_el = L * d * sizes[a] * sizes[b]
-        exact = norm2(_d2(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
-        add(f"Phi_{_SHORT[a]}{_SHORT[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], printed("Phi", key),
+        exact = norm2(second_derivative(ap, X, acfg, a, b, of="F")) if n_el <= _PHI_MAX_ELEMENTS else None
+        add(f"Phi_{SHORT_NAMES[a]}{SHORT_NAMES[b]}", exact, math.sqrt(min(L * d, sizes[a])) * v["Phi"][key], printed("Phi", key),
             "paper layout; printed bound carries a spurious 2/(L d)")
     if cfg.kind != "block":
         _check_numbers("ingredient_checks", rows)
         return rows
     eps = cfg.ln_eps
-    U = X64 + A @ (X64 @ p64["W_V"])
-    Y = _ln(U, eps)
-    Dm = (Y @ p64["W_1"] > 0).to(X64.dtype)
-    P = torch.relu(Y @ p64["W_1"])
-    S = Y + P @ p64["W_2"]
+    U, Y, Dm, P, S = c.U, c.ln1[0], c.fc.D, c.fc.h, c.fc.S  # X + SA(X), LN_1, relu'(Y W_1), relu(Y W_1), Y + FFN(Y)
     for nm, inp, jv, ev in (("Y", U, v["J_Y"], v["eta_Y"]), ("Z", S, v["J_Z"], v["eta_Z"])):
-        Jc = _lnmod.jacobian(inp, eps, compact=True)
-        Hc = _lnmod.hessian(inp, eps, compact=True)
+        Jc = layernorm.jacobian(inp, eps, compact=True)
+        Hc = layernorm.hessian(inp, eps, compact=True)
         add(f"J_{nm}", max(norm2(m) for m in Jc), jv, printed(f"J_{nm}"), "paper lemma uses the row norm as σ_min")
         add(f"H_{nm}", max(norm2(h.reshape(d * d, d)) for h in Hc), math.sqrt(d) * ev, printed(f"H_{nm}"),
             "paper layout, per token")
-    JSY = torch.eye(d, dtype=X64.dtype, device=X64.device) + (p64["W_2"].T[None] * Dm[:, None, :]) @ p64["W_1"].T
+    JSY = ffn.input_jacobian(c.fc)  # I + W_2^T diag(D_t) W_1^T per token
     add("J_SY", max(norm2(m) for m in JSY), v["J_SY"], v["J_SY"])
     dff = p64["W_1"].shape[1]
     # B_1: rows y_t^T ⊗ W_2^T diag(D_t); B_2 = relu(Y W_1) ⊗ I; B_k = J_SY J_Y G_k per token
     B1 = (Y[:, None, :, None] * (p64["W_2"].T[None, :, None, :] * Dm[:, None, None, :])).reshape(L * d, d * dff)
     add("B_1", norm2(B1), v["B"]["W_1"], printed("B", "W_1"))
     add("B_2", norm2(P), v["B"]["W_2"], printed("B", "W_2"))
-    EY = _lnmod.jacobian(U, eps, compact=True)
+    EY = layernorm.jacobian(U, eps, compact=True)
     for k in ("W_Q", "W_K", "W_V"):
         Gk = G[k].double().reshape(L, d, -1)
         Bk = (JSY @ EY @ Gk).reshape(L * d, -1)
-        add(f"B_{_SHORT[k]}", norm2(Bk), v["B"][k], printed("B", k))
+        add(f"B_{SHORT_NAMES[k]}", norm2(Bk), v["B"][k], printed("B", k))
     _check_numbers("ingredient_checks", rows)
     return rows

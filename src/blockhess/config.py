@@ -15,7 +15,7 @@ import torch
 
 from .validation import FLOAT_DTYPES, check_bool, check_eps, check_int
 
-__all__ = ["BlockConfig", "param_shapes", "init_params"]
+__all__ = ["BlockConfig", "param_shapes", "init_params", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
 
 _KINDS = ("block", "attention")
 _NORMS = ("post", "pre")
@@ -150,6 +150,57 @@ def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
         ("gamma_2", (d,), block and cfg.ln_affine), ("beta_2", (d,), block and b),
     ]
     return {name: shape for name, shape, present in spec if present}
+
+
+#: One-character names of the paper's weights (Theorems 1 and 6), the one table of abbreviations:
+#: the bounds key their ingredients by them (:func:`pair_key`), the scaling study and the report's
+#: figures label blocks with them.
+SHORT_NAMES = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
+
+
+def pair_key(a: str, b: str) -> str:
+    """The key of the unordered pair of weights ``(a, b)``: their :data:`SHORT_NAMES` in the order
+    ``Q, K, V, 1, 2`` (``pair_key("W_K", "W_Q") == "QK"``). Raises ``KeyError`` for a name not in
+    :data:`SHORT_NAMES`."""
+    return "".join(sorted((SHORT_NAMES[a], SHORT_NAMES[b]), key="QKV12".index))
+
+
+#: The parameters of PyTorch's ``nn.TransformerEncoderLayer`` (names relative to the layer; a bare
+#: ``nn.MultiheadAttention`` has the ``self_attn.`` ones without that prefix) and the parameters of
+#: this library each stores: ``[(our name, transposed)]``, stacked along the stored tensor's first
+#: axis (``in_proj_weight`` is ``[W_Q; W_K; W_V]``). Read by :mod:`blockhess.adapters`; here so that
+#: the core can word an error about a PyTorch name (:func:`name_hint`) without importing them.
+TORCH_NAMES = {
+    "self_attn.in_proj_weight": [("W_Q", True), ("W_K", True), ("W_V", True)],
+    "self_attn.in_proj_bias": [("b_Q", False), ("b_K", False), ("b_V", False)],
+    "self_attn.out_proj.weight": [("W_O", True)],
+    "self_attn.out_proj.bias": [("b_O", False)],
+    "linear1.weight": [("W_1", True)],
+    "linear1.bias": [("b_1", False)],
+    "linear2.weight": [("W_2", True)],
+    "linear2.bias": [("b_2", False)],
+    "norm1.weight": [("gamma_1", False)],
+    "norm1.bias": [("beta_1", False)],
+    "norm2.weight": [("gamma_2", False)],
+    "norm2.bias": [("beta_2", False)],
+}
+
+
+def name_hint(names) -> str:
+    """A note for ``names`` given where this library's names are expected: for each that is a
+    PyTorch parameter name (``linear1.weight``, ``self_attn.in_proj_weight``, ``in_proj_weight``
+    of a bare attention layer; :data:`TORCH_NAMES`), what it is called here; ``""`` if none is."""
+    hints = []
+    for name in names:
+        parts = TORCH_NAMES.get(name) or TORCH_NAMES.get(f"self_attn.{name}")
+        if parts:
+            ours = ", ".join(n for n, _ in parts) + (" stacked" if len(parts) > 1 else "")
+            turned = (" (each transposed)" if len(parts) > 1 else ", transposed") if parts[0][1] else ""
+            hints.append(f"{name!r} is PyTorch's {ours}{turned}")
+    if not hints:
+        return ""
+    return ("; " + "; ".join(hints) + " (from_torch reads a layer's weights under these names; "
+            "H.to_module(layer) maps a Hessian back to the layer's)")
 
 
 def init_params(

@@ -47,9 +47,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import linalg, losses
-from .block import _check_forward, _factors, _forward, _select, check_inputs
+from .block import check_forward, check_inputs, forward_cache, jacobian_factors, select_wrt
 from .config import BlockConfig, param_shapes
-from .hessian import _assemble
+from .hessian import assemble
 from .validation import check_fits, check_int, check_result, check_tensor, detached
 
 __all__ = [
@@ -372,10 +372,10 @@ def _prepare(params, X, cfg, loss, target, wrt):
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
-    c = _forward(params, Xb, cfg, plain=True)
-    _check_forward(c)
+    c = forward_cache(params, Xb, cfg, plain=True)
+    check_forward(c)
     target = losses.check(loss, target, c.out, single=X.ndim == 2)
-    names = _select(c.names, wrt)
+    names = select_wrt(c.names, wrt)
     return params, Xb, target, c, names
 
 
@@ -406,7 +406,7 @@ def _flat_grad(f, g: torch.Tensor, names) -> torch.Tensor:
 
 def _grad_one(params, cfg, names):
     def one(x, g):
-        return _flat_grad(_factors(_forward(params, x[None], cfg)), g[None], names)
+        return _flat_grad(jacobian_factors(forward_cache(params, x[None], cfg)), g[None], names)
 
     return one
 
@@ -434,17 +434,17 @@ def _hessian_chunk(params, Xb, target, cfg, loss, names):
     batch of one (whose loss is the sequence's own loss).
     """
     B = Xb.shape[0]
-    c = _forward(params, Xb, cfg, plain=True)
+    c = forward_cache(params, Xb, cfg, plain=True)
     values = _per_sample_values(loss, target, c.out)
     ld = losses.derivatives(loss, target, c.out)
     n = _size(cfg, names)
     grads, H = Xb.new_empty(B, n), Xb.new_empty(B, n, n)
     for i in range(B):
-        c = _forward(params, Xb[i : i + 1], cfg)
-        f = _factors(c)
+        c = forward_cache(params, Xb[i : i + 1], cfg)
+        f = jacobian_factors(c)
         ld_i = ld.sequence(i)
         grads[i] = _flat_grad(f, ld_i.grad, names)
-        _assemble(c, f, ld_i, names, out=H[i])
+        assemble(c, f, ld_i, names, out=H[i])
     check_result({"the per-sample gradients": grads, "the per-sample Hessians": H})
     return values, grads, H
 
@@ -484,9 +484,9 @@ class SpectralNorm(NamedTuple):
 def spectral_norm(H: torch.Tensor, iters: int | None = 64, seed: int = 0, tol: float = 1e-12) -> SpectralNorm:
     r"""Spectral norms :math:`\|H_b\|_2 = \max_j |\lambda_j(H_b)|` of symmetric matrices ``(..., n, n)``.
 
-    Lanczos with full reorthogonalisation, batched over the leading axes, for at most
-    ``iters`` steps, stopping early once every extreme Ritz value has a residual below
-    ``tol`` times itself (``iters=None``, ``iters >= n`` or ``n <= 64``: exact ``eigvalsh``).
+    Lanczos with full reorthogonalisation (:func:`blockhess.linalg.lanczos_norm`), batched over the
+    leading axes, for at most ``iters`` steps, stopping early once every extreme Ritz value has a
+    residual below ``tol`` times itself (``iters=None``, ``iters >= n`` or ``n <= 64``: exact ``eigvalsh``).
     The extreme Ritz value :math:`\theta` never exceeds :math:`\|H\|_2` (Ritz values lie between
     the extreme eigenvalues). Its residual :math:`|\beta_m y_m|` bounds the distance from
     :math:`\theta` to *some* eigenvalue, not necessarily the extreme one: with too few steps
@@ -510,69 +510,17 @@ def _exact(iters, n: int) -> bool:
     return iters is None or int(iters) >= n or n <= 64
 
 
-def _matvecs(A: torch.Tensor, q: torch.Tensor, per_sample: bool | None = None) -> torch.Tensor:
-    """``A[b] @ q[b]`` for ``A`` ``(B, n, n)``, ``q`` ``(B, n)``: ``per_sample`` (default: on the
-    CPU) one GEMV each, faster there than a batched ``bmm``; else one ``bmm`` (on a GPU one
-    kernel, not one launch per sample)."""
-    if A.device.type == "cpu" if per_sample is None else per_sample:
-        return torch.stack([A[b] @ q[b] for b in range(A.shape[0])])
-    return torch.bmm(A, q[:, :, None])[..., 0]
-
-
 def _spectral_norm(H: torch.Tensor, iters, seed: int, tol: float) -> SpectralNorm:
-    """:func:`spectral_norm` without input checks (kernel)."""
+    """:func:`spectral_norm` without input checks (kernel): a full ``eigvalsh`` where :func:`_exact`,
+    else :func:`blockhess.linalg.lanczos_norm` on the products with each matrix."""
     batch, n = H.shape[:-2], H.shape[-1]
     A = H.reshape(-1, n, n)
     if _exact(iters, n):
         ev = linalg.eigvalsh(A)
         norm = ev.abs().amax(-1).to(torch.float64)
         return SpectralNorm(norm.reshape(batch), torch.zeros_like(norm).reshape(batch))
-    m, Bn = int(iters), A.shape[0]
-    tiny = torch.finfo(A.dtype).tiny
-    gen = torch.Generator().manual_seed(int(seed))  # on the CPU: the same draws on every device
-
-    def draw():
-        return torch.randn(Bn, n, generator=gen, dtype=A.dtype).to(A.device)
-
-    def orth(w, Qj):  # twice is enough (Kahan)
-        for _ in range(2):
-            w = w - (Qj.transpose(1, 2) @ (Qj @ w[..., None]))[..., 0]
-        return w
-
-    q = draw()
-    Q = torch.zeros(Bn, m + 1, n, dtype=A.dtype, device=A.device)
-    Q[:, 0] = q / q.norm(dim=1, keepdim=True)
-    alpha = torch.zeros(Bn, m, dtype=A.dtype, device=A.device)
-    beta = torch.zeros(Bn, m, dtype=A.dtype, device=A.device)
-    scale = torch.zeros(Bn, dtype=A.dtype, device=A.device)  # running max of |alpha|, beta: ~ ||A||
-
-    def ritz(j):  # extreme Ritz value and its residual after j steps
-        T = torch.diag_embed(alpha[:, :j]) + torch.diag_embed(beta[:, : j - 1], 1) + torch.diag_embed(beta[:, : j - 1], -1)
-        theta, Y = linalg.eigh(T)
-        idx = theta.abs().argmax(-1, keepdim=True)
-        return theta.abs().gather(1, idx)[:, 0], (beta[:, j - 1] * Y[:, -1, :].gather(1, idx)[:, 0]).abs()
-
-    for j in range(m):
-        w = _matvecs(A, Q[:, j])
-        alpha[:, j] = (w * Q[:, j]).sum(1)
-        w = orth(w, Q[:, : j + 1])
-        bj = w.norm(dim=1)
-        scale = torch.maximum(scale, torch.maximum(alpha[:, j].abs(), bj))
-        dead = bj <= n * torch.finfo(A.dtype).eps * scale
-        if bool(dead.any()):  # invariant subspace found: continue with a fresh orthogonal vector
-            r = orth(draw(), Q[:, : j + 1])
-            w = torch.where(dead[:, None], r / r.norm(dim=1, keepdim=True).clamp_min(tiny), w / bj.clamp_min(tiny)[:, None])
-            bj = torch.where(dead, torch.zeros_like(bj), bj)
-        else:
-            w = w / bj[:, None]
-        beta[:, j] = bj
-        Q[:, j + 1] = w
-        if j + 1 >= 8 and (j + 1) % 4 == 0 and j + 1 < m:
-            theta, res = ritz(j + 1)
-            if bool((res <= tol * theta.clamp_min(tiny)).all()):
-                m = j + 1
-                break
-    norm, resid = ritz(m)
+    norm, resid = linalg.lanczos_norm(lambda q: linalg.batched_matvec(A, q), A.shape[0], n, int(iters), seed, tol,
+                                      A.dtype, A.device)
     return SpectralNorm(norm.to(torch.float64).reshape(batch), resid.to(torch.float64).reshape(batch))
 
 
@@ -687,7 +635,7 @@ def _names(params: dict, cfg: BlockConfig, wrt) -> tuple[str, ...]:
     """Canonical names (``param_shapes(cfg)`` order, as :func:`blockhess.hessian`) restricted to ``wrt``."""
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
-    names = _select(tuple(param_shapes(cfg)), wrt)
+    names = select_wrt(tuple(param_shapes(cfg)), wrt)
     missing = [k for k in names if k not in params]
     if missing:
         raise ValueError(f"params is missing {missing} for this cfg")

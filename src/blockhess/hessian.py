@@ -20,21 +20,22 @@ import math
 
 import torch
 
-from . import losses
-from .block import _check_forward, _factors, _forward, _select, _shapes, check_inputs, contract_output, work_entries
+from . import linalg, losses
+from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
+                    variable_shapes, work_entries)
 from .blocks import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
 from .threads import serial, threads_for
 from .validation import check_bool, check_fits, check_result, detached
 
-__all__ = ["hessian"]
+__all__ = ["hessian", "assemble"]
 
 
 def _add_outer_lowrank(J: dict[str, TokenKron], lam: torch.Tensor, W: torch.Tensor, acc: BlockSum, B: int, L: int,
                        d: int) -> None:
     r"""Outer term for a general per-sequence loss Hessian with eigenpairs ``lam`` ``(B, R)``,
-    ``W`` ``(B, L·d, R)`` (:func:`blockhess.losses.eig_lowrank`; a pooled classifier head over
+    ``W`` ``(B, L·d, R)`` (:func:`blockhess.linalg.eig_lowrank`; a pooled classifier head over
     ``c`` classes has rank <= c - 1):
     :math:`\sum_b J_b^\top \Omega_b J_b = \sum_{b,r} \lambda_{br} (J_b^\top w_{br})(J_b^\top w_{br})^\top`.
     """
@@ -66,17 +67,21 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
 
 def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
     """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above
-    rounding, each sequence judged at its own scale (:func:`blockhess.losses.eig_lowrank`);
+    rounding, each sequence judged at its own scale (:func:`blockhess.linalg.eig_lowrank`);
     as it is if done."""
     if ld.per_token or ld.eig is not None:
         return ld
-    return ld._replace(hess=None, eig=losses.eig_lowrank(ld.hess))
+    return ld._replace(hess=None, eig=linalg.eig_lowrank(ld.hess))
 
 
-def _assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
-    """The dense Hessian of one forward pass ``c`` with factors ``f`` and loss derivatives
-    ``ld``, over ``names``, in one buffer (``out`` if given)."""
-    acc = BlockSum(c.names, _shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
+def assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
+    """The dense Hessian (eq. 10, outer + functional) of one forward pass ``c``
+    (:func:`~blockhess.block.forward_cache`) with its factors ``f``
+    (:func:`~blockhess.block.jacobian_factors`) and loss derivatives ``ld`` of its output, over
+    ``names``, in one ``(n, n)`` buffer (``out`` if given, as :class:`~blockhess.blocks.BlockSum`
+    takes it): one pass of :func:`hessian`, a :class:`~blockhess.blocks.HessianBlocks` without
+    parts, dtype and device of ``c.out``. No input checks (kernel)."""
+    acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
     _add_parts(c, f, ld, acc, outer=True, functional=True)
     return acc.result(c.out, c.cfg)
 
@@ -135,9 +140,11 @@ def _check_memory(cfg: BlockConfig, X: torch.Tensor, loss, names: tuple[str, ...
 
 @serial()  # many small products: one thread, the large ones the caller's (blockhess.threads)
 def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, ...], chunks: list[slice], loss,
-            target=None, derivs=None, which: str = "full", dense: bool = True, out=None) -> tuple[HessianBlocks, list]:
+            target=None, derivs=None, which: str = "full", dense: bool = True, out=None,
+            parts=None) -> tuple[HessianBlocks, list]:
     """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
-    (:func:`_chunks`), and each pass's loss derivatives.
+    (:func:`_chunks`), with ``parts`` (:class:`~blockhess.blocks.HessianBlocks`), and each pass's
+    loss derivatives.
 
     Without ``derivs`` (the call itself) every pass is first checked (its forward pass, and the
     whole ``target`` once) and its loss derivatives taken, before anything is written (an error
@@ -150,23 +157,23 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
     if derivs is None:
         derivs = []
         for rows in chunks:
-            c = _forward(params, X[rows], cfg, wrt_input="X" in names)
-            _check_forward(c, first=rows.start or 0)
+            c = forward_cache(params, X[rows], cfg, wrt_input="X" in names)
+            check_forward(c, first=rows.start or 0)
             if acc is None:  # the whole target once (against the output's shape, expanded: no copy); out= checked
                 target = losses.check(loss, target, c.out[:1].expand(B, -1, -1) if c.out.shape[0] != B else c.out,
                                       single=X.ndim == 2)
-                acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device,
+                acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device,
                                out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
             derivs.append(_eig(ld))
         first_pass = c if len(chunks) == 1 else None
     for rows, ld in zip(chunks, derivs):
-        c = first_pass if first_pass is not None else _forward(params, X[rows], cfg, wrt_input="X" in names)
+        c = first_pass if first_pass is not None else forward_cache(params, X[rows], cfg, wrt_input="X" in names)
         if acc is None:
-            acc = BlockSum(c.names, _shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
-        _add_parts(c, _factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
-    H = acc.result(c.out, c.cfg)
+            acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=dense, dtype=c.out.dtype, device=c.out.device, out=out)
+        _add_parts(c, jacobian_factors(c), ld, acc, outer=which in ("full", "outer"), functional=which in ("full", "functional"))
+    H = acc.result(c.out, c.cfg, parts)
     check_result({"the Hessian": H.dense()} if dense else  # one sum over the buffer (faster than over its blocks)
                  {f"the Hessian's {which} part, block {key}": block for key, block in H.items()})
     return H, derivs
@@ -286,14 +293,14 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     # the parts are computed later, on first access: from a snapshot, not from tensors the caller may change in place
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
-    names = _select((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
+    names = select_wrt((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
     chunks = _chunks(cfg, X, loss, names)
     _check_memory(cfg, X, loss, names, chunks, out is None, "the dense {n}x{n} Hessian")
-    full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out)
+    derivs = None  # the call's loss derivatives, from its own passes below: the parts reuse them
 
     def part(which: str) -> HessianBlocks:
         _check_memory(cfg, X, None, names, chunks, True, f"the {which} part of the Hessian ({{n}}x{{n}}, in blocks)")
         return _passes(params, X, cfg, names, chunks, None, derivs=derivs, which=which, dense=False)[0]
 
-    full._parts = part
+    full, derivs = _passes(params, X, cfg, names, chunks, loss, target, out=out, parts=part)
     return full

@@ -23,10 +23,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import linalg
 from .validation import check_fits, check_tensor, saved_bytes
 
-__all__ = ["LossDerivatives", "check", "derivatives", "value", "eig_lowrank", "hessian_work_bytes", "saved_loss_bytes"]
+__all__ = ["LossDerivatives", "check", "derivatives", "value", "hessian_work_bytes", "saved_loss_bytes"]
 
 
 class LossDerivatives(NamedTuple):
@@ -35,7 +34,7 @@ class LossDerivatives(NamedTuple):
     ``grad``: ``(B, L, d)``. ``hess``: ``(B·L, d, d)`` when ``per_token`` else ``(B, L·d, L·d)``.
     Both already include the ``1/batch`` of the batch mean (:func:`derivatives`). ``eig``: for a
     general loss, the eigenpairs ``(lam (B, R), W (B, L·d, R))`` of ``hess`` that stand above
-    rounding (:func:`eig_lowrank`), kept in its place (``hess`` then ``None``).
+    rounding (:func:`blockhess.linalg.eig_lowrank`), kept in its place (``hess`` then ``None``).
     """
 
     grad: torch.Tensor
@@ -238,74 +237,3 @@ def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(Z.reshape(-1, d), target.reshape(-1))
     in_dims = _in_dims(target)
     return torch.func.vmap(loss, in_dims=in_dims)(Z, target).mean()
-
-
-RANGE_PROBE, CHECK_PROBE = 16, 8  # first width of the random range sketch, and the columns that check it
-RANGE_SLACK = 4  # a sketch of p columns is trusted only if it finds at most p - RANGE_SLACK directions
-
-
-def _kept(lam: torch.Tensor, tol: float) -> torch.Tensor:
-    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` times their own sequence's largest."""
-    return lam.abs() > tol * lam.abs().amax(-1, keepdim=True)
-
-
-def eig_lowrank(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric per-sequence loss Hessians
-    ``hess`` ``(B, m, m)`` that stand above rounding, each sequence judged on its own.
-    Derived here, docs/derivations.md §7.
-
-    Kept: :math:`|\lambda_{br}| > \sqrt m\,\epsilon\,s_b`, :math:`s_b` the largest :math:`|\lambda|`
-    of sequence ``b`` (up to the range finder's blind spot below): :math:`\sqrt m\,\epsilon\,s_b` is
-    the spectral norm of an ``m × m`` rounding error of relative size :math:`\epsilon` in
-    :math:`\Omega_b`. So the dropped part :math:`D_b` has :math:`\|D_b\|_2 \le \sqrt m\,\epsilon\,s_b`,
-    and any sum :math:`\sum_b J_b^\top\Omega_b J_b` built from the eigenpairs is off by at most
-    :math:`\sqrt m\,\epsilon\sum_b s_b\|J_b\|_2^2`: each sequence's term to its own rounding,
-    whatever the other sequences' scales or Jacobians (a batch gives the mean of its
-    single-sequence results to rounding, however it is split into passes). Cost, not
-    error: a sequence whose :math:`\Omega_b` carries rounding noise above its own
-    :math:`\sqrt m\,\epsilon\,s_b` (an absolute noise, e.g. a confidently classified sequence's
-    ``diag p - p pᵀ``) keeps those noise directions. ``R`` is the largest count over the batch
-    (at least 1); a sequence with fewer has zero ``lam`` in the rest.
-
-    The range comes first, by a randomised range finder: ``Q = orth(hess @ G)`` for a fixed
-    Gaussian ``G`` of ``p = RANGE_PROBE`` columns, accepted when ``CHECK_PROBE`` further
-    Gaussian columns ``g`` leave :math:`\|(I - QQ^\top)\Omega_b g\| \le m\epsilon\,\|\Omega_b\|_F`
-    for every sequence, and when the small :math:`S_b = Q^\top\Omega_b Q`, diagonalised, keeps at
-    most ``p - RANGE_SLACK`` directions in every sequence; then :math:`\Omega_b = Q S_b Q^\top` to
-    rounding. Otherwise ``p`` doubles (the wider sketch keeps the columns already multiplied,
-    the check columns included, and adds fresh ones, the last ``CHECK_PROBE`` of which check it);
-    from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
-    residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
-    direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
-    the sketch with kept directions, which the count sees, when the missed part has one sign
-    (a missed tail of many small directions of both signs can cancel in the sketch and pass
-    both tests; docs/derivations.md §7).
-    """
-    B, m, _ = hess.shape
-    eps = torch.finfo(hess.dtype).eps
-    tol = math.sqrt(m) * eps  # relative size of the rounding noise's spectral norm
-    norms = torch.linalg.matrix_norm(hess)  # (B,) Frobenius
-    gen = torch.Generator().manual_seed(0)  # on the CPU: the same sketch on every device
-    lam = W = None
-    p = RANGE_PROBE
-    Y = hess.new_empty(B, m, 0)  # the sketch so far: a wider one keeps its columns and adds fresh ones
-    while lam is None and 2 * p <= m:
-        G = torch.randn(m, p + CHECK_PROBE - Y.shape[-1], generator=gen, dtype=hess.dtype).to(hess.device)
-        Y = torch.cat([Y, hess @ G], -1)
-        Q = torch.linalg.qr(Y[..., :p]).Q  # (B, m, p)
-        P = Y[..., p:]  # the newest columns, independent of Q
-        missed = (P - Q @ (Q.mT @ P)).norm(dim=1).amax(-1)  # (B,)
-        if bool((missed <= m * eps * norms).all()):
-            lam, U = linalg.eigh(Q.mT @ (hess @ Q))
-            keep = _kept(lam, tol)
-            if int(keep.sum(-1).max()) <= p - RANGE_SLACK:
-                W = Q @ U
-            else:
-                lam = None
-        p *= 2
-    if lam is None:
-        lam, W = linalg.eigh(hess)
-        keep = _kept(lam, tol)
-    R = max(int(keep.sum(-1).max()), 1)
-    order = (lam.abs() * keep).argsort(-1, descending=True)[:, :R]
-    return (lam * keep).gather(1, order), W.gather(2, order[:, None, :].expand(B, m, R))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as Fn
 
 from . import losses
-from .block import _select, check_inputs
+from .block import check_inputs, select_wrt
 from .blocks import BlockSum, HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .validation import check_bool, check_fits
@@ -117,7 +117,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     before any derivative if the Jacobians with one chunk's work space would not fit, besides
     the ``ValueError`` of :func:`blockhess.jacobian`."""
     check_inputs(params, X, cfg)
-    names = _select(tuple(param_shapes(cfg)), wrt)
+    names = select_wrt(tuple(param_shapes(cfg)), wrt)
     fixed = {k: v for k, v in params.items() if k not in names}
     Xb = X[None] if X.ndim == 2 else X
     B, L, d = Xb.shape
@@ -199,7 +199,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     shapes = dict(param_shapes(cfg))
     if wrt_input:
         shapes = {"X": tuple(X.shape), **shapes}
-    names = _select(tuple(shapes), wrt)
+    names = select_wrt(tuple(shapes), wrt)
     Xb = X[None] if X.ndim == 2 else X
     if X.ndim == 2 and isinstance(target, torch.Tensor):
         target = target[None]
@@ -228,9 +228,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     for start in range(0, B, size):
         rows = slice(start, min(start + size, B))
         _add_chunk(parts, params, fixed, Xb[rows], X, take(target, rows), cfg, loss, names, rows, B)
-    H = parts["full"].result(X, cfg)
-    H._parts = lambda which: parts[which].result(X, cfg)
-    return H
+    return parts["full"].result(X, cfg, parts=lambda which: parts[which].result(X, cfg))
 
 
 def _add_chunk(parts: dict, params: dict, fixed: dict, Xc: torch.Tensor, X: torch.Tensor, target, cfg: BlockConfig,

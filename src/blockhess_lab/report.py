@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from blockhess.blocks import pairs
+from blockhess.config import SHORT_NAMES
 from blockhess.hessian import hessian as closed_form_hessian
 from blockhess import linalg, reference
 from blockhess.linalg import rel_error
@@ -45,7 +46,8 @@ HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, no
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 _PARTS = ("full", "outer", "functional")
-_SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "W1", "W_2": "W2"}
+#: figure labels of the weights: the one table's names, the FFN's with their W (W1, not 1)
+_LABELS = {n: f"W{s}" if s.isdigit() else s for n, s in SHORT_NAMES.items()}
 _TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
 
@@ -221,7 +223,7 @@ def _phase(model, images, labels, dtype, args, quiet, tag) -> dict:
 
 
 def _figures(tmp: Path, phases: dict, names) -> list[str]:
-    labels = [_SHORT[n] for n in names]
+    labels = [_LABELS[n] for n in names]
     top = max(float(ph["_dense"].abs().max()) for ph in phases.values())
     vmax = math.ceil(math.log10(top) * 2) / 2
     vmin = vmax - 10
@@ -243,7 +245,7 @@ def _figures(tmp: Path, phases: dict, names) -> list[str]:
             note,
         )
         files.append(fname)
-    pair_labels = [f"{_SHORT[a]},{_SHORT[b]}" for a, b in pairs(names)]
+    pair_labels = [f"{_LABELS[a]},{_LABELS[b]}" for a, b in pairs(names)]
     groups = {}
     for tag, ph in phases.items():
         groups["initialisation" if tag == "init" else "trained"] = {

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from blockhess import linalg
+from blockhess.config import pair_key
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
 
@@ -60,7 +61,6 @@ PRESETS = {
     },
 }
 
-SHORT = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
 PARTS = ("outer", "functional", "full")
 ORM = "Ormaniec et al. (2410.10986), small σ"
 ZERO_SRC = "identically zero: F is linear in W_V (Ormaniec et al.)"
@@ -79,10 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- theory
 
 
-def _key(a: str, b: str) -> str:
-    return "".join(sorted((SHORT[a], SHORT[b]), key="QKV12".index))
-
-
 def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tuple[float | None, str | None]:
     """Predicted exponent (and its source) of a Hessian block's norm; ``(None, None)`` if none.
 
@@ -92,7 +88,7 @@ def theory(setting: str, variable: str, block: str, part: str, norm: str) -> tup
     that is identically zero (:func:`identically_zero`) has no exponent: ``(None, ZERO_SRC)``.
     """
     a, b = block.split(",")
-    k = _key(a, b)
+    k = pair_key(a, b)
     if identically_zero(setting, block, part) and norm != "bound":
         return None, ZERO_SRC
     if norm == "bound":

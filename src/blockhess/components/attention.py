@@ -191,7 +191,7 @@ def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
     for h in range(c.n_heads):
         hd = head(c, h)
         kappa, w = _input_terms(hd, W_Q, W_K)
-        S = softmax._jacobian(hd.A)  # (B, L, L, L)
+        S = softmax.row_jacobians(hd.A)  # (B, L, L, L)
         VtS = torch.einsum("bjc,bljm->blcm", hd.V, S)  # (B, L, d_v, L): V^T S_l
         J = hd.A[:, :, None, :, None] * W_V[:, hd.cols].T[None, None, :, None, :]
         J = J + eye[None, :, None, :, None] * (VtS @ kappa[:, None])[:, :, :, None, :]
@@ -223,7 +223,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
     B, L, d = c.X.shape
     nQ, nbQ, nK, nV = nm["W_Q"], nm["b_Q"], nm["W_K"], nm["W_V"]
     Bm = G @ c.V.transpose(-1, -2)  # (B, L, L): B_lj = G_l . V_j
-    Psi = _flat(softmax._contract(c.A, Bm))  # (B*L, L, L)
+    Psi = _flat(softmax.contract_hessian_unchecked(c.A, Bm))  # (B*L, L, L)
 
     def per_token(t):  # the sequence's (L, m) matrix, once per token: (B*L, L, m)
         return _flat(t[:, None].expand(B, L, *t.shape[1:]))
@@ -283,8 +283,8 @@ def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None,
         s = hd.scale
         kappa, w = _input_terms(hd, W_Q, W_K)  # (B, L, d)
         Bm = Gh @ hd.V.transpose(-1, -2)
-        Psi = softmax._contract(hd.A, Bm)  # (B, L, L, L) [l, m, n]
-        S = softmax._jacobian(hd.A)  # (B, L, L, L)
+        Psi = softmax.contract_hessian_unchecked(hd.A, Bm)  # (B, L, L, L) [l, m, n]
+        S = softmax.row_jacobians(hd.A)  # (B, L, L, L)
         Gam = hd.A * (Bm - (hd.A * Bm).sum(-1, keepdim=True))  # (B, L, L)
         gv = Gh @ W_V[:, hd.cols].T  # (B, L, d): W_V G_l
         M = W_Q[:, hd.qk] @ W_K[:, hd.qk].T  # (d, d)

@@ -90,11 +90,11 @@ def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2
     n = J_n = J_f = None
     Yf = Y
     if pre_ln:
-        n, r = layernorm._normalise(Y, ln_eps)
+        n, r = layernorm.normalise(Y, ln_eps)
         if jacobian:
-            J_n = layernorm._jacobian_of(n, r)
+            J_n = layernorm.per_token_jacobian(n, r)
             J_f = J_n if gamma is None else gamma[:, None] * J_n
-        Yf = layernorm._affine(n, gamma, beta)
+        Yf = layernorm.affine(n, gamma, beta)
     pre = Yf @ W_1
     if b_1 is not None:
         pre = pre + b_1
@@ -186,7 +186,7 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
         own.append(("b_1", "W_2", torch.einsum("tb,tc->cb", c.D, g), (0, 1)))
     if pre:  # LN_2 inside the FFN (pre-LN)
         g_Yf = g_H @ c.W_1.T
-        gamma = layernorm._contract_hessian(c.Y, g_Yf, c.ln_eps, c.gamma)
+        gamma = layernorm.contract_hessian_unchecked(c.Y, g_Yf, c.ln_eps, c.gamma)
         if "gamma_2" in names:
             cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
             own.append(("gamma_2", "W_1", torch.einsum("ta,tb->ba", c.n, g_H), (0, 1)))

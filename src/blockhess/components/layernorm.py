@@ -28,7 +28,9 @@ import torch
 
 from ..validation import check_eps, check_fits, check_ln_variance, check_result, check_tensor
 
-__all__ = ["forward", "jacobian", "hessian", "contract_hessian"]
+__all__ = ["forward", "jacobian", "hessian", "contract_hessian",
+           # kernels without checks, for the block (blockhess.block) and the FFN
+           "normalise", "affine", "per_token_jacobian", "contract_hessian_unchecked"]
 
 
 def _stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,9 +38,10 @@ def _stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.var_mean(X, -1, correction=0, keepdim=True)
 
 
-def _normalise(X: torch.Tensor, eps: float, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, r)``: the normalised rows ``(..., d)`` and their inverse std ``r = 1/sigma``, ``(..., 1)``;
-    ``stats`` from :func:`_stats` if already computed."""
+def normalise(X: torch.Tensor, eps: float, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, r)``: the normalised rows ``(..., d)`` of ``X`` ``(..., d)`` and their inverse std
+    ``r = 1/sigma = (var + eps)^(-1/2)``, ``(..., 1)`` (biased variance); ``stats``: the rows'
+    ``(var, mean)``, each ``(..., 1)``, if already computed. No checks (kernel)."""
     var, mean = _stats(X) if stats is None else stats
     r = torch.rsqrt(var + eps if eps else var)
     return (X - mean) * r, r
@@ -68,31 +71,32 @@ def forward(X: torch.Tensor, eps: float = 0.0, gamma=None, beta=None) -> torch.T
         check_tensor("beta", beta, ndim=(1,), like=X)
         if beta.shape[0] != X.shape[-1]:
             raise ValueError(f"beta must have shape ({X.shape[-1]},), got {tuple(beta.shape)}")
-    out = _affine(_normalise(X, eps, stats)[0], gamma, beta)
+    out = affine(normalise(X, eps, stats)[0], gamma, beta)
     check_result({"the LayerNorm output": out})
     return out
 
 
-def _affine(y: torch.Tensor, gamma=None, beta=None) -> torch.Tensor:
-    """``gamma * y + beta`` (either may be ``None``)."""
+def affine(y: torch.Tensor, gamma=None, beta=None) -> torch.Tensor:
+    """``gamma * y + beta`` for ``y`` ``(..., d)``, ``gamma``, ``beta`` ``(d,)`` (either may be ``None``)."""
     if gamma is not None:
         y = y * gamma
     return y if beta is None else y + beta
 
 
-def _jacobian_of(y: torch.Tensor, r: torch.Tensor, gamma=None) -> torch.Tensor:
-    """Theorem 2 per token from :func:`_normalise`'s ``(y, r)``: ``(..., d, d)``."""
+def per_token_jacobian(y: torch.Tensor, r: torch.Tensor, gamma=None) -> torch.Tensor:
+    """Theorem 2 per token from :func:`normalise`'s ``(y, r)``: ``(..., d, d)``, rows scaled by
+    ``gamma`` ``(d,)`` if given. No checks (kernel)."""
     d = y.shape[-1]
     J = torch.addcmul(_centering(d, y), y[..., :, None], y[..., None, :], value=-1.0 / d) * r[..., None]
     return J if gamma is None else gamma[:, None] * J
 
 
 def _compact_jacobian(X, eps, gamma, stats=None):
-    return _jacobian_of(*_normalise(X, eps, stats), gamma)
+    return per_token_jacobian(*normalise(X, eps, stats), gamma)
 
 
 def _compact_hessian(X, eps, gamma, stats=None):
-    y, r = _normalise(X, eps, stats)
+    y, r = normalise(X, eps, stats)
     d = X.shape[-1]
     C = _centering(d, X)
     ya, yb, yc = y[..., :, None, None], y[..., None, :, None], y[..., None, None, :]
@@ -101,9 +105,9 @@ def _compact_hessian(X, eps, gamma, stats=None):
     return H if gamma is None else gamma[:, None, None] * H
 
 
-def _contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
+def contract_hessian_unchecked(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
     """:func:`contract_hessian` without checks (kernel, ``vmap``-traceable)."""
-    y, r = _normalise(X, eps)
+    y, r = normalise(X, eps)
     d = X.shape[-1]
     g = G if gamma is None else G * gamma
     g_hat = g - g.mean(-1, keepdim=True)
@@ -146,7 +150,7 @@ def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=N
     check_tensor("G", G, like=X)
     if G.shape != X.shape:
         raise ValueError(f"G must have the shape of X {tuple(X.shape)}, got {tuple(G.shape)}")
-    Gam = _contract_hessian(X, G, eps, gamma)
+    Gam = contract_hessian_unchecked(X, G, eps, gamma)
     check_result({"the contracted LayerNorm Hessian": Gam})
     return Gam
 

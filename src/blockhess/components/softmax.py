@@ -17,7 +17,9 @@ import torch
 
 from ..validation import check_fits, check_tensor
 
-__all__ = ["jacobian", "hessian", "contract_hessian"]
+__all__ = ["jacobian", "hessian", "contract_hessian",
+           # kernels without checks, for the attention (blockhess.components.attention)
+           "row_jacobians", "contract_hessian_unchecked"]
 
 
 def _check(A: torch.Tensor, name: str = "A") -> None:
@@ -32,8 +34,9 @@ def _check(A: torch.Tensor, name: str = "A") -> None:
                          "(pass softmax(T), not the scores T)")
 
 
-def _jacobian(A: torch.Tensor) -> torch.Tensor:
-    """Compact Jacobian, no checks (kernel): ``(..., L, L', L')``."""
+def row_jacobians(A: torch.Tensor) -> torch.Tensor:
+    """The row-wise Jacobians ``diag(a_i) - a_i a_i^T`` of the softmax output ``A`` ``(..., L, L')``:
+    ``(..., L, L', L')``, :func:`jacobian` with ``compact=True`` without its checks (kernel)."""
     return torch.diag_embed(A) - A[..., :, None] * A[..., None, :]
 
 
@@ -59,7 +62,7 @@ def jacobian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
     rows = 3 * A.numel() * Lp * A.element_size()  # the (L', L') Jacobian of each row and two temporaries
     check_fits(rows + (0 if compact else A.numel() * L * Lp * A.element_size()),
                f"the {'row-wise' if compact else 'dense'} softmax Jacobian", A.device)
-    S = _jacobian(A)
+    S = row_jacobians(A)
     if compact:
         return S
     dense = A.new_zeros(*batch, L, Lp, L, Lp)
@@ -99,7 +102,7 @@ def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
     return dense.reshape(*batch, L * Lp * L * Lp, L * Lp)
 
 
-def _contract(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def contract_hessian_unchecked(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """:func:`contract_hessian` without checks (kernel)."""
     c = A * (B - (A * B).sum(-1, keepdim=True))
     return torch.diag_embed(c) - c[..., :, None] * A[..., None, :] - A[..., :, None] * c[..., None, :]
@@ -122,4 +125,4 @@ def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     if B.shape != A.shape:
         raise ValueError(f"B must have the shape of A {tuple(A.shape)}, got {tuple(B.shape)}")
     check_fits(3 * A.numel() * A.shape[-1] * A.element_size(), "the row-wise contracted softmax Hessian", A.device)
-    return _contract(A, B)
+    return contract_hessian_unchecked(A, B)
