@@ -70,7 +70,7 @@ class Regions:
         return int(self.calls())
 
 
-def _base_package(commit: str) -> str:
+def base_package(commit: str) -> str:
     """The package at ``commit``, importable as ``blockhess_base`` from the returned folder."""
     d = tempfile.mkdtemp(prefix="blockhess_base")
     tar = subprocess.run(["git", "-C", ROOT, "archive", commit, "src/blockhess"], check=True, capture_output=True).stdout
@@ -141,7 +141,7 @@ def shift() -> list[dict]:
 def faults(bh) -> dict:
     import torch
 
-    from blockhess.experiments import bench_worker as bw
+    from blockhess_lab import bench_worker as bw
 
     P = bw.Problem(dict(kind="hessian", L=8, d=16, d_ff=32, B=0, dtype="float64", loss="mse", seed=0))
     fs = {m: bw.METHODS[m](P)[0] for m in ("closed_form", "closed_form_out", "floor", "func_hessian")}
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    sys.path.insert(0, _base_package(args.base))
+    sys.path.insert(0, base_package(args.base))
     import blockhess as new
     import blockhess_base as old
 
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                 f = build(bh, c, bufs)
                 f()
                 counts[f"{c}/{i}"] = reg.count(f)
-        from blockhess.experiments import bench_worker as bw
+        from blockhess_lab import bench_worker as bw
 
         P = bw.Problem(dict(kind="hessian", L=8, d=16, d_ff=32, B=0, dtype="float64", loss="mse", seed=0))
         for m in ("func_hessian", "autograd"):
