@@ -1,4 +1,5 @@
-"""Shared settings and the comparison rules of the suite (DESIGN.md §4), written once here.
+"""The comparison rules of the suite, written once here, and the builders of a case;
+the lists of cases are in ``settings.py``.
 
 * float64: every closed form against ``torch.func`` by the relative Frobenius error
   ``‖A − B‖_F / ‖B‖_F <= 1e-10`` (:func:`assert_close`). A block of a larger whole (a Hessian
@@ -15,7 +16,7 @@
   sum of ``n`` terms in the dtype, ``n ε`` (:func:`rounding`, :func:`assert_identities`).
 * norms by :func:`fro` (no overflow for entries near 1e200).
 
-Hypothesis profiles (tests/test_properties.py): ``fast`` (the default, ``make test``: 100
+Hypothesis profiles (tests/test_hessian_properties.py): ``fast`` (the default, ``make test``: 100
 examples, derandomized so CI is reproducible) and ``long`` (``HYPOTHESIS_PROFILE=long``; the
 count from ``HYPOTHESIS_EXAMPLES``, default 3000).
 """
@@ -32,9 +33,11 @@ from hypothesis import HealthCheck, settings
 import blockhess as bh
 from blockhess.linalg import rel_error
 
+from settings import SIZE_IDS, SIZES
+
 TOL = 1e-10
 # rounding of a whole matrix, in units of ε·‖whole‖_F: a block below it is not resolved by any
-# float64 evaluation of the whole (measured: <= 0.1 ε beyond the own-norm rule over the options grid)
+# float64 evaluation of the whole (measured: <= 0.1 ε beyond the own-norm rule over settings.OPTION_CASES)
 ROUND = 4.0
 EPS64 = torch.finfo(torch.float64).eps
 FLOAT32_FACTOR = 3.0
@@ -215,9 +218,10 @@ def _eigvalsh(M: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvalsh(M.double() / m) * m
 
 
-def make_case(L, d, d_k, d_ff, batch, scale, kind="block", seed=0, ln_eps=0.0):
-    """Config, float64 params and inputs ``X`` (``(L, d)`` if ``batch`` is None) at ``scale``."""
-    cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d_k, kind=kind, ln_eps=ln_eps)
+def make_case(L, d, d_k, d_ff, batch, scale, kind="block", seed=0, ln_eps=0.0, **options):
+    """Config (``options``: further :class:`blockhess.BlockConfig` keywords), float64 params, inputs
+    ``X`` (``(L, d)`` if ``batch`` is None) at ``scale``, and the generator that drew ``X``."""
+    cfg = bh.BlockConfig(d_model=d, d_ff=d_ff, d_k=d_k, kind=kind, ln_eps=ln_eps, **options)
     params = bh.init_params(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     shape = (L, d) if batch is None else (batch, L, d)
@@ -225,23 +229,9 @@ def make_case(L, d, d_k, d_ff, batch, scale, kind="block", seed=0, ln_eps=0.0):
     return cfg, params, X, g
 
 
-# (L, d_model, d_k, d_ff, batch, input scale): L = 1, d_k != d_model, odd sizes, batches
-# of one and of several, tiny and large inputs.
-GRID = [
-    (3, 4, 2, 5, None, 1.0),
-    (1, 4, 4, 6, None, 1.0),
-    (5, 3, 5, 7, None, 1.0),
-    (4, 6, 3, 5, 1, 1.0),
-    (3, 5, 2, 4, 3, 1.0),
-    (4, 4, 2, 6, 2, 1e-2),
-    (3, 4, 3, 5, None, 10.0),
-    (2, 3, 1, 3, 4, 10.0),
-]
-GRID_IDS = [f"L{c[0]}-d{c[1]}-dk{c[2]}-ff{c[3]}-B{c[4]}-s{c[5]:g}" for c in GRID]
-
-
-@pytest.fixture(params=GRID, ids=GRID_IDS)
+@pytest.fixture(params=SIZES, ids=SIZE_IDS)
 def grid_case(request):
+    """Each entry of :data:`settings.SIZES` in turn."""
     return request.param
 
 

@@ -9,10 +9,11 @@ import torch.nn.functional as Fn
 
 import blockhess as bh
 
-from conftest import GRID, GRID_IDS, assert_blocks_close, assert_close, make_case
+from conftest import assert_blocks_close, assert_close, make_case
+from settings import BLOCK_OPTIONS, SECOND_ORDER_SIZE_IDS, SECOND_ORDER_SIZES
 
 
-@pytest.mark.parametrize("ln_eps", [0.0, 1e-3])
+@pytest.mark.parametrize("ln_eps", BLOCK_OPTIONS["ln_eps"])
 def test_forward_and_jacobian(grid_case, ln_eps):
     L, d, dk, dff, batch, scale = grid_case
     cfg, p, X, _ = make_case(L, d, dk, dff, batch, scale, ln_eps=ln_eps)
@@ -25,7 +26,7 @@ def test_forward_and_jacobian(grid_case, ln_eps):
     assert list(bh.jacobian(p, X, cfg, wrt=["W_2", "W_K"])) == ["W_K", "W_2"]
 
 
-@pytest.mark.parametrize("case", GRID[:4], ids=GRID_IDS[:4])
+@pytest.mark.parametrize("case", SECOND_ORDER_SIZES, ids=SECOND_ORDER_SIZE_IDS)
 def test_all_second_derivatives(case):
     L, d, dk, dff, _, scale = case
     cfg, p, X, _ = make_case(L, d, dk, dff, None, scale, ln_eps=1e-4)

@@ -14,6 +14,8 @@ import blockhess as bh
 from blockhess import bounds
 from blockhess_lab.runtime import torch_threads
 
+from settings import BOUND_CASES, BOUND_SCALES, KINDS
+
 TOL = 1e-9  # relative slack for rounding in the exact norms
 
 
@@ -22,18 +24,6 @@ def _one_thread():
     """Tiny problems: one thread is faster (and far faster on a loaded machine)."""
     with torch_threads(1):
         yield
-
-GRID = [
-    # (kind, d_model, d_ff, d_k, L, ln_eps)
-    ("attention", 4, 6, None, 3, 0.0),
-    ("attention", 5, 6, 2, 6, 0.0),
-    ("attention", 3, 6, 4, 1, 0.0),
-    ("block", 4, 6, None, 3, 0.0),
-    ("block", 5, 7, 3, 5, 0.0),
-    ("block", 3, 5, 2, 1, 0.0),
-    ("block", 4, 6, 2, 4, 1e-3),
-]
-SCALES = [0.1, 0.5, 2.0, 10.0]
 
 
 def _rows_ok(rows):
@@ -45,13 +35,13 @@ def _rows_ok(rows):
             assert r["paper_holds"] == (r["bound_paper"] >= r["norm"] * (1 - bounds.PAPER_TIE_RTOL))
 
 
-@pytest.mark.parametrize("kind,d,dff,dk,L,eps", GRID)
+@pytest.mark.parametrize("kind,d,dff,dk,L,eps", BOUND_CASES)
 def test_valid_bound_holds_on_grid(kind, d, dff, dk, L, eps):
     cfg = bh.BlockConfig(d_model=d, d_ff=dff, d_k=dk, kind=kind, ln_eps=eps)
     for seed in range(2):
         params = bh.init_params(cfg, seed=seed)
         g = torch.Generator().manual_seed(100 + seed)
-        for sigma in SCALES:
+        for sigma in BOUND_SCALES:
             X = sigma * torch.randn(L, d, generator=g, dtype=torch.float64)
             T = torch.randn(L, d, generator=g, dtype=torch.float64)
             rows = bounds.spectral_bounds(params, X, cfg, loss="mse", target=T)
@@ -75,7 +65,7 @@ def test_row_format_and_vv_functional_zero():
     assert vv["functional_norm"] == 0.0 and vv["bound_functional"] == 0.0
 
 
-@pytest.mark.parametrize("kind", ["attention", "block"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_general_losses_and_batch(kind):
     cfg = bh.BlockConfig(d_model=4, d_ff=6, d_k=2, kind=kind)
     params = bh.init_params(cfg, seed=3)
@@ -108,7 +98,7 @@ def test_float32_inputs(seed):
         assert r["bound"] >= r["norm"] * (1 - 1e-4)
 
 
-@pytest.mark.parametrize("kind", ["attention", "block"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_ingredients_hold(kind):
     cfg = bh.BlockConfig(d_model=5, d_ff=7, d_k=3, kind=kind)
     for seed, sigma in ((0, 0.3), (1, 1.0), (2, 3.0)):

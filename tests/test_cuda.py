@@ -23,19 +23,12 @@ from blockhess.linalg import rel_error
 from blockhess_lab import vit as V
 
 from conftest import assert_close, assert_float32_close, fro, rounding, to_dtype
+from settings import LOSSES, NAMED_CONFIGS
 
 CUDA = os.environ.get("BLOCKHESS_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
 on_gpu = pytest.mark.skipif(CUDA != "cuda", reason="a CUDA-only behaviour")
 DT = torch.float64
-SETTINGS = {
-    "paper": dict(),
-    "post, all options": dict(n_heads=2, bias=True, out_proj=True, causal=True, ln_affine=True, ln_eps=1e-5,
-                              activation="gelu"),
-    "pre, all options": dict(n_heads=2, bias=True, out_proj=True, causal=True, ln_affine=True, ln_eps=1e-5,
-                             activation="gelu_tanh", norm="pre"),
-    "attention": dict(kind="attention", n_heads=2, bias=True, out_proj=True),
-}
 
 
 def _to(tree, device):
@@ -51,19 +44,15 @@ def _rel(a, b):
 SAME_SUMS = 1e-12
 
 
-def _coupled(Z, T):
-    return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
-
-
-@pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("loss", ["mse", "ce", "custom"])
+@pytest.mark.parametrize("setting", NAMED_CONFIGS)
+@pytest.mark.parametrize("loss", LOSSES)
 def test_hessian_and_parts_match_the_cpu(setting, loss):
-    cfg = bh.BlockConfig(d_model=8, d_ff=12, **SETTINGS[setting])
+    cfg = bh.BlockConfig(d_model=8, d_ff=12, **NAMED_CONFIGS[setting])
     p = bh.init_params(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
     X = torch.randn(3, 5, 8, generator=g, dtype=DT)
     T = torch.randint(0, 8, (3, 5), generator=g) if loss == "ce" else torch.randn(3, 5, 8, generator=g, dtype=DT)
-    fn = _coupled if loss == "custom" else loss
+    fn = LOSSES[loss]
     H = bh.hessian(p, X, cfg, loss=fn, target=T, wrt_input=True)
     G = bh.hessian(_to(p, CUDA), X.to(CUDA), cfg, loss=fn, target=T.to(CUDA), wrt_input=True)
     assert G.dense().device.type == torch.device(CUDA).type
@@ -116,7 +105,7 @@ def test_per_sample_statistics_and_lanczos_match_the_cpu():
     p = bh.init_params(cfg, seed=0)
     X, T = torch.randn(5, 4, 8, dtype=DT), torch.randn(5, 4, 8, dtype=DT)
     U = torch.randn(3, sum(v.numel() for v in p.values()), dtype=DT)
-    kw = dict(loss=_coupled, target=T, chunk_size=2, lanczos_iters=40)
+    kw = dict(loss=LOSSES["custom"], target=T, chunk_size=2, lanczos_iters=40)
     a = bh.convergence.per_sample_statistics(p, X, cfg, directions=U, **kw)
     b = bh.convergence.per_sample_statistics(_to(p, CUDA), X.to(CUDA), cfg, directions=U.to(CUDA), **{**kw, "target": T.to(CUDA)})
     for name in ("loss", "spectral", "frobenius", "grad_norm", "grad_dot", "quad"):

@@ -10,6 +10,7 @@ import torch
 import blockhess as bh
 
 from conftest import TOL, assert_close, make_case, rel_err
+from settings import DTYPES, LAYERNORM_TINY_EPS, NORMS
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def _finite(result) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in (result.values() if isinstance(result, dict) else [result]))
 
 
-@pytest.mark.parametrize("dtype, eps", [(torch.float64, 1e-200), (torch.float64, 1e-300), (torch.float32, 1e-30)])
+@pytest.mark.parametrize("dtype, eps", LAYERNORM_TINY_EPS)
 def test_tiny_ln_eps_on_a_constant_row_is_refused_or_exact(dtype, eps):
     """A constant row at 0.7 (its centred entries are rounding, which 1/sigma = eps^-1/2 blows up) is
     refused up front by every entry point; a row of zeros is exact, refused only where var + eps is
@@ -181,8 +182,8 @@ def _beyond(dtype, R: torch.Tensor) -> bool:
     return not _finite(R) or float(R.abs().max()) > torch.finfo(dtype).max
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
 def test_ln_eps_just_either_side_of_the_constant_row_threshold(dtype, norm):
     """A row constant at 1.0 needs var + ln_eps above its values' squared rounding e^2 (plus tiny/e):
     just below it is refused, just above the Hessian is finite and right."""
@@ -197,8 +198,8 @@ def test_ln_eps_just_either_side_of_the_constant_row_threshold(dtype, norm):
     assert_close(H, R, tol=TOL if dtype == torch.float64 else 3 * own, what="Hessian")  # float32: 3x float32 autograd
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
 def test_ln_eps_just_either_side_of_the_overflow_threshold(dtype, norm):
     """A row of zeros needs ln_eps >= tiny/e (1/sigma^2 representable with 4/e to spare): just below it
     is refused; just above, Jacobians are finite and right, and the Hessian is finite (pre-LN) or, where

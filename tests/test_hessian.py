@@ -9,28 +9,15 @@ import blockhess as bh
 
 from conftest import (assert_blocks_close, assert_close, assert_float32_hessian, assert_identities, blocks_of, make_case,
                       rounding)
+from settings import KINDS, LOSSES, make_target
 
 
-def smooth_coupled(Z, T):
-    """A custom loss whose Z-Hessian couples all tokens (full rank): exercises the general path."""
-    return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
-
-
-def _target(loss, X, g, d):
-    if loss == "ce":
-        return torch.randint(0, d, X.shape[:-1], generator=g)
-    return torch.randn(X.shape, generator=g, dtype=X.dtype)
-
-
-LOSSES = {"mse": "mse", "ce": "ce", "custom": smooth_coupled}
-
-
-@pytest.mark.parametrize("kind", ["block", "attention"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_against_autograd(grid_case, kind, loss):
     L, d, dk, dff, batch, scale = grid_case
     cfg, p, X, g = make_case(L, d, dk, dff, batch, scale, kind=kind)
-    T = _target(loss, X, g, d)
+    T = make_target(loss, X, g, d)
     H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     R = bh.reference.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     n = sum(v.numel() for v in p.values())
@@ -53,11 +40,11 @@ def _sl(H, name):
     return slice(start, start + H.sizes[i])
 
 
-@pytest.mark.parametrize("kind", ["block", "attention"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_identities(kind, loss):
     cfg, p, X, g = make_case(4, 5, 3, 6, 3, 1.0, kind=kind)
-    H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=_target(loss, X, g, 5))
+    H = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=make_target(loss, X, g, 5))
     D = H.dense()
     # symmetric; outer + functional (separate passes) == full (fused pass); MSE and CE are convex
     # in Z: the Gauss-Newton term is PSD
@@ -95,7 +82,7 @@ def test_batch_in_passes(loss, monkeypatch):
     own sequence and row."""
     hess_mod = importlib.import_module("blockhess.hessian")  # the module (bh.hessian is the function)
     cfg, p, X, g = make_case(3, 4, 2, 5, 7, 1.0, ln_eps=1e-5)
-    T = _target(loss, X, g, 4)
+    T = make_target(loss, X, g, 4)
     whole = bh.hessian(p, X, cfg, loss=LOSSES[loss], target=T)
     n = sum(v.numel() for v in p.values())
     names = tuple(p)
@@ -135,7 +122,7 @@ def test_float32_as_close_as_float32_autograd(loss):
     """float32: the full Hessian and both parts within 3x of float32 torch.func's error on the same
     inputs, against the float64 reference (conftest.assert_float32_close)."""
     cfg, p, X, g = make_case(4, 6, 3, 8, 2, 1.0)
-    assert_float32_hessian(p, X, cfg, loss=LOSSES[loss], target=_target(loss, X, g, 6))
+    assert_float32_hessian(p, X, cfg, loss=LOSSES[loss], target=make_target(loss, X, g, 6))
 
 
 def test_custom_loss_per_sequence_target():

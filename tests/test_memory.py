@@ -18,6 +18,7 @@ from blockhess import losses, reference
 from blockhess.validation import saved_bytes
 
 from conftest import assert_close, make_case
+from settings import LOSSES
 
 hess_mod = importlib.import_module("blockhess.hessian")  # the module (bh.hessian is the function)
 block_mod = importlib.import_module("blockhess.block")
@@ -210,7 +211,7 @@ def test_reference_takes_the_digits_batch_in_chunks(monkeypatch):
     assert len(rows) > 1 and checked[-1] < GiB / 2
 
 
-@pytest.mark.parametrize("loss", ["mse", "ce", "custom"])
+@pytest.mark.parametrize("loss", LOSSES)  # "custom": a pooled head here (its own target)
 def test_reference_in_chunks_is_the_reference_in_one(loss, monkeypatch):
     """A sequence per chunk (CHUNK_BYTES = 0) gives the Hessian and parts of one call, and of the
     closed form; the Jacobians likewise."""

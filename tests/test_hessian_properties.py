@@ -40,6 +40,7 @@ import blockhess as bh
 
 from conftest import (assert_close, assert_float32_close, assert_identities, assert_part_close, autograd_defect, fro,
                       randomize_vectors, to_dtype)
+from settings import ACTIVATIONS, DTYPES, NORMS
 
 N_CLASSES = 3  # the pooled head's classes
 # The fuzzer's float32 factor: a small matrix's float32 error is a sum of few rounding errors, so its
@@ -86,7 +87,7 @@ CONVEX = {"mse", "ce", "quadratic", "pooled_ce"}
 @st.composite
 def cases(draw):
     kind = draw(st.sampled_from(["block", "block", "block", "attention"]))
-    norm = draw(st.sampled_from(["post", "pre"])) if kind == "block" else "post"
+    norm = draw(st.sampled_from(NORMS)) if kind == "block" else "post"
     # LayerNorm of a 2-vector is a sign, its derivatives are zero and come out as rounding
     # noise (the post-LN block is constant: its whole Hessian is that noise): d_model >= 3
     d_min = 1 if kind == "attention" else 3
@@ -96,7 +97,7 @@ def cases(draw):
                 bias=draw(st.booleans()), out_proj=draw(st.booleans()), causal=draw(st.booleans()))
     if kind == "block":
         opts.update(d_ff=draw(st.integers(1, 5)), norm=norm,
-                    activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh"])), ln_affine=draw(st.booleans()),
+                    activation=draw(st.sampled_from(ACTIVATIONS)), ln_affine=draw(st.booleans()),
                     ln_eps=draw(st.sampled_from([0.0, 0.0, 1e-200, 1e-12, 1e-5, 1e-2, 1.0])))
     cfg = bh.BlockConfig(**opts)
     batch = draw(st.sampled_from([None, 1, 2, 3, 4]))
@@ -277,7 +278,7 @@ def _own_blocks(H):
 
 
 # ----------------------------------------------------------------------------- regressions
-# Cases the fuzzer found, shrunk (an xfail: a finding still open, docs/results.md).
+# Cases the fuzzer found, shrunk.
 
 def _case(cfg, **kw):
     base = dict(cfg=cfg, L=2, batch=2, dtype=torch.float64, loss="mse", wrt_input=False, log_scales=[0.0, 0.0],
@@ -285,7 +286,7 @@ def _case(cfg, **kw):
     return {**base, **kw}
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_callable_loss_with_per_sequence_weights_spanning_decades(dtype):
     check(_case(bh.BlockConfig(d_model=3, d_k=2, kind="attention"), dtype=dtype, loss="quadratic",
                 log_scales=[-3.0, 3.0], log_weights=[0.0, -16.0]))

@@ -6,11 +6,12 @@ import torch
 from blockhess.components import softmax
 
 from conftest import assert_close
+from settings import SOFTMAX_SHAPES
 
 f = lambda t: torch.softmax(t, -1)  # noqa: E731
 
 
-@pytest.mark.parametrize("L, Lp", [(1, 1), (3, 4), (4, 4), (2, 5)])
+@pytest.mark.parametrize("L, Lp", SOFTMAX_SHAPES)
 def test_jacobian_and_hessian(L, Lp):
     T = torch.randn(L, Lp, dtype=torch.float64)
     A = torch.softmax(T, -1)

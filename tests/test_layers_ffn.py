@@ -9,7 +9,8 @@ import torch.nn.functional as Fn
 import blockhess as bh
 from blockhess.components import ffn
 
-from conftest import GRID, GRID_IDS, assert_blocks_close, assert_close, make_case
+from conftest import assert_blocks_close, assert_close, make_case
+from settings import SIZE_IDS, SIZES
 
 
 def test_B1_B2_JSY():
@@ -28,7 +29,7 @@ def test_B1_B2_JSY():
         assert_close(J_SY[t], ref_Y[t, :, t, :], what="J_SY")
 
 
-@pytest.mark.parametrize("case", GRID[:5], ids=GRID_IDS[:5])
+@pytest.mark.parametrize("case", SIZES[:5], ids=SIZE_IDS[:5])  # run unbatched: the first five, a batch of three among them
 def test_all_xi_blocks(case):
     L, d, dk, dff, _, scale = case
     cfg, p, X, _ = make_case(L, d, dk, dff, None, scale)

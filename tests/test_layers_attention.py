@@ -6,12 +6,13 @@ import torch
 import blockhess as bh
 from blockhess.components import attention
 
-from conftest import GRID, GRID_IDS, assert_blocks_close, assert_close, make_case
+from conftest import assert_blocks_close, assert_close, make_case
+from settings import SECOND_ORDER_SIZE_IDS, SECOND_ORDER_SIZES, SIZE_IDS, SIZES
 
 NAMES = ("W_Q", "W_K", "W_V")
 
 
-@pytest.mark.parametrize("case", GRID, ids=GRID_IDS)
+@pytest.mark.parametrize("case", SIZES, ids=SIZE_IDS)
 def test_first_derivatives(case):
     L, d, dk, dff, batch, scale = case
     cfg, p, X, _ = make_case(L, d, dk, dff, batch, scale, kind="attention")
@@ -26,7 +27,7 @@ def test_first_derivatives(case):
     assert_close(dFdX, ref.reshape(dFdX.shape), what="dF/dX")
 
 
-@pytest.mark.parametrize("case", GRID[:4], ids=GRID_IDS[:4])
+@pytest.mark.parametrize("case", SECOND_ORDER_SIZES, ids=SECOND_ORDER_SIZE_IDS)
 def test_all_nine_second_derivatives(case):
     L, d, dk, dff, _, scale = case
     cfg, p, X, _ = make_case(L, d, dk, dff, None, scale, kind="attention")

@@ -1,4 +1,4 @@
-"""Issue #4: every option beyond the paper, closed form against torch.func in float64.
+"""The block with every option beyond the paper, closed form against torch.func in float64.
 
 The options (heads, biases, W_O, affine LayerNorm, eps, ReLU/GELU/GELU-tanh, post/pre-LN,
 causal mask) are crossed by a 3-wise covering design (every combination of any three option
@@ -10,7 +10,6 @@ outer and functional terms w.r.t. every weight *and the input X*, the Jacobians 
 """
 
 import itertools
-import random
 
 import pytest
 import torch
@@ -18,89 +17,33 @@ import torch
 import blockhess as bh
 
 from conftest import (EPS64, ROUND, assert_blocks_close, assert_close, assert_float32_hessian, assert_identities, blocks_of,
-                      randomize_vectors)
-
-OPTIONS = {
-    "n_heads": [1, 2],
-    "bias": [False, True],
-    "out_proj": [False, True],
-    "ln_affine": [False, True],
-    "ln_eps": [0.0, 1e-3],
-    "activation": ["relu", "gelu", "gelu_tanh"],
-    "norm": ["post", "pre"],
-    "causal": [False, True],
-}
-
-
-def _covered(row, t):
-    return {tuple((k, repr(row[k])) for k in ks) for ks in itertools.combinations(OPTIONS, t)}
-
-
-def covering_design(t: int = 3, seed: int = 0) -> list[dict]:
-    """A deterministic greedy ``t``-wise covering array over :data:`OPTIONS` (first rows: all
-    first values = the paper's setting; all last values)."""
-    need = set()
-    for ks in itertools.combinations(OPTIONS, t):
-        for vs in itertools.product(*(OPTIONS[k] for k in ks)):
-            need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
-    rng = random.Random(seed)
-    rows = [{k: v[0] for k, v in OPTIONS.items()}, {k: v[-1] for k, v in OPTIONS.items()}]
-    for r in rows:
-        need -= _covered(r, t)
-    while need:
-        cands = [{k: rng.choice(v) for k, v in OPTIONS.items()} for _ in range(200)]
-        best = max(cands, key=lambda r: len(_covered(r, t) & need))
-        rows.append(best)
-        need -= _covered(best, t)
-    return rows
-
-
-DESIGN = covering_design()
-# (L, d_model, d_k per head, d_ff, batch, input scale)
-SHAPES = [(3, 4, 3, 5, None, 1.0), (1, 4, 2, 3, None, 1.0), (3, 6, 2, 5, 2, 1.0), (4, 4, 2, 6, 3, 0.5),
-          (2, 6, 3, 4, None, 3.0), (1, 4, 3, 5, 2, 1.0), (5, 4, 2, 3, 1, 1.0)]
-CASES = [(row, SHAPES[i % len(SHAPES)], ("mse", "ce")[i % 2]) for i, row in enumerate(DESIGN)]
-
-
-def _id(case):
-    row, shape, loss = case
-    on = [f"H{row['n_heads']}", row["norm"], row["activation"]] + [k for k in ("bias", "out_proj", "ln_affine", "causal") if row[k]]
-    if row["ln_eps"]:
-        on.append("eps")
-    return "-".join(on) + f"-L{shape[0]}-B{shape[4]}-{loss}"
+                      make_case, randomize_vectors)
+from settings import (BLOCK_OPTIONS, OPTION_CASES, OPTION_DESIGN, OPTION_IDS, OPTION_SIZES, covered, make_target,
+                      option_id)
 
 
 def make(row, shape, seed=0):
-    L, d, dk, dff, batch, scale = shape
-    cfg = bh.BlockConfig(d_model=d, d_ff=dff, d_k=dk, **row)
-    p = randomize_vectors(bh.init_params(cfg, seed=seed), seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    X = scale * torch.randn((L, d) if batch is None else (batch, L, d), generator=g, dtype=torch.float64)
-    return cfg, p, X, g
-
-
-def _target(loss, X, g, d):
-    if loss == "ce":
-        return torch.randint(0, d, X.shape[:-1], generator=g)
-    return torch.randn(X.shape, generator=g, dtype=X.dtype)
+    """:func:`conftest.make_case` of a design row at ``shape``, its vectors randomized."""
+    cfg, p, X, g = make_case(*shape, seed=seed, **row)
+    return cfg, randomize_vectors(p, seed), X, g
 
 
 def test_design_covers_every_triple():
-    assert len(DESIGN) < 40
+    assert len(OPTION_DESIGN) < 40
     for t in (1, 2, 3):
         need = set()
-        for ks in itertools.combinations(OPTIONS, t):
-            for vs in itertools.product(*(OPTIONS[k] for k in ks)):
+        for ks in itertools.combinations(BLOCK_OPTIONS, t):
+            for vs in itertools.product(*(BLOCK_OPTIONS[k] for k in ks)):
                 need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
-        got = set().union(*(_covered(r, t) for r in DESIGN))
+        got = set().union(*(covered(r, t) for r in OPTION_DESIGN))
         assert need <= got
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", OPTION_CASES, ids=OPTION_IDS)
 def test_hessian_with_input_against_autograd(case):
     row, shape, loss = case
     cfg, p, X, g = make(row, shape)
-    T = _target(loss, X, g, cfg.d_model)
+    T = make_target(loss, X, g, cfg.d_model)
     assert_close(bh.forward(p, X, cfg), bh.reference.forward(p, X, cfg), what="Z")
     H = bh.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
     R = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
@@ -112,7 +55,7 @@ def test_hessian_with_input_against_autograd(case):
     assert_blocks_close(blocks_of(H, R), what="full")  # every block to its own norm (zero ones: the whole's rounding)
 
 
-@pytest.mark.parametrize("case", CASES[::2], ids=[_id(c) for c in CASES[::2]])
+@pytest.mark.parametrize("case", OPTION_CASES[::2], ids=OPTION_IDS[::2])  # the MSE half (a Jacobian takes no loss)
 def test_jacobians_against_autograd(case):
     row, shape, _ = case
     cfg, p, X, _ = make(row, shape, seed=1)
@@ -130,7 +73,7 @@ def test_jacobians_against_autograd(case):
     assert_close(bh.input_jacobian(p, X, cfg), bh.reference.input_jacobian(p, X, cfg), what="dZ/dX")
 
 
-@pytest.mark.parametrize("row", DESIGN[:6], ids=[_id((r, SHAPES[0], "")) for r in DESIGN[:6]])
+@pytest.mark.parametrize("row", OPTION_DESIGN[:6], ids=[option_id((r, OPTION_SIZES[0], "")) for r in OPTION_DESIGN[:6]])
 def test_all_second_derivatives(row):
     """∂²Z/∂W_a∂W_b in the paper's layout (rows (o, i)), every ordered pair, against jacfwd(jacrev)."""
     cfg, p, X, _ = make(row, (3, 4, 2, 3, None, 1.0), seed=2)
@@ -140,7 +83,7 @@ def test_all_second_derivatives(row):
                          for a in p for b in p}, what="d2Z")
 
 
-@pytest.mark.parametrize("row", [r for r in DESIGN if r["norm"] == "post"][:3])
+@pytest.mark.parametrize("row", [r for r in OPTION_DESIGN if r["norm"] == "post"][:3])
 def test_xi_blocks_post_ln(row):
     """Theorem 5's ξ (second derivatives of S = Y + FFN(Y)) with the options on."""
     cfg, p, X, _ = make(row, (3, 4, 2, 3, None, 1.0), seed=3)
@@ -162,7 +105,7 @@ def test_bare_attention_with_options(opts, loss):
     p = randomize_vectors(bh.init_params(cfg, seed=4), 4)
     g = torch.Generator().manual_seed(4)
     X = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
-    T = _target(loss, X, g, 4)
+    T = make_target(loss, X, g, 4)
     H = bh.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
     R = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=True)
     s = R.dense().norm().item()
@@ -191,7 +134,7 @@ def test_b_K_is_structurally_zero():
 
 
 def test_identities_and_subsets():
-    row = DESIGN[1]  # everything on
+    row = OPTION_DESIGN[1]  # everything on
     cfg, p, X, g = make(row, (3, 4, 2, 5, 3, 1.0), seed=6)
     T = torch.randn(X.shape, generator=g, dtype=torch.float64)
     H = bh.hessian(p, X, cfg, loss="mse", target=T, wrt_input=True)
@@ -229,7 +172,7 @@ def test_gelu_gives_the_ffn_its_own_functional_term():
 
 @pytest.mark.parametrize("loss", ["custom", "float32"])
 def test_custom_loss_and_float32(loss):
-    row = DESIGN[1]
+    row = OPTION_DESIGN[1]
     cfg, p, X, g = make(row, (3, 4, 2, 5, 2, 1.0), seed=8)
     T = torch.randn(X.shape, generator=g, dtype=torch.float64)
     if loss == "custom":
@@ -241,38 +184,3 @@ def test_custom_loss_and_float32(loss):
         assert_close(H.outer.dense(), R.outer.dense(), what="custom loss outer")
     else:
         assert_float32_hessian(p, X, cfg, loss="mse", target=T, wrt_input=True)
-
-
-def test_defaults_are_the_papers_setting():
-    cfg = bh.BlockConfig(d_model=4, d_ff=6)
-    assert cfg.is_paper and tuple(bh.param_shapes(cfg)) == ("W_Q", "W_K", "W_V", "W_1", "W_2")
-    assert tuple(bh.param_shapes(bh.BlockConfig(kind="attention"))) == ("W_Q", "W_K", "W_V")
-    full = bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, bias=True, out_proj=True, ln_affine=True)
-    assert tuple(bh.param_shapes(full)) == ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O", "gamma_1", "beta_1",
-                                             "W_1", "b_1", "W_2", "b_2", "gamma_2", "beta_2")
-    p0, p1 = bh.init_params(cfg, seed=3), bh.init_params(full, seed=3)
-    for n in p0:  # the matrices are drawn in canonical order: the paper's weights do not move
-        if n in ("W_Q", "W_K", "W_V"):
-            assert torch.equal(p0[n], p1[n])
-    assert torch.equal(p1["gamma_1"], torch.ones(4, dtype=torch.float64)) and torch.count_nonzero(p1["b_Q"]) == 0
-
-
-def test_config_errors():
-    with pytest.raises(ValueError, match="activation must be one of"):
-        bh.BlockConfig(activation="silu")
-    with pytest.raises(ValueError, match="norm must be one of"):
-        bh.BlockConfig(norm="sandwich")
-    with pytest.raises(ValueError, match="divisible by n_heads"):
-        bh.BlockConfig(d_model=6, n_heads=4)
-    with pytest.raises(ValueError, match="norm='pre' has no meaning for kind='attention'"):
-        bh.BlockConfig(kind="attention", norm="pre")
-    with pytest.raises(ValueError, match="causal must be True or False"):
-        bh.BlockConfig(causal=1)
-    cfg = bh.BlockConfig(d_model=4, d_ff=5, norm="pre")
-    p = bh.init_params(cfg)
-    X = torch.randn(3, 4, dtype=torch.float64)
-    X[1] = 0.5
-    with pytest.raises(ValueError, match=r"X \(the LayerNorm-1 input, pre-LN\): LayerNorm input row \(1,\) has zero variance"):
-        bh.hessian(p, X, cfg, target=torch.zeros_like(X))
-    with pytest.raises(ValueError, match="wrt must be a non-empty subset .*; the input X is a variable with wrt_input=True"):
-        bh.hessian(p, X + torch.arange(4.0, dtype=torch.float64), cfg, target=torch.zeros_like(X), wrt="X")

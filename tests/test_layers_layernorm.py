@@ -8,8 +8,7 @@ import blockhess as bh
 from blockhess.components import layernorm
 
 from conftest import EPS64, TOL, assert_close, fro, rel_err, rounding
-
-CASES = [(1, 4, 0.0, False), (3, 4, 0.0, False), (5, 7, 1e-3, False), (4, 5, 1e-5, True), (2, 3, 0.0, True)]
+from settings import DTYPES, LAYERNORM_CASES, LAYERNORM_SCALES, LAYERNORM_TINY_EPS
 
 
 def _inputs(L, d, affine, scale=1.0):
@@ -23,8 +22,8 @@ def _ln(X, eps, gamma):
     return Fn.layer_norm(X, X.shape[-1:], weight=gamma, eps=eps)
 
 
-@pytest.mark.parametrize("L, d, eps, affine", CASES)
-@pytest.mark.parametrize("scale", [1e-2, 1.0, 10.0])
+@pytest.mark.parametrize("L, d, eps, affine", LAYERNORM_CASES)
+@pytest.mark.parametrize("scale", LAYERNORM_SCALES)
 def test_jacobian_and_hessian_against_autograd(L, d, eps, affine, scale):
     X, gamma = _inputs(L, d, affine, scale)
     J_ref = torch.func.jacrev(_ln)(X, eps, gamma).reshape(L * d, L * d)
@@ -33,7 +32,7 @@ def test_jacobian_and_hessian_against_autograd(L, d, eps, affine, scale):
     assert_close(bh.layernorm.hessian(X, eps, gamma), H_ref, what="H dense")
 
 
-@pytest.mark.parametrize("L, d, eps, affine", CASES)
+@pytest.mark.parametrize("L, d, eps, affine", LAYERNORM_CASES)
 def test_dense_layout_equals_compact(L, d, eps, affine):
     X, gamma = _inputs(L, d, affine)
     Jc = bh.layernorm.jacobian(X, eps, gamma, compact=True)
@@ -136,7 +135,7 @@ def _assert_right(X, eps, hessian_eps=None):
                      what=f.__name__)  # float32: 3x torch.func, or 3 roundings where torch.func's error is below one
 
 
-@pytest.mark.parametrize("dtype, eps", [(torch.float64, 1e-200), (torch.float64, 1e-300), (torch.float32, 1e-30)])
+@pytest.mark.parametrize("dtype, eps", LAYERNORM_TINY_EPS)
 def test_tiny_eps_on_a_constant_row(dtype, eps):
     """A row constant at 0.7 is refused (its centred entries are rounding, times 1/sigma = eps^-1/2); a row
     of zeros is exact, refused only where var + eps is below tiny/e (float64 1e-300), else right."""
@@ -156,7 +155,7 @@ def test_tiny_eps_on_a_constant_row(dtype, eps):
     _assert_right(X, eps)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("c", [1.0, 0.0])
 def test_eps_just_either_side_of_the_threshold(dtype, c):
     """var + eps must stand above tiny/e plus the squared rounding of the row's values (e^2 c^2 for a row

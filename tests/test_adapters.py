@@ -1,4 +1,4 @@
-"""Issue #4: real PyTorch layers. ``bh.from_torch(nn.TransformerEncoderLayer)`` reproduces
+"""blockhess.adapters on real PyTorch layers: ``bh.from_torch(nn.TransformerEncoderLayer)`` reproduces
 ``layer(X)`` to 1e-12, and ``H.to_module(layer)`` equals ``torch.func.hessian`` of the layer's
 loss through ``torch.func.functional_call`` w.r.t. its own named parameters, to 1e-10.
 

@@ -1,6 +1,6 @@
-"""Issue #4 at the component level: multi-head attention with biases and a causal mask (factors
-per head, dO/dX, the contracted second derivatives w.r.t. weights and input), and the GELU
-derivatives, each against torch.func in float64."""
+"""The layers' options beyond the paper: multi-head attention with biases and a causal mask (factors
+per head, dO/dX, the contracted second derivatives w.r.t. weights and input), and the FFN's
+activations (ReLU, GELU, GELU-tanh) with their derivatives, each against torch.func in float64."""
 
 import math
 
@@ -11,6 +11,7 @@ from blockhess.blocks import BlockSum
 from blockhess.components import attention, ffn
 
 from conftest import EPS64, ROUND, assert_blocks_close, assert_close, fro
+from settings import ACTIVATIONS, MULTIHEAD_CASES
 
 DT = torch.float64
 
@@ -27,8 +28,7 @@ def ref_O(X, p, H, causal):
     return (torch.softmax(T, -1) @ Vh).transpose(1, 2).reshape(B, L, -1)
 
 
-@pytest.mark.parametrize("B, L, d, H, dk, causal", [(1, 3, 4, 1, 3, False), (2, 4, 6, 2, 2, True), (2, 3, 6, 3, 3, False),
-                                                    (1, 1, 4, 2, 2, True)])
+@pytest.mark.parametrize("B, L, d, H, dk, causal", MULTIHEAD_CASES)
 def test_multihead_attention(B, L, d, H, dk, causal):
     g = torch.Generator().manual_seed(L * 10 + H)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=DT)  # noqa: E731
@@ -79,7 +79,7 @@ def test_multihead_attention(B, L, d, H, dk, causal):
     assert_blocks_close({k: (v, HXW[k]) for k, v in XW.items()}, what="d2phi/dX")  # zero at L = 1 for Q, K: the whole's rounding
 
 
-@pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("kind", ACTIVATIONS)
 def test_activation_derivatives(kind):
     x = torch.linspace(-4, 4, 101, dtype=DT) + 1e-3  # off the ReLU kink
     ref = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
