@@ -221,7 +221,7 @@ def _caller_level() -> int:
     return level
 
 
-SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs time per call: docs/results.md, "The paper's component Jacobians")
+SMALL_BYTES = 64 << 20  # requests below this are not checked: reading the free memory would dominate small calls
 
 
 def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
