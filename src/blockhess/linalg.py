@@ -2,11 +2,8 @@
 Frobenius error; the dense ones computed in float64 whatever the input's dtype.
 
 LAPACK's float32 routines behind ``torch.linalg.eigh``/``eigvalsh`` on the CPU can fail to
-converge on the block-sparse, rank-deficient matrices this package produces: the float32
-functional term of a small block (96 weights, two thirds of its entries exactly zero) raised
-``torch.linalg.LinAlgError`` ("failed to converge ... ill-conditioned or has too many repeated
-eigenvalues") for 3 of 300 random inputs, and float64 converges on the same matrices. Every
-eigendecomposition and spectral norm in the package goes through here; results come back in
+converge on the block-sparse, rank-deficient matrices this package produces; float64 converges
+on the same matrices (docs/derivations.md §8). Every eigendecomposition and spectral norm in the package goes through here; results come back in
 the input's dtype (the 2-norm as a Python float). :func:`eig_lowrank` finds the eigenpairs of
 a batch of symmetric matrices that stand above rounding by a randomised range finder (a callable
 loss's Hessians w.r.t. the block output); :func:`lanczos_norm` estimates the spectral norms of a
