@@ -110,13 +110,9 @@ def eig_lowrank(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     keeps at most ``p - RANGE_SLACK`` directions in every matrix; then :math:`M_b = Q S_b Q^\top` to
     rounding. Otherwise ``p`` doubles (the wider sketch keeps the columns already multiplied,
     the check columns included, and adds fresh ones, the last ``CHECK_PROBE`` of which check it);
-    from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
-    residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
-    direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
-    the sketch with kept directions, which the count sees, when the missed part has one sign
-    (a missed tail of many small directions of both signs can cancel in the sketch and pass
-    both tests; docs/derivations.md §7). The Gaussians come from a generator seeded with 0 on
-    the CPU: the same sketch on every device, and the same result on every call.
+    from ``2p > m`` on, the full ``m × m`` eigendecomposition (why both tests, and the case they
+    miss: docs/derivations.md §7). The Gaussians come from a generator seeded with 0 on the
+    CPU: the same sketch on every device, and the same result on every call.
     """
     B, m, _ = M.shape
     eps = torch.finfo(M.dtype).eps
