@@ -504,8 +504,8 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
         (``bound / norm``; ``None`` where the norm is 0), ``ratio_paper`` and
         ``paper_holds`` (``bound_paper >= norm`` up to a relative ``PAPER_TIE_RTOL = 1e-10``
         for attained bounds, or ``None``). Norms come from :func:`blockhess.hessian` (closed
-        form). Runs on torch's current thread count; for the paper's small problems one
-        thread is fastest (``torch.set_num_threads(1)``; the CLI's ``--threads`` default).
+        form). Runs on torch's current thread count; where other work shares the cores, call
+        ``torch.set_num_threads(1)`` first (the CLI's ``--threads`` default; docs/results.md, "Threads").
 
     Raises
     ------

@@ -1,4 +1,4 @@
-r"""Loss-landscape convergence with dataset size: Theorem 7 of the paper, measured exactly.
+r"""Loss-landscape convergence with dataset size: Theorem 7 of the paper, with exact Hessians.
 
 With per-sample losses :math:`l_i(w)` and the empirical loss over the first ``k`` samples
 :math:`L_k(w) = \frac1k\sum_{i\le k} l_i(w)` (paper §4.1, after Kiselev & Grabovoy 2024):
@@ -20,7 +20,7 @@ What the ``1/k`` slope measures: for losses taken in a random order,
 :math:`l_{k+1} - L_k` has a spread that tends to a constant (the spread of the per-sample
 losses), so :math:`\mathbb E|L_{k+1} - L_k| \sim c/k` follows from the running-mean identity
 alone, for any model; the network enters only through ``c``. The bound's interest is in its
-constants (``L``, ``M``), which the closed form lets us measure.
+constants (``L``, ``M``), which the closed form computes exactly (docs/convergence.md).
 
 Per-sample Hessians are computed by the closed form (Theorem 5 / eq. 10, assembled as
 :func:`blockhess.hessian` assembles a batch of one, in place in one ``(B, n, n)`` buffer),
@@ -455,9 +455,8 @@ def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="m
     ``H[i]`` equals ``blockhess.hessian(params, X[i], cfg, loss, target[i], wrt).dense()``
     (a batch of one is that sequence's Hessian), and is computed that way, the closed form
     (eq. 10: Gauss–Newton term from the Theorem 4 factors, functional term from Theorem 5
-    contracted with :math:`\nabla_Z l_i`) writing each into its slice of the result: about
-    20 ms per sequence at the report's size (n = 1,792, 2 CPU cores; most of it the first
-    touch of the fresh ``n²`` entries). For a callable loss the
+    contracted with :math:`\nabla_Z l_i`) writing each into its slice of the result (cost:
+    docs/convergence.md, "Per-sample Hessians"). For a callable loss the
     outer term uses the non-zero eigenpairs of :math:`\nabla^2_Z l_i` (randomised range
     finder, exact up to rounding). Off-diagonal blocks are exact transposes, diagonal blocks
     symmetric to rounding. ``n`` = total size of ``wrt`` (default all weights,

@@ -195,7 +195,8 @@ def _check_out(out, X: torch.Tensor, params: dict, target) -> None:
 
 def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
             wrt_input: bool = False, out: torch.Tensor | None = None) -> HessianBlocks:
-    r"""Exact Hessian of the loss of the block's output w.r.t. its weights, by the closed form.
+    r"""Exact Hessian of the loss of the block's output w.r.t. its weights, by the closed form
+    (paper eq. 10: outer + functional term).
 
     Parameters
     ----------
@@ -204,9 +205,9 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     X : Tensor
         One sequence ``(L, d_model)`` or a batch ``(B, L, d_model)``, float32 or float64.
     cfg : BlockConfig
-        ``kind="block"`` (the Transformer block, post-LN as in Theorem 5 / eq. 10, or pre-LN,
-        with the options of :class:`~blockhess.BlockConfig`) or ``"attention"`` (Theorem 1
-        layer; the outer/functional split of Ormaniec et al.).
+        ``kind="block"`` (post-LN as in Theorem 5 / eq. 10, or pre-LN, with the options of
+        :class:`~blockhess.BlockConfig`) or ``"attention"`` (the Theorem 1 layer; the
+        outer/functional split of Ormaniec et al.).
     loss : "mse" | "ce" | callable
         ``"mse"`` (mean over entries, the paper's), ``"ce"`` (rows of the output are logits
         over ``d_model`` classes, mean over tokens) or ``loss(Z, target) -> scalar`` applied
@@ -218,21 +219,18 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
         tensor) whose first axis has one entry per sequence, each sequence getting its entry.
     wrt : str or list of str or None
         Restrict to these weights (only their blocks are computed; ``"X"`` too with
-        ``wrt_input=True``). The result keeps the
-        canonical order of :func:`~blockhess.config.param_shapes` (``H.names``), whatever the
-        order given, and each name once; the names are this library's (``W_1``, not
-        ``linear1.weight``: see :func:`~blockhess.adapters.from_torch`).
+        ``wrt_input=True``). The result keeps the canonical order of
+        :func:`~blockhess.config.param_shapes` (``H.names``), each name once; the names are
+        this library's (``W_1``, not ``linear1.weight``: see :func:`~blockhess.adapters.from_torch`).
     wrt_input : bool
         Also differentiate w.r.t. the block input: a variable named ``"X"`` (first), of
         ``X``'s shape; its blocks with itself (zero across sequences) and with every weight.
     out : Tensor or None
         A contiguous ``(n, n)`` tensor of ``X``'s dtype and device to assemble the dense
-        Hessian in (``n`` = the total size of the differentiated variables); its contents are
-        overwritten and ``.dense()`` returns it. Reusing one across calls (curvature tracked
-        over training) saves allocating and first touching ``n²`` fresh entries: at
-        ``n = 28,672`` on 2 CPU cores, 1.2 s instead of 2.7 s for a fresh call
-        (docs/results.md). A result keeps ``out`` as its storage: the next call into the same
-        ``out`` overwrites it.
+        Hessian in (``n`` = the total size of the differentiated variables). It is
+        overwritten and becomes the result's storage (``.dense()`` returns it; the next call
+        into the same ``out`` overwrites it). Reusing one across calls saves allocating ``n²``
+        fresh entries (docs/results.md, "Fresh output against a reused one").
 
     Returns
     -------
@@ -246,43 +244,32 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     ValueError
         Wrong shapes, mixed dtypes/devices, NaN/Inf in ``X``, ``params`` or ``target``; a
         forward pass that overflows the dtype; a LayerNorm input row whose ``var + ln_eps``
-        does not stand above its values' rounding and ``tiny/e`` (with ``ln_eps = 0``: zero or
-        underflowing variance, Assumption 2; docs/derivations.md §3); an unknown loss; a target of the wrong
-        shape or class range; a callable loss that does not return a scalar, or whose value,
-        gradient or Hessian w.r.t. ``Z`` has a NaN or Inf, or that ``torch.func`` cannot
-        differentiate; an empty ``wrt`` or an unknown name in it; ``wrt_input`` not a bool; ``out`` of the
-        wrong shape, dtype or device, not contiguous, requiring grad or sharing memory with
-        ``X``, ``params`` or ``target``; a Hessian with a NaN or Inf (a value overflowed on
-        finite inputs, e.g. LayerNorm rows of tiny ``var + ln_eps``: a post-LN block's
-        Hessian carries ``1/sigma`` of both LayerNorms up to four times; checked once the
-        Hessian is assembled, so ``out`` then holds that partial result).
+        does not stand above its values' rounding and ``tiny/e`` (Assumption 2;
+        docs/derivations.md §3); an unknown loss; a target of the wrong shape or class range;
+        a callable loss that does not return a scalar, or whose value, gradient or Hessian
+        w.r.t. ``Z`` has a NaN or Inf, or that ``torch.func`` cannot differentiate; an empty
+        ``wrt`` or an unknown name in it; ``wrt_input`` not a bool; ``out`` of the wrong
+        shape, dtype or device, not contiguous, requiring grad or sharing memory with ``X``,
+        ``params`` or ``target``; a Hessian with a NaN or Inf (a value overflowed on finite
+        inputs; checked once the Hessian is assembled, so ``out`` then holds that partial result).
     InsufficientMemoryError
-        (a ``MemoryError`` and a ``ValueError``) before the first forward pass: the dense
-        ``n × n`` result (not counted with ``out``), or it with the largest pass's forward cache,
-        per-token factors and work space (:func:`blockhess.block.work_entries`), would not fit
-        in the memory available now; before a pass's loss derivatives: a callable loss's
-        per-sequence ``(L·d)²`` Hessians w.r.t. ``Z`` with ``torch.func``'s work space for a group
-        of them (:func:`blockhess.losses.derivatives`); before ``.outer`` or ``.functional`` is
-        assembled: that part with its passes. With the bytes needed and available.
+        (a ``MemoryError`` and a ``ValueError``, with the bytes needed and available) before
+        the work it guards: the dense ``n × n`` result (not with ``out``) and it with the
+        largest pass (:func:`blockhess.block.work_entries`) before the first forward pass; a
+        callable loss's per-sequence ``(L·d)²`` Hessians before they are made
+        (:func:`blockhess.losses.derivatives`); ``.outer`` or ``.functional`` before its
+        passes (docs/derivations.md §1, "Memory, estimated before the work").
 
     Notes
     -----
-    The full Hessian is assembled into one preallocated buffer, a batch in passes of as many
-    sequences as fit in 64 MiB or half the dense result (the per-token factors grow with the
-    batch, the result does not; docs/derivations.md §1); ``.outer`` and
-    ``.functional`` are computed on first access, each by its own passes (so that
-    ``outer + functional == full`` compares separate assemblies), from copies of ``params`` and
-    ``X`` taken at the call and the loss derivatives computed then (a callable loss is not
-    called again): changing those in place afterwards does not change the result. For that a
-    result keeps, per sequence, the ``L·d`` entries of the loss gradient and, for a general
-    loss, the ``R`` eigen-directions of its Hessian (``R·L·d`` entries, ``R <= L·d``: for a
-    full-rank callable as much as the ``(L·d)²`` Hessians themselves; 9 directions for a
-    classifier over ten classes), and for CE the ``L`` per-token ``d × d`` Hessians. Inputs that require grad are used detached: the result carries no
-    autograd history (:func:`~blockhess.validation.detached`).
-
-    Threads: the many small products run on one thread, the large ones on torch's thread
-    count (:mod:`blockhess.threads`; the caller's setting is restored). Where other work
-    shares the cores, call ``torch.set_num_threads(1)`` first (docs/results.md, "Threads").
+    A batch is assembled in passes into one buffer (docs/derivations.md §1, "A batch in
+    passes"). ``.outer`` and ``.functional`` are computed on first access, from copies of
+    ``params`` and ``X`` taken at the call and the loss derivatives taken then (a callable
+    loss is not called again): changing the inputs in place afterwards does not change them.
+    Inputs that require grad are used detached (:func:`~blockhess.validation.detached`).
+    The many small products run on one thread, the large ones on torch's thread count
+    (:mod:`blockhess.threads`); where other work shares the cores, call
+    ``torch.set_num_threads(1)`` first (docs/results.md, "Threads").
     """
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)

@@ -301,7 +301,7 @@ def choose_method(F1: TokenKron, F2: TokenKron) -> str:
     ``T/rows`` times the block's size in ``R_x`` (``rows``: the length of ``F1``'s vector, 1
     for a vector) and write in place; the Khatri–Rao GEMM builds almost nothing but passes
     over the block once more, permuted. The permuted pass is cheaper from ``T >= 4·rows``
-    on (many tokens per row: batches); measured crossovers in docs/derivations.md §1."""
+    on (many tokens per row: batches); the crossovers: docs/derivations.md §1, "Where the GEMM writes"."""
     rows = 1 if F1.side == "vector" else F1.vec.shape[1]
     return "khatri_rao" if F1.mat.shape[0] >= 4 * rows else "rows"
 
@@ -337,8 +337,8 @@ def sandwich_into(out: torch.Tensor, F1: TokenKron, F2: TokenKron, omega=None, c
     workspace : Tensor or None
         Flat scratch of ``out``'s dtype with at least :func:`workspace_need` entries (for the
         method used); as much work as fits is done per GEMM. Reusing one across calls spares
-        fresh memory (page faults). Without it, one of ``max(4 MiB, workspace_need)`` is
-        allocated for this call.
+        fresh memory (page faults). Without it, one of ``max(SCRATCH_BYTES, workspace_need)``
+        bytes is allocated for this call.
     method : "rows", "khatri_rao" or None
         ``None``: :func:`choose_method`, or ``"khatri_rao"`` where ``out``'s columns are not
         one run.

@@ -2,11 +2,8 @@
 Frobenius error; the dense ones computed in float64 whatever the input's dtype.
 
 LAPACK's float32 routines behind ``torch.linalg.eigh``/``eigvalsh`` on the CPU can fail to
-converge on the block-sparse, rank-deficient matrices this package produces: the float32
-functional term of a small block (96 weights, two thirds of its entries exactly zero) raised
-``torch.linalg.LinAlgError`` ("failed to converge ... ill-conditioned or has too many repeated
-eigenvalues") for 3 of 300 random inputs, and float64 converges on the same matrices. Every
-eigendecomposition and spectral norm in the package goes through here; results come back in
+converge on the block-sparse, rank-deficient matrices this package produces; float64 converges
+on the same matrices (docs/derivations.md §8). Every eigendecomposition and spectral norm in the package goes through here; results come back in
 the input's dtype (the 2-norm as a Python float). :func:`eig_lowrank` finds the eigenpairs of
 a batch of symmetric matrices that stand above rounding by a randomised range finder (a callable
 loss's Hessians w.r.t. the block output); :func:`lanczos_norm` estimates the spectral norms of a
@@ -113,13 +110,9 @@ def eig_lowrank(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     keeps at most ``p - RANGE_SLACK`` directions in every matrix; then :math:`M_b = Q S_b Q^\top` to
     rounding. Otherwise ``p`` doubles (the wider sketch keeps the columns already multiplied,
     the check columns included, and adds fresh ones, the last ``CHECK_PROBE`` of which check it);
-    from ``2p > m`` on, the full ``m × m`` eigendecomposition. Both tests are needed: the probe
-    residuals carry the noise's Frobenius norm (about ``m ε s``), so they cannot see a missed
-    direction between ``√m ε s`` and ``m ε s``; a rank above ``p`` fills all ``p`` columns of
-    the sketch with kept directions, which the count sees, when the missed part has one sign
-    (a missed tail of many small directions of both signs can cancel in the sketch and pass
-    both tests; docs/derivations.md §7). The Gaussians come from a generator seeded with 0 on
-    the CPU: the same sketch on every device, and the same result on every call.
+    from ``2p > m`` on, the full ``m × m`` eigendecomposition (why both tests, and the case they
+    miss: docs/derivations.md §7). The Gaussians come from a generator seeded with 0 on the
+    CPU: the same sketch on every device, and the same result on every call.
     """
     B, m, _ = M.shape
     eps = torch.finfo(M.dtype).eps

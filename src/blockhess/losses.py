@@ -132,7 +132,7 @@ def _in_dims(target) -> tuple[int, int | None]:
 
 
 WORK_BYTES = 64 << 20  # torch.func's work space for a callable's per-sequence Hessians: this much, or as much as the Hessians
-TANGENT_COPIES = 6  # of the loss's saved intermediates, per tangent (docs/derivations.md §1, measured)
+TANGENT_COPIES = 6  # of the loss's saved intermediates, per tangent (docs/derivations.md §1)
 SQUARE_COPIES = 3  # (L·d)² entries per sequence beside its Hessian: the tangent basis, the gradients' tangents, a copy
 
 
@@ -144,8 +144,8 @@ def hessian_work_bytes(loss, target, Z: torch.Tensor) -> int:
     seen from outside (a classifier head's logits, an MLP's hidden layer), so the loss is called
     once on ``Z[0]`` with gradients recorded and what autograd saves is counted
     (:func:`~blockhess.validation.saved_bytes`, ``F`` bytes): ``m·(TANGENT_COPIES·F + SQUARE_COPIES·m·e)``,
-    ``e`` the bytes per entry. Calibrated on measured peaks (docs/derivations.md §1). The
-    arguments are not checked here."""
+    ``e`` the bytes per entry (docs/derivations.md §1, *A callable loss's per-sequence Hessians*).
+    The arguments are not checked here."""
     B, L, d = Z.shape
     m = L * d
     return m * (TANGENT_COPIES * saved_loss_bytes(loss, target, Z) + SQUARE_COPIES * m * Z.element_size())

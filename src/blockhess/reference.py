@@ -88,14 +88,14 @@ LOSS_COPIES = 3  # torch.func.hessian: per weight, copies of what autograd saves
 
 def _tangent_entries(cfg: BlockConfig, L: int) -> int:
     """Entries ``torch.func`` holds per token of the chunk and per tangent of its forward mode
-    (a weight of ``torch.func.hessian``), ``150 + 2d + 4 d_ff + 6 H·L``: fitted to peaks measured
-    at 17 sizes (docs/derivations.md §1); the constant is the per-tangent share of the block's
+    (a weight of ``torch.func.hessian``), ``150 + 2d + 4 d_ff + 6 H·L``, a fit to peak memory
+    (docs/derivations.md §1, *The reference*); the constant is the per-tangent share of the block's
     and the loss's fixed work, ``H·L`` the attention's scores, weights and their derivatives."""
     return 150 + 2 * cfg.d_model + 4 * (cfg.d_ff if cfg.kind == "block" else 0) + 6 * cfg.n_heads * L
 
 
 def _cotangent_entries(cfg: BlockConfig, L: int) -> int:
-    """The same per cotangent of ``jacrev`` (an output entry): ``9 d + d_ff + 2 H·L``, fitted likewise."""
+    """The same per cotangent of ``jacrev`` (an output entry): ``9 d + d_ff + 2 H·L``, a fit likewise."""
     return 9 * cfg.d_model + (cfg.d_ff if cfg.kind == "block" else 0) + 2 * cfg.n_heads * L
 
 

@@ -29,10 +29,10 @@ import torch
 
 __all__ = ["serial", "threads_for", "PARALLEL_MACS", "PARALLEL_ENTRIES", "TRANSPOSE_ENTRIES"]
 
-# From where a team of two is faster than one thread on an idle 2-core machine (docs/results.md, "Threads"):
+# From where a team gains on one thread on an idle machine (docs/results.md, "Threads", "The fix"):
 PARALLEL_MACS = 1 << 18  # multiply-adds per parallel region of a matrix product or factorisation
 PARALLEL_ENTRIES = 1 << 18  # entries written by one copy, sum or fill (contiguous rows)
-TRANSPOSE_ENTRIES = 4  # a transposed copy counts each entry this many times (it moves them about 4x slower)
+TRANSPOSE_ENTRIES = 4  # a transposed copy counts each entry this many times (docs/results.md, "The fix")
 
 _state = threading.local()  # .threads: the outermost serial() caller's thread count
 

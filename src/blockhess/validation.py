@@ -20,7 +20,7 @@ __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_res
            "check_ln_variance", "check_int", "check_eps", "check_bool", "saved_bytes"]
 
 
-FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (bfloat16: 5% off)
+FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (docs/derivations.md §8)
 
 
 class InsufficientMemoryError(MemoryError, ValueError):
@@ -140,21 +140,10 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     .. math::
         \mathrm{var} + \varepsilon - e^2(\mathrm{var} + \mathrm{mean}^2) \ge (1 - e^2)\,\mathit{tiny}/e,
 
-    ``e`` the dtype's machine epsilon, ``tiny`` its smallest normal number (``tiny / e`` is about
-    1e-292 in float64, 1e-31 in float32). Derived in docs/derivations.md §3, the two reasons:
-
-    * precision: the centred entries ``x - mean`` carry a rounding of about ``e`` times the
-      row's root mean square :math:`\sqrt{\mathrm{var} + \mathrm{mean}^2}`, and the normalised
-      entries ``y = (x - mean) r``, :math:`r = 1/\sigma`, that rounding times ``r``; at
-      :math:`\sigma \le e\sqrt{\mathrm{var} + \mathrm{mean}^2}` it reaches 1, the size of ``y``
-      itself, so ``y`` and every derivative built from it (the Jacobian ``r(C - y y^T/d)``, the
-      Hessian ``r^2`` times terms linear in ``y``: ``r^3`` times centred entries) has no correct
-      digit. With ``eps = 0`` that is a row of zero variance to the dtype's precision, the
-      paper's Assumption 2; with ``eps > 0`` a row constant to rounding whose ``eps`` is below
-      its values' squared rounding (a constant row of zeros is exact and passes this part).
-    * overflow: :math:`r^2 = 1/\sigma^2 \le e/\mathit{tiny} \approx e \cdot \mathrm{max}/4` (IEEE:
-      ``tiny * max = 4``), so the LayerNorm's own Hessian factor ``r^2`` leaves a margin of
-      ``4/e`` below the largest number for the bounded terms it multiplies (``|y| <= sqrt(d)``).
+    ``e`` the dtype's machine epsilon, ``tiny`` its smallest normal number. Below it the
+    normalised entries carry no correct digit (with ``eps = 0``: zero variance to the dtype's
+    precision, the paper's Assumption 2), or ``r^2 = 1/sigma^2`` leaves no margin below the
+    largest number (derived in docs/derivations.md §3, "Which rows the closed forms can take").
 
     A non-finite variance is a NaN or Inf in ``U`` (``computed``: ``U`` comes from finite inputs
     inside the block, so the forward pass overflowed), or a row whose spread overflows the dtype.
@@ -232,14 +221,14 @@ def _caller_level() -> int:
     return level
 
 
-SMALL_BYTES = 64 << 20  # requests below this are not checked (reading the free memory costs ~25 µs)
+SMALL_BYTES = 64 << 20  # requests below this are not checked: reading the free memory would dominate small calls
 
 
 def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
     """Raise ``InsufficientMemoryError`` (a ``MemoryError`` and a ``ValueError``) if ``nbytes``
     exceeds the memory available now on ``device`` (CUDA: the device's free memory plus the
     cached blocks PyTorch's allocator holds unused); the message gives both byte counts.
-    Requests under ``SMALL_BYTES`` (64 MiB) are not checked: a machine that cannot hold
+    Requests under ``SMALL_BYTES`` bytes are not checked: a machine that cannot hold
     them fails in the allocator anyway, and the check would dominate small calls."""
     if nbytes < SMALL_BYTES:
         return

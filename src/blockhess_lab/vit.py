@@ -15,8 +15,9 @@ that ship with scikit-learn (``sklearn.datasets.load_digits``: nothing is downlo
 * ``Block``: one :mod:`blockhess` block in the paper's setting (one head, ReLU, no biases, no
   ``W_O``, LayerNorm without affine), ``ln_eps = 1e-5`` (the paper's theory uses 0; a small
   eps keeps LayerNorm smooth for any input). The forward pass uses the plain ops of
-  :func:`blockhess.reference.forward` (5–8× faster to train through than :func:`blockhess.forward`,
-  which also builds the derivative caches); both compute the same function;
+  :func:`blockhess.reference.forward` (faster to train through than :func:`blockhess.forward`,
+  which also builds the derivative caches: docs/results.md, "The digits ViT's training"); both
+  compute the same function;
 * mean-pool over tokens, linear head (with bias) to 10 classes, cross-entropy.
 
 Row vectors act on the right throughout (as in the block, docs/derivations.md): ``W_E`` is ``(p², d_model)``, ``W_H``
@@ -360,7 +361,7 @@ def train(
     :data:`DEFAULT_OPTIM` key by key. A progress bar shows the loss unless ``quiet``.
 
     Runs on one thread (restored afterwards): the model is too small for intra-op parallelism
-    to pay, and with two threads on two busy cores a step took 50× longer (575 ms vs 11 ms).
+    to pay (docs/results.md, "The digits ViT's training").
     """
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
@@ -544,7 +545,7 @@ def load_or_train(checkpoint: str | os.PathLike, *, seed: int = 0, steps: int | 
     checkpoint : str or path
         The file (required: nothing is written anywhere the caller did not name). When it
         exists it is read (:func:`load`) and must hold the model of ``seed`` and ``steps``;
-        otherwise the model is trained (:func:`train`, a few seconds on one core) and saved
+        otherwise the model is trained (:func:`train`) and saved
         there (:func:`save`, parent folders created), and a line on stderr says so unless
         ``quiet``. ``train_info["trained_in_this_run"]`` records which happened.
     seed : int
