@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockhess.blocks import BlockSum
-from blockhess.components import attention, ffn
+from blockhess.layers import attention, ffn
 
 from conftest import EPS64, ROUND, assert_blocks_close, assert_close, fro
 

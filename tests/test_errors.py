@@ -326,7 +326,7 @@ def test_init_params_options_keep_the_papers_matrices():
 
 def test_dense_layouts_count_their_batch(monkeypatch):
     """The memory check of a dense LayerNorm or softmax derivative counts every sequence of a batch."""
-    from blockhess.components import layernorm, softmax
+    from blockhess.layers import layernorm, softmax
 
     seen = []
     for mod in (softmax, layernorm):

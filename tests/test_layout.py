@@ -17,7 +17,7 @@ ADAPTERS = "blockhess.adapters"
 NOT_CORE = {ADAPTERS, "blockhess", "blockhess.__main__"}
 #: where a forward pass of the block (or of one of its layers) is written
 FORWARD_HOMES = {"blockhess.block", "blockhess.reference", "blockhess_lab.bench_jax"}
-FORWARD_PREFIXES = ("blockhess.components.",)  # each layer's own forward, which the block calls
+FORWARD_PREFIXES = ("blockhess.layers.",)  # each layer's own forward, which the block calls
 #: a softmax or LayerNorm call, or a product with a weight, elsewhere, with its reason
 FORWARD_ALLOWED = {
     ("blockhess.losses", "softmax"): "the cross-entropy's probabilities, a loss and not the block",
@@ -102,7 +102,7 @@ def _private(name: str) -> bool:
 
 
 def test_the_modules_are_found():
-    assert {"blockhess.block", "blockhess.adapters", "blockhess.components.layernorm",
+    assert {"blockhess.block", "blockhess.adapters", "blockhess.layers.layernorm",
             "blockhess_lab.cli"} <= set(MODULES)
 
 

@@ -50,7 +50,7 @@ def head_loss(classes, d, seed=0):
 
 def test_forward_forms_no_derivative_caches(monkeypatch):
     """bh.forward is a plain forward: no per-token LayerNorm or FFN Jacobian is formed."""
-    from blockhess.components import ffn, layernorm
+    from blockhess.layers import ffn, layernorm
 
     for norm in ("post", "pre"):
         cfg = bh.BlockConfig(d_model=6, d_ff=10, n_heads=2, norm=norm, bias=True, ln_affine=True, out_proj=True,

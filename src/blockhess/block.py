@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import BlockSum, dense_second_derivative
-from .components import attention, ffn, layernorm
+from .layers import attention, ffn, layernorm
 from .config import BlockConfig, name_hint, param_shapes
 from .kronecker import SeqFactor, SplitKron, TokenKron, ZeroKron, sandwich, swap
 from .threads import serial

@@ -18,7 +18,7 @@ import torch
 from ..validation import check_fits, check_tensor
 
 __all__ = ["jacobian", "hessian", "contract_hessian",
-           # kernels without checks, for the attention (blockhess.components.attention)
+           # kernels without checks, for the attention (blockhess.layers.attention)
            "row_jacobians", "contract_hessian_unchecked"]
 
 
