@@ -434,7 +434,8 @@ def test_layernorm_2_rows_are_named_as_in_X():
 
 def test_tf32_check_runs_on_every_input_and_points_at_the_callers_line(monkeypatch):
     """check_inputs passes X's dtype and device to warn_tf32; the warning names the user's line."""
-    from blockhess import block, validation
+    from blockhess import validation
+    from blockhess.block import forward_pass as block
 
     seen = []
     monkeypatch.setattr(block, "warn_tf32", lambda dtype, device: seen.append((dtype, device)))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from blockhess.blocks import BlockSum
+from blockhess.result import BlockSum
 from blockhess.kronecker import TokenKron, choose_method, sandwich, sandwich_into, workspace_need
 
 from conftest import assert_close, fro

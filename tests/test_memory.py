@@ -20,7 +20,7 @@ from blockhess.validation import saved_bytes
 from conftest import assert_close, make_case
 
 hess_mod = importlib.import_module("blockhess.hessian")  # the module (bh.hessian is the function)
-block_mod = importlib.import_module("blockhess.block")
+block_mod = importlib.import_module("blockhess.block.forward_pass")
 GiB = 2**30
 
 
@@ -165,7 +165,7 @@ def test_dense_jacobians_and_second_derivatives_are_checked_before_the_forward(m
 def test_second_derivative_in_chunks_of_contractions(monkeypatch):
     """The contractions of a dense second derivative are vmapped in chunks into one buffer: the
     same matrix as in one vmap, and as autograd's."""
-    blocks = importlib.import_module("blockhess.blocks")
+    blocks = importlib.import_module("blockhess.block.second_order")
     cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0, ln_eps=1e-5)
     whole = bh.second_derivative(p, X, cfg, "W_K", "W_1")
     monkeypatch.setattr(blocks, "CONTRACT_BYTES", 0)  # one contraction per vmap

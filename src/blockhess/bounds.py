@@ -39,7 +39,7 @@ import torch
 
 from . import losses
 from .block import check_forward, check_inputs, forward_cache, jacobian, second_derivative
-from .blocks import HessianBlocks, pairs
+from .result import HessianBlocks, pairs
 from .layers import ffn, layernorm, softmax
 from .config import SHORT_NAMES, BlockConfig, pair_key, param_shapes
 from .hessian import hessian as _hessian

@@ -205,7 +205,7 @@ def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> None:
     r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} O_{blc}` over the attention weights to ``acc``.
 
     ``G`` has the shape of ``O``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
-    :class:`~blockhess.blocks.BlockSum` (or anything with its ``wants``/``add``/``add_sandwich``/``add_diagonal``)
+    :class:`~blockhess.result.BlockSum` (or anything with its ``wants``/``add``/``add_sandwich``/``add_diagonal``)
     over internal names (:func:`head_names`); only the pairs it wants are computed.
     ``names``: the public names present (``b_Q`` is the only bias with curvature here:
     ``b_K`` has none and ``b_V`` enters linearly with :math:`S_l\mathbf 1 = 0`). The
