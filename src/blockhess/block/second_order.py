@@ -25,6 +25,7 @@ import torch
 from ..config import BlockConfig, param_shapes
 from ..kronecker import TokenKron
 from ..layers import attention, ffn, layernorm
+from ..layers.protocol import Contraction
 from ..result import BlockSum, HeadSplitSum
 from ..validation import check_fits, check_result
 from . import forward_pass  # forward_pass.forward_cache looked up when called: one forward pass to replace in checks
@@ -75,8 +76,9 @@ def _stages(c: Cache) -> list[Stage]:
 
 
 
-def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
-    """LN stage (post-LN): input curvature Γ and the ``(v, gamma)`` cross factor."""
+def _ln_stage(c: Cache, st: Stage, g: torch.Tensor) -> Contraction:
+    """LN stage (post-LN) as a :class:`~blockhess.layers.protocol.Contraction`: input curvature Γ
+    (:func:`blockhess.layers.layernorm.contract_hessian_unchecked`) and the ``(v, gamma)`` cross factor."""
     i = 1 if st.kind == "ln1" else 2
     X_in = c.U if i == 1 else c.fc.S
     gamma = c.params.get(f"gamma_{i}")
@@ -85,7 +87,28 @@ def _ln_stage(c: Cache, st: Stage, g: torch.Tensor):
     if f"gamma_{i}" in st.new:
         J = (c.ln1 if i == 1 else c.ln2)[1]
         cross[f"gamma_{i}"] = [TokenKron("vector", None, J * g[:, None, :])]
-    return Gam, cross
+    return Contraction(gamma=Gam, cross=cross, core={})
+
+
+class _Later:
+    """Stands for ``acc`` in a layer's ``contract_hessian``: the blocks it adds are kept and added
+    to ``acc`` (a :class:`~blockhess.result.HeadSplitSum`) by :meth:`replay`, after the stage's
+    sandwiches: each block's terms are summed in one fixed order, the walk's."""
+
+    def __init__(self, acc):
+        self.acc, self.calls = acc, []
+        self.wants = acc.wants
+
+    def add(self, a, b, value):
+        self.calls.append((a, b, value, None))
+
+    def add_diagonal(self, a, b, dim1, dim2, value):
+        self.calls.append((a, b, value, (dim1, dim2)))
+
+    def replay(self):
+        for a, b, value, dims in self.calls:
+            self.acc.add(a, b, value, dims)
+        self.calls = []
 
 
 def _walk(c: Cache, f: Factors, acc: HeadSplitSum, g, omega, start: str | None = None) -> None:
@@ -108,13 +131,11 @@ def _walk(c: Cache, f: Factors, acc: HeadSplitSum, g, omega, start: str | None =
             _attn_stage(c, f, acc, st, g, omega)
             return
         Fo, Fi = f.lv[st.out], f.lv[st.inp]
-        Gam, cross, core, own = None, {}, {}, []
+        Gam, cross, core = None, {}, {}
+        own = _Later(acc)  # the blocks among the stage's own weights, added after its sandwiches
         if g is not None:
-            if st.kind == "ffn":
-                con = ffn.contract_hessian(c.fc, g, st.new)
-                Gam, cross, core, own = con.gamma, con.cross, con.core, con.own
-            else:
-                Gam, cross = _ln_stage(c, st, g)
+            con = ffn.contract_hessian(c.fc, g, own, st.new) if st.kind == "ffn" else _ln_stage(c, st, g)
+            Gam, cross, core = con
         old = earlier[st.kind]
         for j, phi in enumerate(st.new):
             for theta in old + st.new[: j + 1]:
@@ -126,8 +147,7 @@ def _walk(c: Cache, f: Factors, acc: HeadSplitSum, g, omega, start: str | None =
                 if theta in old:
                     for part in cross.get(phi, ()):
                         acc.add_sandwich(theta, phi, Fi[theta], part)
-        for a, b, value, dims in own:
-            acc.add(a, b, value, dims)
+        own.replay()
         E = st.E
         if omega is not None and E is not None:
             omega = E.transpose(1, 2) @ omega @ E

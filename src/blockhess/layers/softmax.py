@@ -17,7 +17,7 @@ import torch
 
 from ..validation import check_fits, check_tensor
 
-__all__ = ["jacobian", "hessian", "contract_hessian",
+__all__ = ["forward", "jacobian", "hessian", "contract_hessian",
            # kernels without checks, for the attention (blockhess.layers.attention)
            "row_jacobians", "contract_hessian_unchecked"]
 
@@ -32,6 +32,12 @@ def _check(A: torch.Tensor, name: str = "A") -> None:
     if A.numel() and (bool((A < 0).any()) or float((A.sum(-1) - 1).abs().max()) > tol):
         raise ValueError(f"{name} must hold softmax probabilities: each row non-negative and summing to 1 "
                          "(pass softmax(T), not the scores T)")
+
+
+def forward(T: torch.Tensor) -> torch.Tensor:
+    """The row-wise softmax of the scores ``T`` ``(..., L, L')`` (``-inf`` entries, a mask, get weight 0):
+    same shape, dtype and device. No checks (kernel: ``T`` is the attention's own scores)."""
+    return torch.softmax(T, dim=-1)
 
 
 def row_jacobians(A: torch.Tensor) -> torch.Tensor:
