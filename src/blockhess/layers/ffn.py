@@ -191,7 +191,8 @@ def contract_hessian(c: Cache, g: torch.Tensor, acc, names=NAMES) -> Contraction
         if "gamma_2" in names:
             cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
             own("gamma_2", "W_1", lambda: torch.einsum("ta,tb->ba", c.n, g_H), (0, 1))
-            own("gamma_2", "W_2", lambda: c.W_1[:, :, None] * torch.einsum("ta,tbc->abc", c.n, c.D[:, :, None] * g[:, None, :]), None)
+            own("gamma_2", "W_2",
+                lambda: c.W_1[:, :, None] * torch.einsum("ta,tbc->abc", c.n, c.D[:, :, None] * g[:, None, :]), None)
         if "beta_2" in names:
             own("beta_2", "W_1", lambda: g_H.sum(0)[:, None].expand(g_H.shape[1], d), (0, 1))
             own("beta_2", "W_2", lambda: c.W_1[:, :, None] * (c.D.T @ g)[None], None)
