@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import blockhess as bh
-from blockhess.components import layernorm, softmax
+from blockhess.layers import layernorm, softmax
 
 DT = torch.float64
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"

@@ -327,7 +327,7 @@ def test_init_params_options_keep_the_papers_matrices():
 
 def test_dense_layouts_count_their_batch(monkeypatch):
     """The memory check of a dense LayerNorm or softmax derivative counts every sequence of a batch."""
-    from blockhess.components import layernorm, softmax
+    from blockhess.layers import layernorm, softmax
 
     seen = []
     for mod in (softmax, layernorm):
@@ -435,7 +435,8 @@ def test_layernorm_2_rows_are_named_as_in_X():
 
 def test_tf32_check_runs_on_every_input_and_points_at_the_callers_line(monkeypatch):
     """check_inputs passes X's dtype and device to warn_tf32; the warning names the user's line."""
-    from blockhess import block, validation
+    from blockhess import validation
+    from blockhess.block import forward_pass as block
 
     seen = []
     monkeypatch.setattr(block, "warn_tf32", lambda dtype, device: seen.append((dtype, device)))

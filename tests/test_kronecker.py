@@ -1,4 +1,4 @@
-"""Per-token Kronecker factors (kronecker.py) and the dense accumulator (blocks.py) against
+"""Per-token Kronecker factors (kronecker.py) and the dense accumulator (result.py) against
 dense Jacobians: every side combination, with and without Ω and an extra core, written
 straight into a buffer (one chunk or one core row at a time), accumulated, and mirrored."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from blockhess.blocks import BlockSum
+from blockhess.result import BlockSum
 from blockhess.kronecker import TokenKron, choose_method, sandwich, sandwich_into, workspace_need
 
 from conftest import assert_close, fro

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import blockhess as bh
-from blockhess.components import attention
+from blockhess.layers import attention
 
 from conftest import assert_blocks_close, assert_close, make_case
 from settings import SECOND_ORDER_SIZE_IDS, SECOND_ORDER_SIZES, SIZE_IDS, SIZES

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as Fn
 
 import blockhess as bh
-from blockhess.components import ffn
+from blockhess.layers import ffn
 
 from conftest import assert_blocks_close, assert_close, make_case
 from settings import SIZE_IDS, SIZES

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as Fn
 
 import blockhess as bh
-from blockhess.components import layernorm
+from blockhess.layers import layernorm
 
 from conftest import EPS64, TOL, assert_close, fro, rel_err, rounding
 from settings import DTYPES, LAYERNORM_CASES, LAYERNORM_SCALES, LAYERNORM_TINY_EPS

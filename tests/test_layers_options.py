@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from blockhess.blocks import BlockSum
-from blockhess.components import attention, ffn
+from blockhess.result import BlockSum
+from blockhess.layers import attention, ffn
 
 from conftest import EPS64, ROUND, assert_blocks_close, assert_close, fro
 from settings import ACTIVATIONS, MULTIHEAD_CASES

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockhess.components import softmax
+from blockhess.layers import softmax
 
 from conftest import assert_close
 from settings import SOFTMAX_SHAPES

@@ -16,13 +16,14 @@ ADAPTERS = "blockhess.adapters"
 #: modules outside the core: the adapters, the package's front (it re-exports them) and its CLI entry
 NOT_CORE = {ADAPTERS, "blockhess", "blockhess.__main__"}
 #: where a forward pass of the block (or of one of its layers) is written
-FORWARD_HOMES = {"blockhess.block", "blockhess.reference", "blockhess_lab.bench_jax"}
-FORWARD_PREFIXES = ("blockhess.components.",)  # each layer's own forward, which the block calls
+FORWARD_HOMES = {"blockhess.block.forward_pass", "blockhess.reference", "blockhess_lab.bench_jax"}
+FORWARD_PREFIXES = ("blockhess.layers.",)  # each layer's own forward, which the block calls
 #: a softmax or LayerNorm call, or a product with a weight, elsewhere, with its reason
 FORWARD_ALLOWED = {
     ("blockhess.losses", "softmax"): "the cross-entropy's probabilities, a loss and not the block",
     ("blockhess_lab.bench_worker", "layer_norm"): "the LayerNorm Jacobian benchmark's autograd baseline",
     ("blockhess_lab.scaling", "C @ params['W_V']"): "makes a weight (W_V centred), not a forward pass",
+    ("blockhess.block.second_order", "g @ p['W_O'].T"): "the gradient back through W_O, not a forward pass",
 }
 WEIGHTS = {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"}
 
@@ -102,7 +103,7 @@ def _private(name: str) -> bool:
 
 
 def test_the_modules_are_found():
-    assert {"blockhess.block", "blockhess.adapters", "blockhess.components.layernorm",
+    assert {"blockhess.block.forward_pass", "blockhess.adapters", "blockhess.layers.layernorm",
             "blockhess_lab.cli"} <= set(MODULES)
 
 

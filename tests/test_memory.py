@@ -21,7 +21,7 @@ from conftest import assert_close, make_case
 from settings import LOSSES
 
 hess_mod = importlib.import_module("blockhess.hessian")  # the module (bh.hessian is the function)
-block_mod = importlib.import_module("blockhess.block")
+block_mod = importlib.import_module("blockhess.block.forward_pass")
 GiB = 2**30
 
 
@@ -51,7 +51,7 @@ def head_loss(classes, d, seed=0):
 
 def test_forward_forms_no_derivative_caches(monkeypatch):
     """bh.forward is a plain forward: no per-token LayerNorm or FFN Jacobian is formed."""
-    from blockhess.components import ffn, layernorm
+    from blockhess.layers import ffn, layernorm
 
     for norm in ("post", "pre"):
         cfg = bh.BlockConfig(d_model=6, d_ff=10, n_heads=2, norm=norm, bias=True, ln_affine=True, out_proj=True,
@@ -166,7 +166,7 @@ def test_dense_jacobians_and_second_derivatives_are_checked_before_the_forward(m
 def test_second_derivative_in_chunks_of_contractions(monkeypatch):
     """The contractions of a dense second derivative are vmapped in chunks into one buffer: the
     same matrix as in one vmap, and as autograd's."""
-    blocks = importlib.import_module("blockhess.blocks")
+    blocks = importlib.import_module("blockhess.block.second_order")
     cfg, p, X, g = make_case(3, 4, 2, 5, None, 1.0, ln_eps=1e-5)
     whole = bh.second_derivative(p, X, cfg, "W_K", "W_1")
     monkeypatch.setattr(blocks, "CONTRACT_BYTES", 0)  # one contraction per vmap

@@ -15,8 +15,8 @@ torch.Size([96, 96])
 from . import reference
 from .adapters import block_input, from_torch, to_module
 from .block import forward, input_jacobian, jacobian, second_derivative
-from .blocks import HessianBlocks
-from .components import attention, ffn, layernorm, softmax
+from .result import HessianBlocks
+from .layers import attention, ffn, layernorm, softmax
 from .config import BlockConfig, init_params, param_shapes
 from .hessian import hessian
 from .validation import InsufficientMemoryError

@@ -5,7 +5,7 @@
 params dict in this library's conventions (docs/derivations.md: row vectors act on the right, so
 every ``nn.Linear`` weight, stored ``(out, in)``, is transposed; ``in_proj_weight`` is
 ``[W_Q; W_K; W_V]`` stacked along its rows). ``to_module(H, layer)`` (also
-``H.to_module(layer)``) maps a :class:`~blockhess.blocks.HessianBlocks` back to the layer's
+``H.to_module(layer)``) maps a :class:`~blockhess.result.HessianBlocks` back to the layer's
 parameter names (``self_attn.in_proj_weight``, ``linear1.weight``, ...) in their storage
 layout, so that it can be compared with, or used in place of, ``torch.func.hessian`` of the
 layer through ``torch.func.functional_call``.
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from .blocks import HessianBlocks, pairs, relabel
+from .result import HessianBlocks, pairs, relabel
 from .config import TORCH_NAMES, BlockConfig, param_shapes
 from .validation import FLOAT_DTYPES
 
@@ -201,7 +201,7 @@ def _structure(cfg: BlockConfig) -> BlockConfig:
 def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     """``H`` re-keyed by ``module``'s parameter names, each in its storage layout.
 
-    Returns a :class:`~blockhess.blocks.HessianBlocks` whose ``names`` are the module's
+    Returns a :class:`~blockhess.result.HessianBlocks` whose ``names`` are the module's
     parameter names (``named_parameters`` order) that ``H`` covers, with their shapes
     (``self_attn.in_proj_weight``: ``(3 d, d)``, ``linear1.weight``: ``(d_ff, d)``, ...), so
     ``Hm[a, b]`` is ``(numel_a, numel_b)`` in row-major order of the stored tensors and

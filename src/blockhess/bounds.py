@@ -39,8 +39,8 @@ import torch
 
 from . import losses
 from .block import check_forward, check_inputs, forward_cache, jacobian, second_derivative
-from .blocks import HessianBlocks, pairs
-from .components import ffn, layernorm, softmax
+from .result import HessianBlocks, pairs
+from .layers import ffn, layernorm, softmax
 from .config import SHORT_NAMES, BlockConfig, pair_key, param_shapes
 from .hessian import hessian as _hessian
 from .linalg import eigvalsh, norm2

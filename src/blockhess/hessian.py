@@ -23,7 +23,7 @@ import torch
 from . import linalg, losses
 from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
                     variable_shapes, work_entries)
-from .blocks import BlockSum, HessianBlocks
+from .result import BlockSum, HessianBlocks
 from .config import BlockConfig, param_shapes
 from .kronecker import TokenKron
 from .threads import serial, threads_for
@@ -78,8 +78,8 @@ def assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks
     """The dense Hessian (eq. 10, outer + functional) of one forward pass ``c``
     (:func:`~blockhess.block.forward_cache`) with its factors ``f``
     (:func:`~blockhess.block.jacobian_factors`) and loss derivatives ``ld`` of its output, over
-    ``names``, in one ``(n, n)`` buffer (``out`` if given, as :class:`~blockhess.blocks.BlockSum`
-    takes it): one pass of :func:`hessian`, a :class:`~blockhess.blocks.HessianBlocks` without
+    ``names``, in one ``(n, n)`` buffer (``out`` if given, as :class:`~blockhess.result.BlockSum`
+    takes it): one pass of :func:`hessian`, a :class:`~blockhess.result.HessianBlocks` without
     parts, dtype and device of ``c.out``. No input checks (kernel)."""
     acc = BlockSum(c.names, variable_shapes(c), wanted=names, dense=True, dtype=c.out.dtype, device=c.out.device, out=out)
     _add_parts(c, f, ld, acc, outer=True, functional=True)
@@ -143,7 +143,7 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
             target=None, derivs=None, which: str = "full", dense: bool = True, out=None,
             parts=None) -> tuple[HessianBlocks, list]:
     """The Hessian over the batch ``X`` summed over passes, one per slice of ``chunks``
-    (:func:`_chunks`), with ``parts`` (:class:`~blockhess.blocks.HessianBlocks`), and each pass's
+    (:func:`_chunks`), with ``parts`` (:class:`~blockhess.result.HessianBlocks`), and each pass's
     loss derivatives.
 
     Without ``derivs`` (the call itself) every pass is first checked (its forward pass, and the

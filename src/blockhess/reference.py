@@ -16,7 +16,7 @@ import torch.nn.functional as Fn
 
 from . import losses
 from .block import check_inputs, select_wrt
-from .blocks import BlockSum, HessianBlocks, pairs
+from .result import BlockSum, HessianBlocks, pairs
 from .config import BlockConfig, param_shapes
 from .validation import check_bool, check_fits
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from blockhess.blocks import pairs
+from blockhess.result import pairs
 from blockhess.config import SHORT_NAMES
 from blockhess.hessian import hessian as closed_form_hessian
 from blockhess import linalg, reference

@@ -1,10 +1,14 @@
-"""``HessianBlocks``: a symmetric block matrix over named parameters, and its accumulator.
+"""The result type: ``HessianBlocks``, a symmetric block matrix over named parameters, and its accumulators.
 
 A Hessian over parameters ``names`` (sizes ``sizes``) is assembled once per unordered pair
 ``(a, b)`` (``a`` not after ``b`` in ``names``); ``H[b, a]`` is the transpose of ``H[a, b]``.
 :class:`BlockSum` accumulates contributions either into a dict of blocks (small results,
 ``vmap``-friendly) or straight into one preallocated ``n × n`` buffer (the full Hessian:
 no second copy; the lower triangle is mirrored from the upper one at the end).
+:class:`HeadSplitSum` is the head-split bookkeeping in front of a :class:`BlockSum`: the block's
+derivatives treat each head's column groups (``W_Q#h``, ``b_Q#h``, ``W_K#h``, ``W_V#h``,
+:func:`head_split`) and the input ``X`` as variables of their own, and it writes their blocks
+into the column slices of the public blocks.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from typing import Callable
 
 import torch
 
+from .config import BlockConfig
 from .kronecker import SCRATCH_BYTES, TokenKron, sandwich, sandwich_into, swap, workspace_need
+from .layers import attention
 from .threads import TRANSPOSE_ENTRIES, threads_for
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "BlockSum", "dense_second_derivative", "pairs", "relabel"]
+__all__ = ["HessianBlocks", "BlockSum", "HeadSplitSum", "head_split", "pairs", "relabel"]
 
 Key = tuple[str, str]
 
@@ -122,7 +128,7 @@ class BlockSum:
         """:func:`~blockhess.kronecker.sandwich_into` ``target`` (a view into the buffer: a block,
         or a head's sub-block shaped ``F1.shape + F2.shape``) with this accumulator's reused scratch,
         sized for either way of writing (:func:`~blockhess.kronecker.workspace_need`, at least
-        4 MiB); the way is :func:`~blockhess.kronecker.choose_method`'s, or Khatri–Rao where the
+        ``SCRATCH_BYTES``); the way is :func:`~blockhess.kronecker.choose_method`'s, or Khatri–Rao where the
         target's columns are not one run (a head × head sub-block)."""
         need = max(workspace_need(F1, F2), SCRATCH_BYTES // self.buffer.element_size())
         if self._workspace is None or self._workspace.numel() < need:
@@ -293,55 +299,167 @@ def relabel(module, H: HessianBlocks) -> HessianBlocks:
                      f"blockhess.adapters.to_module), got {type(module).__name__}")
 
 
-CONTRACT_BYTES = 64 << 20  # vmap's work space over the basis vectors may always be this much (or half the result)
+# ----------------------------------------------------------------------------------------------
+# the head split: internal names of the heads' column groups, written into the public blocks
 
 
-def dense_second_derivative(
-    contract: Callable[[torch.Tensor, BlockSum], None],
-    out_shape: tuple[int, int],
-    names: tuple[str, ...],
-    shapes: dict[str, tuple[int, ...]],
-    a: str,
-    b: str,
-    like: torch.Tensor,
-    work_bytes: int = 0,
-) -> torch.Tensor:
-    r"""The paper's layout of a second derivative :math:`\partial^2 N/\partial W_a \partial W_b`.
+def head_split(cfg: BlockConfig) -> dict[str, tuple[str, tuple, tuple]]:
+    """Internal head-split name → (public name, refined public shape, index into it)."""
+    H = cfg.n_heads
+    if H == 1:
+        return {}
+    d, dk, dv = cfg.d_model, cfg.head_dim, cfg.value_dim
+    out = {}
+    for h in range(H):
+        nm = attention.head_names(H, h)
+        out[nm["W_Q"]] = ("W_Q", (d, H, dk), (slice(None), h, slice(None)))
+        out[nm["b_Q"]] = ("b_Q", (H, dk), (h, slice(None)))
+        out[nm["W_K"]] = ("W_K", (d, H, dk), (slice(None), h, slice(None)))
+        out[nm["W_V"]] = ("W_V", (d, H, dv), (slice(None), h, slice(None)))
+    return out
 
-    ``contract(G, acc)`` must add into ``acc`` the blocks of :math:`\sum_o G_o \nabla^2 N_o`
-    for an output weight ``G`` of shape ``out_shape``; contracting with every basis vector
-    gives the ``(N.numel()·n_a, n_b)`` matrix with rows ``(o, i)`` o-major (paper §1.1).
-    ``work_bytes``: what one contraction holds at once, unbatched; ``vmap`` takes the basis
-    vectors in chunks of as many as keep twice that (batched, measured: docs/derivations.md §1),
-    with each vector and four copies of its block (the block, its Kronecker GEMM's output, a sum
-    and the gathered result), within ``CONTRACT_BYTES`` or half the result, whichever is more,
-    each chunk written into the one result buffer.
-    Raises ``InsufficientMemoryError`` before any contraction if the result, or the result with
-    one chunk's work space, would not fit.
-    """
-    n_out = out_shape[0] * out_shape[1]
-    sizes = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
-    e = like.element_size()
-    result = n_out * sizes[a] * sizes[b] * e
-    check_fits(result, f"the dense d2/d{a}d{b}", like.device)
-    per = 2 * work_bytes + (n_out + 4 * sizes[a] * sizes[b]) * e  # a contraction, its basis vector and its block
-    size = min(n_out, max(1, max(CONTRACT_BYTES, result // 2) // per))
-    check_fits(result + size * per, f"the dense d2/d{a}d{b} with the work space of {size} of its {n_out} contractions "
-               "at a time", like.device)
 
-    def blocks(G):
-        acc = BlockSum(names, shapes, wanted=(a, b))
-        contract(G, acc)
-        return acc.blocks
+def _embed(value: torch.Tensor, ref: tuple, idx: tuple) -> torch.Tensor:
+    """Zero-pad ``value`` (shape of ``ref`` with the integer-indexed axes removed) into shape ``ref``."""
+    dim = 0
+    for r, i in zip(ref, idx):
+        if isinstance(i, int):
+            value = value.unsqueeze(dim)
+            shp = list(value.shape)
+            parts = []
+            if i:
+                shp[dim] = i
+                parts.append(value.new_zeros(shp))
+            parts.append(value)
+            if r - i - 1:
+                shp[dim] = r - i - 1
+                parts.append(value.new_zeros(shp))
+            value = torch.cat(parts, dim) if len(parts) > 1 else value
+        dim += 1
+    return value
 
-    swap = names.index(a) > names.index(b)
-    key = (b, a) if swap else (a, b)
-    out = like.new_zeros(n_out, sizes[a], sizes[b])
-    for s in range(0, n_out, size):
-        k = min(size, n_out - s)
-        basis = like.new_zeros(k, n_out)
-        basis[torch.arange(k), torch.arange(s, s + k)] = 1
-        got = torch.func.vmap(blocks)(basis.reshape(k, *out_shape))
-        if key in got:
-            out[s : s + k] = got[key].transpose(1, 2) if swap else got[key]
-    return out.reshape(n_out * sizes[a], sizes[b])
+
+class HeadSplitSum:
+    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`."""
+
+    def __init__(self, acc: BlockSum, cfg: BlockConfig):
+        self.acc = acc
+        self.split = head_split(cfg)
+        self.dense = acc.buffer is not None
+        self.pending: dict[tuple[str, str], torch.Tensor] = {}
+
+    def pub(self, n: str) -> str:
+        return self.split[n][0] if n in self.split else n
+
+    def wants(self, a: str, b: str) -> bool:
+        return self.acc.wants(self.pub(a), self.pub(b))
+
+    def _ordered(self, a: str, b: str) -> bool:
+        A, B = self.pub(a), self.pub(b)
+        return self.acc.names.index(A) <= self.acc.names.index(B)
+
+    def _ref(self, n: str):
+        if n in self.split:
+            return self.split[n][1], self.split[n][2]
+        shape = self.acc.shapes[n]
+        return shape, tuple(slice(None) for _ in shape)
+
+    def _sub(self, n: str) -> tuple:
+        ref, idx = self._ref(n)
+        return tuple(r for r, i in zip(ref, idx) if not isinstance(i, int))
+
+    def add(self, a: str, b: str, value: torch.Tensor, diag: tuple[int, int] | None = None) -> None:
+        """Add ``value`` (shape ``sub_a + sub_b``, or a :func:`torch.diagonal` layout of it over ``diag``)."""
+        if not self.wants(a, b):
+            return
+        A, B = self.pub(a), self.pub(b)
+        if A == "X" and B == "X":
+            self._add_xx(value if diag is None else torch.diag_embed(value, 0, *diag))
+            return
+        if a not in self.split and b not in self.split:
+            if diag is None:
+                self.acc.add(A, B, value)
+            elif self.dense and self._ordered(a, b):
+                self.acc.add_diagonal(A, B, diag[0], diag[1], value)
+            else:
+                self.acc.add(A, B, torch.diag_embed(value, 0, *diag))
+            return
+        if not self._ordered(a, b) or (A == B and a != b and diag is not None):
+            if diag is not None:
+                value, diag = torch.diag_embed(value, 0, *diag), None
+            if not self._ordered(a, b):
+                ka = len(self._sub(a))
+                value = value.permute(*range(ka, value.ndim), *range(ka))
+                a, b, A, B = b, a, B, A
+        self._add_split(a, b, A, B, value, diag)
+        if A == B and a != b:  # a diagonal public block is stored whole: mirror the sub-block
+            kb = len(self._sub(a))
+            self._add_split(b, a, B, A, value.permute(*range(kb, value.ndim), *range(kb)), None)
+
+    def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
+        """:meth:`BlockSum.add_sandwich` over internal names. In a dense buffer, a head's
+        sub-block of a public block (its rows against another weight or head) is written in
+        place (:meth:`BlockSum.write_sandwich`, into the zeroed public block); in a diagonal
+        public block, stored whole, both ``(h, g)`` and ``(g, h)``. ``(X, X)``, factors other
+        than :class:`TokenKron` and the dict mode go through :meth:`add`."""
+        if not self.wants(a, b):
+            return
+        if not (a in self.split or b in self.split):
+            if a == b == "X":
+                self.add(a, b, sandwich(F1, F2, omega, core))
+            else:
+                self.acc.add_sandwich(a, b, F1, F2, omega, core)
+            return
+        if not self._ordered(a, b):
+            a, b = b, a
+            F1, F2, omega, core = swap(F1, F2, omega, core)
+        if not (self.dense and isinstance(F1, TokenKron) and isinstance(F2, TokenKron)):
+            self.add(a, b, sandwich(F1, F2, omega, core))
+            return
+        block = self.acc._view(self.pub(a), self.pub(b))  # zeroed on first use
+        pairs = [(a, b, (F1, F2, omega, core))]
+        if a != b and self.pub(a) == self.pub(b):  # a diagonal public block is stored whole: both sub-blocks
+            pairs.append((b, a, swap(F1, F2, omega, core)))
+        for x, y, args in pairs:
+            (rx, ix), (ry, iy) = self._ref(x), self._ref(y)
+            self.acc.write_sandwich(block.view(*rx, *ry)[ix + iy], *args)
+
+    def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
+        """:meth:`BlockSum.add_diagonal` over internal names."""
+        self.add(a, b, value, (dim1, dim2))
+
+    def _add_split(self, a, b, A, B, value, diag):
+        (ra, ia), (rb, ib) = self._ref(a), self._ref(b)
+        if self.dense:
+            view = self.acc._view(A, B).view(*ra, *rb)[ia + ib]
+            if diag is None:
+                view.add_(value.reshape(view.shape))
+            else:
+                torch.diagonal(view, 0, *diag).add_(value)
+            return
+        if diag is not None:
+            value = torch.diag_embed(value, 0, *diag)
+        sa, sb = self._sub(a), self._sub(b)
+        full = _embed(value.reshape(*sa, *sb), ra, ia)  # ra + sb
+        full = full.movedim(tuple(range(len(ra), len(ra) + len(sb))), tuple(range(len(sb))))  # sb + ra
+        full = _embed(full, rb, ib)  # rb + ra
+        full = full.movedim(tuple(range(len(rb), len(rb) + len(ra))), tuple(range(len(ra))))  # ra + rb
+        key = (A, B)
+        self.pending[key] = self.pending[key] + full if key in self.pending else full
+
+    def _add_xx(self, value: torch.Tensor) -> None:
+        shape = self.acc.shapes["X"]
+        if len(shape) == 2:
+            self.acc.add("X", "X", value.reshape(*shape, *shape))
+            return
+        Bn, L, d = shape
+        v = value.reshape(Bn, L, d, L, d)
+        if self.dense:
+            self.acc.add_diagonal("X", "X", 0, 3, v.permute(1, 2, 3, 4, 0))
+        else:
+            self.acc.add("X", "X", torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
+
+    def finish(self) -> None:
+        for (A, B), v in self.pending.items():
+            self.acc.add(A, B, v.reshape(self.acc.sizes[A], self.acc.sizes[B]))
+        self.pending = {}

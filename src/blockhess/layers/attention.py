@@ -39,6 +39,7 @@ import torch.nn.functional as Fn
 
 from ..kronecker import TokenKron
 from . import softmax
+from .protocol import Contraction
 
 __all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian",
            "contract_input_hessian", "head_names", "NAMES"]
@@ -87,8 +88,9 @@ def head(c: Cache, h: int) -> Head:
     qk, cols = slice(h * dk, (h + 1) * dk), slice(h * dv, (h + 1) * dv)
     A = c.A if H == 1 else c.A[:, h]
     if H == 1:
-        return Head(c.X, c.Q, c.K, c.V, A, c.F, c.scale, cols, qk)
-    return Head(c.X, c.Q[..., qk], c.K[..., qk], c.V[..., cols], A, c.F[..., cols], c.scale, cols, qk)
+        return Head(X=c.X, Q=c.Q, K=c.K, V=c.V, A=A, F=c.F, scale=c.scale, cols=cols, qk=qk)
+    return Head(X=c.X, Q=c.Q[..., qk], K=c.K[..., qk], V=c.V[..., cols], A=A, F=c.F[..., cols], scale=c.scale, cols=cols,
+                qk=qk)
 
 
 def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, b_Q=None, b_K=None,
@@ -114,12 +116,12 @@ def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
         T = Qh @ Kh.transpose(-1, -2) * scale
     if causal:
         T = T.masked_fill(torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1), float("-inf"))
-    A = torch.softmax(T, dim=-1)
+    A = softmax.forward(T)
     if H == 1:
         F = A @ V
     else:
         F = (A @ V.reshape(B, L, H, -1).transpose(1, 2)).transpose(1, 2).reshape(B, L, -1)
-    return Cache(X, Q, K, V, A, F, scale, H)
+    return Cache(X=X, Q=Q, K=K, V=V, A=A, F=F, scale=scale, n_heads=H)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -201,22 +203,26 @@ def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
     return J if compact else J.reshape(B, L * d, L * d)
 
 
-def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> None:
+def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> Contraction:
     r"""Add the blocks of :math:`\sum_{b,l,c} G_{blc}\,\nabla^2_{W} O_{blc}` over the attention weights to ``acc``.
 
     ``G`` has the shape of ``O``, ``(B, L, d)``; the blocks sum over the batch. ``acc`` is a
-    :class:`~blockhess.blocks.BlockSum` (or anything with its ``wants``/``add``/``add_sandwich``/``add_diagonal``)
+    :class:`~blockhess.result.BlockSum` (or anything with its ``wants``/``add``/``add_sandwich``/``add_diagonal``)
     over internal names (:func:`head_names`); only the pairs it wants are computed.
     ``names``: the public names present (``b_Q`` is the only bias with curvature here:
     ``b_K`` has none and ``b_V`` enters linearly with :math:`S_l\mathbf 1 = 0`). The
     ``(W_V, W_V)`` block is exactly zero (O is linear in ``W_V``) and is never added.
     With ``G = (2/(L d)) (F - Target)`` this is Ormaniec et al.'s functional Hessian
     (Theorem 3.2); with one-hot ``G`` it gives the Φ blocks of paper §2.3.
+    Returns the :class:`~blockhess.layers.protocol.Contraction` with nothing left to finish: every
+    block is among the attention's own weights (its input curvature, dense within a sequence, is
+    :func:`contract_input_hessian`, formed only when the input is a variable).
     Derived here (docs/derivations.md §4). No checks (kernel).
     """
     names = NAMES if names is None else names
     for h in range(c.n_heads):
         _contract_head(head(c, h), G[..., head(c, h).cols], acc, head_names(c.n_heads, h), "b_Q" in names)
+    return Contraction(gamma=None, cross={}, core={})
 
 
 def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> None:

@@ -17,8 +17,8 @@ import torch
 
 from ..validation import check_fits, check_tensor
 
-__all__ = ["jacobian", "hessian", "contract_hessian",
-           # kernels without checks, for the attention (blockhess.components.attention)
+__all__ = ["forward", "jacobian", "hessian", "contract_hessian",
+           # kernels without checks, for the attention (blockhess.layers.attention)
            "row_jacobians", "contract_hessian_unchecked"]
 
 
@@ -32,6 +32,12 @@ def _check(A: torch.Tensor, name: str = "A") -> None:
     if A.numel() and (bool((A < 0).any()) or float((A.sum(-1) - 1).abs().max()) > tol):
         raise ValueError(f"{name} must hold softmax probabilities: each row non-negative and summing to 1 "
                          "(pass softmax(T), not the scores T)")
+
+
+def forward(T: torch.Tensor) -> torch.Tensor:
+    """The row-wise softmax of the scores ``T`` ``(..., L, L')`` (``-inf`` entries, a mask, get weight 0):
+    same shape, dtype and device. No checks (kernel: ``T`` is the attention's own scores)."""
+    return torch.softmax(T, dim=-1)
 
 
 def row_jacobians(A: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,7 @@ def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
     ``o = (i, j)``, ``t = (i', k)``, column ``(i'', l)``; non-zero only for ``i = i' = i''``.
     Compact: ``H[..., i, j, k, l] = ∂²A_ij / ∂T_ik ∂T_il``, shape ``(..., L, L', L', L')``.
     Leading axes are a batch. dtype and device of ``A``.
-    Source: paper §2.1 (Ormaniec et al. Lemma C.1), checked against autograd in tests/test_softmax.py.
+    Source: paper §2.1 (Ormaniec et al. Lemma C.1), checked against autograd in tests/test_layers_softmax.py.
 
     Raises as :func:`jacobian` (the row-wise ``(L', L', L')`` second derivatives counted with
     three temporaries of their size).

@@ -33,8 +33,12 @@ import torch
 
 from ..kronecker import TokenKron
 from . import layernorm
+from .protocol import Contraction
 
-__all__ = ["Cache", "forward", "activation", "weight_jacobians", "input_jacobian", "contract_hessian"]
+__all__ = ["NAMES", "Cache", "Contraction", "forward", "activation", "weight_jacobians", "input_jacobian",
+           "contract_hessian"]
+
+NAMES = ("W_1", "W_2")
 
 
 class Cache(NamedTuple):
@@ -64,7 +68,7 @@ def activation(x: torch.Tensor, kind: str = "relu"):
       :math:`\tfrac12(1+t) + \tfrac12 x(1-t^2)u'`, :math:`(1-t^2)(u' - x t u'^2 + \tfrac12 x u'')`.
 
     Each of ``x``'s shape and dtype. Raises ``ValueError`` for another ``kind``. Source: the
-    definitions above, differentiated here (checked against autograd in tests/test_ffn.py).
+    definitions above, differentiated here (checked against autograd in tests/test_layers_ffn.py).
     """
     if kind == "relu":
         D = (x > 0).to(x.dtype)
@@ -102,7 +106,7 @@ def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2
     S = h @ W_2 + Y
     if b_2 is not None:
         S = S + b_2
-    return Cache(Y, D, h, S, W_1, W_2, D2, Yf, n, J_n, J_f, ln_eps, gamma)
+    return Cache(Y=Y, D=D, h=h, S=S, W_1=W_1, W_2=W_2, D2=D2, Yf=Yf, n=n, J_n=J_n, J_f=J_f, ln_eps=ln_eps, gamma=gamma)
 
 
 def _M(c: Cache) -> torch.Tensor:
@@ -146,27 +150,15 @@ def input_jacobian(c: Cache) -> torch.Tensor:
     return eye + (MW if c.J_f is None else MW @ c.J_f)
 
 
-class Contraction(NamedTuple):
-    """The FFN's second derivatives contracted with ``g_S``, in the shapes the assembly needs.
-
-    ``gamma``: ``(T, d, d)`` curvature w.r.t. ``Y`` (``None`` when zero: ReLU, post-LN);
-    ``cross``: name → list of per-token factors of ``∂²/∂Y∂W`` (rows: the ``d`` entries of ``y_t``);
-    ``core``: ``(a, b)`` → ``(T, x_a, x_b)`` added to the per-token core of the ``B_a, B_b`` sandwich
-    (the activation's curvature shares the Kronecker vectors of ``B``);
-    ``own``: ``(a, b, value, dims)`` blocks to add (``dims`` = a diagonal of ``shape_a + shape_b``, or ``None``).
-    """
-
-    gamma: torch.Tensor | None
-    cross: dict
-    core: dict
-    own: list
-
-
-def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contraction:
+def contract_hessian(c: Cache, g: torch.Tensor, acc, names=NAMES) -> Contraction:
     r"""Second derivatives of :math:`\sum_{tc} g_{tc} S_{tc}` over ``Y`` and the FFN parameters in ``names``.
 
-    ``g`` has shape ``(T, d)``. See the module docstring and :class:`Contraction`.
-    Derived here (docs/derivations.md §5). No checks (kernel).
+    ``g`` has shape ``(T, d)``. The blocks among the FFN's own parameters (the bilinear ``(W_1, W_2)``,
+    ``(b_1, W_2)``, pre-LN ``(gamma_2, W_1)`` etc.) are added to ``acc`` (what ``acc.wants``);
+    returns the :class:`~blockhess.layers.protocol.Contraction`: ``gamma``, the ``(T, d, d)``
+    curvature w.r.t. ``Y`` (``None`` when zero: ReLU, post-LN); ``cross``, the per-token factors of
+    ``∂²/∂Y∂W``; ``core``, the activation's curvature added to the cores of the ``B_a, B_b``
+    sandwiches. See the module docstring. Derived here (docs/derivations.md §5). No checks (kernel).
     """
     T, d = c.Y.shape
     pre = c.J_f is not None
@@ -177,23 +169,33 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
     JfT = c.J_f.transpose(1, 2) if pre else None
     WJ_T = (JfT @ c.W_1) if pre else c.W_1.expand(T, *c.W_1.shape)  # (T, d, d_ff): (∂H_1/∂Y)^T
     eye = torch.eye(d, dtype=g.dtype, device=g.device).expand(T, d, d)
-    gamma, cross, core, own = None, {}, {}, []
+    gamma, cross, core = None, {}, {}
+
+    def own(a, b, value, dims):  # a block among the FFN's parameters, added if wanted
+        if not acc.wants(a, b):
+            return
+        if dims is None:
+            acc.add(a, b, value())
+        else:
+            acc.add_diagonal(a, b, *dims, value())
+
     # the bilinear h W_2 (every FFN) and Y_f W_1
     cross["W_2"] = [TokenKron("right", g, WJ_T * c.D[:, None, :])]
     cross["W_1"] = [TokenKron("right", g_H, JfT if pre else eye)]
-    own.append(("W_1", "W_2", torch.einsum("ta,tcb->acb", Yf, g[:, :, None] * c.D[:, None, :]), (1, 2)))
+    own("W_1", "W_2", lambda: torch.einsum("ta,tcb->acb", Yf, g[:, :, None] * c.D[:, None, :]), (1, 2))
     if "b_1" in names:
-        own.append(("b_1", "W_2", torch.einsum("tb,tc->cb", c.D, g), (0, 1)))
+        own("b_1", "W_2", lambda: torch.einsum("tb,tc->cb", c.D, g), (0, 1))
     if pre:  # LN_2 inside the FFN (pre-LN)
         g_Yf = g_H @ c.W_1.T
         gamma = layernorm.contract_hessian_unchecked(c.Y, g_Yf, c.ln_eps, c.gamma)
         if "gamma_2" in names:
             cross["gamma_2"] = [TokenKron("vector", None, c.J_n * g_Yf[:, None, :])]  # J_n symmetric
-            own.append(("gamma_2", "W_1", torch.einsum("ta,tb->ba", c.n, g_H), (0, 1)))
-            own.append(("gamma_2", "W_2", c.W_1[:, :, None] * torch.einsum("ta,tbc->abc", c.n, c.D[:, :, None] * g[:, None, :]), None))
+            own("gamma_2", "W_1", lambda: torch.einsum("ta,tb->ba", c.n, g_H), (0, 1))
+            own("gamma_2", "W_2",
+                lambda: c.W_1[:, :, None] * torch.einsum("ta,tbc->abc", c.n, c.D[:, :, None] * g[:, None, :]), None)
         if "beta_2" in names:
-            own.append(("beta_2", "W_1", g_H.sum(0)[:, None].expand(g_H.shape[1], d), (0, 1)))
-            own.append(("beta_2", "W_2", c.W_1[:, :, None] * (c.D.T @ g)[None], None))
+            own("beta_2", "W_1", lambda: g_H.sum(0)[:, None].expand(g_H.shape[1], d), (0, 1))
+            own("beta_2", "W_2", lambda: c.W_1[:, :, None] * (c.D.T @ g)[None], None)
     if psi is not None:  # the activation's curvature: (∂H_1/∂·)^T diag(ψ) (∂H_1/∂·)
         WJp = WJ_T * psi[:, None, :]  # (T, d, d_ff)
         gY = WJp @ WJ_T.transpose(1, 2)
@@ -223,4 +225,4 @@ def contract_hessian(c: Cache, g: torch.Tensor, names=("W_1", "W_2")) -> Contrac
                     core[(a, b)] = ma.transpose(1, 2) * psi[:, None, :]
                 else:
                     core[(a, b)] = (ma.transpose(1, 2) * psi[:, None, :]) @ mb
-    return Contraction(gamma, cross, core, own)
+    return Contraction(gamma=gamma, cross=cross, core=core)
