@@ -38,8 +38,9 @@ from hypothesis import strategies as st
 
 import blockhess as bh
 
-from conftest import (assert_close, assert_float32_close, assert_identities, assert_part_close, autograd_defect, fro,
-                      randomize_vectors, to_dtype)
+import oracle
+from conftest import (AUTOGRAD_FACTOR, TOL, assert_close, assert_float32_close, assert_identities, assert_part_close,
+                      autograd_defect, fro, randomize_vectors, to_dtype)
 from settings import ACTIVATIONS, DTYPES, NORMS
 
 N_CLASSES = 3  # the pooled head's classes
@@ -219,14 +220,14 @@ def check(case):
     per_sequence = wrt_input and X.ndim == 3  # each sequence's (X, X) block is its own result
     if dtype == torch.float64:
         R = A = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=wrt_input)
-        s, defect = fro(R.dense()), autograd_defect(R.dense())  # allow: autograd's own (measured) error
-        assert_close(H.dense(), R.dense(), what="full", allow=defect)
-        # the parts in units of the full Hessian: the reference's functional term is full − outer
-        assert_part_close(H.outer.dense(), R.outer.dense(), s, what="outer", allow=defect)
-        assert_part_close(H.functional.dense(), R.functional.dense(), s, what="functional", allow=defect)
-        if per_sequence:  # to its own norm, whatever the other sequences' scales
-            for b, (got, want) in enumerate(zip(_own_blocks(H), _own_blocks(R))):
-                assert_close(got, want, what=f"(X, X) block of sequence {b}", allow=autograd_defect(want))
+        try:
+            _assert_float64_close(H, R, per_sequence)
+        except AssertionError:
+            # autograd's error can exceed its measured asymmetry (a saturated softmax: its S_l b_l
+            # loses ε/(1 − a_m)); where the 40-digit oracle covers the case, both are judged by the truth
+            if not oracle.covers(cfg, case["loss"], wrt_input):
+                raise
+            assert_against_truth(H, R, oracle.dense_hessians(p, X, T, cfg))
     else:
         A = bh.reference.hessian(p, X, cfg, loss=loss, target=T, wrt_input=wrt_input)
         assert H.dense().dtype == torch.float32
@@ -254,6 +255,31 @@ def check(case):
                 assert_float32_close(h, [a, alone["X", "X"] / B], r, terms=[(ao, ro), (af, rf)], floor=fro(q - r),
                                      what=f"(X, X) block of sequence {b}", factor=FUZZ_FLOAT32_FACTOR)
     assert_identities(H, convex=case["loss"] in CONVEX, reference=A, what="closed form")
+
+
+def _assert_float64_close(H, R, per_sequence: bool) -> None:
+    """The suite's float64 rule, closed form ``H`` against autograd ``R`` (the module docstring)."""
+    s, defect = fro(R.dense()), autograd_defect(R.dense())  # allow: autograd's own (measured) error
+    assert_close(H.dense(), R.dense(), what="full", allow=defect)
+    # the parts in units of the full Hessian: the reference's functional term is full − outer
+    assert_part_close(H.outer.dense(), R.outer.dense(), s, what="outer", allow=defect)
+    assert_part_close(H.functional.dense(), R.functional.dense(), s, what="functional", allow=defect)
+    if per_sequence:  # to its own norm, whatever the other sequences' scales
+        for b, (got, want) in enumerate(zip(_own_blocks(H), _own_blocks(R))):
+            assert_close(got, want, what=f"(X, X) block of sequence {b}", allow=autograd_defect(want))
+
+
+def assert_against_truth(H, R, truth) -> None:
+    """Each part of the closed form ``H`` within ``TOL`` of the true full Hessian's norm of the
+    truth (``(full, outer, functional)``, :func:`oracle.dense_hessians`), or within
+    ``AUTOGRAD_FACTOR`` of autograd's (``R``) own error against it."""
+    s = fro(truth[0])
+    for what, t in zip(("full", "outer", "functional"), truth):
+        h, r = (H.dense(), R.dense()) if what == "full" else (getattr(H, what).dense(), getattr(R, what).dense())
+        err, ref_err = fro(h - t), fro(r - t)
+        assert err <= max(TOL * s, AUTOGRAD_FACTOR * ref_err), (
+            f"{what} against the 40-digit truth: ‖H − truth‖ = {err:.3e} > max({TOL:.0e} x {s:.3e}, "
+            f"{AUTOGRAD_FACTOR:g} x autograd's {ref_err:.3e})")
 
 
 def _nudged(p, X, T, seed):
@@ -314,3 +340,19 @@ def test_float32_outer_input_block_of_a_small_scale_sequence():
                          ln_affine=True, causal=True)
     check(_case(cfg, batch=3, dtype=torch.float32, loss="ce", wrt_input=True, log_scales=[0.0, -1.890668720814557, 0.0],
                 log_weights=[0.0, 0.0, 0.0], seed=100))
+
+
+def test_saturated_two_head_attention_against_the_truth():
+    """float64, bare attention, two heads of width 1, L = 3, input scale 10^1.875: every softmax row is
+    saturated (1 − a_m from 0 to 2e-5), the Hessian conditioned to ~3e-15 under ε-perturbed inputs.
+    The closed form is within 2e-15 of the 40-digit truth (S_l b_l from the most probable entry,
+    docs/derivations.md §2); torch.func is off by 3.6e-10, beyond its asymmetry, so autograd alone
+    cannot judge it."""
+    case = _case(bh.BlockConfig(d_model=2, d_k=1, n_heads=2, kind="attention"), L=3, batch=None,
+                 log_scales=[1.875], log_weights=[0.0], seed=143)
+    check(case)
+    p, X, T = build(case)
+    H = bh.hessian(p, X, case["cfg"], loss="mse", target=T)
+    truth = oracle.dense_hessians(p, X, T, case["cfg"])
+    for got, t in zip((H.dense(), H.outer.dense(), H.functional.dense()), truth):
+        assert fro(got - t) <= 1e-14 * fro(truth[0])  # 1e-14: the ~3e-15 conditioning, with 3x room

@@ -131,8 +131,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _vt_s(c, M: torch.Tensor) -> torch.Tensor:
     """``V^T S_l M`` for every token ``l``: ``(B, L, d_v, m)`` for ``M`` of shape ``(B, L, m)``."""
-    AV = c.A[..., :, None] * c.V[:, None]  # (B, L, L, d_v): A_lj V_jc (two-operand steps: no einsum path search)
-    return AV.transpose(-1, -2) @ M[:, None] - c.F[..., :, None] * (c.A @ M)[..., None, :]
+    return c.V.transpose(-1, -2)[:, None] @ softmax.apply_row_jacobians(c.A, M[:, None])  # V^T (S_l M)
 
 
 def _pad_rows(t: torch.Tensor, cols: slice, d: int) -> torch.Tensor:
@@ -249,7 +248,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
                 acc.add_sandwich(a, b, dT[a], dT[b], Psi)
     want_qk, want_bk = acc.wants(nQ, nK), has_bQ and acc.wants(nbQ, nK)
     if want_qk or want_bk:  # T is bilinear in (Q, K): δ_bb' s (X^T Γ_T X)_aa'
-        grad_T = c.A * (Bm - (c.A * Bm).sum(-1, keepdim=True))  # dφ/dT, row l = S_l b_l
+        grad_T = softmax.apply_row_jacobians(c.A, Bm[..., None])[..., 0]  # dφ/dT, row l = S_l b_l
         dk = c.Q.shape[-1]
         if want_qk:
             P = (c.X.transpose(1, 2) @ (grad_T @ c.X)).sum(0) * c.scale  # Σ_b X_bᵀ (∂φ/∂T)_b X_b
@@ -259,7 +258,7 @@ def _contract_head(c: Head, G: torch.Tensor, acc, nm: dict, has_bQ: bool) -> Non
             acc.add_diagonal(nbQ, nK, 0, 2, p[:, None].expand(d, dk))
     cross = [a for a in order if acc.wants(a, nV)]
     if cross:
-        SX = c.A[..., None] * (c.X[:, None, :, :] - (c.A @ c.X)[:, :, None, :])  # (B, L, L, d): S_l X
+        SX = softmax.apply_row_jacobians(c.A, c.X[:, None])  # (B, L, L, d): S_l X
         cross_V = TokenKron("right", _flat(G), _flat(SX))  # ∂²φ/∂T_l ∂W_V, rows = keys
         for a in cross:
             acc.add_sandwich(a, nV, dT[a], cross_V)
@@ -291,7 +290,7 @@ def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None,
         Bm = Gh @ hd.V.transpose(-1, -2)
         Psi = softmax.contract_hessian_unchecked(hd.A, Bm)  # (B, L, L, L) [l, m, n]
         S = softmax.row_jacobians(hd.A)  # (B, L, L, L)
-        Gam = hd.A * (Bm - (hd.A * Bm).sum(-1, keepdim=True))  # (B, L, L)
+        Gam = softmax.apply_row_jacobians(hd.A, Bm[..., None])[..., 0]  # (B, L, L): S_l b_l
         gv = Gh @ W_V[:, hd.cols].T  # (B, L, d): W_V G_l
         M = W_Q[:, hd.qk] @ W_K[:, hd.qk].T  # (d, d)
         # X–X: T–T curvature

@@ -9,6 +9,11 @@ block-diagonal over rows; the compact forms keep one block per row.
 * Contracted with a weight row ``b`` (derived here, docs/derivations.md §2):
   :math:`\sum_j b_j \partial^2 a_j/\partial t^2 = \mathrm{diag}(c) - c a^\top - a c^\top`,
   :math:`c = a \odot (b - a^\top b)`.
+
+The kernels evaluate :math:`b - a^\top b` as :math:`(b - b_m) - a^\top (b - b_m)`, ``m`` the row's
+most probable entry (equal where :math:`\sum a = 1`): near saturation (:math:`a_m \to 1`) the plain
+form loses :math:`\varepsilon / (1 - a_m)` relative in entry ``m``, the shifted one nothing
+(docs/derivations.md §2).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ..validation import check_fits, check_tensor
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian",
            # kernels without checks, for the attention (blockhess.layers.attention)
-           "row_jacobians", "contract_hessian_unchecked"]
+           "row_jacobians", "apply_row_jacobians", "contract_hessian_unchecked"]
 
 
 def _check(A: torch.Tensor, name: str = "A") -> None:
@@ -40,10 +45,27 @@ def forward(T: torch.Tensor) -> torch.Tensor:
     return torch.softmax(T, dim=-1)
 
 
+def apply_row_jacobians(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    r"""``S_i V_i`` for every row ``i``, :math:`S_i = \mathrm{diag}(a_i) - a_i a_i^\top`: entry
+    ``[..., i, j, k]`` is :math:`a_{ij}(V_{ijk} - \sum_{j'} a_{ij'} V_{ij'k})`.
+
+    ``A`` ``(..., L, L')`` (softmax output), ``V`` broadcastable to ``(..., L, L', k)``; returns
+    ``(..., L, L', k)`` in ``A``'s dtype. The deviation is taken from ``V`` at the row's most
+    probable entry ``m`` (so the ``m``-th is exact where ``a_m`` is near 1; see the module
+    docstring). Kernel: no checks.
+    """
+    shape = torch.broadcast_shapes(A.shape + (1,), V.shape)
+    V = V.expand(shape)
+    m = A.argmax(-1, keepdim=True)[..., None].expand(*shape[:-2], 1, shape[-1])  # (..., L, 1, k)
+    D = V - V.gather(-2, m)
+    return A[..., None] * (D - (A[..., None] * D).sum(-2, keepdim=True))
+
+
 def row_jacobians(A: torch.Tensor) -> torch.Tensor:
     """The row-wise Jacobians ``diag(a_i) - a_i a_i^T`` of the softmax output ``A`` ``(..., L, L')``:
-    ``(..., L, L', L')``, :func:`jacobian` with ``compact=True`` without its checks (kernel)."""
-    return torch.diag_embed(A) - A[..., :, None] * A[..., None, :]
+    ``(..., L, L', L')``, :func:`jacobian` with ``compact=True`` without its checks (kernel);
+    :func:`apply_row_jacobians` of the identity (so ``a_m (1 - a_m)`` is ``a_m Σ_{j≠m} a_j``)."""
+    return apply_row_jacobians(A, torch.eye(A.shape[-1], dtype=A.dtype, device=A.device))
 
 
 def jacobian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
@@ -110,7 +132,7 @@ def hessian(A: torch.Tensor, compact: bool = False) -> torch.Tensor:
 
 def contract_hessian_unchecked(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """:func:`contract_hessian` without checks (kernel)."""
-    c = A * (B - (A * B).sum(-1, keepdim=True))
+    c = apply_row_jacobians(A, B[..., None])[..., 0]
     return torch.diag_embed(c) - c[..., :, None] * A[..., None, :] - A[..., :, None] * c[..., None, :]
 
 
