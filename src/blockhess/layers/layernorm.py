@@ -155,6 +155,24 @@ def contract_hessian(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=N
     return Gam
 
 
+def _checked_per_token(X: torch.Tensor, eps, gamma, compact: bool, order: int, what: str) -> torch.Tensor:
+    """The checked per-token derivatives of ``order`` 1 (``(..., L, d, d)``) or 2 (``(..., L, d, d, d)``):
+    arguments checked, memory checked before they are made (the per-token blocks with one temporary
+    of their size for the Jacobian, three for the Hessian, plus the dense ``(..., (L·d)^{order+1})``
+    layout unless ``compact``), the result checked finite."""
+    stats = _check(X, eps, gamma, dense=not compact)
+    d, L, e = X.shape[-1], X.shape[-2], X.element_size()
+    per_token = 2 * order * X.numel() * d**order * e
+    if compact:
+        check_fits(per_token, f"the per-token LayerNorm {what}s", X.device)
+    else:
+        check_fits(math.prod(X.shape[:-2]) * (L * d) ** (order + 1) * e + per_token, f"the dense LayerNorm {what}",
+                   X.device)
+    D = (_compact_jacobian if order == 1 else _compact_hessian)(X, eps, gamma, stats)
+    check_result({f"the LayerNorm {what}": D})  # the per-token blocks: the dense layout adds only zeros
+    return D
+
+
 def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False) -> torch.Tensor:
     r"""Jacobian of LayerNorm w.r.t. its input ``X`` of shape ``(..., L, d)`` (Theorem 2).
 
@@ -175,19 +193,10 @@ def jacobian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = Fals
         The result would not fit in available memory with the per-token Jacobians and one
         temporary of their size (bytes in the message); checked before they are made.
     """
-    stats = _check(X, eps, gamma, dense=not compact)
-    d = X.shape[-1]
-    per_token = 2 * X.numel() * d * X.element_size()  # the (d, d) Jacobians and one temporary
-    batch, L = X.shape[:-2], X.shape[-2]
-    if compact:
-        check_fits(per_token, "the per-token LayerNorm Jacobians", X.device)
-    else:
-        check_fits(math.prod(batch) * (L * d) ** 2 * X.element_size() + per_token, "the dense LayerNorm Jacobian",
-                   X.device)
-    J = _compact_jacobian(X, eps, gamma, stats)
-    check_result({"the LayerNorm Jacobian": J})  # the per-token blocks: the dense layout adds only zeros
+    J = _checked_per_token(X, eps, gamma, compact, 1, "Jacobian")
     if compact:
         return J
+    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     J = J.reshape(-1, L, d, d)
     dense = X.new_zeros(J.shape[0], L, d, L, d)
     torch.diagonal(dense, 0, 1, 3).copy_(J.permute(0, 2, 3, 1))  # the token-diagonal blocks
@@ -203,19 +212,10 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     input index. dtype and device of ``X``. Same errors as :func:`jacobian` (the per-token
     ``(d, d, d)`` second derivatives counted with three temporaries of their size).
     """
-    stats = _check(X, eps, gamma, dense=not compact)
-    d = X.shape[-1]
-    per_token = 4 * X.numel() * d * d * X.element_size()  # the (d, d, d) second derivatives and three temporaries
-    batch, L = X.shape[:-2], X.shape[-2]
-    if compact:
-        check_fits(per_token, "the per-token LayerNorm Hessians", X.device)
-    else:
-        check_fits(math.prod(batch) * (L * d) ** 3 * X.element_size() + per_token, "the dense LayerNorm Hessian",
-                   X.device)
-    H = _compact_hessian(X, eps, gamma, stats)
-    check_result({"the LayerNorm Hessian": H})  # the per-token blocks: the dense layout adds only zeros
+    H = _checked_per_token(X, eps, gamma, compact, 2, "Hessian")
     if compact:
         return H
+    batch, L, d = X.shape[:-2], X.shape[-2], X.shape[-1]
     H = H.reshape(-1, L, d, d, d)
     dense = X.new_zeros(H.shape[0], L, d, L, d, L, d)
     t = torch.arange(L, device=X.device)
