@@ -172,3 +172,30 @@ def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeyp
     assert cli.main(["bounds", "--out", str(out), "--no-trained", "--seeds", "1", "--quiet"]) == 1
     assert "valid bound is below the exact norm" in capsys.readouterr().err
     assert (out / "bounds.json").is_file()  # the results are there to look at
+
+
+@pytest.mark.parametrize("argv, prog, what", [
+    (["report", "--threads", "0"], "blockhess report", "argument --threads: expected an integer >= 1, got 0"),
+    (["bounds", "--threads", "-1"], "blockhess bounds", "argument --threads: expected an integer >= 1, got -1"),
+    (["scaling", "--threads", "abc"], "blockhess scaling", "argument --threads: expected an integer >= 1, got 'abc'"),
+    (["bench", "--threads", "0"], "blockhess bench", "argument --threads: expected auto or an integer >= 1"),
+    (["report", "--batch", "x"], "blockhess report", "argument --batch: invalid int value: 'x'"),
+    (["report", "--dtype", "float16"], "blockhess report", "argument --dtype: invalid choice: 'float16'"),
+    (["validate", "--bogus"], "blockhess validate", "unrecognized arguments: --bogus"),
+    (["nosuch"], "blockhess", "argument COMMAND: invalid choice: 'nosuch'"),
+    ([], "blockhess", "the following arguments are required: COMMAND"),
+])
+def test_every_argparse_error_is_one_line_without_the_usage_block(argv, prog, what, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: {what}"), err
+    assert "usage:" not in err
+
+
+def test_version_is_printed_without_the_lab_extra(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "missing_lab_requirements", lambda: ["matplotlib"])
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("blockhess ")
+    assert cli.main(["--help"]) == 2  # everything else still says what to install
