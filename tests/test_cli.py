@@ -199,3 +199,41 @@ def test_version_is_printed_without_the_lab_extra(monkeypatch, capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("blockhess ")
     assert cli.main(["--help"]) == 2  # everything else still says what to install
+
+
+def _no_work(monkeypatch):
+    """Make any command's work fail loudly: each starts it by recording the environment or loading the ViT."""
+    from blockhess_lab import vit
+
+    def started(*a, **k):
+        raise AssertionError("the command started its work")
+
+    for name in set(cli.COMMANDS.values()):
+        monkeypatch.setattr(f"blockhess_lab.{name}.environment", started)
+    monkeypatch.setattr(vit, "load_for_command", started)
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_an_unwritable_out_fails_at_once_in_every_command(name, tmp_path, monkeypatch, capsys):
+    _no_work(monkeypatch)
+    quick = ["--quick"] if name in ("validate", "scaling", "convergence", "bench") else []
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = [(blocker / "out", f"cannot write to --out {blocker / 'out'}: {blocker} is not a folder"),
+           (blocker, f"--out {blocker} exists and is not a folder")]
+    if Path("/proc/self").is_dir():  # Linux: no folder can be made in /proc
+        bad.append((Path("/proc/blockhess-out"), "cannot write to --out /proc/blockhess-out: No such file or directory"))
+    for out, msg in bad:
+        assert cli.main([name, "--out", str(out), *quick]) == 2
+        assert capsys.readouterr().err == f"blockhess {name}: error: {msg}\n"
+    assert list(tmp_path.iterdir()) == [blocker]  # the probe leaves nothing behind
+
+
+def test_check_out_accepts_new_nested_and_result_folders(tmp_path):
+    from blockhess_lab.outputs import MARKER, check_out
+
+    check_out(tmp_path / "new" / "deeper")  # missing parents are made when the results are written
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / MARKER).write_text("")
+    check_out(tmp_path / "old")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["old", MARKER])

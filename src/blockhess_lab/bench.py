@@ -805,8 +805,11 @@ def run(args) -> int:
     plan = build_plan(args)
     _choose_threads(args)
     check_out(args.out)  # written as it goes (a long run keeps its finished cases), so never into a folder of other files
-    os.makedirs(args.out, exist_ok=True)
-    (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
+    except OSError as exc:  # the wording of check_out's
+        raise OSError(f"cannot write to --out {Path(args.out).resolve()}: {exc.strerror or exc}") from None
     results = {"quick": args.quick, "env": {**environment(args.device), **_settings(args)}, "cases": []}
     t_start = time.perf_counter()
 

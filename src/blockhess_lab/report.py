@@ -396,8 +396,8 @@ def _run(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
     t_start = time.perf_counter()
-    env = environment()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:  # checks --out first
+        env = environment()
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
