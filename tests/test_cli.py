@@ -237,3 +237,21 @@ def test_check_out_accepts_new_nested_and_result_folders(tmp_path):
     (tmp_path / "old" / MARKER).write_text("")
     check_out(tmp_path / "old")
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["old", MARKER])
+
+
+@pytest.mark.parametrize("argv, option", [(["bounds", "--batch", "6"], "--batch"), (["report", "--batch", "6"], "--batch"),
+                                          (["convergence", "--quick", "--batch-size", "6"], "--batch-size")])
+def test_a_batch_larger_than_the_training_set_is_refused_before_any_work(argv, option, tmp_path, monkeypatch, capsys):
+    import torch
+    from blockhess_lab import bounds, convergence, vit
+
+    def started(*a, **k):
+        raise AssertionError("the command started its work")
+
+    monkeypatch.setattr(vit, "load_for_command", lambda *a, **k: types.SimpleNamespace(train_labels=torch.zeros(5)))
+    monkeypatch.setattr(bounds, "_random_tables", started)
+    monkeypatch.setattr(convergence, "environment", started)
+    out = tmp_path / "out"
+    assert cli.main([*argv, "--out", str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"blockhess {argv[0]}: error: {option} 6 is larger than the 5 training images\n"
+    assert not out.exists()

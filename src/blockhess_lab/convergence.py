@@ -180,9 +180,13 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     """Run every measurement on ``model`` (a :class:`~blockhess_lab.vit.TrainedViT` or
     anything with its ``cfg``, ``block_params``, ``embed``, ``head_loss``, ``train_images``,
     ``train_labels``). Returns ``(result, arrays)``: the JSON-ready dict and the arrays the
-    figures need. Raises ``ValueError`` as the closed form does."""
+    figures need. Raises ``ValueError`` as the closed form does, and for a ``batch_size`` larger
+    than the training set."""
+    from .vit import check_batch
+
     s = settings
     s.check()
+    check_batch("--batch-size", s.batch_size, model)
     env = environment()
     t_start = time.perf_counter()
     timing = {}

@@ -402,9 +402,8 @@ def _run(args: argparse.Namespace) -> int:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
         vit = vitmod.load_for_command(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
+        vitmod.check_batch("--batch", args.batch, vit)
         n_train = len(vit.train_labels)
-        if args.batch > n_train:
-            raise ValueError(f"--batch {args.batch} is larger than the {n_train} training images")
         gen = torch.Generator().manual_seed(args.seed + 3)
         idx = torch.randperm(n_train, generator=gen)[: args.batch].sort().values
         images, labels = vit.train_images[idx], vit.train_labels[idx]
