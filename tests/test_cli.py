@@ -144,12 +144,40 @@ def test_bench_threads_auto_or_at_least_1(tmp_path, capsys, monkeypatch):
 def test_validate_help_says_what_it_checks(capsys):
     with pytest.raises(SystemExit):
         cli.main(["validate", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    help_text = capsys.readouterr().out
+    text = " ".join(help_text.split())
     assert "every closed form" not in text
     for what in ("bh.jacobian against torch.func.jacrev", "bh.hessian against torch.func.hessian", "MSE, CE and a custom",
                  f"{len(validate.OPTIONS)} block settings", "w.r.t. the input X", "Not covered here",
                  f"{len(validate.OPTIONS) * 9} cases instead of {len(validate.OPTIONS) * 15}"):
         assert what in text, what
+    assert text.index("Not covered here") > text.index("--quiet")  # the details come after the options
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_subcommand_help_opens_with_its_one_line_help_and_has_the_same_quiet(name, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per paragraph
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    mod = __import__(f"blockhess_lab.{cli.COMMANDS[name]}", fromlist=["x"])
+    assert lines[1:4] == ["", mod.HELP, ""]
+    quiet = [line.split(None, 1)[1] for line in lines if line.strip().startswith("--quiet ")]
+    assert len(quiet) == 1 and quiet[0].startswith("no progress output and no ") and quiet[0].endswith(
+        "(errors and failed checks are still shown)")
+    seed = [line for line in lines if line.strip().startswith("--seed ")]
+    assert all(line.split()[1] == "SEED" for line in seed)
+
+
+def test_bench_quiet_prints_nothing(tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["bench", "--quick", "--cases", "a", "--only", "a/ln/", "--no-memory", "--disable", "jax,curvlinops",
+            "--threads", "1", "--out", str(out)]
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "") and (out / "bench.md").is_file()
+    assert cli.main(argv) == 0  # without it: progress on stderr, the tables on stdout
+    std = capsys.readouterr()
+    assert "[bench " in std.err and "|" in std.out
 
 
 def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeypatch, capsys):

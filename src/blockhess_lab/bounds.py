@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure; about 25 s)"
 
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training images in the trained-model Hessian (default: 8)")
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per point of the sweep (default: 3)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_argument(p)
 
 
 def _table(name, rows, **meta) -> dict:

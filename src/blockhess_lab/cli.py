@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"blockhess_lab.{module}")
-        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, epilog=getattr(mod, "DETAILS", None))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _parser=p)
     return parser

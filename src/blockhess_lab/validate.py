@@ -23,7 +23,7 @@ import blockhess as bh
 from blockhess.linalg import rel_error
 
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = ("check bh.jacobian (w.r.t. the weights) and bh.hessian with its outer and functional parts (MSE, CE, a custom "
         "loss) against torch.func, float64, on a grid of block settings and sizes")
@@ -50,7 +50,7 @@ def _coupled(Z, T):
     return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
 
 
-DESCRIPTION = (
+DETAILS = (
     "Compares, in float64 by relative Frobenius error, the block output's Jacobian w.r.t. the weights "
     "(bh.jacobian against torch.func.jacrev) and the loss Hessian with its outer (Gauss-Newton) and functional "
     "parts (bh.hessian against torch.func.hessian), for MSE, CE and a custom loss coupling every entry, in 5 block "
@@ -70,7 +70,7 @@ def add_arguments(p) -> None:
                         f"settings with MSE, CE and a custom loss: {len(OPTIONS) * 9} cases instead of {len(OPTIONS) * 15}")
     p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line (a failure is still shown)")
+    add_quiet_argument(p)
 
 
 def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
