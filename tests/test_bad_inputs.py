@@ -90,10 +90,10 @@ ROWS = [
         ValueError, "out must be a contiguous (88, 88) tensor"),
     # dtypes
     Row("bh.forward", "dtype", "integer X", lambda c: bh.forward(c.p, c.X.long(), c.cfg),
-        ValueError, "X must have a floating dtype, float32 or float64, got torch.int64"),
+        ValueError, "X must be float32 or float64, got torch.int64"),
     Row("bh.hessian", "dtype", "float16 X and weights",
         lambda c: bh.hessian({k: v.half() for k, v in c.p.items()}, c.X.half(), c.cfg, target=c.T.half()),
-        ValueError, "X must have a floating dtype, float32 or float64, got torch.float16"),
+        ValueError, "X must be float32 or float64, got torch.float16"),
     Row("bh.jacobian", "dtype", "a weight in float32 beside float64 X",
         lambda c: bh.jacobian({**c.p, "W_1": c.p["W_1"].float()}, c.X, c.cfg),
         ValueError, "params['W_1'] has dtype torch.float32 but X has torch.float64"),
@@ -210,7 +210,7 @@ ROWS = [
     # memory
     Row("bh.hessian", "memory", "a dense result larger than the memory available",
         lambda c: bh.hessian(*_huge(), loss="ce", target=torch.zeros(2, dtype=torch.long)),
-        bh.InsufficientMemoryError, "needs"),
+        bh.InsufficientMemoryError, "would need"),
 ]
 
 

@@ -144,12 +144,40 @@ def test_bench_threads_auto_or_at_least_1(tmp_path, capsys, monkeypatch):
 def test_validate_help_says_what_it_checks(capsys):
     with pytest.raises(SystemExit):
         cli.main(["validate", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    help_text = capsys.readouterr().out
+    text = " ".join(help_text.split())
     assert "every closed form" not in text
     for what in ("bh.jacobian against torch.func.jacrev", "bh.hessian against torch.func.hessian", "MSE, CE and a custom",
                  f"{len(validate.OPTIONS)} block settings", "w.r.t. the input X", "Not covered here",
                  f"{len(validate.OPTIONS) * 9} cases instead of {len(validate.OPTIONS) * 15}"):
         assert what in text, what
+    assert text.index("Not covered here") > text.index("--quiet")  # the details come after the options
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_subcommand_help_opens_with_its_one_line_help_and_has_the_same_quiet(name, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per paragraph
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    mod = __import__(f"blockhess_lab.{cli.COMMANDS[name]}", fromlist=["x"])
+    assert lines[1:4] == ["", mod.HELP, ""]
+    quiet = [line.split(None, 1)[1] for line in lines if line.strip().startswith("--quiet ")]
+    assert len(quiet) == 1 and quiet[0].startswith("no progress output and no ") and quiet[0].endswith(
+        "(errors and failed checks are still shown)")
+    seed = [line for line in lines if line.strip().startswith("--seed ")]
+    assert all(line.split()[1] == "SEED" for line in seed)
+
+
+def test_bench_quiet_prints_nothing(tmp_path, capsys):
+    out = tmp_path / "b"
+    argv = ["bench", "--quick", "--cases", "a", "--only", "a/ln/", "--no-memory", "--disable", "jax,curvlinops",
+            "--threads", "1", "--out", str(out)]
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "") and (out / "bench.md").is_file()
+    assert cli.main(argv) == 0  # without it: progress on stderr, the tables on stdout
+    std = capsys.readouterr()
+    assert "[bench " in std.err and "|" in std.out
 
 
 def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeypatch, capsys):
@@ -172,3 +200,86 @@ def test_bounds_exits_1_after_writing_when_a_valid_bound_fails(tmp_path, monkeyp
     assert cli.main(["bounds", "--out", str(out), "--no-trained", "--seeds", "1", "--quiet"]) == 1
     assert "valid bound is below the exact norm" in capsys.readouterr().err
     assert (out / "bounds.json").is_file()  # the results are there to look at
+
+
+@pytest.mark.parametrize("argv, prog, what", [
+    (["report", "--threads", "0"], "blockhess report", "argument --threads: expected an integer >= 1, got 0"),
+    (["bounds", "--threads", "-1"], "blockhess bounds", "argument --threads: expected an integer >= 1, got -1"),
+    (["scaling", "--threads", "abc"], "blockhess scaling", "argument --threads: expected an integer >= 1, got 'abc'"),
+    (["bench", "--threads", "0"], "blockhess bench", "argument --threads: expected auto or an integer >= 1"),
+    (["report", "--batch", "x"], "blockhess report", "argument --batch: invalid int value: 'x'"),
+    (["report", "--dtype", "float16"], "blockhess report", "argument --dtype: invalid choice: 'float16'"),
+    (["validate", "--bogus"], "blockhess validate", "unrecognized arguments: --bogus"),
+    (["nosuch"], "blockhess", "argument COMMAND: invalid choice: 'nosuch'"),
+    ([], "blockhess", "the following arguments are required: COMMAND"),
+])
+def test_every_argparse_error_is_one_line_without_the_usage_block(argv, prog, what, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: {what}"), err
+    assert "usage:" not in err
+
+
+def test_version_is_printed_without_the_lab_extra(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "missing_lab_requirements", lambda: ["matplotlib"])
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("blockhess ")
+    assert cli.main(["--help"]) == 2  # everything else still says what to install
+
+
+def _no_work(monkeypatch):
+    """Make any command's work fail loudly: each starts it by recording the environment or loading the ViT."""
+    from blockhess_lab import vit
+
+    def started(*a, **k):
+        raise AssertionError("the command started its work")
+
+    for name in set(cli.COMMANDS.values()):
+        monkeypatch.setattr(f"blockhess_lab.{name}.environment", started)
+    monkeypatch.setattr(vit, "load_for_command", started)
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_an_unwritable_out_fails_at_once_in_every_command(name, tmp_path, monkeypatch, capsys):
+    _no_work(monkeypatch)
+    quick = ["--quick"] if name in ("validate", "scaling", "convergence", "bench") else []
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = [(blocker / "out", f"cannot write to --out {blocker / 'out'}: {blocker} is not a folder"),
+           (blocker, f"--out {blocker} exists and is not a folder")]
+    if Path("/proc/self").is_dir():  # Linux: no folder can be made in /proc
+        bad.append((Path("/proc/blockhess-out"), "cannot write to --out /proc/blockhess-out: No such file or directory"))
+    for out, msg in bad:
+        assert cli.main([name, "--out", str(out), *quick]) == 2
+        assert capsys.readouterr().err == f"blockhess {name}: error: {msg}\n"
+    assert list(tmp_path.iterdir()) == [blocker]  # the probe leaves nothing behind
+
+
+def test_check_out_accepts_new_nested_and_result_folders(tmp_path):
+    from blockhess_lab.outputs import MARKER, check_out
+
+    check_out(tmp_path / "new" / "deeper")  # missing parents are made when the results are written
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / MARKER).write_text("")
+    check_out(tmp_path / "old")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["old", MARKER])
+
+
+@pytest.mark.parametrize("argv, option", [(["bounds", "--batch", "6"], "--batch"), (["report", "--batch", "6"], "--batch"),
+                                          (["convergence", "--quick", "--batch-size", "6"], "--batch-size")])
+def test_a_batch_larger_than_the_training_set_is_refused_before_any_work(argv, option, tmp_path, monkeypatch, capsys):
+    import torch
+    from blockhess_lab import bounds, convergence, vit
+
+    def started(*a, **k):
+        raise AssertionError("the command started its work")
+
+    monkeypatch.setattr(vit, "load_for_command", lambda *a, **k: types.SimpleNamespace(train_labels=torch.zeros(5)))
+    monkeypatch.setattr(bounds, "_random_tables", started)
+    monkeypatch.setattr(convergence, "environment", started)
+    out = tmp_path / "out"
+    assert cli.main([*argv, "--out", str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"blockhess {argv[0]}: error: {option} 6 is larger than the 5 training images\n"
+    assert not out.exists()

@@ -81,6 +81,14 @@ def test_the_command_line_without_the_lab_extra_says_what_to_install(entry):
     assert all(dist in lines[0] for dist in ("matplotlib", "scikit-learn", "scipy", "tqdm"))
 
 
+@pytest.mark.parametrize("entry", ["from blockhess_lab.cli import main; sys.exit(main(['--version']))",
+                                   "sys.argv[1:] = ['--version']; import runpy; runpy.run_module('blockhess', run_name='__main__')"])
+def test_version_works_without_the_lab_extra(entry):
+    run = _python(_without_lab(entry))
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    assert re.fullmatch(r"blockhess \S+\n", run.stdout) and run.stderr == ""
+
+
 def test_the_core_imports_only_torch_numpy_psutil_and_the_standard_library():
     allowed = CORE | set(sys.stdlib_module_names) | {"blockhess"}
     bad = {}

@@ -23,6 +23,30 @@ def test_validate_quick(tmp_path):
         assert {k: c["config"][k] for k in want} == want and c["wrt_input"] == wrt_input, c["setting"]
     assert {c["loss"] for c in data["cases"]} == {"mse", "ce", "custom"}
     assert (out / "validate.md").read_text().startswith("# blockhess validate")
+    assert "tolerance 1e-10: **passed**." in (out / "validate.md").read_text()
+
+
+def test_validate_failure_is_shown_quiet_or_not(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(V, "QUICK_GRID", V.FULL_GRID[:1])
+    monkeypatch.setattr(V, "OPTIONS", {k: V.OPTIONS[k] for k in ["attention (paper)"]})
+    out = tmp_path / "val"
+    assert main(["validate", "--quick", "--out", str(out)]) == 0  # a pass: the summary line says so, stderr is empty
+    std = capsys.readouterr()
+    assert std.out.startswith("passed: max relative error") and std.err == ""
+    monkeypatch.setattr(V, "rel_error", lambda *a: 1e-3)  # as if far off
+    for quiet in ([], ["--quiet"]):
+        assert main(["validate", "--quick", "--tol", "1e-10", "--out", str(out), *quiet]) == 1
+        std = capsys.readouterr()
+        if quiet:
+            assert std.out == ""
+        else:
+            assert std.out.startswith("FAILED: max relative error 1.00e-03")
+        assert std.err.startswith("blockhess validate: FAILED: largest relative error 1.00e-03 is above --tol 1e-10, in "
+                                  "the jacobian of attention (paper), L=1, d=4, d_k=4, scale 1, loss mse")
+        assert std.err.count("\n") == 1
+        data = json.loads((out / "validate.json").read_text())
+        assert not data["passed"] and data["max_rel_error_case"].startswith("jacobian of attention (paper)")
+        assert "tolerance 1e-10: **FAILED** (above the tolerance)." in (out / "validate.md").read_text()
 
 
 def test_atomic_dir_leaves_nothing_on_error(tmp_path):

@@ -61,7 +61,7 @@ def check_tensor(name: str, t, *, ndim: tuple[int, ...] | None = None, like: tor
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must have a floating dtype, float32 or float64, got {t.dtype}")
+        raise ValueError(f"{name} must be float32 or float64, got {t.dtype}")
     if ndim is not None and t.ndim not in ndim:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
     if like is not None:
@@ -240,7 +240,7 @@ def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> No
         available = psutil.virtual_memory().available
     if nbytes > available:
         raise InsufficientMemoryError(
-            f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) but only {available:,} bytes "
+            f"{what} would need {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) but only {available:,} bytes "
             f"({available / 2**30:.2f} GiB) are available on {device}"
         )
 

@@ -6,6 +6,7 @@ and one module per subcommand (``report``, ``bounds``, ``scaling``, ``convergenc
 ``bench``), with what they share (:mod:`.runtime`, :mod:`.outputs`, :mod:`.plots`). It needs the
 ``lab`` extra: ``pip install 'blockhess[lab]'`` (matplotlib, scikit-learn, SciPy, tqdm).
 
-A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and
-optionally ``DESCRIPTION`` (the subcommand's ``--help`` text; ``HELP`` when absent).
+A command module defines ``HELP`` (one line: the command's entry in ``blockhess --help`` and the
+first line of its own ``--help``), ``add_arguments(parser)`` and ``run(args) -> int``, and
+optionally ``DETAILS`` (a paragraph its ``--help`` shows after the options).
 """

@@ -51,7 +51,7 @@ from pathlib import Path
 import psutil
 
 from .outputs import MARKER, check_out
-from .runtime import GiB, environment, load_average, package_version, positive_int
+from .runtime import GiB, add_quiet_argument, environment, load_average, package_version, positive_int
 
 HELP = "time and memory of the closed forms against autograd baselines (JSON, markdown, plot)"
 
@@ -111,6 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "but 1 when the machine is oversubscribed at start (load average >= CPUs), where OpenMP "
                    "barriers stall multi-threaded runs; bench.json records the count and why (threads_reason)")
     p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), metavar="LIST", help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
+    add_quiet_argument(p, "tables printed at the end (bench.md has them)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the problems live and every torch method runs (default: cpu). cuda: groups a and b only "
                    "(group c's memory cap watches host memory), JAX skipped (CPU jaxlib), peak memory is the GPU's")
@@ -805,13 +806,17 @@ def run(args) -> int:
     plan = build_plan(args)
     _choose_threads(args)
     check_out(args.out)  # written as it goes (a long run keeps its finished cases), so never into a folder of other files
-    os.makedirs(args.out, exist_ok=True)
-    (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        (Path(args.out) / MARKER).write_text("results of blockhess bench\n")
+    except OSError as exc:  # the wording of check_out's
+        raise OSError(f"cannot write to --out {Path(args.out).resolve()}: {exc.strerror or exc}") from None
     results = {"quick": args.quick, "env": {**environment(args.device), **_settings(args)}, "cases": []}
     t_start = time.perf_counter()
 
     def progress(msg):
-        print(f"[bench {time.perf_counter() - t_start:6.0f}s] {msg}", file=sys.stderr, flush=True)
+        if not args.quiet:
+            print(f"[bench {time.perf_counter() - t_start:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
     def save():
         results["targets"] = evaluate_targets(results)
@@ -834,5 +839,6 @@ def run(args) -> int:
         f.write("# blockhess bench\n\n" + md)
     plot(results, os.path.join(args.out, "bench.png"))
     progress(f"wrote {os.path.join(args.out, 'bench.json')}, bench.md, bench.png")
-    print(md)
+    if not args.quiet:
+        print(md)
     return 0

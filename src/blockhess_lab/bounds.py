@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "spectral-norm bounds (Theorems 1, 6) beside the exact norms, random and trained digits weights (table, figure; about 25 s)"
 
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training images in the trained-model Hessian (default: 8)")
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per point of the sweep (default: 3)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_argument(p)
 
 
 def _table(name, rows, **meta) -> dict:
@@ -112,11 +112,9 @@ def _sweep(seeds: int, quiet: bool) -> dict:
             "valid_violations": violations, "paper_failures": paper_fail}
 
 
-def _trained_tables(args) -> tuple[list[dict], list[dict], dict]:
+def _trained_tables(args, vit) -> tuple[list[dict], list[dict], dict]:
     from blockhess import bounds
-    from . import vit as vitmod
 
-    vit = vitmod.load_for_command(args.checkpoint, quiet=args.quiet)
     info = {"checkpoint": vit.checkpoint, "test_accuracy": vit.test_accuracy, "arch": vit.arch,
             "batch": args.batch, "train_info": {k: v for k, v in vit.train_info.items() if isinstance(v, (int, float, str, bool))}}
     imgs, labels = vit.train_images[: args.batch], vit.train_labels[: args.batch]
@@ -341,13 +339,19 @@ def run(args: argparse.Namespace) -> int:
     check_out(args.out)
     t0 = time.perf_counter()
     with torch_threads(args.threads):
+        vit = None
+        if not args.no_trained:  # first: a --batch larger than its training set is refused before any work
+            from . import vit as vitmod
+
+            vit = vitmod.load_for_command(args.checkpoint, quiet=args.quiet)
+            vitmod.check_batch("--batch", args.batch, vit)
         env = environment()  # inside: it records the thread count the work runs on
         tables, ingr = _random_tables(args.quiet)
         sw = _sweep(args.seeds, args.quiet)
         trained_info, t_trained = None, None
         if not args.no_trained:
             t1 = time.perf_counter()
-            tt, ti, trained_info = _trained_tables(args)
+            tt, ti, trained_info = _trained_tables(args, vit)
             tables += tt
             ingr += ti
             t_trained = time.perf_counter() - t1

@@ -49,7 +49,7 @@ import torch
 from blockhess import convergence as cv
 from blockhess.linalg import rel_error
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "loss-landscape convergence with dataset size (Theorem 7): |L_{k+1} - L_k| vs k, bound, Taylor, Assumption 1"
 
@@ -115,9 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch of the paper's running mean (default: 16)")
     p.add_argument("--epochs", type=int, default=None, metavar="N", help="epochs of the paper's running mean (default: 26; quick 10)")
     p.add_argument("--no-theorem6", action="store_true", help="skip the Theorem 6 bound M (per-sample, costly)")
-    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of orderings, subsets and directions (default: 0)")
+    p.add_argument("--seed", type=int, default=None, metavar="SEED", help="seed of orderings, subsets and directions (default: 0)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_quiet_argument(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -180,9 +180,13 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
     """Run every measurement on ``model`` (a :class:`~blockhess_lab.vit.TrainedViT` or
     anything with its ``cfg``, ``block_params``, ``embed``, ``head_loss``, ``train_images``,
     ``train_labels``). Returns ``(result, arrays)``: the JSON-ready dict and the arrays the
-    figures need. Raises ``ValueError`` as the closed form does."""
+    figures need. Raises ``ValueError`` as the closed form does, and for a ``batch_size`` larger
+    than the training set."""
+    from .vit import check_batch
+
     s = settings
     s.check()
+    check_batch("--batch-size", s.batch_size, model)
     env = environment()
     t_start = time.perf_counter()
     timing = {}

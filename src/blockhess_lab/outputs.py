@@ -27,12 +27,28 @@ def out_help(default: str, holds: str = "") -> str:
             f"only if it holds a previous run's results or is empty (default: {default})")
 
 
+def _probe(folder: Path, out: Path) -> None:
+    """Raise ``OSError`` (one line, naming ``--out``) unless a folder can be made in ``folder``."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".blockhess-probe-", dir=folder))
+    except OSError as exc:
+        raise OSError(f"cannot write to --out {out}: {exc.strerror or exc}") from None
+
+
 def check_out(out: str | os.PathLike) -> None:
-    """Raise ``OSError`` (one line) unless ``out`` may be replaced by :func:`atomic_dir`: absent,
-    or an empty folder or one with :data:`MARKER`, and not the current folder or one above it.
-    Commands that compute before writing call it first, so a bad ``--out`` fails at once."""
+    """Raise ``OSError`` (one line) unless ``out`` may be written and replaced by :func:`atomic_dir`
+    (or written into, as ``bench`` does): absent, with its nearest existing parent a folder in
+    which a folder can be made (the missing parents are made when the results are written), or
+    an existing writable folder, empty or with :data:`MARKER`, and not the current folder or one
+    above it. Every command calls it before any work, so a bad ``--out`` fails at once."""
     out = Path(out).resolve()
     if not out.exists():
+        parent = out.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise OSError(f"cannot write to --out {out}: {parent} is not a folder")
+        _probe(parent, out)
         return
     if not out.is_dir():
         raise OSError(f"--out {out} exists and is not a folder")
@@ -43,6 +59,8 @@ def check_out(out: str | os.PathLike) -> None:
         raise OSError(f"--out {out} exists and holds files that are not blockhess results (no {MARKER} in it): "
                       "it is left alone; give a new or empty "
                       "folder, or remove this one")
+    _probe(out, out)
+    _probe(out.parent, out)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from blockhess.linalg import rel_error
 from . import plots
 from . import vit as vitmod
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "exact Hessian of a trained digits-ViT block: closed form vs autograd, norms, spectra, figures"
 
@@ -61,14 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="number of training images in the fixed batch (default: 128)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float64",
                    help="dtype of the closed form; the autograd reference is always float64 (default: float64)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=0, metavar="SEED",
                    help="seed of the batch choice and, when training, of the model (default: 0)")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help=f"training steps of the model (its own default checkpoint; not with --checkpoint) (default: {vitmod.DEFAULT_STEPS})")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs of the closed form; the median is reported (default: 3)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
+    add_quiet_argument(p)
     p.add_argument("--ref-chunk", type=int, default=4, help=argparse.SUPPRESS)
 
 
@@ -396,15 +396,14 @@ def _run(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     out = Path(args.out)
     t_start = time.perf_counter()
-    env = environment()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:  # checks --out first
+        env = environment()
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
         vit = vitmod.load_for_command(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
+        vitmod.check_batch("--batch", args.batch, vit)
         n_train = len(vit.train_labels)
-        if args.batch > n_train:
-            raise ValueError(f"--batch {args.batch} is larger than the {n_train} training images")
         gen = torch.Generator().manual_seed(args.seed + 3)
         idx = torch.randperm(n_train, generator=gen)[: args.batch].sort().values
         images, labels = vit.train_images[idx], vit.train_labels[idx]

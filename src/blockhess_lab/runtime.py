@@ -14,7 +14,7 @@ from importlib import metadata
 import psutil
 import torch
 
-__all__ = ["positive_int", "add_threads_argument", "torch_threads", "progress", "cpu_model", "load_average",
+__all__ = ["positive_int", "add_threads_argument", "add_quiet_argument", "torch_threads", "progress", "cpu_model", "load_average",
            "package_version", "git_commit", "environment"]
 
 GiB = 1024**3
@@ -40,6 +40,13 @@ def add_threads_argument(parser, default: int = 1) -> None:
         help=f"torch CPU threads while the command runs (default: {default}; the matrices per step are small, "
              "and on cores shared with other processes more threads oversubscribe them and run slower)",
     )
+
+
+def add_quiet_argument(parser, summary: str = "the summary line on stdout") -> None:
+    """Add ``--quiet``, the same in every command: no progress output on stderr and no ``summary``;
+    errors and a failed check are still shown."""
+    parser.add_argument("--quiet", action="store_true",
+                        help=f"no progress output and no {summary} (errors and failed checks are still shown)")
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ import torch
 from blockhess import linalg
 from blockhess.config import pair_key
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = "curvature scaling laws on exact Hessians: input scale, sequence length, LayerNorm variance (fits, plots)"
 
@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, 3 seeds (well under a minute on 2 cores)")
     p.add_argument("--seeds", type=int, default=None, metavar="N", help="number of seeds (default: 3 quick, 8 full)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_argument(p, "summary lines (fitted exponents, files written)")
 
 
 # --------------------------------------------------------------------------- theory

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 
 import torch
@@ -22,7 +23,7 @@ import blockhess as bh
 from blockhess.linalg import rel_error
 
 from .outputs import atomic_dir, out_help, write_json
-from .runtime import add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
 HELP = ("check bh.jacobian (w.r.t. the weights) and bh.hessian with its outer and functional parts (MSE, CE, a custom "
         "loss) against torch.func, float64, on a grid of block settings and sizes")
@@ -49,7 +50,7 @@ def _coupled(Z, T):
     return torch.log1p(((Z - T) ** 2).sum()) + 0.1 * torch.tanh(Z.sum()) ** 2
 
 
-DESCRIPTION = (
+DETAILS = (
     "Compares, in float64 by relative Frobenius error, the block output's Jacobian w.r.t. the weights "
     "(bh.jacobian against torch.func.jacrev) and the loss Hessian with its outer (Gauss-Newton) and functional "
     "parts (bh.hessian against torch.func.hessian), for MSE, CE and a custom loss coupling every entry, in 5 block "
@@ -69,7 +70,7 @@ def add_arguments(p) -> None:
                         f"settings with MSE, CE and a custom loss: {len(OPTIONS) * 9} cases instead of {len(OPTIONS) * 15}")
     p.add_argument("--tol", type=float, default=1e-10, help="largest accepted relative error (default: 1e-10)")
     add_threads_argument(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_argument(p)
 
 
 def _case(setting, L, d, dk, dff, batch, scale, loss, seed=0):
@@ -117,13 +118,19 @@ def run(args) -> int:
         env = environment()
         rows = [_case(setting, *g, loss) for setting, g, loss in progress(settings, args.quiet, desc="validate")]
         worst = max(max(r["rel_error"].values()) for r in rows)
+        w_row, w_part = max(((r, k) for r in rows for k in r["rel_error"]), key=lambda rk: rk[0]["rel_error"][rk[1]])
+        w_case = (f"{w_part} of {w_row['setting']}, L={w_row['L']}, d={w_row['d_model']}, d_k={w_row['d_k']}"
+                  f"{', d_ff=' + str(w_row['d_ff']) if w_row['d_ff'] else ''}{', B=' + str(w_row['batch']) if w_row['batch'] else ''}"
+                  f", scale {w_row['input_scale']:g}, loss {w_row['loss']}")
+        passed = worst <= args.tol
         result = {"torch": torch.__version__, "dtype": "float64", "tol": args.tol,
-                  "max_rel_error": worst, "passed": worst <= args.tol, "cases": rows,
+                  "max_rel_error": worst, "max_rel_error_case": w_case, "passed": passed, "cases": rows,
                   "environment": {**env, "load_average_at_end": load_average()}}
         write_json(tmp / "validate.json", result)
         lines = ["# blockhess validate", "",
                  f"Closed form vs `torch.func`, float64, torch {torch.__version__}. "
-                 f"Largest relative Frobenius error: **{worst:.2e}** (tolerance {args.tol:.0e}).", "",
+                 f"Largest relative Frobenius error: **{worst:.2e}** ({w_case}); tolerance {args.tol:.0e}: "
+                 + ("**passed**." if passed else "**FAILED** (above the tolerance)."), "",
                  "Settings with all options also differentiate w.r.t. the input `X` (`wrt_input=True`); "
                  "`n_heads` is 1 where `d_model` is odd. Errors of the outer and functional parts are relative to the "
                  "full Hessian's norm (their rounding is the full's, whatever their own size; `validate.json` has them "
@@ -142,5 +149,11 @@ def run(args) -> int:
                          f"| {r['input_scale']:g} | {r['loss']} | {r['n']} | {e['jacobian']:.1e} | {e['full']:.1e} "
                          f"| {e['outer']:.1e} | {e['functional']:.1e} | {s['closed_form']:.4f} | {s['torch_func']:.4f} |")
         (tmp / "validate.md").write_text("\n".join(lines) + "\n")
-    print(f"max relative error {worst:.2e} over {len(rows)} settings -> {args.out}/validate.md, validate.json")
-    return 0 if worst <= args.tol else 1
+    if not args.quiet:
+        print(f"{'passed' if passed else 'FAILED'}: max relative error {worst:.2e} (tolerance {args.tol:.0e}) over "
+              f"{len(rows)} settings -> {args.out}/validate.md, validate.json")
+    if not passed:  # a failed check, shown with or without --quiet (as bounds' violated bounds)
+        print(f"blockhess validate: FAILED: largest relative error {worst:.2e} is above --tol {args.tol:.0e}, in the "
+              f"{w_case}: see {args.out}/validate.md", file=sys.stderr)
+        return 1
+    return 0

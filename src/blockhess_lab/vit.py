@@ -69,6 +69,7 @@ __all__ = [
     "TrainedViT",
     "load_data",
     "split_data",
+    "check_batch",
     "patchify",
     "sinusoidal_positions",
     "init_model",
@@ -594,3 +595,11 @@ def load_for_command(checkpoint=None, *, seed: int = 0, steps: int | None = None
         return load(checkpoint)
     steps = DEFAULT_STEPS if steps is None else steps
     return load_or_train(default_checkpoint(seed, steps), seed=seed, steps=steps, quiet=quiet)
+
+
+def check_batch(option: str, n: int, vit: TrainedViT) -> None:
+    """Raise ``ValueError`` (one line, naming the command-line ``option``) if ``n`` training
+    images are more than ``vit`` has (``len(vit.train_labels)``)."""
+    n_train = len(vit.train_labels)
+    if n > n_train:
+        raise ValueError(f"{option} {n} is larger than the {n_train} training images")
