@@ -42,7 +42,7 @@ from .block import check_forward, check_inputs, forward_cache, jacobian, second_
 from .result import HessianBlocks, pairs
 from .layers import ffn, layernorm, softmax
 from .config import SHORT_NAMES, BlockConfig, pair_key, param_shapes
-from .hessian import hessian as _hessian
+from .hessian import hessian as loss_hessian
 from .linalg import eigvalsh, norm2
 from .validation import check_fits, check_ln_variance, detached
 
@@ -520,7 +520,7 @@ def spectral_bounds(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse",
     derived here, see docs/bounds.md.
     """
     check_setting(cfg)
-    H = _hessian(params, X, cfg, loss=loss, target=target)
+    H = loss_hessian(params, X, cfg, loss=loss, target=target)
     ex = exact_norms(H)
     bd = block_bounds(params, X, cfg, loss=loss, target=target)
     keys = pairs(bd["names"]) + ["all"]
