@@ -143,7 +143,9 @@ def test_custom_loss_per_sequence_target():
 @pytest.mark.parametrize("kind", ["pooled-head", "confident-head", "full-rank"])
 def test_custom_loss_long_sequences(kind, monkeypatch):
     """L·d = 64: the loss Hessian's range is sketched first (rank 3 here: one 16 × 16 eigh per
-    pass) or, full rank, diagonalised whole (64 × 64)."""
+    pass) or, full rank, diagonalised whole (64 × 64); then again with the cut scaled by the
+    Jacobian's amplification (docs/derivations.md §7), which a rounding-level range cannot
+    certify here: diagonalised whole."""
     cfg, p, X, g = make_case(8, 8, 3, 5, 3, 1.0)
     W_h = torch.randn(8, 4, generator=g, dtype=torch.float64) * (8.0 if kind == "confident-head" else 1.0)  # 8: one sequence at p = 1 - 5e-11
 
@@ -156,7 +158,7 @@ def test_custom_loss_long_sequences(kind, monkeypatch):
     sizes, eigh = [], torch.linalg.eigh
     monkeypatch.setattr(torch.linalg, "eigh", lambda M: sizes.append(M.shape[-1]) or eigh(M))
     H = bh.hessian(p, X, cfg, loss=loss, target=y)
-    assert sizes == [64 if kind == "full-rank" else 16]
+    assert sizes == ([64, 64] if kind == "full-rank" else [16, 64])
     R = bh.reference.hessian(p, X, cfg, loss=loss, target=y)
     assert_close(H.dense(), R.dense(), what=kind)
     assert_close(H.outer.dense(), R.outer.dense(), what=f"{kind} outer")
@@ -492,3 +494,25 @@ def test_ce_target_as_list_or_array():
     for bad in ("cat", [[0, 1, 2], [3, 0]], [None, 1, 2]):  # torch's TypeError, ValueError, RuntimeError
         with pytest.raises(ValueError, match=r"integer tensor \(or array\) of class indices for loss='ce', got (str|list)"):
             bh.hessian(p, X, cfg, loss="ce", target=bad)
+
+
+def test_custom_loss_small_curvature_that_the_jacobian_amplifies():
+    """One sequence: the loss weights an output direction by 1e-16 that W_O = diag(1, 1e8, 1, 1)
+    amplifies by 1e16 in the weights' Hessian. A cut relative to the loss Hessian's own largest
+    eigenvalue dropped it (the (W_V, W_V) block 50 % off); the cut scaled by the Jacobian's
+    amplification keeps it (docs/derivations.md §7)."""
+    cfg = bh.BlockConfig(d_model=4, kind="attention", out_proj=True)
+    p = bh.init_params(cfg, seed=0)
+    p["W_O"] = torch.diag(torch.tensor([1.0, 1e8, 1.0, 1.0], dtype=torch.float64))
+    X = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    c = torch.tensor([1.0, 1e-16, 1.0, 1.0], dtype=torch.float64)
+
+    def loss(Z, t):
+        return (c * Z**2).sum()
+
+    for wrt_input in (False, True):
+        H = bh.hessian(p, X, cfg, loss=loss, wrt_input=wrt_input)
+        R = bh.reference.hessian(p, X, cfg, loss=loss, wrt_input=wrt_input)
+        assert_close(H.dense(), R.dense(), what="full")
+        assert_close(H.outer.dense(), R.outer.dense(), what="outer")
+        assert_close(H["W_V", "W_V"], R["W_V", "W_V"], what="(W_V, W_V)")

@@ -59,19 +59,53 @@ def _add_parts(c, f, ld: losses.LossDerivatives, acc: BlockSum, outer: bool, fun
         contract_output(c, ld.grad if functional else None, f, acc, omega_Z=ld.hess if outer else None)
         return
     if outer:
-        lam, W = _eig(ld).eig
+        lam, W = _eig(ld, f.J, acc.names).eig
         _add_outer_lowrank(f.J, lam, W, acc, Bsz, L, d)
     if functional:
         contract_output(c, ld.grad, f, acc)
 
 
-def _eig(ld: losses.LossDerivatives) -> losses.LossDerivatives:
+VJP_ENTRIES = 1 << 22  # entries of J_b^T e for a chunk of unit vectors e in _cut_scale
+
+
+def _cut_scale(J: dict, names, lam: torch.Tensor, W: torch.Tensor, L: int, d: int) -> torch.Tensor:
+    r"""``rho`` ``(B,)`` in ``(0, 1]``: the factor by which each sequence's eigenvalue cut must shrink so
+    that the directions it drops stay at rounding in that sequence's outer term
+    :math:`J_b^\top \Omega_b J_b` however ``J_b`` amplifies them (docs/derivations.md §7).
+
+    A dropped :math:`(\lambda, w)` adds at most :math:`|\lambda|\,\|J_b\|_2^2 \le |\lambda|\,F_b`,
+    :math:`F_b = \|J_b\|_F^2` over ``names`` (from the vector–Jacobian products of the ``m = L·d`` unit
+    vectors, in chunks); the kept ones give the sequence's scale :math:`S_b = \max_r |\lambda_r|\,
+    \|J_b^\top w_r\|^2`. With the cut at :math:`\sqrt m\,\epsilon\,s_b\,\rho_b`,
+    :math:`\rho_b = S_b/(s_b F_b)`, every dropped direction adds at most :math:`\sqrt m\,\epsilon\,S_b`.
+    ``lam`` ``(B, R)``, ``W`` ``(B, m, R)`` from :func:`blockhess.linalg.eig_lowrank`.
+    """
+    B, R = lam.shape
+    m = L * d
+    w = W.transpose(1, 2).reshape(B, R, L, d)
+    S = (sum(J[n].vjp(w).reshape(B, R, -1).square().sum(-1) for n in names) * lam.abs()).amax(-1)
+    n_out = sum(J[n].vjp(w[:, :1]).reshape(B, -1).shape[-1] for n in names)
+    F = lam.new_zeros(B)
+    eye = torch.eye(m, dtype=lam.dtype, device=lam.device).reshape(m, L, d)
+    k = max(1, VJP_ENTRIES // max(1, B * n_out))
+    for s0 in range(0, m, k):
+        e = eye[s0:s0 + k].expand(B, -1, L, d).contiguous()
+        F += sum(J[n].vjp(e).reshape(B, -1).square().sum(-1) for n in names)
+    den = lam.abs().amax(-1) * F
+    return torch.where(den > 0, S / den.where(den > 0, 1.0), 1.0).clamp(max=1.0)
+
+
+def _eig(ld: losses.LossDerivatives, J: dict, names) -> losses.LossDerivatives:
     """``ld`` with a general loss's ``(L·d)²`` Hessians replaced by their eigenpairs above
-    rounding, each sequence judged at its own scale (:func:`blockhess.linalg.eig_lowrank`);
+    rounding, each sequence judged at its own scale and its Jacobian's amplification
+    (:func:`blockhess.linalg.eig_lowrank`, :func:`_cut_scale` with the factors ``J`` over ``names``);
     as it is if done."""
     if ld.per_token or ld.eig is not None:
         return ld
-    return ld._replace(hess=None, eig=linalg.eig_lowrank(ld.hess))
+    L, d = ld.grad.shape[1:]
+    lam, W = linalg.eig_lowrank(ld.hess)
+    lam, W = linalg.eig_lowrank(ld.hess, rel=_cut_scale(J, names, lam, W, L, d))
+    return ld._replace(hess=None, eig=(lam, W))
 
 
 def assemble(c, f, ld: losses.LossDerivatives, names, out=None) -> HessianBlocks:
@@ -166,7 +200,7 @@ def _passes(params: dict, X: torch.Tensor, cfg: BlockConfig, names: tuple[str, .
                                out=out)
             ld = losses.derivatives(loss, target[rows] if isinstance(target, torch.Tensor) else target, c.out,
                                     batch=B, first=rows.start or 0)
-            derivs.append(_eig(ld))
+            derivs.append(ld if ld.per_token else _eig(ld, jacobian_factors(c).J, names))
         first_pass = c if len(chunks) == 1 else None
     for rows, ld in zip(chunks, derivs):
         c = first_pass if first_pass is not None else forward_cache(params, X[rows], cfg, wrt_input="X" in names)

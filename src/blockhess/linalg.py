@@ -79,12 +79,12 @@ RANGE_PROBE, CHECK_PROBE = 16, 8  # first width of the random range sketch, and 
 RANGE_SLACK = 4  # a sketch of p columns is trusted only if it finds at most p - RANGE_SLACK directions
 
 
-def _kept(lam: torch.Tensor, tol: float) -> torch.Tensor:
-    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` times their own matrix's largest."""
+def _kept(lam: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """Which eigenvalues ``lam`` ``(B, k)`` stand above ``tol`` ``(B, 1)`` times their own matrix's largest."""
     return lam.abs() > tol * lam.abs().amax(-1, keepdim=True)
 
 
-def eig_lowrank(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def eig_lowrank(M: torch.Tensor, rel: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Eigenpairs ``(lam (B, R), W (B, m, R))`` of the symmetric matrices ``M`` ``(B, m, m)``
     (float32 or float64; results in ``M``'s dtype and device) that stand above rounding, each
     matrix judged on its own. Used for a callable loss's per-sequence Hessians w.r.t. the block
@@ -116,8 +116,9 @@ def eig_lowrank(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     B, m, _ = M.shape
     eps = torch.finfo(M.dtype).eps
-    tol = math.sqrt(m) * eps  # relative size of the rounding noise's spectral norm
-    norms = torch.linalg.matrix_norm(M)  # (B,) Frobenius
+    rel = M.new_ones(B) if rel is None else rel.to(M.dtype)
+    tol = math.sqrt(m) * eps * rel[:, None]  # relative size of the rounding noise's spectral norm, (B, 1)
+    norms = torch.linalg.matrix_norm(M) * rel  # (B,) Frobenius, scaled
     gen = torch.Generator().manual_seed(0)  # on the CPU: the same sketch on every device
     lam = W = None
     p = RANGE_PROBE
