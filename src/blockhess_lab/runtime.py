@@ -42,7 +42,7 @@ def add_threads_argument(parser, default: int = 1) -> None:
     )
 
 
-def add_quiet_argument(parser, summary: str = "the summary line on stdout") -> None:
+def add_quiet_argument(parser, summary: str = "summary line on stdout") -> None:
     """Add ``--quiet``, the same in every command: no progress output on stderr and no ``summary``;
     errors and a failed check are still shown."""
     parser.add_argument("--quiet", action="store_true",
