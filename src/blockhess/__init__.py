@@ -14,10 +14,11 @@ torch.Size([96, 96])
 
 from . import reference
 from .adapters import block_input, from_torch, to_module
-from .block import forward, input_jacobian, jacobian, second_derivative
+from .block import input_jacobian, jacobian, second_derivative
+from .model import forward
 from .result import HessianBlocks
 from .layers import attention, ffn, layernorm, softmax
-from .config import BlockConfig, init_params, param_shapes
+from .config import BlockConfig, ModelConfig, init_params, param_shapes
 from .hessian import hessian
 from .validation import InsufficientMemoryError
 from . import bounds  # noqa: E402  (Theorems 1 and 6; after the core it uses)
@@ -26,6 +27,7 @@ from . import convergence  # noqa: E402  (Theorem 7; after the core it uses)
 __all__ = [
     "BlockConfig",
     "HessianBlocks",
+    "ModelConfig",
     "InsufficientMemoryError",
     "attention",
     "block_input",

@@ -15,7 +15,8 @@ import torch
 
 from .validation import FLOAT_DTYPES, check_bool, check_eps, check_int
 
-__all__ = ["BlockConfig", "param_shapes", "init_params", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
+__all__ = ["BlockConfig", "ModelConfig", "param_shapes", "init_params", "model_param_shapes", "init_model_params",
+           "sinusoidal_positions", "block_prefix", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
 
 _KINDS = ("block", "attention")
 _NORMS = ("post", "pre")
@@ -217,11 +218,15 @@ def init_params(
     add weights (biases, ``W_O``, affine LayerNorm) leave the paper's matrices unchanged.
     Vectors take the usual initial values: biases and ``beta`` zero, ``gamma`` one.
 
+    A :class:`ModelConfig` gives the model's (:func:`init_model_params`).
+
     Raises
     ------
     ValueError
         If ``dtype`` is not float32 or float64, or ``seed`` is not an int >= 0.
     """
+    if isinstance(cfg, ModelConfig):
+        return init_model_params(cfg, seed, dtype, device)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"init_params: dtype must be a floating dtype, float32 or float64, got {dtype}")
     gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
@@ -237,3 +242,248 @@ def init_params(
             w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
         params[name] = w.to(dtype=dtype, device=device)
     return params
+
+
+# ----------------------------------------------------------------------------------------------
+# whole models: embedding -> N blocks -> final LayerNorm -> pooling -> head
+
+_EMBEDDINGS = ("linear", "patch", "token", "none")
+_POSITIONS = ("none", "sinusoidal", "learned")
+_POOLS = ("none", "mean", "first")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    r"""Architecture of a whole Transformer: embedding, positions, ``N`` blocks, an optional final
+    LayerNorm, a pooling and a linear head (docs/derivations.md §16).
+
+    .. math::
+        X_0 = \mathrm{LN}_E(\mathrm{embed}(x) + P),\quad X_i = \mathrm{Block}_i(X_{i-1}),\quad
+        u = \mathrm{LN}_F(X_N),\quad h = \mathrm{pool}(u),\quad z = h\,W_H + b_H,
+
+    each of ``LN_E``, ``LN_F``, the head and ``P`` optional. Row vectors act on the right, as in the
+    block. Parameters (:func:`param_shapes`, canonical order): ``W_E``, ``b_E``, ``cls``, ``W_P``,
+    ``W_T``, ``gamma_E``, ``beta_E``, then block ``i``'s names prefixed ``blocks.{i}.``, then
+    ``gamma_F``, ``beta_F``, ``W_H``, ``b_H`` — each where the config has it.
+
+    Attributes
+    ----------
+    blocks : tuple of BlockConfig
+        ``N >= 1`` blocks (``kind="block"``), each any setting :class:`BlockConfig` supports,
+        all of one ``d_model``.
+    embedding : str
+        ``"linear"``: inputs ``(B, L, d_in)`` features, ``embed(x)_t = x_t W_E + b_E`` with
+        ``W_E`` of shape ``(d_in, d_model)``; ``"patch"``: inputs images ``(B, C, H, W)`` (``image``),
+        cut into non-overlapping ``patch × patch`` patches in row-major order, each flattened
+        channel-major (``(c, i, j)``; a convolution with stride = kernel = ``patch``) and embedded
+        linearly as ``"linear"`` with ``d_in = C·patch²``; ``"token"``: integer ids ``(B, L)`` in
+        ``[0, vocab)``, ``embed(x)_t = W_E[x_t]``, ``W_E`` of shape ``(vocab, d_model)``;
+        ``"none"``: inputs are ``X_0`` itself, ``(B, L, d_model)`` (an encoder stack).
+    d_in : int or None
+        Feature width of ``"linear"`` (derived for ``"patch"``).
+    vocab : int or None
+        Vocabulary size of ``"token"``.
+    image : tuple (C, H, W) or None
+        Image shape of ``"patch"``.
+    patch : int or None
+        Patch size of ``"patch"`` (dividing ``H`` and ``W``).
+    embed_bias : bool
+        ``b_E`` for ``"linear"`` and ``"patch"``.
+    cls_token : bool
+        Prepend a learned token ``cls`` ``(d_model,)`` before the embedded tokens (ViT).
+    positions : str
+        ``"none"``, ``"sinusoidal"`` (fixed, :func:`sinusoidal_positions`) or ``"learned"``
+        (``W_P`` of shape ``(n_positions, d_model)``; row ``t`` added to token ``t``, the
+        ``cls`` token being token 0).
+    n_positions : int or None
+        Rows of ``W_P`` (the longest sequence, ``cls`` included); required for ``"learned"``.
+    token_types : int
+        ``> 0``: a token-type table ``W_T`` ``(token_types, d_model)`` whose row 0 is added to
+        every token (BERT with every token type 0); ``0``: none.
+    embed_norm, final_norm : bool
+        A LayerNorm after the embedding (``gamma_E``, ``beta_E``; BERT) / after the last block
+        (``gamma_F``, ``beta_F``; pre-LN stacks).
+    norm_affine, norm_bias : bool
+        Whether those two LayerNorms have a scale ``gamma`` / a shift ``beta``.
+    norm_eps : float
+        Their ``eps >= 0``.
+    pool : str
+        ``"none"`` (per-token outputs ``(B, L, ·)``), ``"mean"`` over tokens or ``"first"``
+        (token 0, the ``cls`` token): outputs ``(B, ·)``.
+    head : int or None
+        Output width of the linear head ``W_H`` ``(d_model, head)`` (classes, or the vocabulary);
+        ``None``: no head, the output is ``h`` itself.
+    head_bias : bool
+        ``b_H`` ``(head,)``.
+    tied : bool
+        The head is the token embedding: ``z = h W_E^T`` (a language model; ``W_E`` is used
+        twice and its Hessian has both uses); needs ``embedding="token"`` and ``head = vocab``.
+
+    Raises
+    ------
+    ValueError
+        On an unknown option, an inconsistent one (a ``"token"`` embedding without ``vocab``,
+        ``tied`` without a token embedding, blocks of different widths, a bare attention layer
+        among the blocks, ``"learned"`` positions without ``n_positions``, a patch that does not
+        divide the image), each named in the message.
+    """
+
+    blocks: tuple = (BlockConfig(),)
+    embedding: str = "linear"
+    d_in: int | None = None
+    vocab: int | None = None
+    image: tuple | None = None
+    patch: int | None = None
+    embed_bias: bool = True
+    cls_token: bool = False
+    positions: str = "none"
+    n_positions: int | None = None
+    token_types: int = 0
+    embed_norm: bool = False
+    final_norm: bool = False
+    norm_affine: bool = True
+    norm_bias: bool = True
+    norm_eps: float = 1e-5
+    pool: str = "none"
+    head: int | None = None
+    head_bias: bool = True
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        blocks = tuple(self.blocks) if isinstance(self.blocks, (list, tuple)) else (self.blocks,)
+        object.__setattr__(self, "blocks", blocks)
+        if not blocks or not all(isinstance(b, BlockConfig) for b in blocks):
+            raise ValueError(f"ModelConfig.blocks must be a non-empty tuple of BlockConfig, got {self.blocks!r}")
+        if any(b.kind != "block" for b in blocks):
+            raise ValueError("ModelConfig.blocks must have kind='block' (a bare attention layer is not a stage of a model)")
+        if len({b.d_model for b in blocks}) > 1:
+            raise ValueError(f"ModelConfig.blocks must share one d_model, got {[b.d_model for b in blocks]}")
+        for name, value, options in (("embedding", self.embedding, _EMBEDDINGS), ("positions", self.positions, _POSITIONS),
+                                     ("pool", self.pool, _POOLS)):
+            if value not in options:
+                raise ValueError(f"ModelConfig.{name} must be one of {options}, got {value!r}")
+        for flag in ("embed_bias", "cls_token", "embed_norm", "final_norm", "norm_affine", "norm_bias", "head_bias", "tied"):
+            check_bool(f"ModelConfig.{flag}", getattr(self, flag))
+        object.__setattr__(self, "norm_eps", check_eps("ModelConfig.norm_eps", self.norm_eps))
+        object.__setattr__(self, "token_types", check_int("ModelConfig.token_types", self.token_types, 0))
+        for name in ("d_in", "vocab", "patch", "n_positions", "head"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(f"ModelConfig.{name}", getattr(self, name), 1))
+        if self.embedding == "linear" and self.d_in is None:
+            raise ValueError("ModelConfig.d_in (the feature width) is needed with embedding='linear'")
+        if self.embedding == "token" and self.vocab is None:
+            raise ValueError("ModelConfig.vocab is needed with embedding='token'")
+        if self.embedding == "patch":
+            if self.image is None or self.patch is None or len(tuple(self.image)) != 3:
+                raise ValueError(f"ModelConfig.image (C, H, W) and patch are needed with embedding='patch', got "
+                                 f"image={self.image!r}, patch={self.patch!r}")
+            image = tuple(check_int("ModelConfig.image", v, 1) for v in self.image)
+            object.__setattr__(self, "image", image)
+            if image[1] % self.patch or image[2] % self.patch:
+                raise ValueError(f"ModelConfig.patch={self.patch} must divide the image size {image[1]}x{image[2]}")
+            object.__setattr__(self, "d_in", image[0] * self.patch ** 2)
+        if self.embedding == "none" and (self.cls_token or self.token_types):
+            raise ValueError("ModelConfig.cls_token and token_types need an embedding (embedding='none' takes X_0 itself)")
+        if self.positions == "learned" and self.n_positions is None:
+            raise ValueError("ModelConfig.n_positions (rows of W_P) is needed with positions='learned'")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.tied:
+            if self.embedding != "token" or self.head != self.vocab:
+                raise ValueError("ModelConfig.tied needs embedding='token' and head == vocab (z = h W_E^T)")
+
+    @property
+    def d_model(self) -> int:
+        """Width of the token rows, shared by every block."""
+        return self.blocks[0].d_model
+
+    @property
+    def n_layers(self) -> int:
+        """Number of blocks ``N``."""
+        return len(self.blocks)
+
+    @property
+    def n_out(self) -> int:
+        """Width of the output: ``head``, or ``d_model`` without a head."""
+        return self.head if self.head is not None else self.d_model
+
+
+def sinusoidal_positions(L: int, d: int, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Fixed positions ``(L, d)``: ``P[t, 2i] = sin(t / 10000^{2i/d})``, ``P[t, 2i+1] = cos(·)``
+    (computed in float64 on the CPU, then cast)."""
+    t = torch.arange(L, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    P = torch.zeros(L, d, dtype=torch.float64)
+    P[:, 0::2] = torch.sin(t * freq)
+    P[:, 1::2] = torch.cos(t * freq[: d // 2])
+    return P.to(dtype=dtype, device=device)
+
+
+def block_prefix(i: int) -> str:
+    """The prefix of block ``i``'s parameter names in a model: ``"blocks.{i}."``."""
+    return f"blocks.{i}."
+
+
+def model_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a model's parameters in canonical (forward) order (:class:`ModelConfig`)."""
+    d = cfg.d_model
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.embedding in ("linear", "patch"):
+        out["W_E"] = (cfg.d_in, d)
+        if cfg.embed_bias:
+            out["b_E"] = (d,)
+    elif cfg.embedding == "token":
+        out["W_E"] = (cfg.vocab, d)
+    if cfg.cls_token:
+        out["cls"] = (d,)
+    if cfg.positions == "learned":
+        out["W_P"] = (cfg.n_positions, d)
+    if cfg.token_types:
+        out["W_T"] = (cfg.token_types, d)
+    for suffix, norm in (("E", cfg.embed_norm), ("F", None)):
+        if suffix == "F":
+            for i, b in enumerate(cfg.blocks):
+                out.update({block_prefix(i) + k: v for k, v in param_shapes(b).items()})
+            norm = cfg.final_norm
+        if norm:
+            if cfg.norm_affine:
+                out[f"gamma_{suffix}"] = (d,)
+            if cfg.norm_bias:
+                out[f"beta_{suffix}"] = (d,)
+    if cfg.head is not None and not cfg.tied:
+        out["W_H"] = (d, cfg.head)
+    if cfg.head is not None and cfg.head_bias:
+        out["b_H"] = (cfg.head,)
+    return out
+
+
+def init_model_params(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float64,
+                      device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Random parameters of a model, canonical order: block ``i`` from :func:`init_params` with
+    seed ``seed + i``; ``W_E`` (``N(0, 1/d_in)``, or ``N(0, 1)`` rows for tokens), ``W_P``, ``W_T``,
+    ``cls`` (``N(0, 0.02²)``) and ``W_H`` (``N(0, 1/d_model)``) from a private generator seeded
+    ``seed + N``; biases and ``beta`` zero, ``gamma`` one. Raises ``ValueError`` as :func:`init_params`."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"init_params: dtype must be a floating dtype, float32 or float64, got {dtype}")
+    seed = check_int("seed", seed, 0)
+    gen = torch.Generator().manual_seed(seed + cfg.n_layers)
+    params = {}
+    for name, shape in model_param_shapes(cfg).items():
+        if name.startswith("blocks."):
+            continue
+        if name == "W_E":
+            scale = 1.0 if cfg.embedding == "token" else 1 / math.sqrt(shape[0])
+        elif name in ("W_P", "W_T", "cls"):
+            scale = 0.02
+        elif name == "W_H":
+            scale = 1 / math.sqrt(shape[0])
+        else:
+            scale = None
+        if scale is not None:
+            w = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+        else:
+            w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
+        params[name] = w
+    for i, b in enumerate(cfg.blocks):
+        params.update({block_prefix(i) + k: v for k, v in init_params(b, seed=seed + i).items()})
+    return {k: params[k].to(dtype=dtype, device=device) for k in model_param_shapes(cfg)}

@@ -17,7 +17,7 @@ import torch.nn.functional as Fn
 from . import losses
 from .block import check_inputs, select_wrt
 from .result import BlockSum, HessianBlocks, pairs
-from .config import BlockConfig, param_shapes
+from .config import BlockConfig, ModelConfig, block_prefix, model_param_shapes, param_shapes, sinusoidal_positions
 from .validation import check_bool, check_fits
 
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
@@ -65,9 +65,12 @@ def _ffn(p: dict, Y: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     """Plain forward of the block (paper §1.3, with the options of docs/derivations.md §10–§13) or bare attention layer; no checks.
 
-    ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; returns the same shape.
+    ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; returns the same shape. A :class:`ModelConfig`:
+    the model's output for batched inputs, ``(B, P, n_out)`` (``P = 1`` pooled; :func:`_model_forward`).
     """
     p = params
+    if isinstance(cfg, ModelConfig):
+        return _model_forward(p, X, cfg)
     if cfg.kind == "attention":
         return _attention(p, X, cfg)
     if cfg.norm == "post":
@@ -75,6 +78,93 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
         return _ln(p, Y + _ffn(p, Y, cfg), cfg, 2)
     Y = X + _attention(p, _ln(p, X, cfg, 1), cfg)
     return Y + _ffn(p, _ln(p, Y, cfg, 2), cfg)
+
+
+def _model_norm(p: dict, t: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
+    y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.norm_eps)  # gamma, beta outside: as _ln
+    y = y * p[f"gamma_{s}"] if f"gamma_{s}" in p else y
+    return y + p[f"beta_{s}"] if f"beta_{s}" in p else y
+
+
+def _model_forward(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Plain forward of a whole model (:class:`~blockhess.config.ModelConfig`) on batched inputs:
+    ``(B, P, n_out)``. Patches by ``Fn.unfold``, tokens by ``Fn.embedding``; no checks."""
+    d = cfg.d_model
+    if cfg.embedding == "none":
+        X = x
+    elif cfg.embedding == "token":
+        X = Fn.embedding(x, p["W_E"])
+    else:
+        if cfg.embedding == "patch":
+            x = Fn.unfold(x, kernel_size=cfg.patch, stride=cfg.patch).transpose(1, 2)  # (B, L, C·p·p), (c, i, j)
+        X = x @ p["W_E"] + (p["b_E"] if "b_E" in p else 0)
+    if cfg.cls_token:
+        X = torch.cat([p["cls"].expand(X.shape[0], 1, d), X], 1)
+    L = X.shape[1]
+    if cfg.positions == "learned":
+        X = X + p["W_P"][:L]
+    elif cfg.positions == "sinusoidal":
+        X = X + sinusoidal_positions(L, d, X.dtype, X.device)
+    if cfg.token_types:
+        X = X + p["W_T"][0]
+    if cfg.embed_norm:
+        X = _model_norm(p, X, cfg, "E")
+    for i, bc in enumerate(cfg.blocks):
+        pre = block_prefix(i)
+        X = forward({k[len(pre):]: v for k, v in p.items() if k.startswith(pre)}, X, bc)
+    if cfg.final_norm:
+        X = _model_norm(p, X, cfg, "F")
+    h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "none": lambda: X}[cfg.pool]()
+    if cfg.head is None:
+        return h
+    return h @ (p["W_E"].T if cfg.tied else p["W_H"]) + (p["b_H"] if "b_H" in p else 0)
+
+
+def _model_hessian(params: dict, inputs: torch.Tensor, cfg: ModelConfig, loss, target, wrt) -> HessianBlocks:
+    """:func:`hessian` for a model: ``torch.func.hessian`` of the batch loss through
+    :func:`_model_forward` w.r.t. the ``wrt`` parameters, the outer term ``J^T (∇²_z ℓ) J`` from
+    ``jacrev`` and the functional term as the difference; the whole batch at once (small models)."""
+    from .model.forward_pass import check_model_inputs, model_input, sequence_loss  # the checks of the closed form
+
+    inputs, single = model_input(cfg, inputs)
+    if single and isinstance(target, torch.Tensor) and cfg.pool == "none":
+        target = target[None]
+    elif single and isinstance(target, torch.Tensor):
+        target = target[None] if target.ndim == (0 if loss == "ce" else 1) else target
+    check_model_inputs(params, inputs, cfg)
+    shapes = model_param_shapes(cfg)
+    names = select_wrt(tuple(shapes), wrt)
+    n = sum(math.prod(shapes[k]) for k in names)
+    like = params[names[0]]
+    z0 = _model_forward(params, inputs, cfg)
+    loss3, target3 = sequence_loss(cfg, loss, target, z0)
+    target3 = losses.check(loss3, target3, z0)
+    B, P, C = z0.shape
+    check_fits((4 * n * n + 3 * B * P * C * n + B * (P * C) ** 2) * like.element_size(),
+               f"torch.func.hessian of the model's loss over {n} variables with the Jacobian and the parts", like.device)
+    fixed = {k: v for k, v in params.items() if k not in names}
+    sel = {k: params[k] for k in names}
+
+    def out(s):
+        return _model_forward({**fixed, **s}, inputs, cfg)
+
+    Hf = torch.func.hessian(lambda s: losses.value(loss3, target3, out(s)))(sel)
+    in_dims = (0, 0 if isinstance(target3, torch.Tensor) else None)
+
+    def per_sequence(zb, t):
+        return losses.value(loss3, t[None] if isinstance(t, torch.Tensor) else t, zb[None]) / B
+
+    H_z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(z0, target3).reshape(B, P * C, P * C)
+    J = torch.func.jacrev(out)(sel)
+    J = {k: J[k].reshape(B, P * C, -1) for k in names}
+    parts = {w: BlockSum(names, shapes) for w in ("full", "outer", "functional")}
+    for a, b in pairs(names):
+        full = Hf[a][b].reshape(params[a].numel(), params[b].numel())
+        outer = torch.einsum("bia,bij,bjc->ac", J[a], H_z, J[b])
+        parts["full"].add(a, b, full)
+        parts["outer"].add(a, b, outer)
+        parts["functional"].add(a, b, full - outer)
+    return parts["full"].result(like, cfg, parts=lambda which: parts[which].result(like, cfg))
 
 
 def _plain_loss(loss, target, Z: torch.Tensor) -> torch.Tensor:
@@ -194,6 +284,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     not fit in the memory available (with the bytes needed and available), besides the
     ``ValueError`` of :func:`blockhess.hessian`.
     """
+    if isinstance(cfg, ModelConfig):
+        if wrt_input is not False:
+            raise ValueError("wrt_input applies to a block; a model's input is not a variable")
+        return _model_hessian(params, X, cfg, loss, target, wrt)
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)
     shapes = dict(param_shapes(cfg))

@@ -1,0 +1,207 @@
+"""A whole model's forward pass: input checks, the embedding, the blocks, the top (final LayerNorm,
+pooling, head), and the trace the curvature walk reads (docs/derivations.md §16).
+
+Inputs are what the model's own ``forward`` takes first: features ``(B, L, d_in)``, images
+``(B, C, H, W)``, token ids ``(B, L)``, or ``X_0`` ``(B, L, d_model)`` (``embedding="none"``); one
+sequence without the batch axis is a batch of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..block import check_forward, forward_cache
+from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes, sinusoidal_positions
+from ..layers import layernorm
+from ..validation import check_finite, check_ln_variance, check_params, check_tensor, warn_tf32
+
+__all__ = ["Trace", "block_params", "check_model_inputs", "forward", "model_input", "patches", "trace", "n_tokens"]
+
+
+def patches(images: torch.Tensor, p: int) -> torch.Tensor:
+    """``(B, C, H, W)`` images -> ``(B, (H/p)(W/p), C·p²)``: non-overlapping ``p × p`` patches in
+    row-major order, each flattened channel-major ``(c, i, j)`` (a convolution with stride = kernel = ``p``)."""
+    B, C, H, W = images.shape
+    x = images.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (H // p) * (W // p), C * p * p)
+
+
+def n_tokens(cfg: ModelConfig, inputs: torch.Tensor) -> int:
+    """Tokens per sequence of the blocks (the ``cls`` token included) for batched ``inputs``."""
+    if cfg.embedding == "patch":
+        L = (cfg.image[1] // cfg.patch) * (cfg.image[2] // cfg.patch)
+    else:
+        L = inputs.shape[1]
+    return L + int(cfg.cls_token)
+
+
+def block_params(params: dict, cfg: ModelConfig, i: int) -> dict:
+    """Block ``i``'s parameters under the block's own names (``W_Q``, not ``blocks.0.W_Q``)."""
+    pre = block_prefix(i)
+    return {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+
+
+def model_input(cfg: ModelConfig, inputs) -> tuple[torch.Tensor, bool]:
+    """``inputs`` with a batch axis, and whether one was added (one sequence given)."""
+    single = {"token": 1, "patch": 3}.get(cfg.embedding, 2)
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == single:
+        return inputs[None], True
+    return inputs, False
+
+
+def _like(params: dict) -> torch.Tensor:
+    return next(iter(params.values())) if isinstance(params, dict) and params else None
+
+
+def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> None:
+    """Validate ``inputs`` against ``cfg`` (shape; token ids integer and in ``[0, vocab)``; the
+    sequence no longer than the positions) and ``params`` (names, shapes, one floating dtype and
+    device, finite). Raises ``ValueError`` naming the argument and what was expected."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(inputs, torch.Tensor):
+        raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    d = cfg.d_model
+    if cfg.embedding == "token":
+        if inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool or inputs.ndim != 2:
+            raise ValueError(f"inputs must be integer token ids of shape (B, L) or (L,), got {inputs.dtype} of shape "
+                             f"{tuple(inputs.shape)}")
+        if inputs.numel() == 0:
+            raise ValueError(f"inputs must hold at least one token of one sequence, got shape {tuple(inputs.shape)}")
+        lo, hi = int(inputs.min()), int(inputs.max())
+        if lo < 0 or hi >= cfg.vocab:
+            bad = ((inputs < 0) | (inputs >= cfg.vocab)).nonzero()[0].tolist()
+            raise ValueError(f"inputs: token id {int(inputs[tuple(bad)])} at {tuple(bad)} is out of range [0, {cfg.vocab})")
+        like = _like(params)
+        if like is None:
+            raise ValueError("params must be a non-empty dict of tensors")
+        check_tensor("params[" + repr(next(iter(params))) + "]", like, finite=False)
+    else:
+        want = {"patch": f"(B, {', '.join(map(str, cfg.image))})" if cfg.image else "",
+                "linear": f"(B, L, {cfg.d_in})", "none": f"(B, L, {d})"}[cfg.embedding]
+        check_tensor("inputs", inputs, finite=False)
+        ok = (inputs.ndim == 4 and tuple(inputs.shape[1:]) == tuple(cfg.image)) if cfg.embedding == "patch" else (
+            inputs.ndim == 3 and inputs.shape[-1] == (cfg.d_in if cfg.embedding == "linear" else d))
+        if not ok or inputs.shape[0] < 1 or (cfg.embedding != "patch" and inputs.shape[1] < 1):
+            raise ValueError(f"inputs must have shape {want} (or without the batch axis) with B, L >= 1, got "
+                             f"{tuple(inputs.shape)}")
+        like = inputs
+    L = n_tokens(cfg, inputs)
+    if cfg.positions == "learned" and L > cfg.n_positions:
+        raise ValueError(f"inputs: {L} tokens{' (the cls token included)' if cfg.cls_token else ''} exceed the "
+                         f"{cfg.n_positions} learned positions (W_P rows)")
+    check_params(params, model_param_shapes(cfg), like if cfg.embedding != "token" else like)
+    if cfg.embedding != "token":
+        check_finite({"inputs": inputs})
+    warn_tf32(like.dtype, like.device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trace:
+    """A forward pass over a batch, kept for the derivatives (:func:`trace`)."""
+
+    cfg: ModelConfig
+    params: dict
+    inputs: torch.Tensor  # features (B, L, d_in) (patches cut), token ids (B, L), or X_0
+    X0: torch.Tensor  # (B, L, d) the embedding's output before LN_E (the blocks' input without LN_E)
+    blocks: tuple  # block caches (blockhess.block.Cache), the input of block 0 being LN_E(X0) or X0
+    XN: torch.Tensor  # (B, L, d) the last block's output
+    u: torch.Tensor  # (B, L, d) LN_F(XN) (XN without LN_F)
+    h: torch.Tensor  # (B, P, d) the pooled rows (P = 1 pooled, L otherwise)
+    z: torch.Tensor  # (B, P, n_out) the output (h without a head)
+
+
+def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.d_model
+    if cfg.embedding == "none":
+        X = x
+    elif cfg.embedding == "token":
+        X = p["W_E"][x]
+    else:
+        X = x @ p["W_E"]
+        if "b_E" in p:
+            X = X + p["b_E"]
+    if cfg.cls_token:
+        X = torch.cat([p["cls"].expand(X.shape[0], 1, d), X], 1)
+    L = X.shape[1]
+    if cfg.positions == "learned":
+        X = X + p["W_P"][:L]
+    elif cfg.positions == "sinusoidal":
+        X = X + sinusoidal_positions(L, d, X.dtype, X.device)
+    if cfg.token_types:
+        X = X + p["W_T"][0]
+    return X
+
+
+def _norm(p: dict, X: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
+    return layernorm.affine(layernorm.normalise(X, cfg.norm_eps)[0], p.get(f"gamma_{s}"), p.get(f"beta_{s}"))
+
+
+def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: bool = True, first: int = 0) -> Trace:
+    """The forward pass over batched, checked ``inputs``; every LayerNorm input row is checked
+    (:func:`~blockhess.validation.check_ln_variance`), the blocks' too (:func:`~blockhess.block.check_forward`),
+    and the output must be finite. ``derivatives``: the blocks' caches keep their per-token Jacobians
+    and the input ``X`` as a variable (``False``: a plain forward). ``first``: the batch index of the
+    first sequence (for the rows errors name). Raises ``ValueError``."""
+    x = patches(inputs, cfg.patch) if cfg.embedding == "patch" else inputs
+    X0 = _embed(params, x, cfg)
+    X = X0
+    if cfg.embed_norm:
+        check_ln_variance("the embedding LayerNorm input", X0, cfg.norm_eps, computed=True, first=first)
+        X = _norm(params, X0, cfg, "E")
+    caches = []
+    for i, bc in enumerate(cfg.blocks):
+        c = forward_cache(block_params(params, cfg, i), X, bc, wrt_input=derivatives, plain=not derivatives)
+        check_forward(c, first=first)
+        caches.append(c)
+        X = c.out
+    u = X
+    if cfg.final_norm:
+        check_ln_variance("the final LayerNorm input (the last block's output)", X, cfg.norm_eps, computed=True,
+                          first=first)
+        u = _norm(params, X, cfg, "F")
+    h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else u
+    z = h
+    if cfg.head is not None:
+        z = h @ (params["W_E"].T if cfg.tied else params["W_H"])
+        if "b_H" in params:
+            z = z + params["b_H"]
+    check_finite({"the model output": z}, f": the forward pass overflowed {z.dtype} on finite inputs; "
+                 "rescale the inputs or the weights")
+    return Trace(cfg=cfg, params=params, inputs=x, X0=X0, blocks=tuple(caches), XN=X, u=u, h=h, z=z)
+
+
+def output(cfg: ModelConfig, z: torch.Tensor, single: bool) -> torch.Tensor:
+    """The model output as returned: ``(B, n_out)`` pooled, ``(B, L, n_out)`` per token (no batch axis for one sequence)."""
+    out = z[:, 0] if cfg.pool != "none" else z
+    return out[0] if single else out
+
+
+def forward(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The model's output: ``(B, n_out)`` with a pooling, ``(B, L, n_out)`` without (``n_out`` the
+    head's width, or ``d_model``); no batch axis for one sequence. dtype and device of the params.
+
+    Raises ``ValueError`` as :func:`check_model_inputs` and :func:`trace` (a LayerNorm input row it
+    cannot take, an overflow).
+    """
+    inputs, single = model_input(cfg, inputs)
+    check_model_inputs(params, inputs, cfg)
+    return output(cfg, trace(params, inputs, cfg, derivatives=False).z, single)
+
+
+def sequence_loss(cfg: ModelConfig, loss, target, z: torch.Tensor):
+    """The model's loss as a loss of ``z`` ``(B, P, n_out)`` for :mod:`blockhess.losses`: ``(loss, target)``
+    with a pooled model's target given its token axis (``(B,)`` classes -> ``(B, 1)``; MSE ``(B, n_out)`` ->
+    ``(B, 1, n_out)``) and a callable taking one sequence's output as the model returns it (``(n_out,)``
+    pooled, ``(L, n_out)`` per token). ``target`` is not checked here (:func:`blockhess.losses.check`)."""
+    if cfg.pool == "none":
+        return loss, target
+    if callable(loss):
+        def pooled(zb, t, _loss=loss):
+            return _loss(zb[0], t)
+        return pooled, target
+    if isinstance(target, torch.Tensor) and target.ndim >= 1 and target.shape[0] == z.shape[0]:
+        target = target[:, None]
+    return loss, target
