@@ -45,7 +45,7 @@ def test_quick_writes_json_markdown_plot(quick):
     env = res["env"]
     for key in ("torch", "torch_threads", "cpu_model", "logical_cpus", "memory_total_gib", "load_average_at_start"):
         assert env[key] is not None
-    assert {c["group"] for c in res["cases"]} == {"a", "b", "c"}
+    assert {c["group"] for c in res["cases"]} == {"a", "b", "c", "m"}
     assert res["targets"]
 
 
@@ -129,10 +129,10 @@ def test_device_cuda_is_refused_clearly_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
         bench.run(_args(tmp_path, "--device", "cuda", "--quick"))
-    with pytest.raises(ValueError, match="groups a and b only"):
+    with pytest.raises(ValueError, match="groups a, b and m only"):
         bench.build_plan(_args(tmp_path, "--device", "cuda", "--cases", "c"))
     plan = bench.build_plan(_args(tmp_path, "--device", "cuda", "--quick"))
-    assert {c["group"] for c in plan} == {"a", "b"}
+    assert {c["group"] for c in plan} == {"a", "b", "m"}
 
 
 def test_out_of_other_files_is_refused_before_any_case(tmp_path):
@@ -193,3 +193,48 @@ def test_memory_target_covers_every_hessian_case_and_few_samples_are_counted():
     assert (t["measured"], t["met"]) == (4.0, False) and "40.0 MiB for a 10.0 MiB output" in t["note"]
     assert bench._fmt_spread({"median_s": 2.0, "samples": 1, "p25_s": 2.0, "p75_s": 2.0}) == " (1 sample)"
     assert bench._fmt_spread({"median_s": 2.0, "samples": 5, "p25_s": 1.5, "p75_s": 2.5}) == " [1.50 s–2.50 s]"
+
+
+def test_model_targets_per_baseline_and_memory():
+    """Group (m): a 5× target per baseline from the same-process ratio, the memory target from the
+    closed form's fresh peak (the floor's process in the paired layout)."""
+    case = {"id": "m/gpt2/B8", "group": "m", "layout": "paired", "out_bytes": 100 * 2**20, "pairs": {
+                "func_hessian": {"ratio": 6.0, "closed_form_median_s": 1.0}, "curvlinops": {"ratio": 4.0, "closed_form_median_s": 1.0}},
+            "methods": {"closed_form": {"median_s": 1.0, "memory": {"peak_delta_bytes": 120 * 2**20}},
+                        "func_hessian": {"median_s": 6.0}, "curvlinops": {"median_s": 4.0}}}
+    t = _targets(case)
+    assert (t[">= 5× faster than torch.func.hessian"]["met"], t[">= 5× faster than curvlinops H @ I"]["met"]) == (True, False)
+    mem = t["closed-form peak memory <= 1.5× the dense Hessian"]
+    assert (mem["measured"], mem["met"]) == (1.2, True)
+
+
+def test_model_problems_are_the_benchmarked_models():
+    """The models of group (m) as ModelConfig builds them: the 2-block digits ViT and the
+    2-layer GPT-2 of d = 16, 2 heads, vocabulary 32, 8 positions (7,232 parameters)."""
+    import math
+
+    from blockhess.config import model_param_shapes
+    from blockhess_lab import bench_worker as W
+    from blockhess_lab.vit import DEFAULT_ARCH
+
+    vit = W.model_config({"model": "vit", "blocks": 2})
+    assert len(vit.blocks) == 2 and vit.blocks[0].d_model == DEFAULT_ARCH["d_model"] and vit.blocks[0].d_ff == DEFAULT_ARCH["d_ff"]
+    assert (vit.embedding, vit.patch, vit.pool, vit.head, vit.positions) == ("patch", 2, "mean", 10, "sinusoidal")
+    gpt = W.model_config({"model": "gpt2", "blocks": 2, **bench.GPT2})
+    assert gpt.tied and gpt.final_norm and gpt.blocks[0].causal and gpt.blocks[0].n_heads == 2
+    assert sum(math.prod(s) for s in model_param_shapes(gpt).values()) == 7232
+    with pytest.raises(ValueError, match="model"):
+        W.model_config({"model": "bert"})
+
+
+def test_curvlinops_column_blocks_agree_with_closed_form():
+    pytest.importorskip("curvlinops")
+    from blockhess.linalg import rel_error
+    from blockhess_lab import bench_worker as W
+
+    P = W.make_problem({"kind": "model", "model": "gpt2", "B": 2, "blocks": 1, "dtype": "float64", "seed": 0,
+                        "columns": 300, **bench.GPT2_QUICK})
+    call, canon, extra = W.setup_curvlinops(P)
+    assert extra["columns"] == 300 < P.n  # more than one block, the last one short
+    ref, _, _ = W.setup_closed_form(P)
+    assert rel_error(canon(call()), ref()) <= TOL

@@ -13,7 +13,11 @@ What is measured (benchmarks/README.md; the targets are the project's, beside th
     ``HessianLinearOperator @ I`` and JAX ``jit(hessian)`` (compile time apart), with the
     floor: allocating and filling the dense n×n output;
 (c) the largest n whose full Hessian the closed form computes within the memory cap, and
-    whether each baseline can.
+    whether each baseline can;
+(m) the Hessian of a whole model's loss in float64, dense: the 2-block digits ViT (B = 8 and
+    32 digits) and a 2-layer GPT-2 (d = 16, 2 heads, vocabulary 32, 8 positions; B = 8), against
+    ``torch.func.hessian`` and curvlinops ``HessianLinearOperator @ I`` in column blocks, with
+    the floor (:class:`~blockhess_lab.bench_worker.ModelProblem`).
 
 How: every job runs in a fresh subprocess (:mod:`blockhess_lab.bench_worker`)
 watched by this process, which kills it when its resident memory passes the cap or the
@@ -30,7 +34,7 @@ reported as skipped, with the reason.
 Writes ``bench.json`` (everything, with the environment), ``bench.md`` (tables, the
 paper's figures beside ours, the targets) and ``bench.png`` into ``--out``.
 
-``--device cuda`` runs groups (a) and (b) on the GPU (the paper's timings are CUDA, FP32):
+``--device cuda`` runs groups (a), (b) and (m) on the GPU (the paper's timings are CUDA, FP32):
 every timed call ends with ``torch.cuda.synchronize()``, peak memory is the GPU memory
 allocated by torch, JAX is skipped (CPU jaxlib).
 """
@@ -82,6 +86,8 @@ METHOD_LABEL = {
 }
 JAC_METHODS = ["closed_form", "autograd", "jacrev", "jacfwd"]
 HESS_METHODS = ["closed_form", "closed_form_out", "floor", "func_hessian", "jax", "curvlinops", "autograd"]
+MODEL_METHODS = ["closed_form", "floor", "func_hessian", "curvlinops"]
+MODEL_BASELINES = ("func_hessian", "curvlinops")
 NO_PEAK = ("floor", "closed_form_out")  # not in the memory table: the floor is its output; out= is allocated before the call
 JAC_LABEL = {"ln": "LayerNorm Jacobian", "W_1": "dZ/dW_1", "W_2": "dZ/dW_2", "block": "full block Jacobian dZ/dW"}
 
@@ -100,12 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="output folder, written case by case (bench.json, bench.md, bench.png); an existing folder must be "
                         "empty or hold earlier results (default: bench-results)")
-    p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of groups a, b and c (float32 only in a; fewer memory jobs and baselines; about 2 minutes); its numbers do not test the targets")
-    p.add_argument("--cases", default="a,b,c", metavar="LIST", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n) (default: a,b,c)")
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of groups a, b, c and m (float32 only in a; fewer memory jobs and baselines; about 2 minutes); its numbers do not test the targets")
+    p.add_argument("--cases", default="a,b,c,m", metavar="LIST", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n), m (whole models) (default: a,b,c,m)")
     p.add_argument("--only", default="", metavar="LIST", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")
     p.add_argument("--mem-cap-gb", type=float, default=20.0, metavar="GIB", help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default: 20)")
     p.add_argument("--slow", action="store_true", help="also run torch.autograd.functional.hessian at (32, 64, 128) (n Hessian-vector passes: many minutes)")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses of groups a and b")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-method peak-memory subprocesses of groups a, b and m")
     p.add_argument("--threads", type=_threads, default=None, metavar="auto|N",
                    help="threads per worker for torch and JAX: an integer >= 1, or auto (the default): torch's default, "
                    "but 1 when the machine is oversubscribed at start (load average >= CPUs), where OpenMP "
@@ -113,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable", default=os.environ.get("BLOCKHESS_BENCH_DISABLE", ""), metavar="LIST", help="comma-separated baselines to skip as if not installed (e.g. jax,curvlinops)")
     add_quiet_argument(p, "tables printed at the end (bench.md has them)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the problems live and every torch method runs (default: cpu). cuda: groups a and b only "
+                   help="where the problems live and every torch method runs (default: cpu). cuda: groups a, b and m only "
                    "(group c's memory cap watches host memory), JAX skipped (CPU jaxlib), peak memory is the GPU's")
 
 
@@ -158,13 +164,13 @@ def _n(L, d, d_ff):
 def build_plan(args) -> list[dict]:
     """The list of cases; each has an id, a group, its problem and its jobs."""
     groups = {g.strip() for g in args.cases.split(",") if g.strip()}
-    bad = groups - {"a", "b", "c"}
+    bad = groups - {"a", "b", "c", "m"}
     if bad:
-        raise ValueError(f"--cases must be a comma-separated subset of a,b,c; got {sorted(bad)}")
+        raise ValueError(f"--cases must be a comma-separated subset of a,b,c,m; got {sorted(bad)}")
     if args.device == "cuda":
         groups.discard("c")  # the largest-n search caps host memory; on a GPU it would measure the wrong thing
         if not groups:
-            raise ValueError("--device cuda runs groups a and b only (group c watches host memory); got --cases c")
+            raise ValueError("--device cuda runs groups a, b and m only (group c watches host memory); got --cases c")
     q = args.quick
     mem = not args.no_memory
     cases = []
@@ -223,6 +229,8 @@ def build_plan(args) -> list[dict]:
                 "timeout_s": 300 if q else 1500,
                 "skipped": {} if (args.slow or q or loss != "mse") else {"autograd": "not run at this size without --slow: n = 28,672 Hessian-vector passes (see its time at (16, 32, 64))"},
             })
+    if "m" in groups:
+        cases += _model_cases(q, mem)
     if "c" in groups:
         sizes = [(4, 8, 16)] if q else [(32, 72, 144), (32, 80, 160), (32, 84, 168)]
         cases.append({
@@ -235,6 +243,43 @@ def build_plan(args) -> list[dict]:
         if not cases:
             raise ValueError(f"--only {args.only!r} matches no case of groups {sorted(groups)}")
     return cases
+
+
+GPT2 = {"d": 16, "d_ff": 64, "heads": 2, "vocab": 32, "positions": 8}  # the issue's 2-layer GPT-2: n = 7,232
+GPT2_QUICK = {"d": 8, "d_ff": 16, "heads": 2, "vocab": 8, "positions": 4}
+
+
+def _model_cases(quick: bool, mem: bool) -> list[dict]:
+    """Group (m): whole models (:class:`~blockhess_lab.bench_worker.ModelProblem`), float64, CE.
+
+    The digits ViT at B = 8 in one process (all methods interleaved, peak memory from fresh
+    processes); at B = 32 and the GPT-2 at B = 8, where one baseline call takes about a minute,
+    each baseline in its own process with the closed form interleaved (the floor's process gives
+    the closed form's fresh peak). curvlinops multiplies column blocks of 1,024 identity columns.
+    Quick: one block, B = 2, a GPT-2 of width 8."""
+    def spec(model, B, **kw):
+        return {"kind": "model", "model": model, "B": B, "blocks": 1 if quick else 2, "dtype": "float64", "seed": 0,
+                "columns": 512 if quick else 1024, **kw}
+
+    if quick:
+        t = {"rounds": 3, "min_sample_s": 0.01, "method_budget_s": 2, "warmup": 1}
+        return [
+            {"id": "m/vit/B2", "group": "m", "problem": spec("vit", 2), "layout": "interleaved", "methods": MODEL_METHODS,
+             "memory": mem, "memory_methods": ["closed_form"], "time": t, "timeout_s": 300},
+            {"id": "m/gpt2/B2/paired", "group": "m", "problem": spec("gpt2", 2, **GPT2_QUICK), "layout": "paired",
+             "methods": MODEL_METHODS, "pairs": ["floor", *MODEL_BASELINES], "memory": False, "time": {**t, "exact": True}, "timeout_s": 300},
+        ]
+    return [
+        {"id": "m/vit/B8", "group": "m", "problem": spec("vit", 8), "layout": "interleaved", "methods": MODEL_METHODS,
+         "memory": mem, "memory_methods": ["closed_form", *MODEL_BASELINES],
+         "time": {"rounds": 7, "min_sample_s": 0.05, "method_budget_s": 40, "warmup": 1}, "timeout_s": 900},
+        {"id": "m/vit/B32", "group": "m", "problem": spec("vit", 32), "layout": "paired", "methods": MODEL_METHODS,
+         "pairs": ["floor", *MODEL_BASELINES], "memory": False,
+         "time": {"rounds": 5, "min_sample_s": 0.05, "method_budget_s": 60, "warmup": 1, "exact": True}, "timeout_s": 900},
+        {"id": "m/gpt2/B8", "group": "m", "problem": spec("gpt2", 8, **GPT2), "layout": "paired", "methods": MODEL_METHODS,
+         "pairs": ["floor", *MODEL_BASELINES], "memory": False,
+         "time": {"rounds": 3, "min_sample_s": 0.05, "method_budget_s": 60, "warmup": 1, "exact": True}, "timeout_s": 900},
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -551,6 +596,18 @@ def evaluate_targets(results: dict) -> list[dict]:
         if pd and ob:
             add(f"{c['id']}: closed-form peak memory <= 1.5× the dense Hessian", round(pd / ob, 2), pd / ob <= 1.5,
                 f"{_fmt_gib(pd)} for a {_fmt_gib(ob)} output")
+    for c in results["cases"]:
+        if c["group"] != "m":
+            continue
+        for m in MODEL_BASELINES:
+            r, kind = _ratio_kind(c, m)
+            e = c["methods"].get(m, {})
+            add(f"{c['id']}: >= 5× faster than {METHOD_LABEL[m]}", None if r is None else round(r, 2), None if r is None else r >= 5,
+                e.get("error") or e.get("skip_reason") or RATIO_NOTE.get(kind, ""))
+        pd, ob = _peak_delta(c, "closed_form"), c.get("out_bytes")
+        if pd and ob:
+            add(f"{c['id']}: closed-form peak memory <= 1.5× the dense Hessian", round(pd / ob, 2), pd / ob <= 1.5,
+                f"{_fmt_gib(pd)} for a {_fmt_gib(ob)} output")
     lc = cases.get("c/largest")
     if lc:
         fh = lc["baselines"].get("func_hessian", {})
@@ -624,6 +681,34 @@ def _peak_cell(r: dict) -> str:
     return "—" if w is None else f"{w:.1f} GiB when it ended"
 
 
+def _memory_table(w, cases: list[dict], peaked: list[str]) -> None:
+    """The peak-memory table of ``cases`` for the methods ``peaked``, with each baseline's agreement."""
+    w("Peak memory (increase during the first call, fresh process), and as a multiple of the dense output; agreement with the closed form:")
+    w("")
+    w("| case | dense output | " + " | ".join(METHOD_LABEL[m] for m in peaked) + " |")
+    w("|---|---|" + "---|" * len(peaked))
+    for c in cases:
+        ob = c.get("out_bytes")
+        cells = []
+        for m in peaked:
+            e = c["methods"].get(m, {})
+            mem = e.get("memory") or {}
+            pd = mem.get("peak_delta_bytes")
+            if pd is not None and mem.get("status") == "ok":
+                s = f"{_fmt_gib(pd)} ({pd / ob:.2f}×)" if ob else _fmt_gib(pd)
+            elif mem.get("error"):
+                s = "OOM" if "out of memory" in mem["error"] else mem["error"][:40]
+            elif not e.get("available", True):
+                s = "skipped"
+            else:
+                s = "—"
+            if m != "closed_form":
+                s += f"; err {_fmt_err(e)}"
+            cells.append(s)
+        w(f"| {c['id']} | {_fmt_gib(ob)} | " + " | ".join(cells) + " |")
+    w("")
+
+
 def markdown(results: dict) -> str:
     env = results["env"]
     L = []
@@ -685,31 +770,23 @@ def markdown(results: dict) -> str:
               f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'jax')}{comp} | {_x(c, 'jax')} | "
               f"{_cell(c, 'curvlinops')} | {_x(c, 'curvlinops')} | {_cell(c, 'autograd')} | {_x(c, 'autograd')} | {issue} |")
         w("")
-        w("Peak memory (increase during the first call, fresh process), and as a multiple of the dense output; agreement with the closed form:")
+        _memory_table(w, bcases, [m for m in HESS_METHODS if m not in NO_PEAK])
+    mcases = [c for c in results["cases"] if c["group"] == "m"]
+    if mcases:
+        w("### (m) Whole-model Hessians, float64, dense n×n, cross-entropy")
         w("")
-        peaked = [m for m in HESS_METHODS if m not in NO_PEAK]
-        w("| case | dense output | " + " | ".join(METHOD_LABEL[m] for m in peaked) + " |")
-        w("|---|---|" + "---|" * len(peaked))
-        for c in bcases:
-            ob = c.get("out_bytes")
-            cells = []
-            for m in peaked:
-                e = c["methods"].get(m, {})
-                mem = e.get("memory") or {}
-                pd = mem.get("peak_delta_bytes")
-                if pd is not None and mem.get("status") == "ok":
-                    s = f"{_fmt_gib(pd)} ({pd / ob:.2f}×)" if ob else _fmt_gib(pd)
-                elif mem.get("error"):
-                    s = "OOM" if "out of memory" in mem["error"] else mem["error"][:40]
-                elif not e.get("available", True):
-                    s = "skipped"
-                else:
-                    s = "—"
-                if m != "closed_form":
-                    s += f"; err {_fmt_err(e)}"
-                cells.append(s)
-            w(f"| {c['id']} | {_fmt_gib(ob)} | " + " | ".join(cells) + " |")
+        w("| case | model | B | n | closed form | floor | torch.func.hessian | × | curvlinops H @ I (column blocks) | × |")
+        w("|---|---|---|---|---|---|---|---|---|---|")
+        for c in mcases:
+            p = c["problem"]
+            model = (f"digits ViT, {p['blocks']} block{'s' if p['blocks'] > 1 else ''}" if p["model"] == "vit" else
+                     f"GPT-2, {p['blocks']} layer{'s' if p['blocks'] > 1 else ''}, d = {p['d']}, {p['heads']} heads, vocabulary {p['vocab']}, {p['positions']} positions")
+            cols = c["methods"].get("curvlinops", {}).get("columns")
+            w(f"| {c['id']} | {model} | {p['B']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | "
+              f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'curvlinops')}{f' ({cols:,} columns)' if cols else ''} | "
+              f"{_x(c, 'curvlinops')} |")
         w("")
+        _memory_table(w, mcases, [m for m in MODEL_METHODS if m not in NO_PEAK])
     lc = next((c for c in results["cases"] if c["group"] == "c"), None)
     if lc:
         w(f"### (c) Largest full Hessian within {lc['cap_gib']:g} GiB")
@@ -741,7 +818,8 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("a", "Component Jacobians, (8, 16, 32)", JAC_METHODS), ("b", "Full loss Hessian, float64", HESS_METHODS)]
+    groups = [("a", "Component Jacobians, (8, 16, 32)", JAC_METHODS), ("b", "Full loss Hessian, float64", HESS_METHODS),
+              ("m", "Whole-model Hessian, float64", MODEL_METHODS)]
     groups = [(g, t, ms) for g, t, ms in groups if any(c["group"] == g for c in results["cases"])]
     if not groups:
         return

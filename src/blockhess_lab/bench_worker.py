@@ -3,8 +3,9 @@
 ``python -m blockhess_lab.bench_worker JOB.json RESULT.json``
 
 A job names a *problem* (what is computed: a component Jacobian or the full loss Hessian
-of the paper's block at one size, dtype and loss) and a list of *methods* that compute the
-same dense output (our closed form, autograd baselines, the allocate-and-fill floor).
+of the paper's block at one size, dtype and loss, or the Hessian of a whole model's loss,
+:class:`ModelProblem`) and a list of *methods* that compute the same dense output (our closed
+form, autograd baselines, the allocate-and-fill floor).
 
 Modes
 -----
@@ -80,7 +81,23 @@ def peak_bytes() -> int:
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class Problem:
+class FlatParams:
+    """The weights ``params`` (names and ``shapes`` in canonical order) as one flat vector ``theta``
+    and back: what the autograd baselines differentiate."""
+
+    def unflatten(self, theta: torch.Tensor) -> dict:
+        out, o = {}, 0
+        for name, shape in self.shapes:
+            size = math.prod(shape)
+            out[name] = theta[o : o + size].view(shape)
+            o += size
+        return out
+
+    def theta(self) -> torch.Tensor:
+        return torch.cat([v.reshape(-1) for v in self.params.values()])
+
+
+class Problem(FlatParams):
     """Inputs of one benchmark case, built deterministically from its spec.
 
     ``spec``: ``kind`` ("jacobian" | "hessian"), ``of`` (jacobian: "ln" | "W_1" | "W_2" |
@@ -158,17 +175,6 @@ class Problem:
 
         return digits_loss, self.target
 
-    def unflatten(self, theta: torch.Tensor) -> dict:
-        out, o = {}, 0
-        for name, shape in self.shapes:
-            size = math.prod(shape)
-            out[name] = theta[o : o + size].view(shape)
-            o += size
-        return out
-
-    def theta(self) -> torch.Tensor:
-        return torch.cat([v.reshape(-1) for v in self.params.values()])
-
     def scalar(self):
         """``theta -> loss`` through :func:`blockhess.reference.forward` (autograd baselines)."""
         from blockhess import reference
@@ -177,6 +183,105 @@ class Problem:
             return self.loss_value(reference.forward(self.unflatten(theta), self.X, self.cfg))
 
         return f
+
+
+class ModelProblem(FlatParams):
+    """Inputs of one whole-model case (``kind="model"``): a :class:`~blockhess.config.ModelConfig`
+    with random weights (:func:`blockhess.init_params` under ``seed``), a batch and the cross-entropy
+    of its output.
+
+    ``spec``: ``model`` ("vit" | "gpt2"), ``B``, ``blocks`` (``N``), ``dtype``, ``seed``, and
+    ``columns`` (the column block of curvlinops ``H @ I``; default ``n``).
+
+    * ``"vit"``: the digits ViT (:data:`blockhess_lab.vit.DEFAULT_ARCH`'s block, the paper's setting
+      with ``ln_eps``): 1×8×8 images in 2×2 patches (16 tokens), sinusoidal positions, mean pooling,
+      a 10-class head with bias; inputs the first ``B`` scikit-learn digits (:func:`~blockhess_lab.vit.load_data`),
+      CE on their labels.
+    * ``"gpt2"``: pre-LN GPT-2 blocks (``d`` = ``d``, ``d_ff``, ``heads``, biases, ``W_O``, affine
+      LayerNorms with eps 1e-5, tanh GELU, causal), token embedding of a vocabulary ``vocab``,
+      learned positions (``positions`` rows, every sequence that long), final LayerNorm, the head
+      tied to ``W_E`` without bias; inputs uniform random token ids ``(B, positions)``, per-token CE
+      on the next token of the same random sequence (targets ``(B, positions)``).
+    """
+
+    kind = "model"
+
+    def __init__(self, spec: dict, device: str = "cpu"):
+        import blockhess as bh
+
+        self.spec = spec
+        self.dtype = DTYPES[spec["dtype"]]
+        self.cfg = model_config(spec)
+        self.params = bh.init_params(self.cfg, seed=spec.get("seed", 0), dtype=self.dtype)
+        self.names = list(self.params)
+        self.shapes = [(k, tuple(v.shape)) for k, v in self.params.items()]
+        self.n = sum(v.numel() for v in self.params.values())
+        self.rows = self.cols = self.n
+        self.out_bytes = self.n * self.n * self.dtype.itemsize
+        self.columns = int(spec.get("columns") or self.n)
+        self.loss, B = "ce", spec["B"]
+        if spec["model"] == "vit":
+            from .vit import load_data
+
+            images, labels = load_data()
+            if B > images.shape[0]:
+                raise ValueError(f"model vit: B must be at most {images.shape[0]} (the digits), got {B}")
+            self.X, self.target = images[:B, None].to(self.dtype), labels[:B].clone()
+        else:
+            gen = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
+            seq = torch.randint(0, spec["vocab"], (B, spec["positions"] + 1), generator=gen)
+            self.X, self.target = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        self.device = torch.device(device)
+        self.params = {k: v.to(self.device) for k, v in self.params.items()}
+        self.X, self.target = self.X.to(self.device), self.target.to(self.device)
+
+    def bh_loss(self):
+        """``(loss, target)`` as :func:`blockhess.hessian` takes them."""
+        return self.loss, self.target
+
+    def logits(self, params: dict, X: torch.Tensor) -> torch.Tensor:
+        """The model's logits by plain ops (:func:`blockhess.reference.forward`), one row per
+        token of the loss: ``(B·P, classes)``."""
+        from blockhess import reference
+
+        z = reference.forward(params, X, self.cfg)
+        return z.reshape(-1, z.shape[-1])
+
+    def scalar(self):
+        """``theta -> loss``: the mean cross-entropy over every token of the loss (per-token:
+        every position; pooled: every sequence), by ``torch.nn.functional.cross_entropy``."""
+        import torch.nn.functional as Fn
+
+        y = self.target.reshape(-1)
+
+        def f(theta):
+            return Fn.cross_entropy(self.logits(self.unflatten(theta), self.X), y)
+
+        return f
+
+
+def model_config(spec: dict):
+    """The :class:`~blockhess.config.ModelConfig` of a :class:`ModelProblem` spec."""
+    from blockhess.config import BlockConfig, ModelConfig
+
+    N = spec.get("blocks", 2)
+    if spec["model"] == "vit":
+        from .vit import DEFAULT_ARCH as a
+
+        blk = BlockConfig(d_model=a["d_model"], d_ff=a["d_ff"], d_k=a["d_k"], ln_eps=a["ln_eps"])
+        return ModelConfig(blocks=(blk,) * N, embedding="patch", image=(1, 8, 8), patch=a["patch"],
+                           positions="sinusoidal", pool="mean", head=10)
+    if spec["model"] == "gpt2":
+        g = BlockConfig(d_model=spec["d"], d_ff=spec["d_ff"], n_heads=spec["heads"], norm="pre", bias=True, out_proj=True,
+                        ln_affine=True, ln_eps=1e-5, activation="gelu_tanh", causal=True)
+        return ModelConfig(blocks=(g,) * N, embedding="token", vocab=spec["vocab"], positions="learned",
+                           n_positions=spec["positions"], final_norm=True, head=spec["vocab"], tied=True, head_bias=False)
+    raise ValueError(f"model must be 'vit' or 'gpt2', got {spec['model']!r}")
+
+
+def make_problem(spec: dict, device: str = "cpu"):
+    """The problem of a job: a :class:`ModelProblem` for ``kind="model"``, else a :class:`Problem`."""
+    return (ModelProblem if spec["kind"] == "model" else Problem)(spec, device)
 
 
 def _digits_batch(B: int, L: int, d: int, dtype, gen):
@@ -267,7 +372,7 @@ def setup_closed_form_out(P: Problem):
     import blockhess as bh
 
     if P.kind != "hessian":
-        raise Skip("out= is a Hessian option")
+        raise Skip("out= is an option of a block's Hessian only")
     loss, target = P.bh_loss()
     buf = torch.empty(P.rows, P.cols, dtype=P.dtype, device=P.device)
     return (lambda: bh.hessian(P.params, P.X, P.cfg, loss=loss, target=target, out=buf).dense()), _identity, {}
@@ -307,7 +412,7 @@ def setup_jacfwd(P: Problem):
 
 def setup_func_hessian(P: Problem):
     """``torch.func.hessian`` (``jacfwd(jacrev)``) of the loss over the flat weight vector."""
-    if P.kind != "hessian":
+    if P.kind == "jacobian":
         raise Skip("torch.func.hessian is a Hessian baseline")
     f, theta = P.scalar(), P.theta()
     hess = torch.func.hessian(f)
@@ -315,8 +420,9 @@ def setup_func_hessian(P: Problem):
 
 
 def setup_curvlinops(P: Problem):
-    """curvlinops ``HessianLinearOperator @ I`` (identity built once, outside the timing)."""
-    if P.kind != "hessian":
+    """curvlinops ``HessianLinearOperator @ I`` (identity built once, outside the timing); for a
+    model, applied to the identity's column blocks of ``P.columns`` into one ``(n, n)`` result."""
+    if P.kind == "jacobian":
         raise Skip("curvlinops is a Hessian baseline")
     try:
         import curvlinops
@@ -325,38 +431,52 @@ def setup_curvlinops(P: Problem):
         raise Skip(f"curvlinops-for-pytorch not installed ({exc.__class__.__name__}); pip install -e '.[bench]'") from exc
     from blockhess import reference
 
-    cfg, loss, head, names = P.cfg, P.loss, P.head, P.names
+    cfg, loss, head, names = P.cfg, P.loss, P.head if P.kind == "hessian" else None, P.names
 
-    class Block(torch.nn.Module):
+    def output(p: dict, X: torch.Tensor) -> torch.Tensor:
+        if P.kind == "model":
+            return P.logits(p, X)
+        Z = reference.forward(p, X, cfg)
+        if loss == "ce":
+            return Z.reshape(-1, Z.shape[-1])
+        if loss == "digits":
+            return Z.mean(-2) @ head
+        return Z
+
+    class Wrapped(torch.nn.Module):  # a ParameterList: model names have dots, which a module's attributes cannot
         def __init__(self):
             super().__init__()
-            for k, v in P.params.items():
-                self.register_parameter(k, torch.nn.Parameter(v.clone()))
+            self.weights = torch.nn.ParameterList([torch.nn.Parameter(P.params[k].clone()) for k in names])
 
         def forward(self, X):
-            Z = reference.forward({k: getattr(self, k) for k in names}, X, cfg)
-            if loss == "ce":
-                return Z.reshape(-1, Z.shape[-1])
-            if loss == "digits":
-                return Z.mean(-2) @ head
-            return Z
+            return output(dict(zip(names, self.weights)), X)
 
-    model = Block()
-    X = P.X if P.X.ndim == 3 else P.X[None]
+    model = Wrapped()
+    X = P.X if P.X.ndim == 3 or P.kind == "model" else P.X[None]
     if loss == "mse":
         y, lf = (P.target if P.target.ndim == 3 else P.target[None]), torch.nn.MSELoss()
     else:
         y, lf = P.target.reshape(-1), torch.nn.CrossEntropyLoss()
-    params = [getattr(model, k) for k in names]
-    H = HessianLinearOperator(model, lf, params, [(X, y)], check_deterministic=False, progressbar=False)
+    H = HessianLinearOperator(model, lf, list(model.weights), [(X, y)], check_deterministic=False, progressbar=False)
     eye = torch.eye(P.n, dtype=P.dtype, device=P.device)
-    return (lambda: H @ eye), _identity, {"version": getattr(curvlinops, "__version__", "?")}
+    extra = {"version": getattr(curvlinops, "__version__", "?")}
+    if P.kind != "model" or P.columns >= P.n:
+        return (lambda: H @ eye), _identity, extra
+    starts = range(0, P.n, P.columns)
+
+    def blocked():
+        out = torch.empty(P.n, P.n, dtype=P.dtype, device=P.device)
+        for s in starts:
+            out[:, s : s + P.columns] = H @ eye[:, s : s + P.columns]
+        return out
+
+    return blocked, _identity, {**extra, "columns": P.columns}
 
 
 def setup_jax(P: Problem):
     """``jax.jit(jax.hessian(f))`` in float64; compile time measured here, apart."""
     if P.kind != "hessian":
-        raise Skip("the JAX baseline is a Hessian baseline")
+        raise Skip("the JAX baseline is a block's Hessian baseline")
     if P.dtype != torch.float64:
         raise Skip("the JAX baseline runs in float64 only")
     if P.device.type != "cpu":
@@ -418,7 +538,7 @@ def summarise(M: torch.Tensor, P: Problem) -> dict:
     M = M.reshape(P.rows, P.cols)
     S = M @ _sketch_matrix(P.cols, M.dtype).to(M.device)
     out = {"sketch": S.double().flatten().tolist(), "fro": float(torch.linalg.matrix_norm(M.double() if M.dtype != torch.float64 and M.numel() < 5e7 else M))}
-    if P.rows == P.cols and P.kind == "hessian":
+    if P.rows == P.cols and P.kind in ("hessian", "model"):
         # ||M - M^T||_F by row panels: no n x n temporary (the output may fill most of memory)
         sq, step = 0.0, max(1, (1 << 24) // max(P.cols, 1))
         for i in range(0, P.rows, step):
@@ -501,7 +621,7 @@ def _first_call(name, call, canon, P, entry, keep: bool, measure_peak: bool):
 
 
 def run_time(job: dict) -> dict:
-    P = Problem(job["problem"], job.get("device", "cpu"))
+    P = make_problem(job["problem"], job.get("device", "cpu"))
     names = job["methods"]
     res: dict = {}
     ready = _setup_all(P, names, res)
@@ -579,7 +699,7 @@ def run_time(job: dict) -> dict:
 
 
 def run_memory(job: dict) -> dict:
-    P = Problem(job["problem"], job.get("device", "cpu"))
+    P = make_problem(job["problem"], job.get("device", "cpu"))
     (name,) = job["methods"]
     res: dict = {}
     ready = _setup_all(P, [name], res)
@@ -613,7 +733,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         _start_device(job.get("device", "cpu"))
-        P = Problem(job["problem"], job.get("device", "cpu"))
+        P = make_problem(job["problem"], job.get("device", "cpu"))
         result.update(n=P.n, rows=P.rows, cols=P.cols, out_bytes=P.out_bytes)
         del P
         result["methods"] = run_memory(job) if job["mode"] == "memory" else run_time(job)
