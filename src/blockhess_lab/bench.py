@@ -230,7 +230,7 @@ def build_plan(args) -> list[dict]:
                 "skipped": {} if (args.slow or q or loss != "mse") else {"autograd": "not run at this size without --slow: n = 28,672 Hessian-vector passes (see its time at (16, 32, 64))"},
             })
     if "m" in groups:
-        cases += _model_cases(q, mem)
+        cases += model_cases(q, mem)
     if "c" in groups:
         sizes = [(4, 8, 16)] if q else [(32, 72, 144), (32, 80, 160), (32, 84, 168)]
         cases.append({
@@ -249,7 +249,7 @@ GPT2 = {"d": 16, "d_ff": 64, "heads": 2, "vocab": 32, "positions": 8}  # the iss
 GPT2_QUICK = {"d": 8, "d_ff": 16, "heads": 2, "vocab": 8, "positions": 4}
 
 
-def _model_cases(quick: bool, mem: bool) -> list[dict]:
+def model_cases(quick: bool, mem: bool) -> list[dict]:
     """Group (m): whole models (:class:`~blockhess_lab.bench_worker.ModelProblem`), float64, CE.
 
     The digits ViT at B = 8 in one process (all methods interleaved, peak memory from fresh
