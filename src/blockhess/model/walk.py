@@ -102,33 +102,37 @@ class _Fold:
 
 
 def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -> None:
-    """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring)."""
+    """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring).
+
+    ``Wt`` ``(B, m + Σ n_later, m)`` holds the rows of ``Ψ`` then of ``K^T`` at the current level; a
+    block with a later variable is one summed vector–Jacobian product of its rows (``(n_u, n_v)``,
+    written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
     Psi, rows, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
     m = Psi.shape[1]
     later = [(n, r.shape[1]) for n, r in rows]
     Wt = torch.cat([Psi] + [r for _, r in rows], 1)
+    del Psi, rows
     for k in reversed(range(len(stages))):
         st = stages[k]
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
-        own = None
+        own, sizes = None, []
         if here:
-            P = st.vjp(Wt, here)  # {v: (B, R, n_v)}: rows J_v^T Psi, then J_v^T K per later variable
-            off = m
-            for u, nu in later:
-                for v in here:
-                    acc.add(v, u, P[v][:, off:off + nu].sum(0).T)
-                off += nu
-            own = torch.cat([P[w][:, :m].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
-            Q = st.vjp(own, here)  # Q[v][:, rows of w] = J_w^T Psi J_v
-            off = 0
-            for i, w in enumerate(here):
-                nw = P[w].shape[2]
-                for v in here[i:]:
-                    acc.add(w, v, Q[v][:, off:off + nw].sum(0))
-                off += nw
+            for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
+                off = m
+                for u, nu in later:
+                    acc.add(u, v, st.vjp(Wt[:, off:off + nu], [v], summed=True)[v])
+                    off += nu
+            P = st.vjp(Wt[:, :m], here)  # {v: (B, m, n_v)}: Psi J_v per sequence
+            sizes = [P[w].shape[2] for w in here]
+            own = torch.cat([P[w].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
+            del P
+            starts = [sum(sizes[:i]) for i in range(len(here))]
+            for i, v in enumerate(here):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
+                for j, w in enumerate(here[: i + 1]):
+                    acc.add(w, v, st.vjp(own[:, starts[j]:starts[j] + sizes[j]], [v], summed=True)[v])
         XX, Xt = None, {}
         if functional:
             XX, Xt, tt = st.curv(g, here)
@@ -136,51 +140,79 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
                 acc.add(a, b, v)
         if not below:
             return
-        Qb = st.back(torch.cat([Wt[:, :m]] + ([own] if own is not None else []) + [Wt[:, m:]], 1))
-        Psi_in = st.back(Qb[:, :m].transpose(1, 2))  # J_x^T Psi J_x
+        B = Wt.shape[0]
+        PsiJx = st.back(Wt[:, :m])  # (B, m, m_in): Psi J_x
+        m_in = PsiJx.shape[2]
+        n_here = sum(sizes)
+        new = Wt.new_empty(B, m_in + Wt.shape[1] - m + n_here, m_in)
+        new[:, :m_in] = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
+        del PsiJx
         if XX is not None:
-            Psi_in = Psi_in + XX
-        n_here = own.shape[1] if own is not None else 0
-        K_here = Qb[:, m:m + n_here]
-        if Xt:
-            K_here = K_here.clone()
-            off = 0
-            for w in here:
-                nw = P[w].shape[2]
+            new[:, :m_in] += XX
+        if own is not None:
+            new[:, m_in:m_in + n_here] = st.back(own)  # J_x^T Psi J_θ
+            del own
+            off = m_in
+            for w, nw in zip(here, sizes):
                 if w in Xt:
-                    K_here[:, off:off + nw] += Xt[w].transpose(1, 2)
+                    new[:, off:off + nw] += Xt[w].transpose(1, 2)
                 off += nw
-        Wt = torch.cat([Psi_in, K_here, Qb[:, m + n_here:]], 1)
-        later = [(w, P[w].shape[2]) for w in here] + later
-        m = Psi_in.shape[1]
+        for lo in range(m, Wt.shape[1], ROWS):  # J_x^T K, a slab of rows at a time
+            hi = min(lo + ROWS, Wt.shape[1])
+            new[:, m_in + n_here + lo - m:m_in + n_here + hi - m] = st.back(Wt[:, lo:hi])
+        Wt = new
+        later = list(zip(here, sizes)) + later
+        m = m_in
         g = st.back(g[:, None])[:, 0]
+
+
+ROWS = 1024  # rows of K taken through a stage at a time
 
 
 PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
 
 
+def _stage_entries(cfg: ModelConfig, largest: bool = False) -> int:
+    """The most entries the variables of one stage have (a block's, or the head's); ``largest``:
+    of one variable (every shape of the model)."""
+    shapes = model_param_shapes(cfg)
+    if largest:
+        return max(math.prod(s) for s in shapes.values())
+    n = max(sum(math.prod(s) for s in param_shapes(b).values()) for b in cfg.blocks)
+    return max(n, cfg.d_model * cfg.n_out if cfg.head is not None else 0)
+
+
 def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
-    """Entries one sequence adds to a pass: each block's forward cache and factors with its input
-    as a variable and its ``(L·d)²`` input Jacobian, and the walk's rows — ``Ψ`` and ``K`` at a level
-    (``m + n`` rows of ``m``, ``m = L·d``) four times over (the rows, their products through a stage
-    and the next level's) and their products with the largest stage's variables; a callable loss's
-    ``(P·C)²`` Hessian. Derived here, docs/derivations.md §16."""
+    """Entries one sequence adds to a pass: every block's forward cache and factors with its input
+    as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`, ``"factors"``),
+    the largest block walk's work space on top (``"hessian"`` less ``"factors"``: one block's second
+    derivatives at a time); the walk's rows at a level, ``Ψ`` and ``K^T`` (``m + n`` rows of
+    ``m = L·d``, or the output's ``P·n_out`` at the top), twice (this level's and the next), a slab of
+    ``ROWS`` of them through a stage, and ``Ψ J_θ`` with its transpose for the largest stage's
+    variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     d = cfg.d_model
-    m = L * max(d, cfg.n_out)
     P = 1 if cfg.pool != "none" else L
-    per = sum(work_entries(b, 1, L, "hessian", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks)
-    n_stage = max(sum(math.prod(s) for s in param_shapes(b).values()) for b in cfg.blocks)
-    per += 4 * (m + n) * m + 2 * (m + n) * n_stage
+    m = max(L * d, 0 if _fused(cfg, loss) else P * cfg.n_out)  # the widest level the rows reach
+    held = [work_entries(b, 1, L, "factors", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks]
+    walk = max(work_entries(b, 1, L, "hessian", wrt_input=True) - work_entries(b, 1, L, "factors", wrt_input=True)
+               for b in cfg.blocks)
+    per = sum(held) + walk + 2 * (m + n) * m + ROWS * m + 2 * m * _stage_entries(cfg)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
 
 
+def _fixed_entries(cfg: ModelConfig, n: int) -> int:
+    """Entries a pass holds besides its sequences': the summed product of one variable's rows with
+    another's (the largest pair, three times: the product, its layout and the addition)."""
+    return 3 * _stage_entries(cfg, largest=True) ** 2
+
+
 def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> list[slice]:
     """The batch's sequences, one slice per pass: as many as fit in ``PASS_BYTES`` or half the
     dense result, whichever is more (:func:`_sequence_entries`)."""
-    size = max(PASS_BYTES, n * n * e // 2) // (e * _sequence_entries(cfg, L, n, loss))
-    size = max(1, min(B, int(size)))
+    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
+    size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
     return [slice(s, min(s + size, B)) for s in range(0, B, size)]
 
 
@@ -242,12 +274,12 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     rows = max(len(range(B)[c]) for c in chunks)
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
-    check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e,
+    check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e,
                f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
                like.device)
 
     def part(which: str) -> HessianBlocks:
-        check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
+        check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
                    f"({n}x{n}) with a pass", like.device)
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
 
