@@ -24,8 +24,9 @@ from . import linalg, losses
 from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
                     variable_shapes, work_entries)
 from .result import BlockSum, HessianBlocks
-from .config import BlockConfig, param_shapes
+from .config import BlockConfig, ModelConfig, param_shapes
 from .kronecker import TokenKron
+from .model import walk as model_walk
 from .threads import serial, threads_for
 from .validation import check_bool, check_fits, check_result, detached
 
@@ -305,6 +306,10 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     (:mod:`blockhess.threads`); where other work shares the cores, call
     ``torch.set_num_threads(1)`` first (docs/results.md, "Threads").
     """
+    if isinstance(cfg, ModelConfig):
+        if wrt_input is not False or out is not None:
+            raise ValueError("wrt_input and out apply to a block; for a model (ModelConfig) leave them out")
+        return model_walk.hessian(params, X, cfg, loss, target, wrt)
     check_inputs(params, X, cfg)
     check_bool("wrt_input", wrt_input)
     if out is not None:

@@ -44,12 +44,16 @@ class BlockSum:
     one ``(n, n)`` buffer of ``dtype``/``device`` allocated up front (after a memory check:
     ``InsufficientMemoryError`` with the bytes needed), or in ``out`` when given (a contiguous
     ``(n, n)`` tensor of that dtype and device; ``ValueError`` naming ``out`` otherwise).
+    ``per_sequence`` (dict mode, a batched input ``X`` among the names): the ``(X, X)`` block is kept
+    per sequence, ``(B, L·d, L·d)`` (the others sequences' blocks are zero), not as ``(B·L·d)²``.
     Derived here (docs/derivations.md §1: each unordered block pair assembled once).
     """
 
     MIRROR_TILE = 32  # rows of the upper block per transposed-copy tile (6% faster than 64 at n = 28,672)
 
-    def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None, out=None):
+    def __init__(self, names, shapes, wanted=None, dense: bool = False, dtype=None, device=None, out=None,
+                 per_sequence: bool = False):
+        self.per_sequence = per_sequence  # dict mode: (X, X) kept per sequence, (B, L·d, L·d) (a block as a model's stage)
         self.all_names = tuple(names)
         self.names = tuple(n for n in self.all_names if wanted is None or n in wanted)
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
@@ -96,7 +100,11 @@ class BlockSum:
             a, b, value = b, a, value.permute(*range(ra, value.ndim), *range(ra))
         with threads_for(entries=value.numel()):
             if self.buffer is None:
-                value = value.reshape(self.sizes[a], self.sizes[b])
+                if self.per_sequence and a == b == "X":
+                    B = self.shapes["X"][0]
+                    value = value.reshape(B, self.sizes[a] // B, self.sizes[a] // B)
+                else:
+                    value = value.reshape(self.sizes[a], self.sizes[b])
                 self.blocks[(a, b)] = self.blocks[(a, b)] + value if (a, b) in self.blocks else value
             elif (a, b) in self.blocks:
                 self._view(a, b).add_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
@@ -449,6 +457,9 @@ class HeadSplitSum:
 
     def _add_xx(self, value: torch.Tensor) -> None:
         shape = self.acc.shapes["X"]
+        if self.acc.per_sequence:
+            self.acc.add("X", "X", value)
+            return
         if len(shape) == 2:
             self.acc.add("X", "X", value.reshape(*shape, *shape))
             return

@@ -1,0 +1,276 @@
+r"""The stages of a model and their derivatives, as the curvature walk (:mod:`.walk`) reads them.
+
+A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables ``θ`` to its output
+``y`` (``m_out`` entries). Rows ``W`` ``(B, R, m_out)`` are ``R`` vectors per sequence at the output:
+
+* ``vjp(W, names)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``;
+* ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
+* ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
+  at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
+  ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
+
+A block is a stage through :mod:`blockhess.block` (its factors, its input Jacobian and its
+contracted second derivatives w.r.t. ``(X, θ)``: Theorems 4–5 with the input as a variable); the
+embedding, LayerNorm, pooling and head stages are written here. The loss sits on top
+(:class:`OutputLoss`, or :class:`SoftmaxHead`: the head and its cross-entropy in closed form,
+:math:`\nabla^2_{z_t}\ell = \mathrm{diag}(p_t) - p_t p_t^\top`, never formed). Derivations:
+docs/derivations.md §16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import losses
+from ..block import contract_output, jacobian_factors
+from ..config import param_shapes
+from ..layers import layernorm
+from ..result import BlockSum
+
+__all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage", "OutputLoss", "SoftmaxHead",
+           "TIED_HEAD"]
+
+#: the internal name of the token embedding's second use, as the tied head ``W_H = W_E^T`` ``(d, vocab)``
+TIED_HEAD = "W_E@head"
+
+
+def _none_curv(g, names):
+    return None, {}, {}
+
+
+class EmbeddingStage:
+    """``X_0 = embed(x) [+ cls] + P [+ W_T[0]]`` (no LayerNorm): linear in every variable, no input."""
+
+    def __init__(self, t, names: tuple[str, ...]):
+        self.cfg, self.p, self.x = t.cfg, t.params, t.inputs
+        self.names = names
+        self.B, self.L, self.d = t.X0.shape
+        self.curv = _none_curv
+        self.back = None
+
+    def vjp(self, W: torch.Tensor, names) -> dict:
+        B, R = W.shape[:2]
+        w = W.reshape(B, R, self.L, self.d)
+        o = 1 if self.cfg.cls_token else 0
+        tok = w[:, :, o:]
+        out = {}
+        for n in names:
+            if n == "W_E":
+                if self.cfg.embedding == "token":
+                    onehot = torch.nn.functional.one_hot(self.x, self.cfg.vocab).to(w.dtype)
+                    v = torch.einsum("blv,brlq->brvq", onehot, tok)
+                else:
+                    v = torch.einsum("blp,brlq->brpq", self.x, tok)
+            elif n == "b_E":
+                v = tok.sum(2)
+            elif n == "cls":
+                v = w[:, :, 0]
+            elif n == "W_P":
+                v = w.new_zeros(B, R, self.cfg.n_positions, self.d)
+                v[:, :, : self.L] = w
+            elif n == "W_T":
+                v = w.new_zeros(B, R, self.cfg.token_types, self.d)
+                v[:, :, 0] = w.sum(2)
+            else:
+                raise KeyError(n)
+            out[n] = v.reshape(B, R, -1)
+        return out
+
+
+class NormStage:
+    """A LayerNorm over the rows of ``x`` ``(B, L, d)`` with optional ``gamma``, ``beta`` (``names``)."""
+
+    def __init__(self, x: torch.Tensor, eps: float, gamma, beta, names: tuple[str, ...]):
+        self.x, self.eps, self.gamma = x, eps, gamma
+        self.names = names  # (gamma name or absent, beta name or absent), in that order
+        self.g_name = names[0] if gamma is not None else None
+        self.b_name = names[-1] if beta is not None else None
+        y, r = layernorm.normalise(x, eps)
+        self.y = y  # normalised rows
+        self.Jn = layernorm.per_token_jacobian(y, r)  # (B, L, d, d), unscaled
+        self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
+
+    def vjp(self, W: torch.Tensor, names) -> dict:
+        B, R = W.shape[:2]
+        w = W.reshape(B, R, *self.x.shape[1:])
+        out = {}
+        for n in names:
+            out[n] = torch.einsum("bli,brli->bri", self.y, w) if n == self.g_name else w.sum(2)
+        return out
+
+    def back(self, W: torch.Tensor) -> torch.Tensor:
+        B, R = W.shape[:2]
+        w = W.reshape(B, R, *self.x.shape[1:])
+        return torch.einsum("blij,brli->brlj", self.J, w).reshape(B, R, -1)
+
+    def curv(self, g: torch.Tensor, names):
+        B, L, d = self.x.shape
+        gt = g.reshape(B, L, d)
+        Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma)  # (B, L, d, d)
+        eye = torch.eye(L, dtype=g.dtype, device=g.device)
+        XX = torch.einsum("blij,lm->blimj", Gam, eye).reshape(B, L * d, L * d)
+        Xt = {}
+        if self.g_name in names:  # d2(g.u)/dx_t dgamma = J_n,t^T diag(g_t)
+            Xt[self.g_name] = (self.Jn * gt[..., :, None]).transpose(-1, -2).reshape(B, L * d, d)
+        return XX, Xt, {}
+
+
+class PoolStage:
+    """``h = mean_t u_t`` (``"mean"``) or ``h = u_0`` (``"first"``) over ``L`` tokens of width ``d``."""
+
+    names: tuple[str, ...] = ()
+
+    def __init__(self, kind: str, L: int, d: int):
+        self.kind, self.L, self.d = kind, L, d
+        self.curv = _none_curv
+
+    def vjp(self, W, names) -> dict:
+        return {}
+
+    def back(self, W: torch.Tensor) -> torch.Tensor:
+        B, R = W.shape[:2]
+        if self.kind == "mean":
+            return (W[:, :, None, :] / self.L).expand(B, R, self.L, self.d).reshape(B, R, -1)
+        out = W.new_zeros(B, R, self.L, self.d)
+        out[:, :, 0] = W
+        return out.reshape(B, R, -1)
+
+
+class HeadStage:
+    """``z = h W + b`` per row, ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``; the tied
+    head's :data:`TIED_HEAD`), ``b`` ``(C,)`` if named."""
+
+    def __init__(self, h: torch.Tensor, W: torch.Tensor, names: tuple[str, ...]):
+        self.h, self.W, self.names = h, W, names
+
+    def vjp(self, W: torch.Tensor, names) -> dict:
+        B, R = W.shape[:2]
+        P, C = self.h.shape[1], self.W.shape[1]
+        w = W.reshape(B, R, P, C)
+        return {n: (torch.einsum("bpi,brpc->bric", self.h, w).reshape(B, R, -1) if n == self.names[0] else w.sum(2))
+                for n in names}
+
+    def back(self, W: torch.Tensor) -> torch.Tensor:
+        B, R = W.shape[:2]
+        P, C = self.h.shape[1], self.W.shape[1]
+        return (W.reshape(B, R, P, C) @ self.W.T).reshape(B, R, -1)
+
+    def curv(self, g: torch.Tensor, names):
+        B, P, d = self.h.shape
+        C = self.W.shape[1]
+        Xt = {}
+        if self.names[0] in names:  # d2(g.z)/dh_ti dW_jc = delta_ij g_tc
+            eye = torch.eye(d, dtype=g.dtype, device=g.device)
+            Xt[self.names[0]] = torch.einsum("ij,btc->btijc", eye, g.reshape(B, P, C)).reshape(B, P * d, d * C)
+        return None, Xt, {}
+
+
+class BlockStage:
+    """Block ``c`` (a :class:`blockhess.block.Cache` with the input ``X`` a variable), its variables
+    named ``prefix + name``."""
+
+    def __init__(self, c, prefix: str):
+        self.c, self.prefix = c, prefix
+        self.f = jacobian_factors(c)
+        self.names = tuple(prefix + n for n in c.names if n != "X")
+        self.B, self.L, self.d = c.out.shape
+        self.Jx = self.f.J["X"].dense()  # (B, L·d, L·d)
+
+    def vjp(self, W: torch.Tensor, names) -> dict:
+        B, R = W.shape[:2]
+        w = W.reshape(B, R, self.L, self.d)
+        k = len(self.prefix)
+        return {n: self.f.J[n[k:]].vjp(w) for n in names}
+
+    def back(self, W: torch.Tensor) -> torch.Tensor:
+        return W @ self.Jx
+
+    def curv(self, g: torch.Tensor, names):
+        k = len(self.prefix)
+        local = ("X",) + tuple(n[k:] for n in names)
+        shapes = {"X": (self.B, self.L, self.d), **param_shapes(self.c.cfg)}
+        acc = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, acc)
+        m = self.L * self.d
+        XX = acc.blocks.get(("X", "X"))
+        Xt = {self.prefix + b: v.reshape(self.B, m, -1) for (a, b), v in acc.blocks.items() if a == "X" and b != "X"}
+        tt = {(self.prefix + a, self.prefix + b): v for (a, b), v in acc.blocks.items() if a != "X"}
+        return XX, Xt, tt
+
+
+class OutputLoss:
+    """The loss at the output ``z`` ``(B, P, C)`` with its gradient and Hessian from
+    :func:`blockhess.losses.derivatives` (per-token, or a callable's dense ``(P·C)²`` per sequence)."""
+
+    names: tuple[str, ...] = ()
+
+    def __init__(self, ld: losses.LossDerivatives):
+        self.ld = ld
+
+    def start(self, names, outer: bool, functional: bool):
+        """``(Psi (B, m, m), {}, g (B, m))`` at the output: the loss Hessian (``outer``) or zero."""
+        g = self.ld.grad
+        B, P, C = g.shape
+        m = P * C
+        if not outer:
+            Psi = g.new_zeros(B, m, m)
+        elif self.ld.per_token:
+            eye = torch.eye(P, dtype=g.dtype, device=g.device)
+            Psi = torch.einsum("btac,ts->btasc", self.ld.hess.reshape(B, P, C, C), eye).reshape(B, m, m)
+        else:
+            Psi = self.ld.hess
+        return Psi, [], {}, g.reshape(B, m)
+
+
+class SoftmaxHead:
+    r"""The head ``z_t = h_t W + b`` with the cross-entropy on top, in closed form per row ``t``:
+    :math:`p_t = \mathrm{softmax}(z_t)`, :math:`g_t = (p_t - e_{y_t})/N`,
+    :math:`\Omega_t = (\mathrm{diag}\,p_t - p_t p_t^\top)/N` (``N`` rows in the batch mean), applied
+    through :math:`W\Omega_t = p_t \odot (W - W p_t)/N` so that no ``C × C`` matrix is formed.
+    ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``), ``b`` ``(C,)`` or ``None``, ``y`` ``(B, P)``."""
+
+    def __init__(self, h, W, b, y, count: int, names: tuple[str, ...]):
+        self.h, self.W, self.names = h, W, names
+        z = h @ W + (b if b is not None else 0)
+        self.p = torch.softmax(z, -1)
+        self.N = count
+        self.g = (self.p - torch.nn.functional.one_hot(y, W.shape[1]).to(h.dtype)) / count  # (B, P, C)
+
+    def start(self, names, outer: bool, functional: bool):
+        """``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
+        :math:`\partial^2\ell/\partial h\,\partial\theta` for the head's variables in ``names``
+        (``[(name, rows (B, n, P·d))]``), their Hessian blocks ``{(a, b): block}`` and the gradient at ``h``."""
+        h, W, p, g, N = self.h, self.W, self.p, self.g, self.N
+        B, P, d = h.shape
+        C = W.shape[1]
+        w_name = self.names[0]
+        b_name = self.names[1] if len(self.names) > 1 else None
+        A = p[:, :, None, :] * (W - torch.einsum("ic,btc->bti", W, p)[..., None]) / N  # (B, P, d, C): W Omega_t
+        eye_t = torch.eye(P, dtype=h.dtype, device=h.device)
+        Psi = (torch.einsum("btic,jc,ts->btisj", A, W, eye_t).reshape(B, P * d, P * d) if outer
+               else h.new_zeros(B, P * d, P * d))
+        rows, H = [], {}
+        if w_name in names:
+            Kw = h.new_zeros(B, d, C, P, d)
+            if outer:
+                Kw += torch.einsum("btic,btj->bjcti", A, h)
+            if functional:
+                Kw += torch.einsum("ij,btc->bjcti", torch.eye(d, dtype=h.dtype, device=h.device), g)
+            rows.append((w_name, Kw.reshape(B, d * C, P * d)))
+        if b_name in names:
+            rows.append((b_name, (A.permute(0, 3, 1, 2) if outer else A.new_zeros(B, C, P, d)).reshape(B, C, P * d)))
+        if outer:
+            pf, hf = p.reshape(B * P, C), h.reshape(B * P, d)
+            if w_name in names:
+                Hw = h.new_zeros(d, C, d, C)
+                torch.diagonal(Hw, 0, 1, 3).copy_(torch.einsum("ti,tj,ta->ija", hf, hf, pf) / N)
+                u = (hf[:, :, None] * pf[:, None, :]).reshape(B * P, d * C)
+                H[(w_name, w_name)] = Hw.reshape(d * C, d * C) - u.T @ u / N
+            if b_name in names:
+                H[(b_name, b_name)] = torch.diag(pf.sum(0) / N) - pf.T @ pf / N
+            if w_name in names and b_name in names:
+                Hwb = h.new_zeros(d, C, C)
+                torch.diagonal(Hwb, 0, 1, 2).copy_(hf.T @ pf / N)
+                H[(w_name, b_name)] = (Hwb - torch.einsum("ti,ta,tc->iac", hf, pf, pf) / N).reshape(d * C, C)
+        g_h = torch.einsum("btc,ic->bti", g, W).reshape(B, P * d)
+        return Psi, rows, H, g_h

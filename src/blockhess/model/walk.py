@@ -1,0 +1,254 @@
+r"""The exact Hessian of a model's loss w.r.t. any of its parameters: curvature back-propagation
+over the model's stages, cross-layer blocks included (docs/derivations.md §16).
+
+At the output of each stage the walk holds, per sequence, the loss Hessian w.r.t. that level,
+:math:`\Psi_k = \partial^2\ell/\partial X_k^2`, and the mixed second derivatives w.r.t. that level
+and every later variable, :math:`K_k = \partial^2\ell/\partial X_k\,\partial\theta_{>k}`. A stage
+``y = f(x; θ)`` with Jacobians :math:`J_x, J_\theta` and contracted second derivatives ``M`` (w.r.t.
+``(x, θ)``, with the gradient at ``y``) then gives
+
+.. math::
+    H_{\theta\theta} \mathrel{+}= J_\theta^\top\Psi_k J_\theta + M_{\theta\theta},\qquad
+    H_{\theta,\theta_{>k}} \mathrel{+}= J_\theta^\top K_k,
+
+    \Psi_{k-1} = J_x^\top\Psi_k J_x + M_{xx},\qquad
+    K_{k-1} = [\,J_x^\top\Psi_k J_\theta + M_{x\theta},\ J_x^\top K_k\,],
+
+every product a vector–Jacobian product of the stage (:mod:`.stages`): nothing is differentiated by
+autograd. The outer (Gauss–Newton) part is the same walk with every ``M`` left out; the functional
+part starts from :math:`\Psi = 0` at the output and keeps them; both are linear in what they start
+from, so they sum to the full Hessian.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import losses
+from ..block import select_wrt, work_entries
+from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes
+from ..result import BlockSum, HessianBlocks
+from ..threads import serial
+from ..validation import check_fits, check_result, detached
+from .forward_pass import block_params, check_model_inputs, model_input, n_tokens, sequence_loss, trace
+from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
+                     SoftmaxHead)
+
+__all__ = ["hessian", "stages_of"]
+
+
+def _fused(cfg: ModelConfig, loss) -> bool:
+    """Whether the head and its cross-entropy are taken together (:class:`~.stages.SoftmaxHead`)."""
+    return cfg.head is not None and isinstance(loss, str) and loss == "ce"
+
+
+def _head_names(cfg: ModelConfig) -> tuple[str, ...]:
+    return ((TIED_HEAD if cfg.tied else "W_H"),) + (("b_H",) if cfg.head_bias else ())
+
+
+def stages_of(t, loss, target, batch: int, first: int):
+    """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top."""
+    cfg, p = t.cfg, t.params
+    shapes = model_param_shapes(cfg)
+    st = []
+    emb = tuple(n for n in ("W_E", "b_E", "cls", "W_P", "W_T") if n in shapes)
+    if emb:
+        st.append(EmbeddingStage(t, emb))
+    if cfg.embed_norm:
+        st.append(NormStage(t.X0, cfg.norm_eps, p.get("gamma_E"), p.get("beta_E"),
+                            tuple(n for n in ("gamma_E", "beta_E") if n in shapes)))
+    for i, c in enumerate(t.blocks):
+        st.append(BlockStage(c, block_prefix(i)))
+    if cfg.final_norm:
+        st.append(NormStage(t.XN, cfg.norm_eps, p.get("gamma_F"), p.get("beta_F"),
+                            tuple(n for n in ("gamma_F", "beta_F") if n in shapes)))
+    if cfg.pool != "none":
+        st.append(PoolStage(cfg.pool, t.u.shape[1], cfg.d_model))
+    W = None if cfg.head is None else (p["W_E"].T if cfg.tied else p["W_H"])
+    if _fused(cfg, loss):
+        B, P = t.h.shape[:2]
+        top = SoftmaxHead(t.h, W, p.get("b_H"), target.reshape(B, P), batch * P, _head_names(cfg))
+    else:
+        if cfg.head is not None:
+            st.append(HeadStage(t.h, W, _head_names(cfg)))
+        top = OutputLoss(losses.derivatives(loss, target, t.z, batch=batch, first=first))
+    return st, top
+
+
+class _Fold:
+    """The walk's blocks into a :class:`BlockSum` over the public names: the tied head's
+    :data:`~.stages.TIED_HEAD` ``(d, vocab)`` is ``W_E`` ``(vocab, d)`` transposed, and its blocks
+    are added to ``W_E``'s (a pair of the two uses of ``W_E`` to both of its triangles)."""
+
+    def __init__(self, acc: BlockSum, shapes: dict):
+        self.acc, self.shapes = acc, shapes
+
+    def _turn(self, name: str, value: torch.Tensor, rows: bool) -> torch.Tensor:
+        if name != TIED_HEAD:
+            return value
+        V, d = self.shapes["W_E"]
+        if rows:
+            return value.reshape(d, V, -1).transpose(0, 1).reshape(V * d, -1)
+        return value.reshape(-1, d, V).transpose(1, 2).reshape(-1, V * d)
+
+    def add(self, a: str, b: str, value: torch.Tensor) -> None:
+        value = self._turn(b, self._turn(a, value, True), False)
+        A, B = ("W_E" if a == TIED_HEAD else a), ("W_E" if b == TIED_HEAD else b)
+        self.acc.add(A, B, value)
+        if A == B and a != b:
+            self.acc.add(A, B, value.T)
+
+
+def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -> None:
+    """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring)."""
+    Psi, rows, H, g = top.start(wanted, outer, functional)
+    for (a, b), v in H.items():
+        acc.add(a, b, v)
+    m = Psi.shape[1]
+    later = [(n, r.shape[1]) for n, r in rows]
+    Wt = torch.cat([Psi] + [r for _, r in rows], 1)
+    for k in reversed(range(len(stages))):
+        st = stages[k]
+        here = [n for n in st.names if n in wanted]
+        below = any(n in wanted for s in stages[:k] for n in s.names)
+        own = None
+        if here:
+            P = st.vjp(Wt, here)  # {v: (B, R, n_v)}: rows J_v^T Psi, then J_v^T K per later variable
+            off = m
+            for u, nu in later:
+                for v in here:
+                    acc.add(v, u, P[v][:, off:off + nu].sum(0).T)
+                off += nu
+            own = torch.cat([P[w][:, :m].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
+            Q = st.vjp(own, here)  # Q[v][:, rows of w] = J_w^T Psi J_v
+            off = 0
+            for i, w in enumerate(here):
+                nw = P[w].shape[2]
+                for v in here[i:]:
+                    acc.add(w, v, Q[v][:, off:off + nw].sum(0))
+                off += nw
+        XX, Xt = None, {}
+        if functional:
+            XX, Xt, tt = st.curv(g, here)
+            for (a, b), v in tt.items():
+                acc.add(a, b, v)
+        if not below:
+            return
+        Qb = st.back(torch.cat([Wt[:, :m]] + ([own] if own is not None else []) + [Wt[:, m:]], 1))
+        Psi_in = st.back(Qb[:, :m].transpose(1, 2))  # J_x^T Psi J_x
+        if XX is not None:
+            Psi_in = Psi_in + XX
+        n_here = own.shape[1] if own is not None else 0
+        K_here = Qb[:, m:m + n_here]
+        if Xt:
+            K_here = K_here.clone()
+            off = 0
+            for w in here:
+                nw = P[w].shape[2]
+                if w in Xt:
+                    K_here[:, off:off + nw] += Xt[w].transpose(1, 2)
+                off += nw
+        Wt = torch.cat([Psi_in, K_here, Qb[:, m + n_here:]], 1)
+        later = [(w, P[w].shape[2]) for w in here] + later
+        m = Psi_in.shape[1]
+        g = st.back(g[:, None])[:, 0]
+
+
+PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
+
+
+def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
+    """Entries one sequence adds to a pass: each block's forward cache and factors with its input
+    as a variable and its ``(L·d)²`` input Jacobian, and the walk's rows — ``Ψ`` and ``K`` at a level
+    (``m + n`` rows of ``m``, ``m = L·d``) four times over (the rows, their products through a stage
+    and the next level's) and their products with the largest stage's variables; a callable loss's
+    ``(P·C)²`` Hessian. Derived here, docs/derivations.md §16."""
+    d = cfg.d_model
+    m = L * max(d, cfg.n_out)
+    P = 1 if cfg.pool != "none" else L
+    per = sum(work_entries(b, 1, L, "hessian", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks)
+    n_stage = max(sum(math.prod(s) for s in param_shapes(b).values()) for b in cfg.blocks)
+    per += 4 * (m + n) * m + 2 * (m + n) * n_stage
+    if callable(loss):
+        per += 2 * (P * cfg.n_out) ** 2
+    return per
+
+
+def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> list[slice]:
+    """The batch's sequences, one slice per pass: as many as fit in ``PASS_BYTES`` or half the
+    dense result, whichever is more (:func:`_sequence_entries`)."""
+    size = max(PASS_BYTES, n * n * e // 2) // (e * _sequence_entries(cfg, L, n, loss))
+    size = max(1, min(B, int(size)))
+    return [slice(s, min(s + size, B)) for s in range(0, B, size)]
+
+
+@serial()
+def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None) -> HessianBlocks:
+    shapes = model_param_shapes(cfg)
+    wanted = set(names)
+    if cfg.tied and "W_E" in wanted:
+        wanted.add(TIED_HEAD)
+    B = inputs.shape[0]
+    acc = BlockSum(names, shapes, dense=True, dtype=like.dtype, device=like.device)
+    fold = _Fold(acc, shapes)
+    for rows in chunks:
+        t = trace(params, inputs[rows], cfg, first=rows.start)
+        tg = target[rows] if isinstance(target, torch.Tensor) else target
+        st, top = stages_of(t, loss, tg, B, rows.start)
+        _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+    H = acc.result(like, cfg, parts)
+    check_result({f"the Hessian{'' if which == 'full' else ' ' + which + ' part'}": H.dense()})
+    return H
+
+
+def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=None) -> HessianBlocks:
+    r"""The exact Hessian of a model's loss w.r.t. its parameters (``wrt``: a subset), by curvature
+    back-propagation in closed form (module docstring; :func:`blockhess.hessian` for a model).
+
+    ``inputs``: what the model takes first (:func:`~.forward_pass.check_model_inputs`), a batch or one
+    sequence. ``loss``: ``"ce"`` (pooled: classes ``(B,)``; per token: ``(B, L)``, no shift), ``"mse"``
+    (mean over the output's entries; target shaped as the output) or a callable on one sequence's
+    output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the batch loss is
+    the mean over sequences (per-token CE: over every token). Returns a
+    :class:`~blockhess.result.HessianBlocks` over the public names in canonical order, dtype and device
+    of the parameters, ``.outer`` and ``.functional`` on first access (their own passes, from a
+    snapshot of the inputs). A parameter used twice (the tied ``W_E``) has both uses.
+
+    Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.check_model_inputs`), a target of the
+    wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
+    overflow; ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with the
+    largest pass (:func:`_sequence_entries`), would not fit.
+    """
+    inputs, single = model_input(cfg, inputs)
+    check_model_inputs(params, inputs, cfg)
+    shapes = model_param_shapes(cfg)
+    names = select_wrt(tuple(shapes), wrt)
+    like = params[names[0]]
+    params, _, target = detached(params, like, target)
+    params = {k: v.clone() for k, v in params.items()}
+    inputs = inputs.clone()
+    B = inputs.shape[0]
+    z = trace(params, inputs, cfg, derivatives=False).z  # every row checked before any derivative
+    if single and isinstance(target, torch.Tensor) and not callable(loss):
+        target = target[None]
+    loss, target = sequence_loss(cfg, loss, target, z)
+    target = losses.check(loss, target, z)
+    e = like.element_size()
+    n = sum(math.prod(shapes[k]) for k in names)
+    L = n_tokens(cfg, inputs)
+    chunks = _chunks(cfg, B, L, n, loss, e)
+    rows = max(len(range(B)[c]) for c in chunks)
+    what = f"the dense {n}x{n} Hessian"
+    check_fits(n * n * e, what, like.device)
+    check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e,
+               f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
+               like.device)
+
+    def part(which: str) -> HessianBlocks:
+        check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
+                   f"({n}x{n}) with a pass", like.device)
+        return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
+
+    return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part)
