@@ -46,7 +46,7 @@ def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def gpt2_config(**kw):
-    base = dict(n_embd=16, n_head=2, n_layer=2, vocab_size=32, n_positions=8, n_inner=32, attn_implementation="sdpa",
+    base = dict(n_embd=16, n_head=2, n_layer=2, vocab_size=32, n_positions=8, n_inner=16, attn_implementation="sdpa",
                 bos_token_id=0, eos_token_id=0)
     return tf.GPT2Config(**{**base, **kw})
 
@@ -332,6 +332,13 @@ def _add_parameter(m):
     return m.eval()
 
 
+def _subclass():
+    class MyGPT2(tf.GPT2Model):  # its forward may differ from GPT-2's: not read
+        pass
+
+    return MyGPT2(gpt2_config(n_layer=1)).eval()
+
+
 def _attn_impl(m, impl):
     m.config._attn_implementation = impl
     return m
@@ -366,6 +373,7 @@ REFUSED = [
      r"attention.k_proj.bias, attention.v_proj.bias\)"),
     ("unknown parameter", lambda: _add_parameter(tf.GPT2Model(gpt2_config(n_layer=1))),
      r"GPT2Model: cannot read parameter\(s\) \['h.0.extra'\]"),
+    ("subclass", _subclass, r"from_torch supports .* got MyGPT2$"),
     ("unknown model", lambda: tf.GPT2DoubleHeadsModel(gpt2_config(n_layer=1)),
      r"from_torch supports .* got GPT2DoubleHeadsModel \(transformers.models.gpt2.modeling_gpt2\)"),
 ]
