@@ -36,7 +36,7 @@ from ..config import BlockConfig, ModelConfig, block_prefix, param_shapes
 from .layout import Stored
 from .pytorch import activation
 
-__all__ = ["reads", "describe", "check_mode", "SUPPORTED", "BLOCKS"]
+__all__ = ["is_hf", "reads", "describe", "check_mode", "SUPPORTED", "BLOCKS"]
 
 #: The Hugging Face blocks: their inputs are ``(B, L, d)`` hidden states.
 BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer")
