@@ -21,11 +21,13 @@ NOT_CORE = {"blockhess", "blockhess.__main__"}
 def _is_adapter(module: str) -> bool:
     return module == ADAPTERS or module.startswith(ADAPTERS + ".")
 #: where a forward pass of the block (or of one of its layers) is written
-FORWARD_HOMES = {"blockhess.block.forward_pass", "blockhess.reference", "blockhess_lab.bench_jax"}
+FORWARD_HOMES = {"blockhess.block.forward_pass", "blockhess.model.forward_pass", "blockhess.reference",
+                 "blockhess_lab.bench_jax"}
 FORWARD_PREFIXES = ("blockhess.layers.",)  # each layer's own forward, which the block calls
 #: a softmax or LayerNorm call, or a product with a weight, elsewhere, with its reason
 FORWARD_ALLOWED = {
     ("blockhess.losses", "softmax"): "the cross-entropy's probabilities, a loss and not the block",
+    ("blockhess.model.stages", "softmax"): "the head's cross-entropy probabilities, the loss at the top of the walk",
     ("blockhess_lab.bench_worker", "layer_norm"): "the LayerNorm Jacobian benchmark's autograd baseline",
     ("blockhess_lab.scaling", "C @ params['W_V']"): "makes a weight (W_V centred), not a forward pass",
     ("blockhess.block.second_order", "g @ p['W_O'].T"): "the gradient back through W_O, not a forward pass",

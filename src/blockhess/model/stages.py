@@ -241,7 +241,7 @@ class SoftmaxHead:
         self.g = (self.p - torch.nn.functional.one_hot(y, W.shape[1]).to(h.dtype)) / count  # (B, P, C)
 
     def start(self, names, outer: bool, functional: bool):
-        """``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
+        r"""``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
         :math:`\partial^2\ell/\partial h\,\partial\theta` for the head's variables in ``names``
         (``[(name, rows (B, n, P·d))]``), their Hessian blocks ``{(a, b): block}`` and the gradient at ``h``."""
         h, W, p, g, N = self.h, self.W, self.p, self.g, self.N
