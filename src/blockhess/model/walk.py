@@ -263,7 +263,7 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     inputs = inputs.clone()
     B = inputs.shape[0]
     z = trace(params, inputs, cfg, derivatives=False).z  # every row checked before any derivative
-    if single and isinstance(target, torch.Tensor) and not callable(loss):
+    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
         target = target[None]
     loss, target = sequence_loss(cfg, loss, target, z)
     target = losses.check(loss, target, z)
