@@ -6,6 +6,7 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
 * ``vjp(W, names, summed=False)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``, or
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
+* ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
 * ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
   at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
   ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
@@ -106,6 +107,11 @@ class NormStage:
         w = W.reshape(B, R, *self.x.shape[1:])
         return torch.einsum("blij,brli->brlj", self.J, w).reshape(B, R, -1)
 
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        L, d = self.x.shape[1:]
+        return torch.einsum("blij,bljn->blin", self.J, G.reshape(B, L, d, n)).reshape(B, L * d, n)
+
     def curv(self, g: torch.Tensor, names):
         B, L, d = self.x.shape
         gt = g.reshape(B, L, d)
@@ -138,6 +144,11 @@ class PoolStage:
         out[:, :, 0] = W
         return out.reshape(B, R, -1)
 
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        G = G.reshape(B, self.L, self.d, n)
+        return G.mean(1) if self.kind == "mean" else G[:, 0]
+
 
 class HeadStage:
     """``z = h W + b`` per row, ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``; the tied
@@ -158,6 +169,11 @@ class HeadStage:
         B, R = W.shape[:2]
         P, C = self.h.shape[1], self.W.shape[1]
         return (W.reshape(B, R, P, C) @ self.W.T).reshape(B, R, -1)
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        P, d = self.h.shape[1:]
+        return torch.einsum("bpin,ic->bpcn", G.reshape(B, P, d, n), self.W).reshape(B, -1, n)
 
     def curv(self, g: torch.Tensor, names):
         B, P, d = self.h.shape
@@ -188,6 +204,9 @@ class BlockStage:
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         return W @ self.Jx
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        return self.Jx @ G
 
     def curv(self, g: torch.Tensor, names):
         k = len(self.prefix)

@@ -110,6 +110,10 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
     Psi, rows, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
+    j0, bottom, G = _bottom_tangents(stages, wanted)
+    if G:
+        for u, r in rows:  # the bottom variables with the head's: Σ_b G_top^T K_u
+            _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bum->nu", G[len(stages) - 1], r), u)
     m = Psi.shape[1]
     later = [(n, r.shape[1]) for n, r in rows]
     Wt = torch.cat([Psi] + [r for _, r in rows], 1)
@@ -119,6 +123,11 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
         own, sizes = None, []
+        if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
+            TPsi = torch.einsum("bmn,bmr->bnr", G[k], Wt[:, :m])
+            for v in here:
+                _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
+            del TPsi
         if here:
             for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
                 off = m
@@ -138,8 +147,14 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
             XX, Xt, tt = st.curv(g, here)
             for (a, b), v in tt.items():
                 acc.add(a, b, v)
+            if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
+                for v, M in Xt.items():
+                    _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
         if not below:
             return
+        if G and k == j0:  # below: the bottom stages, whose blocks with everything above are done
+            here, sizes, own = [], [], None
+            Wt, later = Wt[:, :m], []
         B = Wt.shape[0]
         PsiJx = st.back(Wt[:, :m])  # (B, m, m_in): Psi J_x
         m_in = PsiJx.shape[2]
@@ -167,6 +182,46 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
 
 
 ROWS = 1024  # rows of K taken through a stage at a time
+
+
+def _bottom_tangents(stages, wanted: set):
+    """The bottom stages (those below the first block: the embedding and its LayerNorm) carry their
+    variables' Jacobians up instead of taking every later variable's ``K`` rows down:
+    ``(j0, bottom, G)`` with ``j0`` the first block's index, ``bottom`` the wanted bottom variables
+    with their sizes, and ``G[k]`` ``(B, m_k, n_bottom)`` their Jacobian at the output of stage ``k``
+    (``k >= j0 - 1``), :math:`G_k = J_{x,k} G_{k-1}`; ``(0, [], {})`` where there is no such stage.
+    A block of a bottom variable with a later one then is :math:`G_k^\top \Psi_k J_v + G_{k-1}^\top M_{xv}`
+    (docs/derivations.md §16), at ``n_bottom`` tangents through each stage instead of ``n_later`` rows."""
+    j0 = next((k for k, s in enumerate(stages) if isinstance(s, BlockStage)), 0)
+    bottom = [(n, None) for s in stages[:j0] for n in s.names if n in wanted]
+    if not j0 or not bottom:
+        return 0, [], {}
+    G, bottom = None, []
+    for st in stages[:j0]:
+        names = [n for n in st.names if n in wanted]
+        if G is not None:
+            G = st.fwd(G)
+        if names:
+            ref = G if G is not None else st.x if isinstance(st, NormStage) else None
+            B = st.B if isinstance(st, EmbeddingStage) else st.x.shape[0]
+            m = st.L * st.d if isinstance(st, EmbeddingStage) else st.x[0].numel()
+            dt = ref.dtype if ref is not None else st.p[names[0]].dtype
+            eye = torch.eye(m, dtype=dt, device=st.p[names[0]].device if ref is None else ref.device).expand(B, m, m)
+            J = st.vjp(eye, names)  # row r: J^T e_r, the Jacobian's row r
+            G = torch.cat(([G] if G is not None else []) + [J[n] for n in names], 2)
+            bottom += [(n, J[n].shape[2]) for n in names]
+    out = {j0 - 1: G}
+    for k in range(j0, len(stages)):
+        out[k] = stages[k].fwd(out[k - 1])
+    return j0, bottom, out
+
+
+def _add_tangent_blocks(acc, bottom, value: torch.Tensor, v: str) -> None:
+    """Add ``value`` ``(n_bottom, n_v)`` to the blocks of the bottom variables with ``v``."""
+    off = 0
+    for b, nb in bottom:
+        acc.add(b, v, value[off:off + nb])
+        off += nb
 
 
 PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
