@@ -185,7 +185,7 @@ ROWS = 1024  # rows of K taken through a stage at a time
 
 
 def _bottom_tangents(stages, wanted: set):
-    """The bottom stages (those below the first block: the embedding and its LayerNorm) carry their
+    r"""The bottom stages (those below the first block: the embedding and its LayerNorm) carry their
     variables' Jacobians up instead of taking every later variable's ``K`` rows down:
     ``(j0, bottom, G)`` with ``j0`` the first block's index, ``bottom`` the wanted bottom variables
     with their sizes, and ``G[k]`` ``(B, m_k, n_bottom)`` their Jacobian at the output of stage ``k``
