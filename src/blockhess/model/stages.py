@@ -3,8 +3,10 @@ r"""The stages of a model and their derivatives, as the curvature walk (:mod:`.w
 A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables ``θ`` to its output
 ``y`` (``m_out`` entries). Rows ``W`` ``(B, R, m_out)`` are ``R`` vectors per sequence at the output:
 
-* ``vjp(W, names)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``;
+* ``vjp(W, names, summed=False)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``, or
+  with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
+* ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
 * ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
   at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
   ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
@@ -48,9 +50,12 @@ class EmbeddingStage:
         self.curv = _none_curv
         self.back = None
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, self.L, self.d)
+        if summed:  # every variable here is linear and shared by the sequences: sum the rows first where it can
+            w = w.sum(0, keepdim=True) if self.cfg.embedding == "none" or not ({"W_E"} & set(names)) else w
+        lead = (R,) if summed else (B, R)
         o = 1 if self.cfg.cls_token else 0
         tok = w[:, :, o:]
         out = {}
@@ -66,14 +71,14 @@ class EmbeddingStage:
             elif n == "cls":
                 v = w[:, :, 0]
             elif n == "W_P":
-                v = w.new_zeros(B, R, self.cfg.n_positions, self.d)
+                v = w.new_zeros(w.shape[0], R, self.cfg.n_positions, self.d)
                 v[:, :, : self.L] = w
             elif n == "W_T":
-                v = w.new_zeros(B, R, self.cfg.token_types, self.d)
+                v = w.new_zeros(w.shape[0], R, self.cfg.token_types, self.d)
                 v[:, :, 0] = w.sum(2)
             else:
                 raise KeyError(n)
-            out[n] = v.reshape(B, R, -1)
+            out[n] = (v.sum(0) if summed else v).reshape(*lead, -1)
         return out
 
 
@@ -90,18 +95,22 @@ class NormStage:
         self.Jn = layernorm.per_token_jacobian(y, r)  # (B, L, d, d), unscaled
         self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, *self.x.shape[1:])
-        out = {}
-        for n in names:
-            out[n] = torch.einsum("bli,brli->bri", self.y, w) if n == self.g_name else w.sum(2)
-        return out
+        o = "r" if summed else "br"
+        return {n: torch.einsum(f"bli,brli->{o}i", self.y, w) if n == self.g_name else
+                torch.einsum(f"brli->{o}i", w) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         B, R = W.shape[:2]
         w = W.reshape(B, R, *self.x.shape[1:])
         return torch.einsum("blij,brli->brlj", self.J, w).reshape(B, R, -1)
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        L, d = self.x.shape[1:]
+        return torch.einsum("blij,bljn->blin", self.J, G.reshape(B, L, d, n)).reshape(B, L * d, n)
 
     def curv(self, g: torch.Tensor, names):
         B, L, d = self.x.shape
@@ -124,7 +133,7 @@ class PoolStage:
         self.kind, self.L, self.d = kind, L, d
         self.curv = _none_curv
 
-    def vjp(self, W, names) -> dict:
+    def vjp(self, W, names, summed: bool = False) -> dict:
         return {}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
@@ -135,6 +144,11 @@ class PoolStage:
         out[:, :, 0] = W
         return out.reshape(B, R, -1)
 
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        G = G.reshape(B, self.L, self.d, n)
+        return G.mean(1) if self.kind == "mean" else G[:, 0]
+
 
 class HeadStage:
     """``z = h W + b`` per row, ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``; the tied
@@ -143,17 +157,23 @@ class HeadStage:
     def __init__(self, h: torch.Tensor, W: torch.Tensor, names: tuple[str, ...]):
         self.h, self.W, self.names = h, W, names
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         P, C = self.h.shape[1], self.W.shape[1]
         w = W.reshape(B, R, P, C)
-        return {n: (torch.einsum("bpi,brpc->bric", self.h, w).reshape(B, R, -1) if n == self.names[0] else w.sum(2))
-                for n in names}
+        o, lead = ("r", (R,)) if summed else ("br", (B, R))
+        return {n: (torch.einsum(f"bpi,brpc->{o}ic", self.h, w).reshape(*lead, -1) if n == self.names[0] else
+                    torch.einsum(f"brpc->{o}c", w)) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         B, R = W.shape[:2]
         P, C = self.h.shape[1], self.W.shape[1]
         return (W.reshape(B, R, P, C) @ self.W.T).reshape(B, R, -1)
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        P, d = self.h.shape[1:]
+        return torch.einsum("bpin,ic->bpcn", G.reshape(B, P, d, n), self.W).reshape(B, -1, n)
 
     def curv(self, g: torch.Tensor, names):
         B, P, d = self.h.shape
@@ -176,14 +196,17 @@ class BlockStage:
         self.B, self.L, self.d = c.out.shape
         self.Jx = self.f.J["X"].dense()  # (B, L·d, L·d)
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, self.L, self.d)
         k = len(self.prefix)
-        return {n: self.f.J[n[k:]].vjp(w) for n in names}
+        return {n: self.f.J[n[k:]].vjp(w, summed) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         return W @ self.Jx
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        return self.Jx @ G
 
     def curv(self, g: torch.Tensor, names):
         k = len(self.prefix)
@@ -237,7 +260,7 @@ class SoftmaxHead:
         self.g = (self.p - torch.nn.functional.one_hot(y, W.shape[1]).to(h.dtype)) / count  # (B, P, C)
 
     def start(self, names, outer: bool, functional: bool):
-        """``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
+        r"""``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
         :math:`\partial^2\ell/\partial h\,\partial\theta` for the head's variables in ``names``
         (``[(name, rows (B, n, P·d))]``), their Hessian blocks ``{(a, b): block}`` and the gradient at ``h``."""
         h, W, p, g, N = self.h, self.W, self.p, self.g, self.N
