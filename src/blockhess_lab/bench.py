@@ -16,8 +16,8 @@ What is measured (benchmarks/README.md; the targets are the project's, beside th
     whether each baseline can;
 (m) the Hessian of a whole model's loss in float64, dense: the 2-block digits ViT (B = 8 and
     32 digits) and a 2-layer GPT-2 (d = 16, 2 heads, vocabulary 32, 8 positions; B = 8), against
-    ``torch.func.hessian`` and curvlinops ``HessianLinearOperator @ I`` in column blocks, with
-    the floor (:class:`~blockhess_lab.bench_worker.ModelProblem`).
+    ``torch.func.hessian`` and curvlinops ``HessianLinearOperator @ I`` in column blocks of 256,
+    with the floor (:func:`model_cases`, :class:`~blockhess_lab.bench_worker.ModelProblem`).
 
 How: every job runs in a fresh subprocess (:mod:`blockhess_lab.bench_worker`)
 watched by this process, which kills it when its resident memory passes the cap or the
@@ -255,11 +255,12 @@ def model_cases(quick: bool, mem: bool) -> list[dict]:
     The digits ViT at B = 8 in one process (all methods interleaved, peak memory from fresh
     processes); at B = 32 and the GPT-2 at B = 8, where one baseline call takes about a minute,
     each baseline in its own process with the closed form interleaved (the floor's process gives
-    the closed form's fresh peak). curvlinops multiplies column blocks of 1,024 identity columns.
-    Quick: one block, B = 2, a GPT-2 of width 8."""
+    the closed form's fresh peak). curvlinops multiplies column blocks of 256 identity columns
+    (the fastest of 1,024, 256 and 64: benchmarks/baseline_settings.py). Quick: one block, B = 2,
+    a GPT-2 of width 8."""
     def spec(model, B, **kw):
         return {"kind": "model", "model": model, "B": B, "blocks": 1 if quick else 2, "dtype": "float64", "seed": 0,
-                "columns": 512 if quick else 1024, **kw}
+                "columns": 256, **kw}
 
     if quick:
         t = {"rounds": 3, "min_sample_s": 0.01, "method_budget_s": 2, "warmup": 1}
