@@ -167,3 +167,22 @@ def test_batch_is_mean_of_sequences():
     H = bh.hessian(p, x, cfg, loss=loss, target=T).dense()
     per = sum(bh.hessian(p, x[b:b + 1], cfg, loss=loss, target=T[b:b + 1]).dense() for b in range(3)) / 3
     assert_close(H, per, what="batch mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8], ids=str)
+def test_token_ids_of_any_integer_dtype(dtype):
+    """Token ids in any integer dtype are the int64 ids (indexing takes no other; uint8 would be a mask)."""
+    row = model_row(embedding="token", pool="mean", head="linear", loss="ce", n_blocks=1, tokens=3, batch=3)
+    cfg, p, x, loss, T = make_model_case(row, OPTION_DESIGN[:1])
+    H = bh.hessian(p, x.to(dtype), cfg, loss=loss, target=T)
+    assert torch.equal(H.dense(), bh.hessian(p, x, cfg, loss=loss, target=T).dense())
+    assert torch.equal(bh.forward(p, x.to(dtype), cfg), bh.forward(p, x, cfg))
+
+
+def test_ce_classes_as_a_list_and_one_sequence_as_a_number():
+    row = model_row(embedding="token", pool="mean", head="linear", loss="ce", n_blocks=1, tokens=3, batch=3)
+    cfg, p, x, loss, T = make_model_case(row, OPTION_DESIGN[:1])
+    H = bh.hessian(p, x, cfg, loss=loss, target=T).dense()
+    assert torch.equal(bh.hessian(p, x, cfg, loss=loss, target=T.tolist()).dense(), H)
+    one = bh.hessian(p, x[0], cfg, loss=loss, target=int(T[0])).dense()
+    assert torch.equal(one, bh.hessian(p, x[:1], cfg, loss=loss, target=T[:1]).dense())

@@ -229,6 +229,8 @@ def sequence_loss(cfg: ModelConfig, loss, target, z: torch.Tensor):
             return loss, target  # not classes: losses.check says so
     if loss in ("mse", "ce") and isinstance(target, torch.Tensor):
         want = out if loss == "mse" else out[:-1]
+        if loss == "ce" and pooled and B == 1 and target.ndim == 0:  # one sequence's class as a number
+            target = target[None]
         if tuple(target.shape) != want:
             if loss == "ce":
                 raise ValueError(f"target must have shape {want} for loss='ce' (one class per "
