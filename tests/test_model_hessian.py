@@ -152,9 +152,8 @@ def test_one_sequence_without_batch_axis(name):
         assert_close(part(H).dense(), part(batched).dense(), scale=fro(batched.dense()), what="one sequence vs batch of one")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="the closed form does not add the batch axis to a callable's "
-                   "target for one sequence (model/walk.py hessian: 'and not callable(loss)'); the reference does")
 def test_one_sequence_callable_target():
+    """One sequence's target gets the batch axis for a callable loss too (its entry of a batch of one)."""
     row = model_row(embedding="linear", pool="mean", head="linear", loss="custom", n_blocks=1, tokens=3)
     cfg, p, x, loss, T = make_model_case(row, OPTION_DESIGN[:1])
     check_against_reference(cfg, p, x[0], loss, T[0])
