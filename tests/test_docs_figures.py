@@ -797,6 +797,64 @@ def test_readme_thread_quotes():
     ])
 
 
+def _bench_run(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def test_models_bench_section():
+    """docs/results.md's whole-model section: its tables are the rows ``blockhess bench`` writes from the
+    stored run of record, and its figures of the earlier runs and of the baselines' settings are those
+    of their stored JSON."""
+    from blockhess_lab import bench
+
+    text = section("docs/results.md", "### Whole models", "## Memory estimates")
+    rows = [line for line in bench.markdown(_bench_run("run20-models-9fd4425")).splitlines() if line.startswith("| m/")]
+    assert len(rows) == 3 + 3 + 9
+    missing = [r for r in rows if r not in text.splitlines()]
+    assert not missing, f"docs/results.md, Whole models: rows that differ from the stored run: {missing}"
+
+    def ratios(name):
+        cases = {c["id"]: c for c in _bench_run(name)["cases"]}
+        out = {}
+        for cid, c in cases.items():
+            out[cid] = [bench._ratio(c, "func_hessian"), bench._ratio(c, "curvlinops"),
+                        bench._peak_delta(c, "closed_form") / c["out_bytes"]]
+        return cases, out
+
+    ca, a = ratios("run20-models-8c91a4d")
+    cb, b = ratios("run20-models-b8f63f6")
+    check_quotes("docs/results.md", [
+        ("load average {} at the start): ViT B = 8 {} s,\n{}× `torch.func.hessian`, {}× curvlinops; ViT B = 32 {}× and {}×; "
+         "GPT-2 {}× and {}×;\npeaks {}×, {}× and {}× the Hessian.",
+         [_bench_run("run20-models-8c91a4d")["env"]["load_average_at_start"][0], ca["m/vit/B8"]["methods"]["closed_form"]["median_s"],
+          *a["m/vit/B8"][:2], *a["m/vit/B32"][:2], *a["m/gpt2/B8"][:2], a["m/vit/B8"][2], a["m/vit/B32"][2], a["m/gpt2/B8"][2]]),
+        ("load average {} at the start): ViT B = 8 {} ms, {}× and {}×; ViT B = 32 {}× and\n{}×; GPT-2 {} s, {}× and {}×; "
+         "peaks {}×, {}×, {}×.",
+         [_bench_run("run20-models-b8f63f6")["env"]["load_average_at_start"][0], 1e3 * cb["m/vit/B8"]["methods"]["closed_form"]["median_s"],
+          *b["m/vit/B8"][:2], *b["m/vit/B32"][:2], cb["m/gpt2/B8"]["methods"]["closed_form"]["median_s"], *b["m/gpt2/B8"][:2],
+          b["m/vit/B8"][2], b["m/vit/B32"][2], b["m/gpt2/B8"][2]]),
+    ])
+    st = _bench_run("run20-baseline-settings")["cases"]
+
+    def curv(cid, cols, mb=None):  # the whole batch (B, from the id) as one mini-batch unless mb
+        return st[cid]["curvlinops"][f"columns={cols},minibatch={mb or int(cid.rsplit('B', 1)[1])}"]["per_n_columns_s"]
+
+    def func(cid, ch):
+        return st[cid]["func_hessian"][f"chunk={ch}"]["time_s"]
+
+    check_quotes("docs/results.md", [
+        ("setting: whole H @ I at 1,024 / 256 / 64 columns per product took {} / {} / {} s (ViT B = 8),\n{} / {} / {} s "
+         "(GPT-2 B = 8), {} / {} / {} s (ViT B = 32,",
+         [curv("m/vit/B8", c) for c in (1024, 256, 64)] + [curv("m/gpt2/B8", c) for c in (1024, 256, 64)]
+         + [curv("m/vit/B32", c) for c in (1024, 256, 64)]),
+        ("mini-batches of 4 sequences at 256\ncolumns {}, {} and {} s.",
+         [curv("m/vit/B8", 256, 4), curv("m/gpt2/B8", 256, 4), curv("m/vit/B32", 256, 4)]),
+        ("summed over chunks of 4 sequences of the batch it took {} s against {} s for the\nwhole batch (ViT B = 8), {} s against {} s "
+         "(GPT-2), {} s against {} s (ViT B = 32)",
+         [func("m/vit/B8", 4), func("m/vit/B8", 8), func("m/gpt2/B8", 4), func("m/gpt2/B8", 8), func("m/vit/B32", 4), func("m/vit/B32", 32)]),
+    ])
+
+
 # --------------------------------------------------------------------------- figures with no stored run
 
 #: figures these docs quote that no stored run backs: earlier code or machines (history), a fresh clone's
