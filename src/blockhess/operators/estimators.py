@@ -232,9 +232,9 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, max_mat
     magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
     whole basis, twice) and Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv``
     vectors (default ``max(3k + 2·block_size, 30)``, capped at ``n``); at a restart the ``k + (ncv −
-    block_size − k)//2`` most wanted Ritz vectors are kept. ``block_size`` (default ``min(k, 8)``)
+    block_size − k)//2`` most wanted Ritz vectors are kept. ``block_size`` (default 1: the fewest products)
     vectors are multiplied at once; an eigenvalue of multiplicity above it may be missed, as by any
-    Krylov method. Convergence is judged on the recurrence's residual estimates and confirmed by one
+    Krylov method (a larger block also batches the engine's products). Convergence is judged on the recurrence's residual estimates and confirmed by one
     product of the ``k`` Ritz vectors (the reported ``residuals``). ``v0`` ``(n,)`` or ``(n, j)``: a warm
     start (e.g. the eigenvectors of a nearby operator); with ``j >= block_size`` the start block is
     ``j`` random combinations of its columns, else its columns plus random ones. Residuals certify
