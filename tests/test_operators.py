@@ -141,6 +141,37 @@ def test_a_view_asks_the_engine_only_for_what_it_needs(op, hess):
     assert calls == [({"W_K"}, ("W_1", "W_Q"))]
 
 
+def test_a_models_operator_has_every_blocks_heads():
+    blocks = tuple(bh.BlockConfig(d_model=4, d_ff=5, n_heads=2) for _ in range(2))
+    cfg = bh.ModelConfig(blocks=blocks, embedding="none", pool="mean", head=3)
+    g = torch.Generator().manual_seed(8)
+    H = bh.hessian(bh.init_params(cfg, seed=0), torch.randn(2, 3, 4, generator=g, dtype=DT), cfg, loss="ce",
+                   target=torch.tensor([0, 2]))
+    A = HessianOperator.from_dense(H)
+    assert {"blocks.0.W_Q#1", "blocks.1.W_V#0"} <= set(A._vars)
+    D = H.dense()
+    r, c = _rows(A, ("blocks.1.W_Q#0", "W_H")), _rows(A, ("blocks.0.W_K#1",))
+    V = torch.randn(c.numel(), 3, generator=g, dtype=DT)
+    assert rel_error(A[("blocks.1.W_Q#0", "W_H"), "blocks.0.W_K#1"] @ V, D[r][:, c] @ V) <= EXACT
+    # a Transformer block's own Hessian: its parameters as one view
+    first = tuple(n for n in A.names if n.startswith("blocks.0."))
+    res = per_block(A, lanczos_eigs, blocks=[first], k=2, tol=1e-10)[first]
+    _check_eigs(res, eigvalsh(D[_rows(A, first)][:, _rows(A, first)]), 2, "LA", 1e-10)
+
+
+def test_columns_are_passed_in_chunks_of_max_columns(hess):
+    dense = HessianOperator.from_dense(hess)
+    widths = []
+
+    def counting(V, wanted_out):
+        widths.append(next(iter(V.values())).shape[0])
+        return dense._product(V, wanted_out)
+
+    A = HessianOperator(counting, hess.names, hess.shapes, DT, "cpu", max_columns=4)
+    V = torch.randn(A.shape[0], 10, dtype=DT)
+    assert rel_error(A @ V, hess.dense() @ V) <= EXACT and widths == [4, 4, 2]
+
+
 def test_views_of_views_and_bad_keys(op):
     sub = op[("W_Q", "W_K"), ("W_Q", "W_K")]
     assert sub["W_Q#0", "W_K"].shape == op["W_Q#0", "W_K"].shape

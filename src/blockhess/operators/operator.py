@@ -470,6 +470,7 @@ def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress
             raise ValueError(f"parts[{i}] is {op!r}; every part must be a whole operator like parts[0], {first!r}")
         return op
 
+    check(0, first)
     for i, p in enumerate(parts):
         if isinstance(p, HessianOperator):
             check(i, p)
