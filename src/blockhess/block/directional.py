@@ -22,6 +22,7 @@ product is a batched matrix product, memory ``O(k ×`` the forward activations) 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -85,15 +86,18 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
 
 def work_entries(cfg, B: int, L: int, k: int) -> int:
     r"""An upper estimate of the tensor entries one :func:`hvp` of ``k`` directions holds at once for
-    ``B`` sequences of ``L`` tokens (the forward cache and the :class:`Adjoints` not included: they
-    are the operator's, built once). Per token and direction, with ``d`` the width, ``d_ff`` the FFN
-    width, ``H`` heads, ``q = H·d_k``: the tangents of ``Q, K`` and their adjoints' (``4q``), of the
-    scores and weights and their adjoints with the softmax's temporaries (``6HL``), of sixteen rows
-    of ``d`` and four of ``d_ff`` (docs/derivations.md §17)."""
+    ``B`` sequences of ``L`` tokens, its result included (the forward cache, the :class:`Adjoints` and
+    the directions not: they are the operator's and the caller's). Per token and direction, with
+    ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``: the tangents of ``Q, K`` and
+    their adjoints' with temporaries (``6q``), of the scores and weights and their adjoints with the
+    softmax's temporaries (``10HL``), two dozen rows of ``d`` and six of ``d_ff``; per direction,
+    four copies of the ``n`` weights (the result, its summands, the directions laid out for one
+    matrix product). The coefficients are counts checked against the peaks (docs/derivations.md §17)."""
     d, H = cfg.d_model, cfg.n_heads
     q = H * cfg.head_dim
     ff = cfg.d_ff if cfg.kind == "block" else 0
-    return k * B * L * (4 * q + 16 * d + 6 * H * L + 4 * ff)
+    n = sum(math.prod(s) for s in param_shapes(cfg).values())
+    return k * (B * L * (6 * q + 24 * d + 10 * H * L + 6 * ff) + 4 * n)
 
 
 def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | None, int]:
