@@ -449,12 +449,20 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     dgO = None if dgF is None else _heads(dgF, H)
     if not second:
         t = Tangent(None, None, None, None, t.dF)
-    dgA = add(None if dgO is None else dgO @ Vh.transpose(-1, -2), None if t.dV is None else a.gO @ t.dV.transpose(-1, -2))
+
+    def mm(x, y):  # a product with a zero (None) direction is zero
+        return None if x is None or y is None else x @ y
+
+    def mT(x):
+        return None if x is None else x.mT
+
+    dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
     dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
-    dgV = add(None if dgO is None else A.transpose(-1, -2) @ dgO, None if t.dA is None else t.dA.transpose(-1, -2) @ a.gO)
-    dgQ = add(None if dgT is None else dgT @ Kh, None if t.dK is None else a.gT @ t.dK)
-    dgK = add(None if dgT is None else dgT.transpose(-1, -2) @ Qh, None if t.dQ is None else a.gT.transpose(-1, -2) @ t.dQ)
-    dgQ, dgK, dgV = (None if v is None else _merge(v) * f for v, f in ((dgQ, s), (dgK, s), (dgV, 1.0)))
+    dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
+    dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
+    dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
+    dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
+    dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
     for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
         x_in, hv[w], hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input, bias=b in p)

@@ -285,7 +285,8 @@ def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=No
         dg_x = None if dg_y is None else adjoint(y, r, dg_y)
         if second and dy is not None:
             gy = g if gamma is None else g * gamma
-            dg_x = add(dg_x, -rho * g_x - r * (dy * (y * gy).sum(-1, keepdim=True) + y * (dy * gy).sum(-1, keepdim=True)) / d)
+            s_g, s_dy = (y * gy).sum(-1, keepdim=True), (dy * gy).sum(-1, keepdim=True)
+            dg_x = add(dg_x, -rho * g_x - r * (dy * s_g + y * s_dy) / d)
     hv_gamma = hv_beta = None
     if variables[0]:
         hv_gamma = add(None if dg is None else (dg * y).sum(1), (g * dy).sum(1) if second and dy is not None else None)
