@@ -86,6 +86,7 @@ __all__ = [
     "snapshot_steps",
     "init_model",
     "train",
+    "train_like",
     "save",
     "load",
     "load_or_train",
@@ -480,6 +481,14 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
     vit = _assemble(arch, params, init, int(seed), images, labels, tr, te, info, None, snapshots)
     info["test_accuracy"] = vit.test_accuracy
     return vit
+
+
+def train_like(vit: TrainedViT, *, quiet: bool = False, **arch) -> TrainedViT:
+    """A model of ``vit``'s recipe (seed, architecture, optimiser settings, steps) with the
+    architecture keys ``arch`` changed (``n_blocks=2``), trained now (:func:`train`; not saved)."""
+    info = vit.train_info
+    optim = {k: (tuple(info[k]) if k == "betas" else info[k]) for k in DEFAULT_OPTIM if k in info}
+    return train(vit.seed, steps=int(info["steps"]), quiet=quiet, arch={**vit.arch, **arch}, optim=optim)
 
 
 def _assemble(arch, params, init, seed, images, labels, tr, te, info, path, snapshots) -> TrainedViT:
