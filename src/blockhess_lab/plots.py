@@ -30,15 +30,34 @@ def log_abs(H, floor: float) -> np.ndarray:
     return np.log10(np.maximum(A, floor))
 
 
+NARROW = 0.03  # a block narrower than this fraction of its axis is labelled on the opposite side
+
+
 def _ticks(ax, axis: str, names, sizes, small: bool):
+    """Dashed block boundaries and one label per block, at its centre; the labels of narrow blocks
+    (:data:`NARROW`, e.g. a bias next to its weight) go on the opposite side (top, right) so that
+    neighbours do not overlap."""
     edges = np.cumsum([0] + list(sizes))
     centres = (edges[:-1] + edges[1:]) / 2 - 0.5
     for e in edges[1:-1]:
         (ax.axvline if axis == "x" else ax.axhline)(e - 0.5, color="white", ls="--", lw=0.6 if small else 0.8)
+    narrow = np.asarray(sizes) < NARROW * edges[-1]
+    if narrow.all():
+        narrow[:] = False
+    kw = {"fontsize": 7} if small else {}
+    far = [(c, n) for c, n, w in zip(centres, names, narrow) if w]
+    near = [(c, n) for c, n, w in zip(centres, names, narrow) if not w]
     if axis == "x":
-        ax.set_xticks(centres, names, rotation=90 if small else 0, fontsize=7 if small else None)
+        ax.set_xticks([c for c, _ in near], [n for _, n in near], rotation=90 if small else 0, **kw)
     else:
-        ax.set_yticks(centres, names, fontsize=7 if small else None)
+        ax.set_yticks([c for c, _ in near], [n for _, n in near], **kw)
+    if far:
+        sec = ax.secondary_xaxis("top") if axis == "x" else ax.secondary_yaxis("right")
+        if axis == "x":
+            sec.set_xticks([c for c, _ in far], [n for _, n in far], rotation=90 if small else 0, **kw)
+        else:
+            sec.set_yticks([c for c, _ in far], [n for _, n in far], **kw)
+        sec.tick_params(length=0)
 
 
 def _draw_blocks(ax, rows, cols, vmin, vmax, data, title):

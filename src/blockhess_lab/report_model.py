@@ -357,10 +357,10 @@ def markdown(rep: dict, phases: dict, dyn: dict, two: dict) -> list[str]:
         "`bh.hessian(vit.params, vit.model_inputs(images), vit.model_cfg, loss=\"ce\", target=labels)` "
         f"in {rep['dtype']}; reference: `bh.reference.hessian` of the same config (float64, `torch.func`, the whole "
         f"validation batch at once) on the first {m['validation_images']} images of the batch. Each block pair is "
-        f"measured against its own norm, or against {BLOCK_FLOOR:.1e} of its part's norm where it is smaller: the "
-        "functional part's (W_H, W_H) block and its blocks with b_H are exactly zero (the logits h W_H + b_H have no "
-        "second derivative there), and the reference, "
-        "which forms that part as full − outer, holds only rounding there.",
+        f"measured against its own norm, or against {BLOCK_FLOOR:.1e} of its part's norm where that is larger (for "
+        "the functional part, of ‖full‖ + ‖outer‖: the reference forms it as full − outer): the functional part's "
+        "(W_H, W_H) block and its blocks with b_H are exactly zero (the logits h W_H + b_H have no second derivative "
+        "there), and the reference holds only rounding there.",
         "",
         "| weights | validation against autograd | whole full matrix | symmetry | outer+functional−full | blocks.0 part vs the block's Hessian (callable head loss, whole batch) |",
         "|---|---|---|---|---|---|",
