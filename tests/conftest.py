@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 import blockhess as bh
 from blockhess.linalg import rel_error
 
-from settings import SIZE_IDS, SIZES
+from settings import LOSSES, MODEL_SIZES, PATCH_IMAGES, SIZE_IDS, SIZES
 
 TOL = 1e-10
 # rounding of a whole matrix, in units of ε·‖whole‖_F: a block below it is not resolved by any
@@ -245,3 +245,49 @@ def randomize_vectors(params: dict, seed: int = 0) -> dict:
             r = torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.dtype)
             out[k] = 1 + 0.5 * r if k.startswith("gamma") else 0.3 * r
     return out
+
+
+def make_model_case(row: dict, block_rows, seed: int = 0, scale: float = 1.0):
+    """A model of the :data:`settings.MODEL_OPTIONS` assignment ``row`` (``n_blocks``, ``d_model``,
+    ``tokens``, ``batch`` and ``loss`` included) whose block ``i`` takes the options ``block_rows[i]``
+    (:class:`blockhess.BlockConfig` keywords beyond the sizes), at the sizes of
+    :data:`settings.MODEL_SIZES` and :data:`settings.PATCH_IMAGES` (``n_positions``: one row more than
+    the sequence uses). Returns ``(cfg, params, inputs, loss, target)``: float64 params from
+    :func:`blockhess.init_params` with their vectors randomized (:func:`randomize_vectors`), batched
+    inputs (features and ``X_0`` at ``scale``), the loss as :func:`blockhess.hessian` takes it
+    (:data:`settings.LOSSES`) and its target: CE classes ``(B,)`` pooled or ``(B, L)``, otherwise
+    standard normal of the output's shape."""
+    S, d, n, B = MODEL_SIZES, row["d_model"], row["tokens"], row["batch"]
+    blocks = tuple(bh.BlockConfig(d_model=d, d_ff=S["d_ff"], d_k=S["d_k"][i % len(S["d_k"])], **b)
+                   for i, b in enumerate(block_rows))
+    assert len(blocks) == row["n_blocks"]
+    kw = {k: row[k] for k in ("embedding", "embed_bias", "cls_token", "positions", "token_types", "embed_norm",
+                              "final_norm", "norm_affine", "norm_bias", "norm_eps", "pool", "head_bias")}
+    L = n + int(row["cls_token"])
+    if row["embedding"] == "linear":
+        kw["d_in"] = S["d_in"]
+    elif row["embedding"] == "patch":
+        kw["image"], kw["patch"] = PATCH_IMAGES[n]
+    elif row["embedding"] == "token":
+        kw["vocab"] = S["vocab"]
+    if row["positions"] == "learned":
+        kw["n_positions"] = L + 1
+    if row["head"] == "linear":
+        kw["head"] = S["head"]
+    elif row["head"] == "tied":
+        kw.update(head=S["vocab"], tied=True)
+    cfg = bh.ModelConfig(blocks=blocks, **kw)
+    params = randomize_vectors(bh.init_params(cfg, seed=seed), seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    if cfg.embedding == "token":
+        inputs = torch.randint(0, cfg.vocab, (B, n), generator=g)
+    elif cfg.embedding == "patch":
+        inputs = scale * torch.randn((B, *cfg.image), generator=g, dtype=torch.float64)
+    else:
+        inputs = scale * torch.randn(B, n, cfg.d_in if cfg.embedding == "linear" else d, generator=g, dtype=torch.float64)
+    out = (B, cfg.n_out) if cfg.pool != "none" else (B, L, cfg.n_out)
+    if row["loss"] == "ce":
+        target = torch.randint(0, cfg.n_out, out[:-1], generator=g)
+    else:
+        target = torch.randn(out, generator=g, dtype=torch.float64)
+    return cfg, params, inputs, LOSSES[row["loss"]], target

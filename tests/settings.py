@@ -70,28 +70,32 @@ BLOCK_OPTIONS = {
 }
 
 
-def covered(row: dict, t: int) -> set:
-    """The ``t``-tuples of ``(option, value)`` that the configuration ``row`` covers."""
-    return {tuple((k, repr(row[k])) for k in ks) for ks in itertools.combinations(BLOCK_OPTIONS, t)}
+def covered(row: dict, t: int, options: dict = BLOCK_OPTIONS) -> set:
+    """The ``t``-tuples of ``(option, value)`` of ``options`` that the configuration ``row`` covers."""
+    return {tuple((k, repr(row[k])) for k in ks) for ks in itertools.combinations(options, t)}
 
 
-def covering_design(t: int = 3, seed: int = 0) -> list[dict]:
-    """A deterministic greedy ``t``-wise covering array over :data:`BLOCK_OPTIONS` (every
-    combination of any ``t`` option values appears in some row; first rows: all first values =
-    the paper's setting; all last values)."""
+def covering_design(t: int = 3, seed: int = 0, options: dict = BLOCK_OPTIONS, valid=None) -> list[dict]:
+    """A deterministic greedy ``t``-wise covering array over ``options`` (default
+    :data:`BLOCK_OPTIONS`): every combination of any ``t`` option values appears in some row;
+    first rows: all first values (the paper's setting), all last values. ``valid``: a predicate on
+    a partial assignment ``{option: value}``, false where those values contradict each other (such
+    rows are not drawn, such combinations not needed); every option value allowed by default."""
+    valid = valid or (lambda row: True)
     need = set()
-    for ks in itertools.combinations(BLOCK_OPTIONS, t):
-        for vs in itertools.product(*(BLOCK_OPTIONS[k] for k in ks)):
-            need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
+    for ks in itertools.combinations(options, t):
+        for vs in itertools.product(*(options[k] for k in ks)):
+            if valid(dict(zip(ks, vs))):
+                need.add(tuple((k, repr(v)) for k, v in zip(ks, vs)))
     rng = random.Random(seed)
-    rows = [{k: v[0] for k, v in BLOCK_OPTIONS.items()}, {k: v[-1] for k, v in BLOCK_OPTIONS.items()}]
+    rows = [r for r in ({k: v[0] for k, v in options.items()}, {k: v[-1] for k, v in options.items()}) if valid(r)]
     for r in rows:
-        need -= covered(r, t)
+        need -= covered(r, t, options)
     while need:
-        cands = [{k: rng.choice(v) for k, v in BLOCK_OPTIONS.items()} for _ in range(200)]
-        best = max(cands, key=lambda r: len(covered(r, t) & need))
+        cands = [r for r in ({k: rng.choice(v) for k, v in options.items()} for _ in range(200)) if valid(r)]
+        best = max(cands, key=lambda r: len(covered(r, t, options) & need))
         rows.append(best)
-        need -= covered(best, t)
+        need -= covered(best, t, options)
     return rows
 
 
@@ -124,6 +128,98 @@ NAMED_CONFIGS = {
                              activation="gelu_tanh", norm="pre"),
     "attention": dict(kind="attention", n_heads=2, bias=True, out_proj=True),
 }
+
+# ----------------------------------------------------------------------------- whole models
+# every option of ModelConfig, the loss and the sizes that change a model's stages, the simplest
+# value first: "tokens" per sequence before the cls token (1: L = 1 without it), "head" none (the
+# output is the last LayerNorm's or block's rows), a linear head or the tied token embedding,
+# "loss" as in LOSSES (CE pooled or per token, with or without a head); the blocks' own options
+# come from OPTION_DESIGN (conftest.make_model_case)
+MODEL_OPTIONS = {
+    "embedding": ["linear", "patch", "token", "none"],
+    "embed_bias": [True, False],
+    "cls_token": [False, True],
+    "positions": ["none", "sinusoidal", "learned"],
+    "token_types": [0, 2],
+    "embed_norm": [False, True],
+    "final_norm": [False, True],
+    "norm_affine": [True, False],
+    "norm_bias": [True, False],
+    "norm_eps": [1e-5, 0.0],
+    "pool": ["none", "mean", "first"],
+    "head": ["none", "linear", "tied"],
+    "head_bias": [True, False],
+    "loss": ["ce", "mse", "custom"],
+    "n_blocks": [1, 2, 3, 4],
+    "d_model": [4, 6],
+    "tokens": [1, 2, 3],
+    "batch": [1, 3],
+}
+
+
+def model_valid(row: dict) -> bool:
+    """Whether the (partial) :data:`MODEL_OPTIONS` assignment ``row`` is a model: ``embedding="none"``
+    takes ``X_0`` itself (no cls token, no token types), and only a token embedding can be the head."""
+    emb = row.get("embedding", "token")
+    if emb == "none" and (row.get("cls_token") or row.get("token_types")):
+        return False
+    return not (row.get("head") == "tied" and emb != "token")
+
+
+# pairwise: every two option values together in some model; its blocks take OPTION_DESIGN's rows in turn
+MODEL_DESIGN = covering_design(2, options=MODEL_OPTIONS, valid=model_valid)
+# the sizes every model of the design shares: d_ff, d_k per head (alternating over the blocks:
+# d_k != d_model / n_heads), d_in of "linear", vocab of "token", the linear head's width, and the
+# image (C, H, W) and patch of "patch" for each "tokens" (patches per image)
+MODEL_SIZES = dict(d_ff=3, d_k=(2, 3), d_in=3, vocab=5, head=3)
+PATCH_IMAGES = {1: ((1, 2, 2), 2), 2: ((2, 2, 4), 2), 3: ((1, 2, 6), 2)}
+
+
+def model_id(row: dict) -> str:
+    """The test id of a :data:`MODEL_DESIGN` row: the options away from their first value."""
+    on = [f"{row['embedding']}", f"N{row['n_blocks']}", f"d{row['d_model']}", f"L{row['tokens']}", f"B{row['batch']}",
+          row["loss"], f"pool-{row['pool']}", f"head-{row['head']}"]
+    on += [k for k in ("cls_token", "embed_norm", "final_norm") if row[k]]
+    on += [f"pos-{row['positions']}"] if row["positions"] != "none" else []
+    on += ["types"] if row["token_types"] else []
+    on += [f"no-{k}" for k in ("embed_bias", "norm_affine", "norm_bias", "head_bias") if not row[k]]
+    on += ["eps0"] if row["norm_eps"] == 0 else []
+    return "-".join(on)
+
+
+MODEL_IDS = [model_id(r) for r in MODEL_DESIGN]
+# (model row, its blocks' option rows): the blocks of the design's models take OPTION_DESIGN's rows
+# in turn (every row of it in some model, a model's blocks of different settings)
+MODEL_CASES = []
+for _row in MODEL_DESIGN:
+    _start = sum(r["n_blocks"] for r, _ in MODEL_CASES)
+    MODEL_CASES.append((_row, [OPTION_DESIGN[(_start + i) % len(OPTION_DESIGN)] for i in range(_row["n_blocks"])]))
+
+
+def model_row(**options) -> dict:
+    """A :data:`MODEL_OPTIONS` assignment: each option's first value, but ``options``."""
+    assert set(options) <= set(MODEL_OPTIONS), set(options) - set(MODEL_OPTIONS)
+    return {**{k: v[0] for k, v in MODEL_OPTIONS.items()}, **options}
+
+
+_POST = dict(n_heads=2, bias=True, out_proj=True, ln_affine=True, ln_eps=1e-5, activation="gelu")
+_PRE = dict(_POST, norm="pre")
+_CAUSAL = dict(_PRE, causal=True, activation="gelu_tanh")
+# named models (model row, blocks' options), the usual architectures: a ViT (patches, cls token,
+# learned positions, pre-LN, final LayerNorm, the cls token into a head), a BERT (tokens, learned
+# positions, token types, embedding LayerNorm, post-LN, per-token CE through the tied embedding), a
+# GPT (tokens, causal pre-LN blocks, final LayerNorm, tied head) and an encoder stack on X_0
+NAMED_MODELS = {
+    "vit": (model_row(embedding="patch", cls_token=True, positions="learned", final_norm=True, pool="first",
+                      head="linear", loss="ce", n_blocks=2, tokens=2, batch=3), [_PRE, _PRE]),
+    "bert": (model_row(embedding="token", positions="learned", token_types=2, embed_norm=True, pool="none",
+                       head="tied", loss="ce", n_blocks=2, tokens=3, batch=3), [_POST, _POST]),
+    "gpt": (model_row(embedding="token", positions="learned", final_norm=True, head="tied", head_bias=False,
+                      loss="ce", n_blocks=2, tokens=3, batch=3), [_CAUSAL, _CAUSAL]),
+    "encoder": (model_row(embedding="none", positions="sinusoidal", final_norm=True, pool="mean", loss="mse",
+                          n_blocks=3, tokens=3, batch=3), [{}, _POST, _PRE]),
+}
+
 
 # ----------------------------------------------------------------------------- layers
 # softmax: (L, L') of the score matrix: one entry, L < L', square, L > 1 with long rows

@@ -260,7 +260,8 @@ def test_unsupported_settings_are_named():
     part2 = bh.hessian(p, torch.randn(3, 8, dtype=DT), cfg, target=torch.zeros(3, 8, dtype=DT), wrt=["W_Q", "W_K"])
     with pytest.raises(ValueError, match="has only W_Q, W_K:"):
         part2.to_module(layer)
-    with pytest.raises(ValueError, match="block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, got Linear"):
+    with pytest.raises(ValueError, match="block_input supports nn.TransformerEncoderLayer and nn.MultiheadAttention, nn.TransformerEncoder "
+                                         "and Hugging Face's blocks, got Linear"):
         bh.block_input(nn.Linear(8, 8), torch.randn(3, 8, dtype=DT))
     with pytest.raises(ValueError, match="from_torch: dtype must be float32 or float64, got torch.float16"):
         bh.from_torch(layer, dtype=torch.float16)

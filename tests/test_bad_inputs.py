@@ -56,6 +56,36 @@ def pre(c: Case) -> dict:
     return bh.init_params(PRE, seed=0)
 
 
+# models of that block: token ids with a cls token, 4 learned positions and the cls token into a
+# 3-class head (2 blocks); 4x4 one-channel images in 2x2 patches, mean-pooled into a 3-wide head;
+# features of width 3 per token into a 2-wide head
+_BLOCK = bh.BlockConfig(d_model=4, d_ff=5)
+TOKENS = bh.ModelConfig(blocks=(_BLOCK, _BLOCK), embedding="token", vocab=5, cls_token=True, positions="learned",
+                        n_positions=4, pool="first", head=3)
+IMAGES = bh.ModelConfig(blocks=(_BLOCK,), embedding="patch", image=(1, 4, 4), patch=2, pool="mean", head=3)
+FEATURES = bh.ModelConfig(blocks=(_BLOCK,), embedding="linear", d_in=3, head=2)
+IDS = torch.tensor([[1, 2, 3], [0, 4, 2]])  # 2 sequences of 3 tokens
+CLASSES = torch.tensor([0, 2])
+
+
+def weights(cfg: bh.ModelConfig, **changed) -> dict:
+    """The model's parameters (seed 0), with ``changed`` ones."""
+    return {**bh.init_params(cfg, seed=0), **changed}
+
+
+def tokens(ids=IDS, target=CLASSES, **kw):
+    return bh.hessian(weights(TOKENS), ids, TOKENS, loss="ce", target=target, **kw)
+
+
+def features(X: torch.Tensor, loss="mse", target=None):
+    """The feature model's Hessian on the first 3 features of ``X``."""
+    return bh.hessian(weights(FEATURES), X[..., :3], FEATURES, loss=loss, target=target)
+
+
+def model_config(**options):
+    return bh.ModelConfig(**{"blocks": (_BLOCK,), **options})
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     entry: str  # the public entry point
@@ -207,6 +237,131 @@ ROWS = [
         lambda c: bh.hessian(c.p, c.X, c.cfg, target=c.T)["W_Q", "W_9"], KeyError, "unknown parameter 'W_9'"),
     Row("bh.bounds.exact_norms", "argument", "something other than a full Hessian", lambda c: bh.bounds.exact_norms(3),
         ValueError, "H must be a full Hessian from blockhess.hessian"),
+    # model inputs
+    Row("bh.hessian", "model input", "a negative token id", lambda c: tokens(IDS - 1), ValueError,
+        "inputs: token id -1 at (1, 0) is out of range [0, 5)"),
+    Row("bh.hessian", "model input", "a token id >= vocab", lambda c: tokens(IDS + 1), ValueError,
+        "inputs: token id 5 at (1, 1) is out of range [0, 5)"),
+    Row("bh.forward", "model input", "float token ids", lambda c: bh.forward(weights(TOKENS), IDS.double(), TOKENS),
+        ValueError, "inputs must be integer token ids of shape (B, L) or (L,), got torch.float64"),
+    Row("bh.forward", "model input", "token ids on another device than the weights",
+        lambda c: bh.forward(weights(TOKENS), IDS.to("meta"), TOKENS), ValueError, "inputs is on meta but params['W_E'] is on cpu"),
+    Row("bh.hessian", "model input", "4 tokens and the cls token for 4 learned positions",
+        lambda c: tokens(torch.zeros(2, 4, dtype=torch.long)), ValueError,
+        "inputs: 5 tokens (the cls token included) exceed the 4 learned positions (W_P rows)"),
+    Row("bh.hessian", "model input", "images of another size than the config's",
+        lambda c: bh.hessian(weights(IMAGES), torch.randn(2, 1, 4, 6, dtype=DT), IMAGES, loss="ce", target=CLASSES),
+        ValueError, "inputs must have shape (B, 1, 4, 4) (or without the batch axis)"),
+    Row("bh.hessian", "model input", "features of another width than d_in",
+        lambda c: bh.hessian(weights(FEATURES), c.X, FEATURES, loss="mse", target=c.T[..., :2]), ValueError,
+        "inputs must have shape (B, L, 3)"),
+    Row("bh.hessian", "model input", "a NaN in the features", lambda c: features(nan_at(c.X), target=c.T[..., :2]),
+        ValueError, "inputs contains NaN or Inf"),
+    Row("bh.hessian", "model input", "a NaN in the token embedding",
+        lambda c: bh.hessian(weights(TOKENS, W_E=nan_at(weights(TOKENS)["W_E"])), IDS, TOKENS, loss="ce", target=CLASSES),
+        ValueError, "params['W_E'] contains NaN or Inf"),
+    Row("bh.hessian", "model input", "an Inf in a block's weight",
+        lambda c: bh.hessian(weights(TOKENS, **{"blocks.1.W_V": nan_at(weights(TOKENS)["blocks.1.W_V"], float("inf"))}),
+                             IDS, TOKENS, loss="ce", target=CLASSES), ValueError, "params['blocks.1.W_V'] contains NaN or Inf"),
+    Row("bh.hessian", "model input", "a block's parameters for a model",
+        lambda c: bh.hessian(c.p, IDS, TOKENS, loss="ce", target=CLASSES), ValueError, "missing ['W_E', 'cls', 'W_P',"),
+    Row("bh.reference.hessian", "model input", "a token id >= vocab",
+        lambda c: bh.reference.hessian(weights(TOKENS), IDS + 1, TOKENS, loss="ce", target=CLASSES), ValueError,
+        "is out of range [0, 5)"),
+    # model targets
+    Row("bh.hessian", "model target", "a pooled model's CE target with one class per token",
+        lambda c: tokens(target=torch.zeros(2, 3, dtype=torch.long)), ValueError,
+        "target must have shape (2,) for loss='ce' (one class per sequence: the model is pooled), got (2, 3)"),
+    Row("bh.hessian", "model target", "a CE class outside the head's [0, 3)", lambda c: tokens(target=torch.tensor([0, 3])),
+        ValueError, "target classes must lie in [0, 2] (3 logits: the output's last axis)"),
+    Row("bh.hessian", "model target", "a pooled model's MSE target shaped per token",
+        lambda c: bh.hessian(weights(IMAGES), torch.randn(2, 1, 4, 4, dtype=DT), IMAGES, loss="mse",
+                             target=torch.zeros(2, 4, 3, dtype=DT)), ValueError,
+        "target must have the shape of the model output (2, 3) for loss='mse', got (2, 4, 3)"),
+    Row("bh.hessian", "model target", "a per-token MSE target without the output axis",
+        lambda c: features(c.X, target=c.T[..., 0]), ValueError,
+        "target must have the shape of the model output (2, 3, 2) for loss='mse', got (2, 3)"),
+    Row("bh.hessian", "model target", "a per-token CE target with one class per sequence",
+        lambda c: features(c.X, loss="ce", target=torch.zeros(2, dtype=torch.long)), ValueError,
+        "target must have shape (2, 3) for loss='ce' (one class per token), got (2,)"),
+    Row("bh.hessian", "model target", "no MSE target", lambda c: features(c.X), ValueError,
+        "target is required for loss='mse' (a tensor shaped like the model output (2, 3, 2))"),
+    # model arguments
+    Row("bh.hessian", "model argument", "a block's name in wrt, without its block", lambda c: tokens(wrt="W_Q"),
+        ValueError, "'W_Q' is a block's name: a model names each block's own, 'blocks.0.W_Q', 'blocks.1.W_Q'"),
+    Row("bh.hessian", "model argument", "the input X in wrt", lambda c: tokens(wrt=["X"]), ValueError,
+        "a model's input is not a variable"),
+    Row("bh.hessian", "model argument", "wrt_input=True", lambda c: tokens(wrt_input=True), ValueError,
+        "wrt_input and out apply to a block; for a model (ModelConfig) leave them out"),
+    Row("bh.hessian", "model argument", "out=", lambda c: tokens(out=torch.empty(4, 4, dtype=DT)), ValueError,
+        "wrt_input and out apply to a block; for a model (ModelConfig) leave them out"),
+    Row("bh.reference.hessian", "model argument", "wrt_input=True",
+        lambda c: bh.reference.hessian(weights(TOKENS), IDS, TOKENS, loss="ce", target=CLASSES, wrt_input=True),
+        ValueError, "wrt_input applies to a block; a model's input is not a variable"),
+    # model configurations
+    Row("bh.ModelConfig", "model config", "no blocks", lambda c: model_config(blocks=(), d_in=3), ValueError,
+        "ModelConfig.blocks must be a non-empty tuple of BlockConfig"),
+    Row("bh.ModelConfig", "model config", "a bare attention layer as a block",
+        lambda c: model_config(blocks=(bh.BlockConfig(d_model=4, kind="attention"),), d_in=3), ValueError,
+        "ModelConfig.blocks must have kind='block'"),
+    Row("bh.ModelConfig", "model config", "blocks of different widths",
+        lambda c: model_config(blocks=(_BLOCK, bh.BlockConfig(d_model=6)), d_in=3), ValueError,
+        "ModelConfig.blocks must share one d_model, got [4, 6]"),
+    Row("bh.ModelConfig", "model config", "an unknown embedding", lambda c: model_config(embedding="conv"), ValueError,
+        "ModelConfig.embedding must be one of ('linear', 'patch', 'token', 'none'), got 'conv'"),
+    Row("bh.ModelConfig", "model config", "unknown positions", lambda c: model_config(d_in=3, positions="rope"),
+        ValueError, "ModelConfig.positions must be one of ('none', 'sinusoidal', 'learned'), got 'rope'"),
+    Row("bh.ModelConfig", "model config", "an unknown pooling", lambda c: model_config(d_in=3, pool="max"), ValueError,
+        "ModelConfig.pool must be one of ('none', 'mean', 'first'), got 'max'"),
+    Row("bh.ModelConfig", "model config", "a flag given as 1", lambda c: model_config(d_in=3, cls_token=1), ValueError,
+        "ModelConfig.cls_token must be True or False"),
+    Row("bh.ModelConfig", "model config", "a negative norm_eps", lambda c: model_config(d_in=3, norm_eps=-1e-5), ValueError,
+        "ModelConfig.norm_eps must be a finite float >= 0"),
+    Row("bh.ModelConfig", "model config", "negative token_types", lambda c: model_config(d_in=3, token_types=-1),
+        ValueError, "ModelConfig.token_types must be an int >= 0"),
+    Row("bh.ModelConfig", "model config", "a head of width 0", lambda c: model_config(d_in=3, head=0), ValueError,
+        "ModelConfig.head must be an int >= 1"),
+    Row("bh.ModelConfig", "model config", "a linear embedding without d_in", lambda c: model_config(), ValueError,
+        "ModelConfig.d_in (the feature width) is needed with embedding='linear'"),
+    Row("bh.ModelConfig", "model config", "a token embedding without vocab", lambda c: model_config(embedding="token"),
+        ValueError, "ModelConfig.vocab is needed with embedding='token'"),
+    Row("bh.ModelConfig", "model config", "vocab with a linear embedding", lambda c: model_config(d_in=3, vocab=5),
+        ValueError, "ModelConfig.vocab=5 has no meaning with embedding='linear' (only with 'token')"),
+    Row("bh.ModelConfig", "model config", "a patch embedding without an image",
+        lambda c: model_config(embedding="patch", patch=2), ValueError,
+        "ModelConfig.image (C, H, W) and patch are needed with embedding='patch', got image=None, patch=2"),
+    Row("bh.ModelConfig", "model config", "an image given as one number",
+        lambda c: model_config(embedding="patch", image=4, patch=2), ValueError,
+        "ModelConfig.image (C, H, W) and patch are needed with embedding='patch', got image=4"),
+    Row("bh.ModelConfig", "model config", "an image of height 0",
+        lambda c: model_config(embedding="patch", image=(1, 0, 4), patch=2), ValueError, "ModelConfig.image must be an int >= 1"),
+    Row("bh.ModelConfig", "model config", "a patch that does not divide the image",
+        lambda c: model_config(embedding="patch", image=(1, 4, 6), patch=4), ValueError,
+        "ModelConfig.patch=4 must divide the image size 4x6"),
+    Row("bh.ModelConfig", "model config", "d_in other than C·patch² with patches",
+        lambda c: model_config(embedding="patch", image=(1, 4, 4), patch=2, d_in=7), ValueError,
+        "ModelConfig.d_in=7 contradicts the patches: C·patch² = 4"),
+    Row("bh.ModelConfig", "model config", "a cls token without an embedding",
+        lambda c: model_config(embedding="none", cls_token=True), ValueError,
+        "ModelConfig.cls_token and token_types need an embedding"),
+    Row("bh.ModelConfig", "model config", "learned positions without n_positions",
+        lambda c: model_config(d_in=3, positions="learned"), ValueError,
+        "ModelConfig.n_positions (rows of W_P) is needed with positions='learned'"),
+    Row("bh.ModelConfig", "model config", "n_positions without learned positions",
+        lambda c: model_config(d_in=3, n_positions=8), ValueError,
+        "ModelConfig.n_positions=8 has no meaning with positions='none' (only with 'learned')"),
+    Row("bh.ModelConfig", "model config", "fewer learned positions than an image's patches and cls token",
+        lambda c: model_config(embedding="patch", image=(1, 4, 4), patch=2, cls_token=True, positions="learned",
+                               n_positions=4), ValueError, "ModelConfig.n_positions=4 is less than the 5 tokens of an image"),
+    Row("bh.ModelConfig", "model config", "sinusoidal positions with an odd d_model",
+        lambda c: model_config(blocks=(bh.BlockConfig(d_model=3),), d_in=3, positions="sinusoidal"), ValueError,
+        "ModelConfig.positions='sinusoidal' needs an even d_model, got 3"),
+    Row("bh.ModelConfig", "model config", "a tied head without a token embedding",
+        lambda c: model_config(d_in=3, head=3, tied=True), ValueError,
+        "ModelConfig.tied needs embedding='token' and head == vocab"),
+    Row("bh.ModelConfig", "model config", "a tied head of another width than vocab",
+        lambda c: model_config(embedding="token", vocab=5, head=3, tied=True), ValueError,
+        "ModelConfig.tied needs embedding='token' and head == vocab"),
     # memory
     Row("bh.hessian", "memory", "a dense result larger than the memory available",
         lambda c: bh.hessian(*_huge(), loss="ce", target=torch.zeros(2, dtype=torch.long)),
@@ -241,7 +396,9 @@ def test_row(row: Row):
 SECTIONS = {
     "shape": "Shapes", "dtype": "Dtypes", "device": "Devices", "NaN/Inf": "NaN and Inf",
     "LayerNorm row": "Degenerate LayerNorm rows", "eps": "LayerNorm eps", "target": "Losses and targets",
-    "argument": "Other arguments", "memory": "Requests that would not fit in memory",
+    "argument": "Other arguments", "model input": "Model inputs and weights", "model target": "Model targets",
+    "model argument": "Model arguments", "model config": "Model configurations",
+    "memory": "Requests that would not fit in memory",
 }
 
 
@@ -255,7 +412,10 @@ def render() -> str:
         "not fit, with the bytes needed and available. Each row below is a test (`tests/test_bad_inputs.py`,",
         "from which this page is rendered: `python tests/test_bad_inputs.py > docs/bad_inputs.md`). The",
         "inputs are a post-LN block with `d_model = 4`, `d_ff = 5` and a batch of 2 sequences of 3 tokens",
-        "(a pre-LN block for the LayerNorm rows). \"Message says\" is a part of the message.",
+        "(a pre-LN block for the LayerNorm rows). The model rows take models of such blocks: token ids",
+        "with a cls token, 4 learned positions and a 3-class head on the cls token; 4x4 images in 2x2",
+        "patches, mean-pooled into a 3-wide head; features of width 3 into a 2-wide head per token.",
+        "\"Message says\" is a part of the message.",
         "",
     ]
     for kind, title in SECTIONS.items():

@@ -70,6 +70,18 @@ def test_the_library_works_without_the_lab_extra():
     assert run.stdout.strip() == "[]"
 
 
+def test_the_adapters_work_without_transformers():
+    """transformers (the hf extra) is optional: blockhess never imports it, and reads PyTorch's own
+    modules without it."""
+    probe = ("import sys\nsys.modules['transformers'] = None\nimport torch, blockhess as bh\n"
+             "cfg, p = bh.from_torch(torch.nn.TransformerEncoderLayer(4, 2, 6, batch_first=True).eval())\n"
+             "assert cfg.n_heads == 2\n"
+             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] == 'transformers'))")
+    run = _python(probe)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("entry", ["from blockhess_lab.cli import main; sys.exit(main(['--help']))",
                                    "import runpy; runpy.run_module('blockhess', run_name='__main__')"])
 def test_the_command_line_without_the_lab_extra_says_what_to_install(entry):
@@ -119,5 +131,6 @@ def test_pyproject_core_requirements_are_torch_numpy_psutil():
     assert _requirement_names(project["dependencies"]) == {"torch", "numpy", "psutil"}
     extras = project["optional-dependencies"]
     assert _requirement_names(extras["lab"]) == {"matplotlib", "scikit-learn", "scipy", "tqdm"}
-    assert "blockhess[lab]" in _requirement_names(extras["dev"]) and "blockhess[lab]" in _requirement_names(extras["bench"])
+    assert "blockhess[lab,hf]" in _requirement_names(extras["dev"]) and "blockhess[lab]" in _requirement_names(extras["bench"])
+    assert _requirement_names(extras["hf"]) == {"transformers"}
     assert project["scripts"] == {"blockhess": "blockhess_lab.cli:main"}

@@ -187,21 +187,31 @@ TORCH_NAMES = {
 }
 
 
-def name_hint(names) -> str:
-    """A note for ``names`` given where this library's names are expected: for each that is a
+def name_hint(names, known=()) -> str:
+    """A note for ``names`` given where this library's names ``known`` are expected: for each that is a
     PyTorch parameter name (``linear1.weight``, ``self_attn.in_proj_weight``, ``in_proj_weight``
-    of a bare attention layer; :data:`TORCH_NAMES`), what it is called here; ``""`` if none is."""
-    hints = []
+    of a bare attention layer; :data:`TORCH_NAMES`), what it is called here; for a block's name
+    where ``known`` are a model's (``W_Q`` for ``blocks.0.W_Q``, :func:`block_prefix`), the model's;
+    for ``X``, how the input becomes a variable (a block's ``wrt_input``; a model's never does);
+    ``""`` if none applies."""
+    model = any(k.startswith("blocks.") for k in known)
+    hints, torch_names = [], False
     for name in names:
         parts = TORCH_NAMES.get(name) or TORCH_NAMES.get(f"self_attn.{name}")
-        if parts:
+        per_block = [k for k in known if k.startswith("blocks.") and k.split(".", 2)[2] == name]
+        if per_block:
+            hints.append(f"{name!r} is a block's name: a model names each block's own, {', '.join(map(repr, per_block))}")
+        elif parts:
             ours = ", ".join(n for n, _ in parts) + (" stacked" if len(parts) > 1 else "")
             turned = (" (each transposed)" if len(parts) > 1 else ", transposed") if parts[0][1] else ""
             hints.append(f"{name!r} is PyTorch's {ours}{turned}")
+            torch_names = True
+        elif name == "X":
+            hints.append("a model's input is not a variable" if model else "the input X is a variable with wrt_input=True")
     if not hints:
         return ""
-    return ("; " + "; ".join(hints) + " (from_torch reads a layer's weights under these names; "
-            "H.to_module(layer) maps a Hessian back to the layer's)")
+    return "; " + "; ".join(hints) + (" (from_torch reads a layer's weights under these names; "
+                                       "H.to_module(layer) maps a Hessian back to the layer's)" if torch_names else "")
 
 
 def init_params(
@@ -323,9 +333,13 @@ class ModelConfig:
     ------
     ValueError
         On an unknown option, an inconsistent one (a ``"token"`` embedding without ``vocab``,
-        ``tied`` without a token embedding, blocks of different widths, a bare attention layer
-        among the blocks, ``"learned"`` positions without ``n_positions``, a patch that does not
-        divide the image), each named in the message.
+        ``tied`` without a token embedding and ``head = vocab``, blocks of different widths, a bare
+        attention layer among the blocks, ``"learned"`` positions without ``n_positions`` or, for
+        ``"patch"``, with fewer rows than an image's tokens, a patch that does not divide the image,
+        a ``d_in`` other than ``C·patch²``, odd ``d_model`` with ``"sinusoidal"``, a cls token or
+        token types without an embedding) or one that has no meaning with the others (``d_in``,
+        ``vocab``, ``image``, ``patch`` for another embedding, ``n_positions`` without ``"learned"``),
+        each named in the message.
     """
 
     blocks: tuple = (BlockConfig(),)
@@ -373,21 +387,41 @@ class ModelConfig:
             raise ValueError("ModelConfig.d_in (the feature width) is needed with embedding='linear'")
         if self.embedding == "token" and self.vocab is None:
             raise ValueError("ModelConfig.vocab is needed with embedding='token'")
+        for name, used in (("d_in", ("linear", "patch")), ("vocab", ("token",)), ("image", ("patch",)), ("patch", ("patch",))):
+            if getattr(self, name) is not None and self.embedding not in used:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} has no meaning with "
+                                 f"embedding={self.embedding!r} (only with {' or '.join(map(repr, used))})")
         if self.embedding == "patch":
-            if self.image is None or self.patch is None or len(tuple(self.image)) != 3:
+            try:
+                image = tuple(self.image) if self.image is not None else ()
+            except TypeError:
+                image = ()
+            if len(image) != 3 or self.patch is None:
                 raise ValueError(f"ModelConfig.image (C, H, W) and patch are needed with embedding='patch', got "
                                  f"image={self.image!r}, patch={self.patch!r}")
-            image = tuple(check_int("ModelConfig.image", v, 1) for v in self.image)
+            image = tuple(check_int("ModelConfig.image", v, 1) for v in image)
             object.__setattr__(self, "image", image)
             if image[1] % self.patch or image[2] % self.patch:
                 raise ValueError(f"ModelConfig.patch={self.patch} must divide the image size {image[1]}x{image[2]}")
-            object.__setattr__(self, "d_in", image[0] * self.patch ** 2)
+            d_in = image[0] * self.patch ** 2
+            if self.d_in is not None and self.d_in != d_in:
+                raise ValueError(f"ModelConfig.d_in={self.d_in} contradicts the patches: C·patch² = {d_in} "
+                                 "(leave d_in out with embedding='patch')")
+            object.__setattr__(self, "d_in", d_in)
         if self.embedding == "none" and (self.cls_token or self.token_types):
             raise ValueError("ModelConfig.cls_token and token_types need an embedding (embedding='none' takes X_0 itself)")
         if self.positions == "learned" and self.n_positions is None:
             raise ValueError("ModelConfig.n_positions (rows of W_P) is needed with positions='learned'")
+        if self.positions != "learned" and self.n_positions is not None:
+            raise ValueError(f"ModelConfig.n_positions={self.n_positions} has no meaning with positions={self.positions!r} "
+                             "(only with 'learned')")
+        if self.positions == "learned" and self.embedding == "patch":
+            L = (self.image[1] // self.patch) * (self.image[2] // self.patch) + int(self.cls_token)
+            if L > self.n_positions:
+                raise ValueError(f"ModelConfig.n_positions={self.n_positions} is less than the {L} tokens of an image "
+                                 f"(its patches{' and the cls token' if self.cls_token else ''})")
         if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+            raise ValueError(f"ModelConfig.positions='sinusoidal' needs an even d_model, got {self.d_model}")
         if self.tied:
             if self.embedding != "token" or self.head != self.vocab:
                 raise ValueError("ModelConfig.tied needs embedding='token' and head == vocab (z = h W_E^T)")

@@ -85,21 +85,23 @@ class TokenKron:
                 J = self.mat
             return J.reshape(T, r, self.numel)
 
-    def vjp(self, w: torch.Tensor) -> torch.Tensor:
+    def vjp(self, w: torch.Tensor, summed: bool = False) -> torch.Tensor:
         r"""Per sequence :math:`\sum_{t \in b} J_t^\top w_{b,k,t}`: ``w`` of shape ``(B, K, L, r)``
         (``K`` weights per sequence; the factor's tokens are ordered ``(B, L)``); returns
-        ``(B, K, numel)``."""
+        ``(B, K, numel)``, or with ``summed`` the sum over the sequences, ``(K, numel)`` (one
+        contraction over every token: no per-sequence results)."""
         B, K, L, r = w.shape
         mat = self.mat.reshape(B, L, r, self.mat.shape[-1])
+        o = "k" if summed else "bk"
         if self.side == "vector":
-            return torch.einsum("blrq,bklr->bkq", mat, w)
+            return torch.einsum(f"blrq,bklr->{o}q", mat, w)
         vec = self.vec.reshape(B, L, self.vec.shape[-1])
         Nw = torch.einsum("blrq,bklr->bklq", mat, w)
         if self.side == "left":
-            out = torch.einsum("blp,bklq->bkpq", vec, Nw)
+            out = torch.einsum(f"blp,bklq->{o}pq", vec, Nw)
         else:
-            out = torch.einsum("bklp,blq->bkpq", Nw, vec)
-        return out.reshape(B, K, self.numel)
+            out = torch.einsum(f"bklp,blq->{o}pq", Nw, vec)
+        return out.reshape(K, self.numel) if summed else out.reshape(B, K, self.numel)
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,8 @@ class SplitKron:
     def dense(self) -> torch.Tensor:
         return self._merge([p.dense() for p in self.parts])
 
-    def vjp(self, w: torch.Tensor) -> torch.Tensor:
-        return self._merge([p.vjp(w) for p in self.parts])
+    def vjp(self, w: torch.Tensor, summed: bool = False) -> torch.Tensor:
+        return self._merge([p.vjp(w, summed) for p in self.parts])
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,8 @@ class ZeroKron:
     def dense(self) -> torch.Tensor:
         return self.like.new_zeros(self.T, self.r, self.numel)
 
-    def vjp(self, w: torch.Tensor) -> torch.Tensor:
-        return w.new_zeros(w.shape[0], w.shape[1], self.numel)
+    def vjp(self, w: torch.Tensor, summed: bool = False) -> torch.Tensor:
+        return w.new_zeros(*((w.shape[1],) if summed else w.shape[:2]), self.numel)
 
 
 def _cmat(F1, F2, omega, core):

@@ -101,7 +101,8 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
         if target.numel() and (target.min() < 0 or target.max() >= d):
             got = ("a class of 2**63 or more" if wrapped and target.min() < 0
                    else f"range [{int(target.min())}, {int(target.max())}]")
-            raise ValueError(f"target classes must lie in [0, {d - 1}] (d_model logits) for loss='ce', got {got}")
+            raise ValueError(f"target classes must lie in [0, {d - 1}] ({d} logits: the output's last axis) for loss='ce', "
+                             f"got {got}")
         return target
     elif callable(loss):
         if target is not None and not isinstance(target, torch.Tensor) and not single:

@@ -127,10 +127,8 @@ def _model_hessian(params: dict, inputs: torch.Tensor, cfg: ModelConfig, loss, t
     from .model.forward_pass import check_model_inputs, model_input, sequence_loss  # the checks of the closed form
 
     inputs, single = model_input(cfg, inputs)
-    if single and isinstance(target, torch.Tensor) and cfg.pool == "none":
+    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis
         target = target[None]
-    elif single and isinstance(target, torch.Tensor):
-        target = target[None] if target.ndim == (0 if loss == "ce" else 1) else target
     check_model_inputs(params, inputs, cfg)
     shapes = model_param_shapes(cfg)
     names = select_wrt(tuple(shapes), wrt)

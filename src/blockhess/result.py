@@ -59,6 +59,7 @@ class BlockSum:
         self.shapes = {n: tuple(shapes[n]) for n in self.names}
         self.sizes = {n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}
         self.blocks: dict[Key, torch.Tensor] = {}
+        self.lower: dict[Key, torch.Tensor] = {}  # dense mode: pairs (a, b) added as (b, a), in the lower triangle
         self.buffer = None
         self._workspace = None  # scratch of sandwich_into, reused across pairs
         if dense:
@@ -94,6 +95,9 @@ class BlockSum:
         """Add ``value`` to pair ``(a, b)``: shape ``(n_a, n_b)`` or ``shape_a + shape_b``."""
         if not self.wants(a, b):
             return
+        if self.buffer is not None and value.ndim == 2 and self.names.index(a) > self.names.index(b):
+            self._add_lower(a, b, value)
+            return
         if self.names.index(a) > self.names.index(b):
             value = value.reshape(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value
             ra = len(self.shapes[a])
@@ -112,6 +116,17 @@ class BlockSum:
                 self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
                 target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
                 target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
+
+    def _add_lower(self, a: str, b: str, value: torch.Tensor) -> None:
+        """Add ``value`` ``(n_a, n_b)``, ``a`` after ``b``, where it lies: the lower triangle's
+        ``buffer[a, b]`` (no transposed copy); :meth:`result` moves it to the stored upper block."""
+        lower = self.lower.get((b, a))
+        with threads_for(entries=value.numel()):
+            if lower is None:
+                self.lower[(b, a)] = self.buffer[self.slices[a], self.slices[b]]
+                self.lower[(b, a)].copy_(value)
+            else:
+                lower.add_(value)
 
     def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
         """Add :func:`~blockhess.kronecker.sandwich` ``(F1, F2, omega, core)`` (the factors of ``a``
@@ -173,7 +188,15 @@ class BlockSum:
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
+                    lower = self.lower.pop((a, b), None)
+                    if lower is not None and (a, b) not in self.blocks:  # only added below: moved up
+                        self.blocks[(a, b)] = self.buffer[self.slices[a], self.slices[b]]
+                        self._mirror(lower, self.blocks[(a, b)])
+                        continue
                     self._view(a, b)
+                    if lower is not None:  # added on both sides: the lower part into the upper block
+                        with threads_for(entries=lower.numel()):
+                            self.blocks[(a, b)].add_(lower.T)
                     if a != b:
                         self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
             self._workspace = None

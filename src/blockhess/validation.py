@@ -116,9 +116,9 @@ def detached(params: dict, X: torch.Tensor, target=None) -> tuple:
             target.detach() if isinstance(target, torch.Tensor) else target)
 
 
-def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor) -> None:
+def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tensor, like_name: str = "X") -> None:
     """``params`` must hold exactly the names of ``shapes`` with those shapes, dtype and device of
-    ``X``; ``params`` and ``X`` must be finite."""
+    ``X`` (named ``like_name`` in the messages); ``params`` and ``X`` must be finite."""
     if not isinstance(params, dict):
         raise ValueError(f"params must be a dict of tensors, got {type(params).__name__}")
     missing = [n for n in shapes if n not in params]
@@ -126,10 +126,10 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
     if missing or extra:
         raise ValueError(f"params must have keys {list(shapes)}; missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
-        check_tensor(f"params[{name!r}]", params[name], like=X, finite=False)
+        check_tensor(f"params[{name!r}]", params[name], like=X, finite=False, like_name=like_name)
         if tuple(params[name].shape) != tuple(shape):
             raise ValueError(f"params[{name!r}] must have shape {tuple(shape)}, got {tuple(params[name].shape)}")
-    check_finite({"X": X, **{f"params[{n!r}]": params[n] for n in shapes}})
+    check_finite({like_name: X, **{f"params[{n!r}]": params[n] for n in shapes}})
 
 
 def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False, first: int = 0) -> None:

@@ -255,7 +255,7 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 def select_wrt(names: tuple[str, ...], wrt) -> tuple[str, ...]:
     """The names of ``wrt`` (``None``: all; a name; or an iterable of names) in the canonical order of
     ``names``. Raises ``ValueError`` for another type, an empty ``wrt`` or a name not in ``names``
-    (with :func:`~blockhess.config.name_hint` for a PyTorch parameter name)."""
+    (with :func:`~blockhess.config.name_hint` for a PyTorch parameter name, a block's name in a model, ``X``)."""
     if wrt is None:
         return names
     given = wrt
@@ -264,7 +264,7 @@ def select_wrt(names: tuple[str, ...], wrt) -> tuple[str, ...]:
         raise ValueError(f"wrt must be None, a parameter name or a list of names from {list(names)}, got {given!r}")
     unknown = [w for w in wrt if w not in names]
     if unknown or not wrt:
-        hint = name_hint(unknown) + ("; the input X is a variable with wrt_input=True" if "X" in unknown else "")
+        hint = name_hint(unknown, names)
         raise ValueError(f"wrt must be a non-empty subset of {list(names)}, got {list(wrt)}{hint}")
     return tuple(n for n in names if n in wrt)
 

@@ -43,9 +43,16 @@ def block_params(params: dict, cfg: ModelConfig, i: int) -> dict:
     return {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
 
 
+def _integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
 def model_input(cfg: ModelConfig, inputs) -> tuple[torch.Tensor, bool]:
-    """``inputs`` with a batch axis, and whether one was added (one sequence given)."""
+    """``inputs`` with a batch axis, and whether one was added (one sequence given); token ids of
+    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask)."""
     single = {"token": 1, "patch": 3}.get(cfg.embedding, 2)
+    if cfg.embedding == "token" and isinstance(inputs, torch.Tensor) and _integer(inputs):
+        inputs = inputs.long()
     if isinstance(inputs, torch.Tensor) and inputs.ndim == single:
         return inputs[None], True
     return inputs, False
@@ -56,28 +63,32 @@ def _like(params: dict) -> torch.Tensor:
 
 
 def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> None:
-    """Validate ``inputs`` against ``cfg`` (shape; token ids integer and in ``[0, vocab)``; the
-    sequence no longer than the positions) and ``params`` (names, shapes, one floating dtype and
-    device, finite). Raises ``ValueError`` naming the argument and what was expected."""
+    """Validate ``inputs`` against ``cfg`` (shape; finite features; token ids integer, on the
+    parameters' device and in ``[0, vocab)``; the sequence no longer than the positions) and
+    ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming
+    the argument and what was expected."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if not isinstance(inputs, torch.Tensor):
         raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
     d = cfg.d_model
     if cfg.embedding == "token":
-        if inputs.dtype.is_floating_point or inputs.dtype.is_complex or inputs.dtype == torch.bool or inputs.ndim != 2:
+        if not _integer(inputs) or inputs.ndim != 2:
             raise ValueError(f"inputs must be integer token ids of shape (B, L) or (L,), got {inputs.dtype} of shape "
                              f"{tuple(inputs.shape)}")
         if inputs.numel() == 0:
             raise ValueError(f"inputs must hold at least one token of one sequence, got shape {tuple(inputs.shape)}")
+        like = _like(params)
+        if like is None:
+            raise ValueError("params must be a non-empty dict of tensors")
+        like_name = f"params[{next(iter(params))!r}]"
+        check_tensor(like_name, like, finite=False)
+        if inputs.device != like.device:
+            raise ValueError(f"inputs is on {inputs.device} but {like_name} is on {like.device}; use one device throughout")
         lo, hi = int(inputs.min()), int(inputs.max())
         if lo < 0 or hi >= cfg.vocab:
             bad = ((inputs < 0) | (inputs >= cfg.vocab)).nonzero()[0].tolist()
             raise ValueError(f"inputs: token id {int(inputs[tuple(bad)])} at {tuple(bad)} is out of range [0, {cfg.vocab})")
-        like = _like(params)
-        if like is None:
-            raise ValueError("params must be a non-empty dict of tensors")
-        check_tensor("params[" + repr(next(iter(params))) + "]", like, finite=False)
     else:
         want = {"patch": f"(B, {', '.join(map(str, cfg.image))})" if cfg.image else "",
                 "linear": f"(B, L, {cfg.d_in})", "none": f"(B, L, {d})"}[cfg.embedding]
@@ -87,14 +98,12 @@ def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> 
         if not ok or inputs.shape[0] < 1 or (cfg.embedding != "patch" and inputs.shape[1] < 1):
             raise ValueError(f"inputs must have shape {want} (or without the batch axis) with B, L >= 1, got "
                              f"{tuple(inputs.shape)}")
-        like = inputs
+        like, like_name = inputs, "inputs"
     L = n_tokens(cfg, inputs)
     if cfg.positions == "learned" and L > cfg.n_positions:
         raise ValueError(f"inputs: {L} tokens{' (the cls token included)' if cfg.cls_token else ''} exceed the "
                          f"{cfg.n_positions} learned positions (W_P rows)")
-    check_params(params, model_param_shapes(cfg), like if cfg.embedding != "token" else like)
-    if cfg.embedding != "token":
-        check_finite({"inputs": inputs})
+    check_params(params, model_param_shapes(cfg), like, like_name)  # and the inputs finite
     warn_tf32(like.dtype, like.device)
 
 
@@ -195,13 +204,38 @@ def sequence_loss(cfg: ModelConfig, loss, target, z: torch.Tensor):
     """The model's loss as a loss of ``z`` ``(B, P, n_out)`` for :mod:`blockhess.losses`: ``(loss, target)``
     with a pooled model's target given its token axis (``(B,)`` classes -> ``(B, 1)``; MSE ``(B, n_out)`` ->
     ``(B, 1, n_out)``) and a callable taking one sequence's output as the model returns it (``(n_out,)``
-    pooled, ``(L, n_out)`` per token). ``target`` is not checked here (:func:`blockhess.losses.check`)."""
-    if cfg.pool == "none":
-        return loss, target
+    pooled, ``(L, n_out)`` per token).
+
+    Raises ``ValueError`` in the model's terms for a built-in loss's target that is not shaped for the
+    model's output (CE: ``(B,)`` pooled, ``(B, L)`` per token; MSE: the output's shape) or an MSE target
+    missing; the rest (an unknown loss, a target's dtype, device, classes, finiteness, a callable's
+    target) :func:`blockhess.losses.check` checks after."""
+    B, P, n = z.shape
+    pooled = cfg.pool != "none"
     if callable(loss):
-        def pooled(zb, t, _loss=loss):
+        if not pooled:
+            return loss, target
+
+        def first_row(zb, t, _loss=loss):
             return _loss(zb[0], t)
-        return pooled, target
-    if isinstance(target, torch.Tensor) and target.ndim >= 1 and target.shape[0] == z.shape[0]:
-        target = target[:, None]
+        return first_row, target
+    out = (B, n) if pooled else (B, P, n)
+    if loss == "mse" and target is None:
+        raise ValueError(f"target is required for loss='mse' (a tensor shaped like the model output {out})")
+    if loss == "ce" and target is not None and not isinstance(target, torch.Tensor):  # a list or array of classes
+        try:
+            target = torch.as_tensor(target, device=z.device)
+        except (TypeError, ValueError, RuntimeError):
+            return loss, target  # not classes: losses.check says so
+    if loss in ("mse", "ce") and isinstance(target, torch.Tensor):
+        want = out if loss == "mse" else out[:-1]
+        if loss == "ce" and pooled and B == 1 and target.ndim == 0:  # one sequence's class as a number
+            target = target[None]
+        if tuple(target.shape) != want:
+            if loss == "ce":
+                raise ValueError(f"target must have shape {want} for loss='ce' (one class per "
+                                 f"{'sequence: the model is pooled' if pooled else 'token'}), got {tuple(target.shape)}")
+            raise ValueError(f"target must have the shape of the model output {want} for loss='mse', got {tuple(target.shape)}")
+        if pooled:
+            target = target[:, None]
     return loss, target

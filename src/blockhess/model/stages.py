@@ -3,8 +3,10 @@ r"""The stages of a model and their derivatives, as the curvature walk (:mod:`.w
 A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables ``θ`` to its output
 ``y`` (``m_out`` entries). Rows ``W`` ``(B, R, m_out)`` are ``R`` vectors per sequence at the output:
 
-* ``vjp(W, names)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``;
+* ``vjp(W, names, summed=False)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``, or
+  with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
+* ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
 * ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
   at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
   ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
@@ -48,9 +50,12 @@ class EmbeddingStage:
         self.curv = _none_curv
         self.back = None
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, self.L, self.d)
+        if summed:  # every variable here is linear and shared by the sequences: sum the rows first where it can
+            w = w.sum(0, keepdim=True) if self.cfg.embedding == "none" or not ({"W_E"} & set(names)) else w
+        lead = (R,) if summed else (B, R)
         o = 1 if self.cfg.cls_token else 0
         tok = w[:, :, o:]
         out = {}
@@ -66,15 +71,48 @@ class EmbeddingStage:
             elif n == "cls":
                 v = w[:, :, 0]
             elif n == "W_P":
-                v = w.new_zeros(B, R, self.cfg.n_positions, self.d)
+                v = w.new_zeros(w.shape[0], R, self.cfg.n_positions, self.d)
                 v[:, :, : self.L] = w
             elif n == "W_T":
-                v = w.new_zeros(B, R, self.cfg.token_types, self.d)
+                v = w.new_zeros(w.shape[0], R, self.cfg.token_types, self.d)
                 v[:, :, 0] = w.sum(2)
             else:
                 raise KeyError(n)
-            out[n] = v.reshape(B, R, -1)
+            out[n] = (v.sum(0) if summed else v).reshape(*lead, -1)
         return out
+
+
+def _embedding_tangent(st, V: dict) -> torch.Tensor:
+    """``J_θ θ̇`` of the embedding for directions ``V`` ``{name: (k, *shape)}``: ``(k, B, L, d)``."""
+    cfg, k = st.cfg, next(iter(V.values())).shape[0]
+    out = next(iter(V.values())).new_zeros(k, st.B, st.L, st.d)
+    o = 1 if cfg.cls_token else 0
+    for n, v in V.items():
+        if n == "W_E":
+            out[:, :, o:] += v[:, st.x] if cfg.embedding == "token" else torch.einsum("blp,kpq->kblq", st.x, v)
+        elif n == "b_E":
+            out[:, :, o:] += v[:, None, None]
+        elif n == "cls":
+            out[:, :, 0] += v[:, None]
+        elif n == "W_P":
+            out += v[:, None, : st.L]
+        elif n == "W_T":
+            out += v[:, None, None, 0]
+    return out
+
+
+EmbeddingStage.tangent = lambda self, dx, V: _embedding_tangent(self, V)
+EmbeddingStage.tangent.__doc__ = "``J_θ θ̇`` ``(k, B, L, d)`` (no input)."
+
+
+def _embedding_adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+    """``(None, {name: (k, *shape)})``: ``J_θᵀ ġ`` (the embedding is linear: no second-order term)."""
+    k = dg.shape[0]
+    out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), names, summed=True)
+    return None, {n: v.reshape(k, *self.p[n].shape) for n, v in out.items()}
+
+
+EmbeddingStage.adjoint2 = _embedding_adjoint2
 
 
 class NormStage:
@@ -86,22 +124,71 @@ class NormStage:
         self.g_name = names[0] if gamma is not None else None
         self.b_name = names[-1] if beta is not None else None
         y, r = layernorm.normalise(x, eps)
-        self.y = y  # normalised rows
+        self.y, self.r = y, r  # normalised rows, their 1/sigma (B, L, 1)
         self.Jn = layernorm.per_token_jacobian(y, r)  # (B, L, d, d), unscaled
         self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, *self.x.shape[1:])
-        out = {}
-        for n in names:
-            out[n] = torch.einsum("bli,brli->bri", self.y, w) if n == self.g_name else w.sum(2)
-        return out
+        o = "r" if summed else "br"
+        return {n: torch.einsum(f"bli,brli->{o}i", self.y, w) if n == self.g_name else
+                torch.einsum(f"brli->{o}i", w) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         B, R = W.shape[:2]
         w = W.reshape(B, R, *self.x.shape[1:])
         return torch.einsum("blij,brli->brlj", self.J, w).reshape(B, R, -1)
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        L, d = self.x.shape[1:]
+        return torch.einsum("blij,bljn->blin", self.J, G.reshape(B, L, d, n)).reshape(B, L * d, n)
+
+    def _n_dot(self, dx: torch.Tensor) -> torch.Tensor:
+        """``J_n ẋ`` per token: ``r (ẋ − mean ẋ − n (n·ẋ)/d)``, ``dx`` ``(k, B, L, d)``."""
+        d = dx.shape[-1]
+        return self.r * (dx - dx.mean(-1, keepdim=True) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
+
+    def tangent(self, dx, V: dict) -> torch.Tensor:
+        """``u̇ = γ ⊙ J_n ẋ + γ̇ ⊙ n + β̇`` ``(k, B, L, d)``; ``dx`` ``(k, B, L, d)`` or ``None``."""
+        k = dx.shape[0] if dx is not None else next(iter(V.values())).shape[0]
+        out = self.x.new_zeros(k, *self.x.shape)
+        if dx is not None:
+            n_dot = self._n_dot(dx)
+            out += n_dot if self.gamma is None else n_dot * self.gamma
+        if self.g_name in V:
+            out += V[self.g_name][:, None, None] * self.y
+        if self.b_name in V:
+            out += V[self.b_name][:, None, None]
+        return out
+
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+        r"""``(ġ_x, {name: (Hv)_name})``: :math:`\dot g_x = J_x^\top \dot g + \Gamma(g)\,\dot x + J_n^\top(\dot\gamma \odot g)`,
+        :math:`(Hv)_\gamma = \sum_t n \odot \dot g + (J_n \dot x) \odot g`, :math:`(Hv)_\beta = \sum_t \dot g`
+        (the terms in ``g`` only with ``functional``); ``g`` ``(B, L, d)``, ``dx``, ``dg`` ``(k, B, L, d)``."""
+        d = self.x.shape[-1]
+        gam = self.gamma
+        dgn = dg if gam is None else dg * gam  # the adjoint tangent at n
+        if functional and self.g_name in V:
+            dgn = dgn + V[self.g_name][:, None, None] * g
+        out = {}
+        if self.g_name in names:
+            hv = (self.y * dg).sum((1, 2))
+            if functional and dx is not None:
+                hv = hv + (self._n_dot(dx) * g).sum((1, 2))
+            out[self.g_name] = hv
+        if self.b_name in names:
+            out[self.b_name] = dg.sum((1, 2))
+        gx = self._n_dot(dgn)  # J_n is symmetric
+        if functional and dx is not None:  # Γ(g_n) ẋ, the contracted LayerNorm Hessian along ẋ (Theorem 3)
+            gn = g if gam is None else g * gam
+            gh = gn - gn.mean(-1, keepdim=True)
+            s = (gn * self.y).sum(-1, keepdim=True)
+            ydx = (self.y * dx).sum(-1, keepdim=True)
+            gx = gx - (self.r ** 2 / d) * (gh * ydx + self.y * (gh * dx).sum(-1, keepdim=True)
+                                           + s * (dx - dx.mean(-1, keepdim=True) - 3 * self.y * ydx / d))
+        return gx, out
 
     def curv(self, g: torch.Tensor, names):
         B, L, d = self.x.shape
@@ -124,7 +211,7 @@ class PoolStage:
         self.kind, self.L, self.d = kind, L, d
         self.curv = _none_curv
 
-    def vjp(self, W, names) -> dict:
+    def vjp(self, W, names, summed: bool = False) -> dict:
         return {}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
@@ -135,6 +222,20 @@ class PoolStage:
         out[:, :, 0] = W
         return out.reshape(B, R, -1)
 
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        G = G.reshape(B, self.L, self.d, n)
+        return G.mean(1) if self.kind == "mean" else G[:, 0]
+
+    def tangent(self, dx, V: dict) -> torch.Tensor:
+        """``(k, B, 1, d)`` from ``(k, B, L, d)``."""
+        return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, :1]
+
+    def adjoint2(self, g, dx, V, dg: torch.Tensor, names, functional: bool = True):
+        """``(ġ_x (k, B, L, d), {})``: linear, no variables."""
+        k, B = dg.shape[:2]
+        return self.back(dg.reshape(k * B, 1, -1)).reshape(k, B, self.L, self.d), {}
+
 
 class HeadStage:
     """``z = h W + b`` per row, ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``; the tied
@@ -143,17 +244,53 @@ class HeadStage:
     def __init__(self, h: torch.Tensor, W: torch.Tensor, names: tuple[str, ...]):
         self.h, self.W, self.names = h, W, names
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         P, C = self.h.shape[1], self.W.shape[1]
         w = W.reshape(B, R, P, C)
-        return {n: (torch.einsum("bpi,brpc->bric", self.h, w).reshape(B, R, -1) if n == self.names[0] else w.sum(2))
-                for n in names}
+        o, lead = ("r", (R,)) if summed else ("br", (B, R))
+        return {n: (torch.einsum(f"bpi,brpc->{o}ic", self.h, w).reshape(*lead, -1) if n == self.names[0] else
+                    torch.einsum(f"brpc->{o}c", w)) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         B, R = W.shape[:2]
         P, C = self.h.shape[1], self.W.shape[1]
         return (W.reshape(B, R, P, C) @ self.W.T).reshape(B, R, -1)
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        B, _, n = G.shape
+        P, d = self.h.shape[1:]
+        return torch.einsum("bpin,ic->bpcn", G.reshape(B, P, d, n), self.W).reshape(B, -1, n)
+
+    def tangent(self, dx, V: dict) -> torch.Tensor:
+        """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``."""
+        w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
+        k = dx.shape[0] if dx is not None else next(iter(V.values())).shape[0]
+        out = self.h.new_zeros(k, *self.h.shape[:2], self.W.shape[1])
+        if dx is not None:
+            out += dx @ self.W
+        if w in V:
+            out += torch.einsum("bpi,kic->kbpc", self.h, V[w])
+        if b in V:
+            out += V[b][:, None, None]
+        return out
+
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+        """``(ġ_h, {W: ḣᵀ g + hᵀ ġ, b: Σ ġ})``, ``ġ_h = ġ Wᵀ + g Ẇᵀ`` (the terms in ``g`` only with ``functional``);
+        ``g`` ``(B, P, C)``."""
+        w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
+        gh = dg @ self.W.T
+        if functional and w in V:
+            gh = gh + torch.einsum("bpc,kic->kbpi", g, V[w])
+        out = {}
+        if w in names:
+            hv = torch.einsum("bpi,kbpc->kic", self.h, dg)
+            if functional and dx is not None:
+                hv = hv + torch.einsum("kbpi,bpc->kic", dx, g)
+            out[w] = hv
+        if b in names:
+            out[b] = dg.sum((1, 2))
+        return gh, out
 
     def curv(self, g: torch.Tensor, names):
         B, P, d = self.h.shape
@@ -176,14 +313,17 @@ class BlockStage:
         self.B, self.L, self.d = c.out.shape
         self.Jx = self.f.J["X"].dense()  # (B, L·d, L·d)
 
-    def vjp(self, W: torch.Tensor, names) -> dict:
+    def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
         w = W.reshape(B, R, self.L, self.d)
         k = len(self.prefix)
-        return {n: self.f.J[n[k:]].vjp(w) for n in names}
+        return {n: self.f.J[n[k:]].vjp(w, summed) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         return W @ self.Jx
+
+    def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        return self.Jx @ G
 
     def curv(self, g: torch.Tensor, names):
         k = len(self.prefix)
@@ -206,6 +346,13 @@ class OutputLoss:
 
     def __init__(self, ld: losses.LossDerivatives):
         self.ld = ld
+
+    def omega(self, dz: torch.Tensor) -> torch.Tensor:
+        """The loss Hessian along output tangents ``dz`` ``(k, B, P, C)``: ``Ω ż``, same shape."""
+        k, B, P, C = dz.shape
+        if self.ld.per_token:
+            return torch.einsum("btac,kbtc->kbta", self.ld.hess.reshape(B, P, C, C), dz)
+        return torch.einsum("bij,kbj->kbi", self.ld.hess, dz.reshape(k, B, P * C)).reshape(dz.shape)
 
     def start(self, names, outer: bool, functional: bool):
         """``(Psi (B, m, m), {}, g (B, m))`` at the output: the loss Hessian (``outer``) or zero."""
@@ -236,8 +383,16 @@ class SoftmaxHead:
         self.N = count
         self.g = (self.p - torch.nn.functional.one_hot(y, W.shape[1]).to(h.dtype)) / count  # (B, P, C)
 
+    def omega(self, dz: torch.Tensor) -> torch.Tensor:
+        """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)``."""
+        return (self.p * dz - self.p * (self.p * dz).sum(-1, keepdim=True)) / self.N
+
+    def head(self) -> "HeadStage":
+        """The head as a plain stage (for products: its tangents and second-order adjoints)."""
+        return HeadStage(self.h, self.W, self.names)
+
     def start(self, names, outer: bool, functional: bool):
-        """``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
+        r"""``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
         :math:`\partial^2\ell/\partial h\,\partial\theta` for the head's variables in ``names``
         (``[(name, rows (B, n, P·d))]``), their Hessian blocks ``{(a, b): block}`` and the gradient at ``h``."""
         h, W, p, g, N = self.h, self.W, self.p, self.g, self.N

@@ -102,85 +102,172 @@ class _Fold:
 
 
 def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -> None:
-    """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring)."""
+    """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring).
+
+    ``Wt`` ``(B, m + Σ n_later, m)`` holds the rows of ``Ψ`` then of ``K^T`` at the current level; a
+    block with a later variable is one summed vector–Jacobian product of its rows (``(n_u, n_v)``,
+    written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
     Psi, rows, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
+    j0, bottom, G = _bottom_tangents(stages, wanted)
+    if G:
+        for u, r in rows:  # the bottom variables with the head's: Σ_b G_top^T K_u
+            _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bum->nu", G[len(stages) - 1], r), u)
     m = Psi.shape[1]
     later = [(n, r.shape[1]) for n, r in rows]
     Wt = torch.cat([Psi] + [r for _, r in rows], 1)
+    del Psi, rows
     for k in reversed(range(len(stages))):
         st = stages[k]
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
-        own = None
+        own, sizes = None, []
+        if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
+            TPsi = torch.einsum("bmn,bmr->bnr", G[k], Wt[:, :m])
+            for v in here:
+                _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
+            del TPsi
         if here:
-            P = st.vjp(Wt, here)  # {v: (B, R, n_v)}: rows J_v^T Psi, then J_v^T K per later variable
-            off = m
-            for u, nu in later:
-                for v in here:
-                    acc.add(v, u, P[v][:, off:off + nu].sum(0).T)
-                off += nu
-            own = torch.cat([P[w][:, :m].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
-            Q = st.vjp(own, here)  # Q[v][:, rows of w] = J_w^T Psi J_v
-            off = 0
-            for i, w in enumerate(here):
-                nw = P[w].shape[2]
-                for v in here[i:]:
-                    acc.add(w, v, Q[v][:, off:off + nw].sum(0))
-                off += nw
+            for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
+                off = m
+                for u, nu in later:
+                    acc.add(u, v, st.vjp(Wt[:, off:off + nu], [v], summed=True)[v])
+                    off += nu
+            P = st.vjp(Wt[:, :m], here)  # {v: (B, m, n_v)}: Psi J_v per sequence
+            sizes = [P[w].shape[2] for w in here]
+            own = torch.cat([P[w].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
+            del P
+            starts = [sum(sizes[:i]) for i in range(len(here))]
+            for i, v in enumerate(here):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
+                for j, w in enumerate(here[: i + 1]):
+                    acc.add(w, v, st.vjp(own[:, starts[j]:starts[j] + sizes[j]], [v], summed=True)[v])
         XX, Xt = None, {}
         if functional:
             XX, Xt, tt = st.curv(g, here)
             for (a, b), v in tt.items():
                 acc.add(a, b, v)
+            if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
+                for v, M in Xt.items():
+                    _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
         if not below:
             return
-        Qb = st.back(torch.cat([Wt[:, :m]] + ([own] if own is not None else []) + [Wt[:, m:]], 1))
-        Psi_in = st.back(Qb[:, :m].transpose(1, 2))  # J_x^T Psi J_x
+        if G and k == j0:  # below: the bottom stages, whose blocks with everything above are done
+            here, sizes, own = [], [], None
+            Wt, later = Wt[:, :m], []
+        B = Wt.shape[0]
+        PsiJx = st.back(Wt[:, :m])  # (B, m, m_in): Psi J_x
+        m_in = PsiJx.shape[2]
+        n_here = sum(sizes)
+        new = Wt.new_empty(B, m_in + Wt.shape[1] - m + n_here, m_in)
+        new[:, :m_in] = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
+        del PsiJx
         if XX is not None:
-            Psi_in = Psi_in + XX
-        n_here = own.shape[1] if own is not None else 0
-        K_here = Qb[:, m:m + n_here]
-        if Xt:
-            K_here = K_here.clone()
-            off = 0
-            for w in here:
-                nw = P[w].shape[2]
+            new[:, :m_in] += XX
+        if own is not None:
+            new[:, m_in:m_in + n_here] = st.back(own)  # J_x^T Psi J_θ
+            del own
+            off = m_in
+            for w, nw in zip(here, sizes):
                 if w in Xt:
-                    K_here[:, off:off + nw] += Xt[w].transpose(1, 2)
+                    new[:, off:off + nw] += Xt[w].transpose(1, 2)
                 off += nw
-        Wt = torch.cat([Psi_in, K_here, Qb[:, m + n_here:]], 1)
-        later = [(w, P[w].shape[2]) for w in here] + later
-        m = Psi_in.shape[1]
+        for lo in range(m, Wt.shape[1], ROWS):  # J_x^T K, a slab of rows at a time
+            hi = min(lo + ROWS, Wt.shape[1])
+            new[:, m_in + n_here + lo - m:m_in + n_here + hi - m] = st.back(Wt[:, lo:hi])
+        Wt = new
+        later = list(zip(here, sizes)) + later
+        m = m_in
         g = st.back(g[:, None])[:, 0]
+
+
+ROWS = 1024  # rows of K taken through a stage at a time
+
+
+def _bottom_tangents(stages, wanted: set):
+    r"""The bottom stages (those below the first block: the embedding and its LayerNorm) carry their
+    variables' Jacobians up instead of taking every later variable's ``K`` rows down:
+    ``(j0, bottom, G)`` with ``j0`` the first block's index, ``bottom`` the wanted bottom variables
+    with their sizes, and ``G[k]`` ``(B, m_k, n_bottom)`` their Jacobian at the output of stage ``k``
+    (``k >= j0 - 1``), :math:`G_k = J_{x,k} G_{k-1}`; ``(0, [], {})`` where there is no such stage.
+    A block of a bottom variable with a later one then is :math:`G_k^\top \Psi_k J_v + G_{k-1}^\top M_{xv}`
+    (docs/derivations.md §16), at ``n_bottom`` tangents through each stage instead of ``n_later`` rows."""
+    j0 = next((k for k, s in enumerate(stages) if isinstance(s, BlockStage)), 0)
+    bottom = [(n, None) for s in stages[:j0] for n in s.names if n in wanted]
+    if not j0 or not bottom:
+        return 0, [], {}
+    G, bottom = None, []
+    for st in stages[:j0]:
+        names = [n for n in st.names if n in wanted]
+        if G is not None:
+            G = st.fwd(G)
+        if names:
+            ref = G if G is not None else st.x if isinstance(st, NormStage) else None
+            B = st.B if isinstance(st, EmbeddingStage) else st.x.shape[0]
+            m = st.L * st.d if isinstance(st, EmbeddingStage) else st.x[0].numel()
+            dt = ref.dtype if ref is not None else st.p[names[0]].dtype
+            eye = torch.eye(m, dtype=dt, device=st.p[names[0]].device if ref is None else ref.device).expand(B, m, m)
+            J = st.vjp(eye, names)  # row r: J^T e_r, the Jacobian's row r
+            G = torch.cat(([G] if G is not None else []) + [J[n] for n in names], 2)
+            bottom += [(n, J[n].shape[2]) for n in names]
+    out = {j0 - 1: G}
+    for k in range(j0, len(stages)):
+        out[k] = stages[k].fwd(out[k - 1])
+    return j0, bottom, out
+
+
+def _add_tangent_blocks(acc, bottom, value: torch.Tensor, v: str) -> None:
+    """Add ``value`` ``(n_bottom, n_v)`` to the blocks of the bottom variables with ``v``."""
+    off = 0
+    for b, nb in bottom:
+        acc.add(b, v, value[off:off + nb])
+        off += nb
 
 
 PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
 
 
+def _stage_entries(cfg: ModelConfig, largest: bool = False) -> int:
+    """The most entries the variables of one stage have (a block's, or the head's); ``largest``:
+    of one variable (every shape of the model)."""
+    shapes = model_param_shapes(cfg)
+    if largest:
+        return max(math.prod(s) for s in shapes.values())
+    n = max(sum(math.prod(s) for s in param_shapes(b).values()) for b in cfg.blocks)
+    return max(n, cfg.d_model * cfg.n_out if cfg.head is not None else 0)
+
+
 def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
-    """Entries one sequence adds to a pass: each block's forward cache and factors with its input
-    as a variable and its ``(L·d)²`` input Jacobian, and the walk's rows — ``Ψ`` and ``K`` at a level
-    (``m + n`` rows of ``m``, ``m = L·d``) four times over (the rows, their products through a stage
-    and the next level's) and their products with the largest stage's variables; a callable loss's
-    ``(P·C)²`` Hessian. Derived here, docs/derivations.md §16."""
+    """Entries one sequence adds to a pass: every block's forward cache and factors with its input
+    as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`, ``"factors"``),
+    the largest block walk's work space on top (``"hessian"`` less ``"factors"``: one block's second
+    derivatives at a time); the walk's rows at a level, ``Ψ`` and ``K^T`` (``m + n`` rows of
+    ``m = L·d``, or the output's ``P·n_out`` at the top), twice (this level's and the next), a slab of
+    ``ROWS`` of them through a stage, and ``Ψ J_θ`` with its transpose for the largest stage's
+    variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     d = cfg.d_model
-    m = L * max(d, cfg.n_out)
     P = 1 if cfg.pool != "none" else L
-    per = sum(work_entries(b, 1, L, "hessian", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks)
-    n_stage = max(sum(math.prod(s) for s in param_shapes(b).values()) for b in cfg.blocks)
-    per += 4 * (m + n) * m + 2 * (m + n) * n_stage
+    m = max(L * d, 0 if _fused(cfg, loss) else P * cfg.n_out)  # the widest level the rows reach
+    held = [work_entries(b, 1, L, "factors", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks]
+    walk = max(work_entries(b, 1, L, "hessian", wrt_input=True) - work_entries(b, 1, L, "factors", wrt_input=True)
+               for b in cfg.blocks)
+    per = sum(held) + walk + 2 * (m + n) * m + ROWS * m + 2 * m * _stage_entries(cfg)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
 
 
+def _fixed_entries(cfg: ModelConfig, n: int) -> int:
+    """Entries a pass holds besides its sequences': the summed product of one variable's rows with
+    another's (the largest pair, three times: the product, its layout and the addition)."""
+    return 3 * _stage_entries(cfg, largest=True) ** 2
+
+
 def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> list[slice]:
     """The batch's sequences, one slice per pass: as many as fit in ``PASS_BYTES`` or half the
     dense result, whichever is more (:func:`_sequence_entries`)."""
-    size = max(PASS_BYTES, n * n * e // 2) // (e * _sequence_entries(cfg, L, n, loss))
-    size = max(1, min(B, int(size)))
+    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
+    size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
     return [slice(s, min(s + size, B)) for s in range(0, B, size)]
 
 
@@ -231,7 +318,7 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     inputs = inputs.clone()
     B = inputs.shape[0]
     z = trace(params, inputs, cfg, derivatives=False).z  # every row checked before any derivative
-    if single and isinstance(target, torch.Tensor) and not callable(loss):
+    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
         target = target[None]
     loss, target = sequence_loss(cfg, loss, target, z)
     target = losses.check(loss, target, z)
@@ -242,12 +329,12 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     rows = max(len(range(B)[c]) for c in chunks)
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
-    check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e,
+    check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e,
                f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
                like.device)
 
     def part(which: str) -> HessianBlocks:
-        check_fits((n * n + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
+        check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
                    f"({n}x{n}) with a pass", like.device)
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
 

@@ -1,0 +1,149 @@
+"""Real modules in, names back: ``from_torch(module)`` reads a PyTorch or Hugging Face Transformer (a
+layer, a block or a whole model) in eval mode into ``(cfg, params)`` in this library's conventions,
+and ``to_module(H, module)`` (also ``H.to_module(module)``) maps a
+:class:`~blockhess.result.HessianBlocks` back to the module's own parameter names and storage layouts.
+
+* :mod:`.pytorch`: ``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention``, ``nn.TransformerEncoder``;
+* :mod:`.hf`: ``transformers``' GPT-2, ViT and BERT models and blocks (``transformers`` is optional and
+  never imported by blockhess);
+* :mod:`.layout`: how a stored tensor holds our parameters (transposed, stacked, reshaped), and the
+  two maps built from it.
+
+Nothing in the core imports this package; it registers :func:`to_module` on
+:func:`blockhess.result.relabel` for ``torch.nn.Module``. The mapping table is in docs/models.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..result import HessianBlocks, relabel
+from ..validation import FLOAT_DTYPES
+from . import hf
+from . import pytorch
+from .layout import read
+from .layout import relabel as relabel_blocks
+
+__all__ = ["from_torch", "to_module", "block_input"]
+
+
+def _describe(module, is_causal: bool = False) -> tuple:
+    if hf.reads(module):
+        return hf.describe(module)
+    if pytorch.reads(module):
+        return pytorch.describe(module, is_causal)
+    where = f" ({type(module).__module__})" if hf.is_hf(module) else ""
+    raise ValueError(f"from_torch supports {pytorch.SUPPORTED} and {hf.SUPPORTED}, got "
+                     f"{type(module).__name__}{where}")
+
+
+def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_causal: bool = False,
+               src_key_padding_mask: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """``(cfg, params)`` of a PyTorch or Hugging Face Transformer module, in eval mode.
+
+    ``params`` are detached copies in this library's names and layouts (``nn.Linear`` weights
+    transposed, ``in_proj_weight`` and GPT-2's ``c_attn`` split into ``W_Q, W_K, W_V``, a patch
+    ``Conv2d`` kernel flattened channel-major, ...), canonical order, in ``dtype`` if given, else the
+    module's. ``cfg`` is a :class:`~blockhess.config.BlockConfig` for a layer or block, a
+    :class:`~blockhess.config.ModelConfig` for a model; ``bh.forward(params, inputs, cfg)`` is then the
+    module's output for ``inputs`` as its ``forward`` takes them first (token ids ``(B, L)``, images
+    ``(B, C, H, W)``, hidden states ``(B, L, d)``).
+
+    Modules read (docs/models.md; docs/derivations.md §14):
+
+    * ``nn.TransformerEncoderLayer`` (or ``nn.MultiheadAttention``): ``d_model``, ``nhead``,
+      ``dim_feedforward``, ``norm_first`` (``norm="pre"``), the activation (``"relu"``/``"gelu"``,
+      ``F.relu``/``F.gelu``, ``nn.ReLU()``, ``nn.GELU(approximate=...)``,
+      ``functools.partial(F.gelu, approximate=...)``), ``bias``, ``layer_norm_eps``, the LayerNorm
+      scales (``ln_affine``); attention always has its output projection, ``d_k = d_model / nhead``.
+    * ``nn.TransformerEncoder``: its layers as blocks ``blocks.{i}``, its optional final ``norm`` as
+      ``final_norm``; ``embedding="none"`` (inputs are ``X_0``), no pooling, no head.
+    * Hugging Face ``GPT2LMHeadModel``, ``GPT2Model``, ``GPT2Block``, ``ViTForImageClassification``,
+      ``ViTModel``, ``ViTLayer``, ``BertModel``, ``BertLayer`` (:mod:`.hf`). GPT-2's blocks are causal
+      (called alone with no ``attention_mask``, transformers' eager attention masks nothing, sdpa
+      masks causally); BERT's and ViT's are not (BERT with ``is_decoder=True``: causal). Parameters
+      that do not affect the output read (BERT's and ``ViTModel``'s pooler, ``ViTModel``'s
+      ``mask_token``) are not in ``params``; :func:`to_module` gives them zero blocks.
+
+    For PyTorch's layers and ``nn.TransformerEncoder``, a causal mask (``is_causal=True``, or
+    ``src_mask`` equal to ``nn.Transformer.generate_square_subsequent_mask(L)`` or its boolean form)
+    gives ``causal=True`` (for the encoder, every block), at whatever length the input has later;
+    ``is_causal=True`` alone applies the mask here, whereas PyTorch's layer takes it only as a hint
+    about a ``src_mask`` it must also be given. A key padding mask that pads nothing is accepted, one
+    that pads is refused: a padded batch's Hessian is the mean of each sequence's Hessian at its own
+    length. ``batch_first=False`` only changes the input layout (:func:`block_input`).
+
+    Raises ``ValueError`` naming the module and the setting for what the closed form does not cover:
+    dropout > 0 in training mode, a custom activation (or one of transformers' other than relu,
+    gelu, gelu_new, gelu_pytorch_tanh), ``kdim``/``vdim`` != ``d_model``, ``add_bias_kv``,
+    ``add_zero_attn``, a mask other than the causal one, a key padding mask that pads (and any mask
+    argument given for a Hugging Face module, which applies its own), LayerNorms with different eps
+    or affine settings within a block, biases on some layers only, cross-attention
+    (``add_cross_attention``), relative or rotary positions (BERT's ``position_embedding_type`` other
+    than ``"absolute"``), GPT-2's ``scale_attn_weights=False``, ``scale_attn_by_inverse_layer_idx``
+    or ``reorder_and_upcast_attn``, an attention implementation other than ``"eager"`` or
+    ``"sdpa"``, a module laid out otherwise than the one read (an unknown parameter or attribute),
+    any other module; and for ``dtype`` other than ``None``, float32 or float64.
+    """
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"from_torch: dtype must be float32 or float64, got {dtype}")
+    if hf.reads(module):
+        if src_mask is not None or is_causal is not False or src_key_padding_mask is not None:
+            raise ValueError(f"src_mask, is_causal and src_key_padding_mask apply to PyTorch's layers; "
+                             f"{type(module).__name__} applies its own mask (GPT-2's is causal)")
+        cfg, spec = hf.describe(module)
+        hf.check_mode(module)
+    elif pytorch.reads(module):
+        causal = pytorch.causal_from_masks(src_mask, is_causal, src_key_padding_mask)
+        cfg, spec = pytorch.describe(module, causal)
+        pytorch.check_mode(module)
+    else:
+        cfg, spec = _describe(module)  # raises: a module no reader takes
+    return cfg, read(module, cfg, spec, dtype)
+
+
+def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
+    """``H`` re-keyed by ``module``'s parameter names, each in its storage layout.
+
+    Returns a :class:`~blockhess.result.HessianBlocks` whose ``names`` are the module's parameter
+    names (``named_parameters`` order: a tied tensor, GPT-2's ``wte``/``lm_head``, once, its block
+    holding both uses) that ``H`` covers, with their shapes (``self_attn.in_proj_weight`` ``(3d, d)``,
+    ``linear1.weight`` ``(d_ff, d)``, GPT-2's ``c_attn.weight`` ``(d, 3d)`` as stored, ViT's patch
+    kernel ``(d, C, p, p)``, ``cls_token`` ``(1, 1, d)``, ``position_embeddings`` ``(1, n+1, d)``, BERT's
+    full ``token_type_embeddings`` table, whose rows past 0 have zero blocks), so ``Hm[a, b]`` is
+    ``(numel_a, numel_b)`` in row-major order of the stored tensors and ``Hm.dense()`` is the Hessian
+    of the loss through ``torch.func.functional_call(module, ...)``, flattened. ``.outer`` and
+    ``.functional`` map likewise; the input block ``"X"`` (``wrt_input``) is left out. A parameter
+    the model read does not use (BERT's pooler) appears, with zero blocks, when ``H`` covers every
+    parameter of the model; a Hessian over a subset (``wrt=``) gives the module parameters it covers.
+    (Autograd through the module itself needs ``sdpa_kernel(SDPBackend.MATH)``: the fused kernels have
+    no second derivative; use ``torch.autograd.functional.hessian``: ``torch.func.hessian`` is wrong
+    through ``F.layer_norm`` with a weight in torch 2.13, docs/derivations.md §9.)
+
+    Raises ``ValueError`` if ``H`` is of another architecture than ``module`` (``H.cfg``, when it has
+    one, against :func:`from_torch`'s reading of ``module``; the mask and dropout aside), covers
+    none of its parameters, or covers a stored tensor only in part (``in_proj_weight`` and
+    ``c_attn`` hold ``W_Q, W_K, W_V``: compute the Hessian with all three in ``wrt``); the errors of
+    :func:`from_torch` for a module it cannot read.
+    """
+    cfg, spec = _describe(module)
+    return relabel_blocks(H, module, cfg, spec)
+
+
+def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """A block's (or an ``nn.TransformerEncoder``'s) input ``X`` in the product's layout ``(B, L, d)``
+    (or ``(L, d)`` unbatched): ``(L, B, d)`` is transposed for ``batch_first=False`` (a view, same
+    dtype and device); Hugging Face's blocks are batch-first (``X`` itself).
+
+    Raises ``ValueError`` for a module that is not one of ``nn.TransformerEncoderLayer``,
+    ``nn.MultiheadAttention``, ``nn.TransformerEncoder``, ``GPT2Block``, ``ViTLayer``, ``BertLayer``.
+    """
+    if hf.is_hf(module) and type(module).__name__ in hf.BLOCKS:
+        return X
+    return pytorch.block_input(module, X)
+
+
+@relabel.register(nn.Module)
+def _relabel_module(module: nn.Module, H: HessianBlocks) -> HessianBlocks:
+    return to_module(H, module)

@@ -1,0 +1,423 @@
+"""Hugging Face ``transformers`` models: GPT-2, ViT and BERT (and their blocks) read into a config and
+a spec (:mod:`.layout`); docs/models.md has the mapping table.
+
+Modules are recognised by their class name and module (``type(m).__name__``,
+``type(m).__module__.startswith("transformers.")``): ``transformers`` is never imported here, so
+blockhess imports without it. The layouts read are transformers 5's (checked against 5.x's
+``modeling_gpt2.py``, ``modeling_vit.py``, ``modeling_bert.py``); a module whose attributes or
+parameters are laid out otherwise is refused by name, never guessed at.
+
+* GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``, ``GPT2Block``): pre-LN (``ln_1``, ``ln_2``), causal,
+  ``Conv1D`` weights stored ``(in, out)`` (not transposed), ``c_attn`` = ``[W_Q | W_K | W_V]``
+  column-stacked, ``c_proj`` = ``W_O``, ``mlp.c_fc`` = ``W_1``, ``mlp.c_proj`` = ``W_2``; token
+  embedding ``wte`` = ``W_E``, learned positions ``wpe`` = ``W_P``, ``ln_f`` the final LayerNorm; the
+  LM head tied to ``wte`` (``tied=True``: ``named_parameters`` lists the shared tensor once, as
+  ``transformer.wte.weight``, and its Hessian has both uses).
+* ViT (``ViTForImageClassification``, ``ViTModel``, ``ViTLayer``): the patch ``Conv2d`` ``(d, C, p, p)``
+  = ``W_E^T`` reshaped, ``cls_token`` ``(1, 1, d)`` = ``cls``, ``position_embeddings`` ``(1, n+1, d)``
+  = ``W_P``; pre-LN (``layernorm_before``, ``layernorm_after``), ``attention.q_proj/k_proj/v_proj/o_proj``,
+  ``mlp.fc1/fc2``; ``vit.layernorm`` final; the classifier on the CLS token (``pool="first"``).
+* BERT (``BertModel``, ``BertLayer``): word, position and token-type embeddings (every token type 0:
+  ``token_types = type_vocab_size``, row 0 added), ``embeddings.LayerNorm`` = ``embed_norm``; post-LN
+  layers (``attention.self.query/key/value``, ``attention.output.dense`` + ``.LayerNorm``,
+  ``intermediate.dense``, ``output.dense`` + ``.LayerNorm``); the output is ``last_hidden_state``, so
+  the pooler's parameters do not affect it: they are read as parameters our model does not use
+  (zero Hessian blocks; ``ViTModel``'s pooler and ``mask_token`` likewise).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn as nn
+
+from ..config import BlockConfig, ModelConfig, block_prefix, param_shapes
+from .layout import Stored
+from .pytorch import activation
+
+__all__ = ["is_hf", "reads", "describe", "check_mode", "SUPPORTED", "BLOCKS"]
+
+#: The Hugging Face blocks: their inputs are ``(B, L, d)`` hidden states.
+BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer")
+#: What this reader takes, for error messages.
+SUPPORTED = "Hugging Face GPT2LMHeadModel, GPT2Model, GPT2Block, ViTForImageClassification, ViTModel, ViTLayer, " \
+            "BertModel, BertLayer"
+
+# transformers' activation modules (transformers.activations) -> ours; others are refused
+_ACTIVATIONS = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                "PytorchGELUTanh": "gelu_tanh"}
+
+
+def is_hf(module) -> bool:
+    """Whether ``module``'s class is defined in ``transformers``."""
+    return type(module).__module__.startswith("transformers.")
+
+
+def reads(module) -> bool:
+    """Whether ``module`` is one of the Hugging Face classes this reader takes (exactly that class)."""
+    return is_hf(module) and type(module).__name__ in _READERS
+
+
+def _name(module) -> str:
+    return type(module).__name__
+
+
+def _is(module, cls: str) -> bool:
+    return type(module).__name__ == cls and is_hf(module)
+
+
+def _activation(act, where: str) -> str:
+    if is_hf(act):
+        if type(act).__name__ in _ACTIVATIONS:
+            return _ACTIVATIONS[type(act).__name__]
+        raise ValueError(f"{where}activation {type(act).__name__} is not supported: the closed form has relu, gelu "
+                         "(erf) and gelu_tanh (transformers' 'relu', 'gelu', 'gelu_new', 'gelu_pytorch_tanh')")
+    try:
+        return activation(act)
+    except ValueError as e:
+        raise ValueError(f"{where}{e}") from None
+
+
+def _attn_implementation(config, where: str) -> None:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa"):  # None: a block built outside a model runs the eager path
+        raise ValueError(f"{where}attn_implementation={impl!r} is not supported: only 'eager' and 'sdpa' compute the "
+                         "plain softmax attention the closed form differentiates (load with attn_implementation='sdpa')")
+
+
+def _scaling(att, d_k: int, where: str) -> None:
+    s = getattr(att, "scaling", d_k ** -0.5)
+    if s != d_k ** -0.5:
+        raise ValueError(f"{where}attention scaling={s}: only 1/sqrt(head_dim) = {d_k ** -0.5} is supported")
+
+
+def _layernorm(ln, d: int, where: str) -> tuple:
+    if not isinstance(ln, nn.LayerNorm) or tuple(ln.normalized_shape) != (d,):
+        raise ValueError(f"{where}expected nn.LayerNorm({d}), got {ln!r}")
+    return float(ln.eps), ln.weight is not None, ln.bias is not None
+
+
+def _transposed(lin, where: str) -> bool:
+    """``nn.Linear`` stores ``(out, in)`` (transposed here); transformers' ``Conv1D`` ``(in, out)`` (as is)."""
+    if isinstance(lin, nn.Linear):
+        return True
+    if _is(lin, "Conv1D"):
+        return False
+    raise ValueError(f"{where}expected nn.Linear or transformers' Conv1D, got {type(lin).__name__}")
+
+
+def _embedding(emb, where: str) -> None:
+    if not isinstance(emb, nn.Embedding):
+        raise ValueError(f"{where}expected nn.Embedding, got {type(emb).__name__}")
+    if emb.max_norm is not None:
+        raise ValueError(f"{where}max_norm={emb.max_norm} is not supported (it renormalises rows in the forward pass)")
+    if emb.scale_grad_by_freq:
+        raise ValueError(f"{where}scale_grad_by_freq=True is not supported (its gradient is not the derivative)")
+
+
+def _spec(module, table: dict, mprefix: str, oprefix: str) -> dict:
+    """``table`` (module name -> :class:`Stored` of our block-level names) where ``module`` has the
+    parameter, module names prefixed ``mprefix``, ours ``oprefix``."""
+    present = dict(module.named_parameters())
+    return {mprefix + k: Stored(tuple(oprefix + n for n in s.names), s.axis, s.transposed)
+            for k, s in table.items() if k in present}
+
+
+def _block_config(module, table: dict, where: str, **kw) -> BlockConfig:
+    """The :class:`BlockConfig` of a block with the options ``kw``: ``bias`` and ``ln_affine`` from
+    the parameters present; ``ValueError`` naming what is missing if they are present on some layers only."""
+    present = dict(module.named_parameters())
+    ours = {n: k for k, s in table.items() if k in present for n in s.names}
+    cfg = BlockConfig(bias=any(n.startswith(("b_", "beta_")) for n in ours),
+                      ln_affine=any(n.startswith("gamma_") for n in ours), **kw)
+    missing = [n for n in param_shapes(cfg) if n not in ours]
+    if missing:
+        where_missing = [k for k, s in table.items() if k not in present and set(s.names) & set(missing)]
+        raise ValueError(f"{where}{'bias' if missing[0][0] == 'b' else 'LayerNorm affine'}: present on some layers only "
+                         f"(no {', '.join(where_missing)}); the closed form needs all or none")
+    return cfg
+
+
+def _no_cross_attention(config, where: str) -> None:
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{where}add_cross_attention=True is not supported (cross-attention; the closed form is "
+                         "self-attention only)")
+
+
+# ---------------------------------------------------------------------------------------------- GPT-2
+
+def _gpt2_block(block, where: str = "", mprefix: str = "", oprefix: str = "") -> tuple:
+    attn, mlp = block.attn, block.mlp
+    config = attn.config
+    _no_cross_attention(config, where)
+    if hasattr(block, "crossattention") or getattr(attn, "is_cross_attention", False):
+        raise ValueError(f"{where}crossattention is not supported (the closed form is self-attention only)")
+    if not getattr(config, "scale_attn_weights", True):
+        raise ValueError(f"{where}scale_attn_weights=False is not supported (the scores are scaled by 1/sqrt(d_k))")
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError(f"{where}scale_attn_by_inverse_layer_idx=True is not supported (the scores are scaled by "
+                         "1/sqrt(d_k) only)")
+    if getattr(config, "reorder_and_upcast_attn", False):
+        raise ValueError(f"{where}reorder_and_upcast_attn=True is not supported (its scores are taken in float32)")
+    _attn_implementation(config, where)
+    d, H, dk = attn.embed_dim, attn.num_heads, attn.head_dim
+    _scaling(attn, dk, where)
+    eps1, _, _ = _layernorm(block.ln_1, d, f"{where}ln_1: ")
+    eps2, _, _ = _layernorm(block.ln_2, d, f"{where}ln_2: ")
+    if eps1 != eps2:
+        raise ValueError(f"{where}layer_norm_epsilon: ln_1.eps={eps1} != ln_2.eps={eps2}; one eps is supported")
+    t = {k: _transposed(m, f"{where}{k}: ") for k, m in
+         (("attn.c_attn", attn.c_attn), ("attn.c_proj", attn.c_proj), ("mlp.c_fc", mlp.c_fc), ("mlp.c_proj", mlp.c_proj))}
+    if t["attn.c_attn"]:
+        raise ValueError(f"{where}attn.c_attn: expected transformers' Conv1D (the fused [W_Q | W_K | W_V]), got nn.Linear")
+    table = {
+        "ln_1.weight": Stored(("gamma_1",)), "ln_1.bias": Stored(("beta_1",)),
+        "attn.c_attn.weight": Stored(("W_Q", "W_K", "W_V"), axis=1), "attn.c_attn.bias": Stored(("b_Q", "b_K", "b_V")),
+        "attn.c_proj.weight": Stored(("W_O",), transposed=t["attn.c_proj"]), "attn.c_proj.bias": Stored(("b_O",)),
+        "ln_2.weight": Stored(("gamma_2",)), "ln_2.bias": Stored(("beta_2",)),
+        "mlp.c_fc.weight": Stored(("W_1",), transposed=t["mlp.c_fc"]), "mlp.c_fc.bias": Stored(("b_1",)),
+        "mlp.c_proj.weight": Stored(("W_2",), transposed=t["mlp.c_proj"]), "mlp.c_proj.bias": Stored(("b_2",)),
+    }
+    w1 = mlp.c_fc.weight
+    d_ff = w1.shape[0] if t["mlp.c_fc"] else w1.shape[1]
+    cfg = _block_config(block, table, where, d_model=d, d_ff=d_ff, d_k=dk, n_heads=H, norm="pre",
+                        activation=_activation(mlp.act, f"{where}mlp.act: "), out_proj=True, ln_eps=eps1, causal=True)
+    return cfg, _spec(block, table, mprefix, oprefix)
+
+
+def _gpt2_model(model, mprefix: str = "") -> tuple:
+    _embedding(model.wte, f"{mprefix}wte: ")
+    _embedding(model.wpe, f"{mprefix}wpe: ")
+    blocks, spec = [], {}
+    for i, block in enumerate(model.h):
+        cfg, s = _gpt2_block(block, f"{mprefix}h.{i}: ", f"{mprefix}h.{i}.", block_prefix(i))
+        blocks.append(cfg)
+        spec.update(s)
+    eps, affine, bias = _layernorm(model.ln_f, blocks[0].d_model, f"{mprefix}ln_f: ")
+    spec.update(_spec(model, {"wte.weight": Stored(("W_E",)), "wpe.weight": Stored(("W_P",)),
+                              "ln_f.weight": Stored(("gamma_F",)), "ln_f.bias": Stored(("beta_F",))}, mprefix, ""))
+    kw = dict(blocks=tuple(blocks), embedding="token", vocab=model.wte.num_embeddings, positions="learned",
+              n_positions=model.wpe.num_embeddings, final_norm=True, norm_affine=affine, norm_bias=bias, norm_eps=eps,
+              pool="none")
+    return kw, spec
+
+
+def _gpt2(model) -> tuple:
+    kw, spec = _gpt2_model(model)
+    return ModelConfig(head=None, **kw), spec
+
+
+def _gpt2_lm(model) -> tuple:
+    kw, spec = _gpt2_model(model.transformer, "transformer.")
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"lm_head: expected nn.Linear, got {type(head).__name__}")
+    tied = head.weight is model.transformer.wte.weight
+    if not tied:
+        spec["lm_head.weight"] = Stored(("W_H",), transposed=True)
+    if head.bias is not None:
+        spec["lm_head.bias"] = Stored(("b_H",))
+    return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
+
+
+# ---------------------------------------------------------------------------------------------- ViT
+
+def _vit_layer(layer, where: str = "", mprefix: str = "", oprefix: str = "") -> tuple:
+    att, mlp = layer.attention, layer.mlp
+    _attn_implementation(att.config, where)
+    d = layer.layernorm_before.normalized_shape[0]
+    H, dk = att.num_attention_heads, att.head_dim
+    if H * dk != d:
+        raise ValueError(f"{where}head_dim={dk}: num_attention_heads * head_dim = {H * dk} != hidden_size = {d}; the "
+                         "closed form needs d_model = n_heads * d_v")
+    _scaling(att, dk, where)
+    eps1, _, _ = _layernorm(layer.layernorm_before, d, f"{where}layernorm_before: ")
+    eps2, _, _ = _layernorm(layer.layernorm_after, d, f"{where}layernorm_after: ")
+    if eps1 != eps2:
+        raise ValueError(f"{where}layer_norm_eps: layernorm_before.eps={eps1} != layernorm_after.eps={eps2}")
+    lin = {k: _transposed(m, f"{where}{k}: ") for k, m in (("attention.q_proj", att.q_proj), ("attention.k_proj", att.k_proj),
+           ("attention.v_proj", att.v_proj), ("attention.o_proj", att.o_proj), ("mlp.fc1", mlp.fc1), ("mlp.fc2", mlp.fc2))}
+    table = {"layernorm_before.weight": Stored(("gamma_1",)), "layernorm_before.bias": Stored(("beta_1",)),
+             "layernorm_after.weight": Stored(("gamma_2",)), "layernorm_after.bias": Stored(("beta_2",))}
+    for k, (w, b) in {"attention.q_proj": ("W_Q", "b_Q"), "attention.k_proj": ("W_K", "b_K"),
+                      "attention.v_proj": ("W_V", "b_V"), "attention.o_proj": ("W_O", "b_O"),
+                      "mlp.fc1": ("W_1", "b_1"), "mlp.fc2": ("W_2", "b_2")}.items():
+        table[f"{k}.weight"] = Stored((w,), transposed=lin[k])
+        table[f"{k}.bias"] = Stored((b,))
+    w1 = mlp.fc1.weight
+    cfg = _block_config(layer, table, where, d_model=d, d_ff=w1.shape[0] if lin["mlp.fc1"] else w1.shape[1], d_k=dk,
+                        n_heads=H, norm="pre", activation=_activation(mlp.activation_fn, f"{where}mlp.activation_fn: "),
+                        out_proj=True, ln_eps=eps1, causal=bool(getattr(att, "is_causal", False)))
+    return cfg, _spec(layer, table, mprefix, oprefix)
+
+
+def _pair(v, where: str) -> tuple:
+    v = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    if len(v) != 2:
+        raise ValueError(f"{where}expected one size or a pair, got {v!r}")
+    return v
+
+
+def _vit_model(model, mprefix: str = "") -> tuple:
+    emb = model.embeddings
+    proj = emb.patch_embeddings.projection
+    if not isinstance(proj, nn.Conv2d):
+        raise ValueError(f"{mprefix}embeddings.patch_embeddings.projection: expected nn.Conv2d, got {type(proj).__name__}")
+    k, s = _pair(proj.kernel_size, "projection.kernel_size: "), _pair(proj.stride, "projection.stride: ")
+    if k[0] != k[1] or k != s or _pair(proj.padding, "") != (0, 0) or _pair(proj.dilation, "") != (1, 1) \
+            or proj.groups != 1:
+        raise ValueError(f"{mprefix}embeddings.patch_embeddings.projection: only square non-overlapping patches are supported "
+                         f"(kernel = stride, no padding, dilation 1, groups 1), got kernel {k}, stride {s}, "
+                         f"padding {proj.padding}, dilation {proj.dilation}, groups {proj.groups}")
+    Hi, Wi = _pair(emb.patch_embeddings.image_size, "image_size: ")
+    C, d = proj.in_channels, proj.out_channels
+    blocks, spec = [], {}
+    for i, layer in enumerate(model.layers):
+        cfg, sp = _vit_layer(layer, f"{mprefix}layers.{i}: ", f"{mprefix}layers.{i}.", block_prefix(i))
+        blocks.append(cfg)
+        spec.update(sp)
+    eps, affine, bias = _layernorm(model.layernorm, d, f"{mprefix}layernorm: ")
+    table = {"embeddings.cls_token": Stored(("cls",)), "embeddings.position_embeddings": Stored(("W_P",)),
+             "embeddings.patch_embeddings.projection.weight": Stored(("W_E",), transposed=True),
+             "embeddings.patch_embeddings.projection.bias": Stored(("b_E",)),
+             "embeddings.mask_token": Stored(()),  # used only with bool_masked_pos (masked image modelling)
+             "layernorm.weight": Stored(("gamma_F",)), "layernorm.bias": Stored(("beta_F",)),
+             "pooler.dense.weight": Stored(()), "pooler.dense.bias": Stored(())}  # pooler_output is not our output
+    spec.update(_spec(model, table, mprefix, ""))
+    n_pos = emb.position_embeddings.shape[1]
+    kw = dict(blocks=tuple(blocks), embedding="patch", image=(C, Hi, Wi), patch=k[0], embed_bias=proj.bias is not None,
+              cls_token=True, positions="learned", n_positions=n_pos, final_norm=True, norm_affine=affine,
+              norm_bias=bias, norm_eps=eps)
+    if n_pos != (Hi // k[0]) * (Wi // k[0]) + 1:
+        raise ValueError(f"{mprefix}embeddings.position_embeddings: {n_pos} rows for {(Hi // k[0]) * (Wi // k[0])} patches "
+                         "and the CLS token")
+    return kw, spec
+
+
+def _vit(model) -> tuple:
+    kw, spec = _vit_model(model)
+    return ModelConfig(pool="none", head=None, **kw), spec
+
+
+def _vit_classifier(model) -> tuple:
+    kw, spec = _vit_model(model.vit, "vit.")
+    head = model.classifier
+    if isinstance(head, nn.Identity):
+        return ModelConfig(pool="first", head=None, **kw), spec
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"classifier: expected nn.Linear or nn.Identity, got {type(head).__name__}")
+    spec["classifier.weight"] = Stored(("W_H",), transposed=True)
+    if head.bias is not None:
+        spec["classifier.bias"] = Stored(("b_H",))
+    return ModelConfig(pool="first", head=head.out_features, head_bias=head.bias is not None, **kw), spec
+
+
+# ---------------------------------------------------------------------------------------------- BERT
+
+def _bert_position_type(config, where: str) -> None:
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{where}position_embedding_type={kind!r} is not supported (only absolute learned positions; "
+                         "relative position scores are not in the closed form)")
+
+
+def _bert_layer(layer, where: str = "", mprefix: str = "", oprefix: str = "") -> tuple:
+    sa, out1 = layer.attention.self, layer.attention.output
+    config = sa.config
+    _no_cross_attention(config, where)
+    if hasattr(layer, "crossattention"):
+        raise ValueError(f"{where}crossattention is not supported (the closed form is self-attention only)")
+    _bert_position_type(config, where)
+    _attn_implementation(config, where)
+    H, dk = sa.num_attention_heads, sa.attention_head_size
+    d = out1.LayerNorm.normalized_shape[0]
+    if H * dk != d:
+        raise ValueError(f"{where}num_attention_heads * head size = {H * dk} != hidden_size = {d}")
+    _scaling(sa, dk, where)
+    eps1, _, _ = _layernorm(out1.LayerNorm, d, f"{where}attention.output.LayerNorm: ")
+    eps2, _, _ = _layernorm(layer.output.LayerNorm, d, f"{where}output.LayerNorm: ")
+    if eps1 != eps2:
+        raise ValueError(f"{where}layer_norm_eps: attention.output.LayerNorm.eps={eps1} != output.LayerNorm.eps={eps2}")
+    mods = {"attention.self.query": (sa.query, "W_Q", "b_Q"), "attention.self.key": (sa.key, "W_K", "b_K"),
+            "attention.self.value": (sa.value, "W_V", "b_V"), "attention.output.dense": (out1.dense, "W_O", "b_O"),
+            "intermediate.dense": (layer.intermediate.dense, "W_1", "b_1"), "output.dense": (layer.output.dense, "W_2", "b_2")}
+    table = {"attention.output.LayerNorm.weight": Stored(("gamma_1",)), "attention.output.LayerNorm.bias": Stored(("beta_1",)),
+             "output.LayerNorm.weight": Stored(("gamma_2",)), "output.LayerNorm.bias": Stored(("beta_2",))}
+    lin = {}
+    for k, (m, w, b) in mods.items():
+        lin[k] = _transposed(m, f"{where}{k}: ")
+        table[f"{k}.weight"] = Stored((w,), transposed=lin[k])
+        table[f"{k}.bias"] = Stored((b,))
+    w1 = layer.intermediate.dense.weight
+    act = _activation(layer.intermediate.intermediate_act_fn, f"{where}intermediate.intermediate_act_fn: ")
+    causal = bool(getattr(sa, "is_causal", False) or getattr(config, "is_decoder", False))
+    cfg = _block_config(layer, table, where, d_model=d, d_ff=w1.shape[0] if lin["intermediate.dense"] else w1.shape[1],
+                        d_k=dk, n_heads=H, norm="post", activation=act, out_proj=True, ln_eps=eps1, causal=causal)
+    return cfg, _spec(layer, table, mprefix, oprefix)
+
+
+def _bert(model) -> tuple:
+    _no_cross_attention(model.config, "")
+    _bert_position_type(model.config, "")
+    emb = model.embeddings
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        _embedding(getattr(emb, name), f"embeddings.{name}: ")
+    types = getattr(emb, "token_type_ids", None)
+    if isinstance(types, torch.Tensor) and bool(types.ne(0).any()):
+        raise ValueError("embeddings.token_type_ids: only token type 0 for every token is supported")
+    pos = getattr(emb, "position_ids", None)
+    if isinstance(pos, torch.Tensor) and not torch.equal(pos.reshape(-1).cpu(), torch.arange(pos.numel())):
+        raise ValueError("embeddings.position_ids: only positions 0, 1, ... are supported")
+    blocks, spec = [], {}
+    for i, layer in enumerate(model.encoder.layer):
+        cfg, sp = _bert_layer(layer, f"encoder.layer.{i}: ", f"encoder.layer.{i}.", block_prefix(i))
+        blocks.append(cfg)
+        spec.update(sp)
+    eps, affine, bias = _layernorm(emb.LayerNorm, blocks[0].d_model, "embeddings.LayerNorm: ")
+    spec.update(_spec(model, {
+        "embeddings.word_embeddings.weight": Stored(("W_E",)), "embeddings.position_embeddings.weight": Stored(("W_P",)),
+        "embeddings.token_type_embeddings.weight": Stored(("W_T",)),
+        "embeddings.LayerNorm.weight": Stored(("gamma_E",)), "embeddings.LayerNorm.bias": Stored(("beta_E",)),
+        "pooler.dense.weight": Stored(()), "pooler.dense.bias": Stored(())}, "", ""))  # pooler_output is not our output
+    return ModelConfig(blocks=tuple(blocks), embedding="token", vocab=emb.word_embeddings.num_embeddings,
+                       positions="learned", n_positions=emb.position_embeddings.num_embeddings,
+                       token_types=emb.token_type_embeddings.num_embeddings, embed_norm=True, norm_affine=affine,
+                       norm_bias=bias, norm_eps=eps, pool="none", head=None), spec
+
+
+_READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2Model": _gpt2, "GPT2Block": _gpt2_block,
+            "ViTForImageClassification": _vit_classifier, "ViTModel": _vit, "ViTLayer": _vit_layer,
+            "BertModel": _bert, "BertLayer": _bert_layer}
+
+
+def describe(module) -> tuple:
+    """``(cfg, spec)`` of a module :func:`reads` (structure only: no dropout check): a
+    :class:`~blockhess.config.ModelConfig` for a model, a :class:`~blockhess.config.BlockConfig` for a block.
+
+    Raises ``ValueError`` naming the module and the setting for what the closed form does not
+    cover (cross-attention, relative positions, a scaling other than ``1/sqrt(d_k)``, an attention
+    implementation other than eager/sdpa, an activation other than relu/gelu/gelu_tanh, biases or
+    LayerNorm scales on some layers only, ...) and for a module whose layout is not the one read
+    (an attribute missing)."""
+    name = _name(module)
+    try:
+        return _READERS[name](module)
+    except AttributeError as e:
+        raise ValueError(f"{name}: cannot read its layout ({e}); from_torch reads transformers 5's "
+                         f"{name} (docs/models.md)") from None
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def check_mode(module) -> None:
+    """Refuse a module whose forward is random: any dropout with ``p > 0`` in training mode
+    (``nn.Dropout`` submodules, and ViT's attention dropout, a float). ``ValueError`` naming it."""
+    for sub, m in module.named_modules():
+        if not m.training:
+            continue
+        p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0)
+        if isinstance(p, numbers.Real) and not isinstance(p, bool) and p > 0:
+            what = f"{sub}.p" if isinstance(m, nn.Dropout) else f"{sub}.attention_dropout"
+            raise ValueError(f"{_name(module)}: dropout {what.lstrip('.')}={p} in training mode is not supported "
+                             "(dropout makes the model random): call model.eval() or set the dropout to 0")

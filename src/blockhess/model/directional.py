@@ -1,0 +1,80 @@
+r"""A model's exact Hessian–vector products, matrix-free: a tangent pass up the stages and a
+second-order adjoint pass down (docs/derivations.md §16, "Products").
+
+For directions ``V`` (``k`` of them at once), stage ``k`` maps its input tangent :math:`\dot x` and its
+variables' directions :math:`\dot\theta` to its output tangent :math:`\dot y = J_x\dot x + J_\theta\dot\theta`
+(``tangent``); at the top the loss Hessian gives :math:`\dot g_z = \nabla^2_z\ell\,\dot z` (outer part;
+``0`` for the functional part); each stage then returns the adjoint tangent at its input and its
+variables' rows of :math:`Hv` (``adjoint2``: :math:`J^\top\dot g` plus, for the functional part, its
+second derivatives contracted with its gradient along :math:`(\dot x, \dot\theta)`). A block does
+both in one call (:func:`blockhess.block.directional.hvp`), with the stages above it as its
+``omega``. The forward pass and the gradient at every level are kept and reused by every product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stages import TIED_HEAD, BlockStage, SoftmaxHead
+
+__all__ = ["ModelProduct"]
+
+
+class ModelProduct:
+    """The products of one batch's Hessian: ``stages`` (bottom to top, :func:`~.walk.stages_of`) and
+    the loss ``top``; ``block_hvp`` the block's product (:func:`blockhess.block.directional.hvp`).
+
+    ``self(V, outer, functional)`` takes ``{name: (k, *shape)}`` over internal variable names and
+    returns the rows of ``H V`` for ``names`` (a missing direction is zero)."""
+
+    def __init__(self, stages, top, d_model: int, block_hvp):
+        self.stages = list(stages) + ([top.head()] if isinstance(top, SoftmaxHead) else [])
+        self.top, self.block_hvp = top, block_hvp
+        g = top.g if isinstance(top, SoftmaxHead) else top.ld.grad  # (B, P, C) at the output
+        self.grads = [None] * len(self.stages)  # the gradient at each stage's output
+        for k in reversed(range(len(self.stages))):
+            self.grads[k] = g
+            st = self.stages[k]
+            if k and st.back is not None:
+                B = g.shape[0]
+                g = st.back(g.reshape(B, 1, -1))[:, 0].reshape(B, -1, d_model)
+
+    def __call__(self, V: dict, names, outer: bool = True, functional: bool = True) -> dict:
+        out: dict = {}
+        wanted = set(names)
+
+        def run(k: int, dx):
+            if k == len(self.stages):
+                return self.top.omega(dx) if outer else torch.zeros_like(dx)
+            st = self.stages[k]
+            Vk = {n: V[n] for n in st.names if n in V}
+            here = [n for n in st.names if n in wanted]
+            if isinstance(st, BlockStage):
+                p = len(st.prefix)
+                HV, dg = self.block_hvp(st.c, self.grads[k], {n[p:]: v for n, v in Vk.items()},
+                                        omega=lambda dZ: run(k + 1, dZ), dX=dx, outer=outer, functional=functional)
+                out.update({st.prefix + n: v for n, v in HV.items() if st.prefix + n in wanted})
+                return dg
+            dy = st.tangent(dx, Vk)
+            dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, run(k + 1, dy), here, functional)
+            out.update(HV)
+            return dg_in
+
+        run(0, None)
+        return out
+
+
+def fold_tied(V: dict, shapes: dict) -> dict:
+    """Directions over public names -> internal ones: the tied ``W_E``'s second use gets ``W_Eᵀ``'s."""
+    if "W_E" in V and TIED_HEAD in shapes:
+        V = {**V, TIED_HEAD: V["W_E"].transpose(-1, -2)}
+    return V
+
+
+def unfold_tied(HV: dict) -> dict:
+    """Rows over internal names -> public ones: the two uses of ``W_E`` summed."""
+    if TIED_HEAD in HV:
+        HV = dict(HV)
+        extra = HV.pop(TIED_HEAD).transpose(-1, -2)
+        HV["W_E"] = HV["W_E"] + extra if "W_E" in HV else extra
+    return HV
