@@ -861,7 +861,7 @@ def test_results_report_section():
           m["trained"]["validation"]["timings"]["cpu_s"]["reference"],
           m["trained"]["validation"]["timings"]["cpu_s"]["reference"] / m["trained"]["validation"]["timings"]["cpu_s"]["closed_form"]]),
         ("(callable loss) takes {}–{} s for the same batch with both parts", _report_range("closed_form_total", True)),
-        ("about {} ms per image per pass", 1000 * max(m[p]["timings"]["cpu_s"]["closed_form_full"] for p in m if p != "validation_images") / r["batch"]),
+        ("about {} ms per image per pass in the stored run", 1000 * max(m[p]["timings"]["cpu_s"]["closed_form_full"] for p in m if p != "validation_images") / r["batch"]),
     ])
     # 'a few per cent to 30 %': the embedding's and W_V's parameter norms over the same steps
     assert 0.01 <= pn["embedding"][-1] / pn["embedding"][0] - 1 <= pn["W_V"][-1] / pn["W_V"][0] - 1 <= 0.30
@@ -900,7 +900,7 @@ UNSTORED = {
         "a training step took 575 ms against 11 ms on one",  # moved from vit.train's docstring
         "5–8× faster to train through than `blockhess.forward`",  # moved from blockhess_lab.vit's docstring
         "95 s and 10.7 GB for\nall 128 images in a one-off measurement",  # the reason for checking the model on 16
-        "a sequence's work space, 12.7 M entries",  # model.walk._sequence_entries of this model, not a run's output
+        "a sequence's work space, 12.7 M entries at the\nstored run's commit and 4.4 M after",  # model.walk._sequence_entries
         "its reference is asymmetric\nby 7.9e-14 of its norm",  # measured once on the stored run's 8 images
     ],
     "docs/bounds.md": [
