@@ -285,6 +285,10 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+    for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
+        if (name, name) in acc.blocks:
+            blk = acc.blocks[(name, name)]
+            blk.add_(blk.T.clone()).mul_(0.5)
     H = acc.result(like, cfg, parts)
     check_result({f"the Hessian{'' if which == 'full' else ' ' + which + ' part'}": H.dense()})
     return H
