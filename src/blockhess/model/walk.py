@@ -36,7 +36,7 @@ from .forward_pass import block_params, check_model_inputs, model_input, n_token
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
 
-__all__ = ["hessian", "stages_of"]
+__all__ = ["hessian", "prepare", "stages_of"]
 
 
 def _fused(cfg: ModelConfig, loss) -> bool:
@@ -48,8 +48,9 @@ def _head_names(cfg: ModelConfig) -> tuple[str, ...]:
     return ((TIED_HEAD if cfg.tied else "W_H"),) + (("b_H",) if cfg.head_bias else ())
 
 
-def stages_of(t, loss, target, batch: int, first: int):
-    """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top."""
+def stages_of(t, loss, target, batch: int, first: int, dense: bool = True):
+    """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top;
+    ``dense=False``: the blocks without the walk's factors (for products; ``t`` may be a plain trace)."""
     cfg, p = t.cfg, t.params
     shapes = model_param_shapes(cfg)
     st = []
@@ -60,7 +61,7 @@ def stages_of(t, loss, target, batch: int, first: int):
         st.append(NormStage(t.X0, cfg.norm_eps, p.get("gamma_E"), p.get("beta_E"),
                             tuple(n for n in ("gamma_E", "beta_E") if n in shapes)))
     for i, c in enumerate(t.blocks):
-        st.append(BlockStage(c, block_prefix(i)))
+        st.append(BlockStage(c, block_prefix(i), dense))
     if cfg.final_norm:
         st.append(NormStage(t.XN, cfg.norm_eps, p.get("gamma_F"), p.get("beta_F"),
                             tuple(n for n in ("gamma_F", "beta_F") if n in shapes)))
@@ -294,6 +295,26 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
     return H
 
 
+def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
+    """The checked call: ``(params, inputs, loss, target, names, t)`` with copies of ``params`` and the
+    batched ``inputs`` (a snapshot), the loss and target as :mod:`blockhess.losses` takes them on the
+    output ``(B, P, n_out)`` (:func:`~.forward_pass.sequence_loss`), the ``wrt`` names in canonical order,
+    and the plain forward trace ``t`` (every LayerNorm row checked before any derivative). Raises
+    ``ValueError`` as :func:`hessian`."""
+    inputs, single = model_input(cfg, inputs)
+    check_model_inputs(params, inputs, cfg)
+    names = select_wrt(tuple(model_param_shapes(cfg)), wrt)
+    params, _, target = detached(params, params[names[0]], target)
+    params = {k: v.clone() for k, v in params.items()}
+    inputs = inputs.clone()
+    t = trace(params, inputs, cfg, derivatives=False)
+    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
+        target = target[None]
+    loss, target = sequence_loss(cfg, loss, target, t.z)
+    target = losses.check(loss, target, t.z)
+    return params, inputs, loss, target, names, t
+
+
 def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=None) -> HessianBlocks:
     r"""The exact Hessian of a model's loss w.r.t. its parameters (``wrt``: a subset), by curvature
     back-propagation in closed form (module docstring; :func:`blockhess.hessian` for a model).
@@ -312,20 +333,10 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     overflow; ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with the
     largest pass (:func:`_sequence_entries`), would not fit.
     """
-    inputs, single = model_input(cfg, inputs)
-    check_model_inputs(params, inputs, cfg)
+    params, inputs, loss, target, names, _ = prepare(params, inputs, cfg, loss, target, wrt)
     shapes = model_param_shapes(cfg)
-    names = select_wrt(tuple(shapes), wrt)
     like = params[names[0]]
-    params, _, target = detached(params, like, target)
-    params = {k: v.clone() for k, v in params.items()}
-    inputs = inputs.clone()
     B = inputs.shape[0]
-    z = trace(params, inputs, cfg, derivatives=False).z  # every row checked before any derivative
-    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
-        target = target[None]
-    loss, target = sequence_loss(cfg, loss, target, z)
-    target = losses.check(loss, target, z)
     e = like.element_size()
     n = sum(math.prod(shapes[k]) for k in names)
     L = n_tokens(cfg, inputs)

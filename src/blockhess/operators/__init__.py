@@ -9,7 +9,8 @@ over a dataset's batches. The estimators are free functions on any operator with
 from .estimators import (EigResult, Estimate, NotConvergedError, SLQResult, diagonal, frobenius_norm,
                          hutchinson_diagonal, hutchpp_trace, lanczos_eigs, per_block, slq_density)
 from .operator import Diagonal, HessianOperator, Product, head_views, mean_operator
+from .engines import hessian_operator
 
-__all__ = ["HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "NotConvergedError", "EigResult",
+__all__ = ["hessian_operator", "HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "NotConvergedError", "EigResult",
            "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace", "hutchinson_diagonal",
            "frobenius_norm", "diagonal", "per_block"]
