@@ -762,28 +762,109 @@ def _report_range(key: str, cpu: bool) -> list[float]:
     return [min(v), max(v)]
 
 
+def _model_range(f) -> list[float]:
+    m = data("report")["model_hessian"]
+    v = [f(m[p]) for p in ("init", "trained")]
+    return [min(v), max(v)]
+
+
 def test_readme_report_quotes():
     r = data("report")
     blocks = r["validation"]["trained"]["by_part"]["full"]["blocks"]
+    m, dyn, two = r["model_hessian"], r["training_dynamics"], r["two_blocks"]
     check_quotes("README.md", [
-        ("the {} 8×8 handwritten digits ({} AdamW steps, seed {}: {} % test accuracy in {} s;",
-         [r["model"]["n_train"] + r["model"]["n_test"], r["training"]["steps"], r["seeds"]["model"],
-          100 * r["test_accuracy"], r["training"]["train_seconds"]]),
-        ("The stored run of the report alone (`docs/data/report.json`, `runs.json`) took {} s at load average {}, "
-         "most of it the autograd reference: {}–{} s of CPU time ({}–{} s wall clock on the busy cores) for a Hessian "
-         "with its outer and functional parts (at init, and trained), against {}–{} s of CPU for the closed form "
-         "({}–{} s of it the full Hessian,",
-         [run("report")["wall_s"], run("report")["load_average_start"][0], *_report_range("reference", True),
-          *_report_range("reference", False), *_report_range("closed_form_total", True),
-          *_report_range("closed_form_full", True)]),
-        ("for a fixed batch of {} training images", r["batch"]),
-        ("the exact {} × {} Hessian", [r["n_params"], r["n_params"]]),
-        ("relative Frobenius error over all {} block pairs, the three parts and both weight settings", len(blocks)),
-        ("(`validation.max_rel_error`; about {}, the run fails above {});",
+        ("the 1,797 8×8 handwritten digits ({} AdamW steps, seed {}: {} % test accuracy in {} s;",
+         [r["training"]["steps"], r["seeds"]["model"], 100 * r["test_accuracy"], r["training"]["train_seconds"]]),
+        ("The stored run of the report\nalone (`docs/data/report.json`, `runs.json`) took {} s at load average {}: the whole model's "
+         "closed form {}–{} s of CPU for its full Hessian and both parts on the batch of {} images ({}–{} s of it the full "
+         "Hessian; each part a pass of its own), the training snapshots' six Hessians {} s, and the block's autograd "
+         "reference {}–{} s of CPU against {}–{} s for its closed form",
+         [run("report")["wall_s"], run("report")["load_average_start"][0],
+          *_model_range(lambda ph: ph["timings"]["cpu_s"]["closed_form_full"] + ph["timings"]["cpu_s"]["closed_form_parts"]),
+          r["batch"], *_model_range(lambda ph: ph["timings"]["cpu_s"]["closed_form_full"]), dyn["cpu_s"],
+          *_report_range("reference", True), *_report_range("closed_form_total", True)]),
+        ("for a fixed\nbatch of {} training images", r["batch"]),
+        ("the exact {} × {} Hessian of the mean cross-entropy", [m["trained"]["n_params"], m["trained"]["n_params"]]),
+        ("on the first {} images of the batch (largest relative Frobenius error {} at init and {}\n  trained, the run fails "
+         "above {};", [m["validation_images"], m["init"]["validation"]["max_rel_error"],
+                       m["trained"]["validation"]["max_rel_error"], r["validation"]["tolerance"]]),
+        ("against the block's own Hessian on the whole batch ({}, {});",
+         [m["init"]["validation"]["block_agreement_rel_error"], m["trained"]["validation"]["block_agreement_rel_error"]]),
+        ("parameter norm at steps 0, 200, …, 1,000", []),
+        ("trained in the run ({} % test\n  accuracy), its {} × {} Hessian", [100 * two["test_accuracy"], two["n_params"],
+                                                                          two["n_params"]]),
+        ("on the first {} images, checked against the reference there ({});", [two["images"], two["validation"]["max_rel_error"]]),
+        ("the exact {} × {} Hessian w.r.t. `W_Q, W_K, W_V, W_1, W_2` on its own", [r["n_params"], r["n_params"]]),
+        ("relative Frobenius error over all {} block pairs, the three parts and both weight settings:\n  {});",
+         [len(blocks), max(r["validation"][p]["max_rel_error"] for p in ("init", "trained"))]),
+        ("`validation.max_rel_error`, the largest error of all these checks: about {} (every check\n  passes at {};",
          [r["validation"]["max_rel_error"], r["validation"]["tolerance"]]),
+        ("`--model-ref-batch N` (the images of the whole model's check, default {}), `--two-block-batch N`\n(default {})",
+         [m["validation_images"], two["images"]]),
     ])
+    assert dyn["steps"] == [0, 200, 400, 600, 800, 1000] and len(dyn["snapshots"]) == 6  # 'six Hessians', 'steps 0, 200, …'
     assert r["validation"]["passed"] and r["environment"]["threads"] == 1
     assert "--threads 1" in run("report")["command"] and r["batch"] == 128 and r["dtype"] == "float64"
+
+
+def test_results_report_section():
+    """docs/results.md's report section: the checks table, the training-dynamics table and the quotes."""
+    r = data("report")
+    m, dyn, two = r["model_hessian"], r["training_dynamics"], r["two_blocks"]
+    start = "## The report (`blockhess report`)"
+    rows = table("docs/results.md", "| Hessian | images checked |", start)
+    assert [row[0] for row in rows] == ["whole model, n = 2,042", "the block, n = 1,792 (callable head loss)",
+                                        "two-block model, n = 3,834"]
+    assert m["trained"]["n_params"] == 2042 and r["n_params"] == 1792 and two["n_params"] == 3834
+    expected = [(m["validation_images"], m["init"]["validation"]["max_rel_error"], m["trained"]["validation"]["max_rel_error"]),
+                (r["batch"], r["validation"]["init"]["max_rel_error"], r["validation"]["trained"]["max_rel_error"]),
+                (two["images"], None, two["validation"]["max_rel_error"])]
+    for row, values in zip(rows, expected):
+        for txt, value in zip(row[1:], values):
+            if value is None:
+                assert txt == "—"
+            else:
+                assert_shown(txt, value, f"results.md checks table, {row[0]}")
+    rows = table("docs/results.md", "| step | loss | test acc. % |", start)
+    groups = list(dyn["groups"])
+    assert len(rows) == len(dyn["snapshots"])
+    for row, snap in zip(rows, dyn["snapshots"]):
+        values = [snap["step"], snap["loss"], 100 * snap["test_accuracy"], *(snap["hessian_spectral_norm"][g] for g in groups),
+                  *(snap["param_norm"][g] for g in groups)]
+        for txt, value in zip(row, values):
+            assert_shown(txt, value, f"results.md dynamics table, step {snap['step']}")
+    h = {g: [s["hessian_spectral_norm"][g] for s in dyn["snapshots"]] for g in groups}
+    pn = {g: [s["param_norm"][g] for s in dyn["snapshots"]] for g in groups}
+    ratio_qk = [v / min(q, k) for v, q, k in zip(h["W_V"], h["W_Q"], h["W_K"])] + [v / max(q, k) for v, q, k in zip(h["W_V"], h["W_Q"], h["W_K"])]
+    t = {p: m[p]["timings"]["cpu_s"] for p in ("init", "trained")}
+    check_quotes("docs/results.md", [
+        ("the stored run `docs/data/report.json` (`runs.json`: {} s wall clock, {} s\nof CPU, load average {})",
+         [run("report")["wall_s"], run("report")["cpu_s"], run("report")["load_average_start"][0]]),
+        ("(`checkpoints/digits_vit.pt`, test\naccuracy {})", r["test_accuracy"]),
+        ("The batch: {} training images (seed {}).", [r["batch"], r["seeds"]["batch"]]),
+        ("equals the block's Hessian on all {} images to {} (init)\nand {} (trained)",
+         [r["batch"], m["init"]["validation"]["block_agreement_rel_error"], m["trained"]["validation"]["block_agreement_rel_error"]]),
+        ("({} on `blocks.1.W_Q`)", two["validation"]["by_part"]["full"]["blocks"]["blocks.1.W_Q,blocks.1.W_Q"]),
+        ("the closed form (whose diagonal blocks are not mirrored) by {}.", two["validation"]["symmetry_rel_error"]),
+        ("grow {}–{}× over the first 1,000 steps", [min(h["W_V"][-1] / h["W_V"][0], h["embedding"][-1] / h["embedding"][0]),
+                                                    max(h["W_V"][-1] / h["W_V"][0], h["embedding"][-1] / h["embedding"][0])]),
+        ("the query and key blocks stay {}–{}× below `W_V`'s;", [min(ratio_qk), max(ratio_qk)]),
+        ("the head's curvature falls {}× as the loss falls and its parameter norm grows {}×",
+         [h["head"][0] / h["head"][-1], pn["head"][-1] / pn["head"][0]]),
+        ("images {}–{} s (the full Hessian {}–{} s,",
+         [min(v["closed_form_full"] + v["closed_form_parts"] for v in t.values()),
+          max(v["closed_form_full"] + v["closed_form_parts"] for v in t.values()),
+          min(v["closed_form_full"] for v in t.values()), max(v["closed_form_full"] for v in t.values())]),
+        ("the six snapshots' full Hessians {} s; on the {} validation images the closed form {} s against\n{} s for "
+         "`torch.func` ({}×;",
+         [dyn["cpu_s"], m["validation_images"], m["trained"]["validation"]["timings"]["cpu_s"]["closed_form"],
+          m["trained"]["validation"]["timings"]["cpu_s"]["reference"],
+          m["trained"]["validation"]["timings"]["cpu_s"]["reference"] / m["trained"]["validation"]["timings"]["cpu_s"]["closed_form"]]),
+        ("(callable loss) takes {}–{} s for the same batch with both parts", _report_range("closed_form_total", True)),
+        ("about {} ms per image per pass in the stored run", 1000 * max(m[p]["timings"]["cpu_s"]["closed_form_full"] for p in m if p != "validation_images") / r["batch"]),
+    ])
+    # 'a few per cent to 30 %': the embedding's and W_V's parameter norms over the same steps
+    assert 0.01 <= pn["embedding"][-1] / pn["embedding"][0] - 1 <= pn["W_V"][-1] / pn["W_V"][0] - 1 <= 0.30
 
 
 def test_readme_thread_quotes():
@@ -862,8 +943,8 @@ def test_models_bench_section():
 #: that a reader of this file sees every quote the checks above do not cover.
 UNSTORED = {
     "README.md": [
-        "`make run` in a fresh clone took 1 min 34 s to 2 min 10 s",  # install included: not a blockhess command
-        "a second run 56 s on a quiet machine (30 Nov 2026",
+        "the report command in a fresh folder (training included, the\ninstalled environment reused) took 3 min 49 s at "
+        "load average 2.6, 151 s of CPU, against\n1 min 3 s and 57 s of CPU before",  # a fresh folder's run: training and all
         "it measured 1.6× slower per image at `d_ff = 64`",
         "two threads made a training step 50× and the closed\nform 10× slower",
     ],
@@ -876,6 +957,9 @@ UNSTORED = {
         "64 digits 5.3 s → 1.3 s, the full command 623 s → 122 s",  # the benchmarks' history of the assembly
         "a training step took 575 ms against 11 ms on one",  # moved from vit.train's docstring
         "5–8× faster to train through than `blockhess.forward`",  # moved from blockhess_lab.vit's docstring
+        "95 s and 10.7 GB for\nall 128 images in a one-off measurement",  # the reason for checking the model on 16
+        "a sequence's work space, 12.7 M entries at the\nstored run's commit and 4.4 M after",  # model.walk._sequence_entries
+        "its reference is asymmetric\nby 7.9e-14 of its norm",  # measured once on the stored run's 8 images
     ],
     "docs/bounds.md": [
         "up to ~0.45 in the search",

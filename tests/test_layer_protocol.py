@@ -38,6 +38,11 @@ def test_layers_follow_the_layer_contract(module):
     assert _first_params(module.contract_hessian, 4) == ["c", "G" if module is attention else "g", "acc", "names"]
     assert _first_params(module.weight_jacobians, 2) == ["c", "names"]
     assert isinstance(module.NAMES, tuple) and module.NAMES
+    # the directional derivatives of a matrix-free product: at the cache, with the weights and their directions
+    assert _first_params(module.tangent, 3) == ["c", "p", "dp"]
+    assert _first_params(module.adjoint, 1) == ["c"]
+    assert _first_params(module.second_adjoint, 5) == ["c", "p", "dp", "a", "t"]
+    assert issubclass(module.Tangent, tuple) and issubclass(module.Adjoint, tuple)
 
 
 def test_a_module_without_the_functions_is_refused():  # the isinstance checks above can fail

@@ -1,6 +1,5 @@
-"""A model's matrix-free Hessian–vector products (``blockhess.model.directional``) against its dense
-closed-form Hessian, every stage but the blocks; the blocks' own product here is ``torch.func``'s on
-the plain block forward (a stand-in with the product's signature), so a failure is the model's."""
+"""A model's matrix-free Hessian–vector products (``blockhess.model.directional``, each stage's tangent
+and second-order adjoint, the blocks' by ``blockhess.block.hvp``) against its dense closed-form Hessian."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import blockhess as bh
-from blockhess import reference
+from blockhess.block.directional import hvp
 from blockhess.config import ModelConfig, model_param_shapes
 from blockhess.model.directional import ModelProduct, fold_tied, unfold_tied
 from blockhess.model.forward_pass import trace
@@ -22,44 +21,13 @@ from blockhess.model.forward_pass import sequence_loss
 from conftest import assert_close
 
 
-def func_block_hvp(c, g, V, omega, dX=None, outer=True, functional=True):
-    """The block's product by ``torch.func`` on the plain forward: the test's stand-in."""
-    cfg, X, p = c.cfg, c.X, c.params
-    k = next(iter(V.values())).shape[0] if V else dX.shape[0]
-
-    def f(x, q):
-        return reference.forward(q, x, cfg)
-
-    def grad(x, q):
-        return torch.func.vjp(f, x, q)[1](g)
-
-    dZs, tans = [], []
-    for i in range(k):
-        dq = {n: (V[n][i] if n in V else torch.zeros_like(v)) for n, v in p.items()}
-        dx = dX[i] if dX is not None else torch.zeros_like(X)
-        tans.append((dx, dq))
-        dZs.append(torch.func.jvp(f, (X, p), (dx, dq))[1])
-    dg = omega(torch.stack(dZs))
-    HV = {n: [] for n in p}
-    dgX = []
-    for i in range(k):
-        gx, gq = torch.func.vjp(f, X, p)[1](dg[i])
-        if functional:
-            sx, sq = torch.func.jvp(grad, (X, p), tans[i])[1]
-            gx, gq = gx + sx, {n: gq[n] + sq[n] for n in gq}
-        dgX.append(gx)
-        for n in p:
-            HV[n].append(gq[n])
-    return {n: torch.stack(v) for n, v in HV.items()}, torch.stack(dgX)
-
-
 def product(params, inputs, cfg, loss, target):
     inputs = inputs
-    t = trace(params, inputs, cfg)
+    t = trace(params, inputs, cfg, derivatives=False)
     loss3, target3 = sequence_loss(cfg, loss, target, t.z)
     target3 = losses.check(loss3, target3, t.z)
-    st, top = stages_of(t, loss3, target3, inputs.shape[0], 0)
-    return ModelProduct(st, top, cfg.d_model, func_block_hvp)
+    st, top = stages_of(t, loss3, target3, inputs.shape[0], 0, dense=False)
+    return ModelProduct(st, top, cfg.d_model, hvp)
 
 
 BLK = bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, norm="pre", bias=True, out_proj=True, ln_affine=True, ln_eps=1e-5,

@@ -52,7 +52,7 @@ class PlainViT(nn.Module):
             self.embed.weight.copy_(p["W_E"].T)
             self.embed.bias.copy_(p["b_E"])
             for lin, name in ((self.q, "W_Q"), (self.k, "W_K"), (self.v, "W_V"), (self.ff1, "W_1"), (self.ff2, "W_2")):
-                lin.weight.copy_(p[name].T)
+                lin.weight.copy_(p["blocks.0." + name].T)
             self.head.weight.copy_(p["W_H"].T)
             self.head.bias.copy_(p["b_H"])
         self.requires_grad_(False)
@@ -198,6 +198,25 @@ def test_loss_through_head_hessian_matches_autograd(tiny, at_init):
     assert_identities(H, convex=True)  # CE of a linear head is convex in Z: PSD outer term
 
 
+def test_the_vit_is_its_model_config(tiny):
+    """The lab's model is blockhess's ModelConfig: the same logits by bh.forward, the same initial
+    weights by bh.init_params, and the block's Hessian (callable head loss) is the blocks.0 part
+    of the whole model's."""
+    mc = tiny.model_cfg
+    assert mc.n_layers == 1 and mc.blocks[0] == tiny.cfg and mc.d_in == tiny.arch["patch"] ** 2
+    assert list(tiny.params) == list(bh.config.model_param_shapes(mc))
+    init = bh.init_params(mc, seed=tiny.seed)
+    assert all(torch.equal(init[n], tiny.init_params_[n]) for n in init)
+    images, labels = tiny.train_images[:6], tiny.train_labels[:6]
+    assert_close(bh.forward(tiny.params, tiny.model_inputs(images), mc), tiny.logits(images), what="logits")
+    assert tiny.model_inputs(images[0]).shape == (1, 8, 8) and tiny.model_inputs(images, torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="pixel values"):
+        tiny.model_inputs(images * 16)
+    H = bh.hessian(tiny.params, tiny.model_inputs(images), mc, loss="ce", target=labels, wrt=[f"blocks.0.{n}" for n in V.BLOCK_NAMES])
+    Hb = bh.hessian(tiny.block_params(), tiny.embed(images), tiny.cfg, loss=tiny.head_loss, target=labels)
+    assert_close(H.dense(), Hb.dense(), what="blocks.0 of the model's Hessian")
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -208,13 +227,38 @@ def test_training_learns_and_is_seeded(tiny):
     a = V.train(3, steps=5, quiet=True, arch=TINY)
     b = V.train(3, steps=5, quiet=True, arch=TINY)
     c = V.train(4, steps=5, quiet=True, arch=TINY)
-    for n in V.MODEL_NAMES:
+    assert list(a.params) == list(bh.config.model_param_shapes(a.model_cfg))
+    for n in a.params:
         assert torch.equal(a.params[n], b.params[n])
-    assert not torch.equal(a.params["W_Q"], c.params["W_Q"])
+    assert not torch.equal(a.params["blocks.0.W_Q"], c.params["blocks.0.W_Q"])
     assert torch.equal(a.at_init().block_params()["W_Q"], bh.init_params(a.cfg, seed=3)["W_Q"])
     rng = torch.get_rng_state()
     V.train(3, steps=2, quiet=True, arch=TINY)
     assert torch.equal(rng, torch.get_rng_state())  # private generators only
+
+
+def test_training_keeps_snapshots():
+    assert V.snapshot_steps(2000) == [0, 200, 400, 600, 800, 1000] and V.snapshot_steps(10) == [0, 2, 4, 6, 8, 10]
+    assert V.snapshot_steps(0) == [0] and V.snapshot_steps(3) == [0, 1, 2, 3]
+    vit = V.train(1, steps=10, quiet=True, arch=TINY)
+    assert sorted(vit.snapshots) == vit.train_info["snapshot_steps"] == [0, 2, 4, 6, 8, 10]
+    assert vit.snapshots[0] is vit.init_params_ and vit.snapshots[10] is vit.params
+    four = V.train(1, steps=4, quiet=True, arch=TINY)  # the same run, stopped after 4 updates
+    assert all(torch.equal(vit.snapshots[4][n], four.params[n]) for n in four.params)
+    assert vit.at_step(4).test_accuracy == four.test_accuracy
+    assert all(torch.equal(vit.at_step(0).params[n], vit.at_init().params[n]) for n in vit.params)
+    with pytest.raises(ValueError, match=r"no snapshot of step 3: this model kept \[0, 2, 4, 6, 8, 10\]"):
+        vit.at_step(3)
+
+
+def test_two_blocks():
+    vit = V.train(0, steps=3, quiet=True, arch={**TINY, "n_blocks": 2})
+    mc = vit.model_cfg
+    assert mc.n_layers == 2 and vit.n_blocks == 2 and "blocks.1.W_2" in vit.params
+    images = vit.train_images[:4]
+    assert_close(bh.forward(vit.params, vit.model_inputs(images), mc), vit.logits(images), what="logits")
+    with pytest.raises(ValueError, match="block_params is the one block's; this model has 2 blocks"):
+        vit.block_params()
 
 
 def test_train_rejects_bad_steps():
@@ -231,8 +275,10 @@ def test_checkpoint_roundtrip(tiny, tmp_path):
     assert isinstance(blob, dict) and blob["format"] == V.FORMAT
     back = V.load(path)
     assert back.arch == tiny.arch and back.cfg == tiny.cfg and back.seed == tiny.seed
-    for n in V.MODEL_NAMES:
+    assert list(back.params) == list(tiny.params) and sorted(back.snapshots) == sorted(tiny.snapshots) != []
+    for n in tiny.params:
         assert torch.equal(back.params[n], tiny.params[n]) and torch.equal(back.init_params_[n], tiny.init_params_[n])
+        assert all(torch.equal(back.snapshots[s][n], tiny.snapshots[s][n]) for s in tiny.snapshots)
     assert torch.equal(back.test_images, tiny.test_images) and torch.equal(back.train_labels, tiny.train_labels)
     assert back.test_accuracy == tiny.test_accuracy
     assert back.train_info["trained_in_this_run"] is False
@@ -254,9 +300,12 @@ def _broken(tmp_path, tiny, mutate):
     [
         (lambda b: b.update(format="other"), "format"),
         (lambda b: b.update(version=99), "version"),
-        (lambda b: b["params"].pop("W_V"), "W_V"),
-        (lambda b: b["params"].update(W_1=torch.zeros(3, 3, dtype=torch.float64)), "W_1"),
-        (lambda b: b["init_params"]["W_2"].fill_(float("nan")), "NaN"),
+        (lambda b: b["params"].pop("blocks.0.W_V"), "W_V"),
+        (lambda b: b["params"].update({"blocks.0.W_1": torch.zeros(3, 3, dtype=torch.float64)}), "W_1"),
+        (lambda b: b["init_params"]["blocks.0.W_2"].fill_(float("nan")), "NaN"),
+        (lambda b: b["snapshots"][0]["W_E"].fill_(float("inf")), "snapshot 0|NaN or Inf"),
+        (lambda b: b.update(snapshots=[1, 2]), "snapshots"),
+        (lambda b: b["arch"].update(n_blocks=0), "checkpoint"),
         (lambda b: b.update(test_index=b["test_index"][:5]), "split"),
         (lambda b: b["arch"].update(d_model="x"), "checkpoint"),
     ],
@@ -266,6 +315,31 @@ def test_corrupt_checkpoints_are_one_line_errors(tiny, tmp_path, mutate, message
     with pytest.raises(ValueError, match=message) as err:
         V.load(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def _format_one(vit, path):
+    """``vit`` (one block) written as format 1 was: the block's names, no arch n_blocks, no snapshots."""
+    V.save(vit, path)
+    blob = torch.load(path, weights_only=True)
+    flat = lambda p: {k.removeprefix("blocks.0."): v for k, v in p.items()}  # noqa: E731
+    blob.update(version=1, params=flat(blob["params"]), init_params=flat(blob["init_params"]))
+    del blob["snapshots"], blob["arch"]["n_blocks"]
+    torch.save(blob, path)
+
+
+def test_format_one_checkpoints_load_and_a_default_one_is_retrained(tiny, tmp_path, capsys):
+    path = tmp_path / "old.pt"
+    _format_one(tiny, path)
+    old = V.load(path)
+    assert old.snapshots == {} and old.train_info["format_version"] == 1 and old.arch == tiny.arch
+    assert all(torch.equal(old.params[n], tiny.params[n]) for n in tiny.params)
+    plain = V.load_or_train(tmp_path / "m.pt", steps=3, quiet=True)
+    _format_one(plain, tmp_path / "m.pt")
+    again = V.load_or_train(tmp_path / "m.pt", steps=3)
+    assert "was written by an earlier version (checkpoint format 1, no training snapshots): training" in capsys.readouterr().err
+    assert again.train_info["trained_in_this_run"] and sorted(again.snapshots) == [0, 1, 2, 3]
+    assert V.load(tmp_path / "m.pt").train_info["format_version"] == V.FORMAT_VERSION
+    assert all(torch.equal(again.params[n], plain.params[n]) for n in plain.params)  # the same seed, the same model
 
 
 def test_unreadable_and_missing_checkpoints(tmp_path):
@@ -296,7 +370,7 @@ def test_load_or_train_trains_once_into_the_named_file(tmp_path, capsys):
     assert first.cfg == bh.BlockConfig(d_model=16, d_ff=32, d_k=16, ln_eps=1e-5)
     second = V.load_or_train(path, steps=3, quiet=True)
     assert second.train_info["trained_in_this_run"] is False and capsys.readouterr().err == ""
-    assert torch.equal(second.params["W_V"], first.params["W_V"])
+    assert torch.equal(second.params["blocks.0.W_V"], first.params["blocks.0.W_V"])
     with pytest.raises(ValueError, match="holds a model of seed 0 trained 3 steps, not seed 0 and 4 steps"):
         V.load_or_train(path, steps=4)
     with pytest.raises(ValueError, match="holds a model of seed 0 trained 3 steps, not seed 2 and 3 steps"):
@@ -311,13 +385,13 @@ def test_load_for_command_keeps_a_default_file_per_seed_and_steps(tmp_path, monk
     assert (tmp_path / "checkpoints" / "digits_vit.pt").is_file()
     second = V.load_for_command(quiet=True, steps=3)
     assert second.train_info["trained_in_this_run"] is False
-    assert torch.equal(second.params["W_V"], first.params["W_V"])
+    assert torch.equal(second.params["blocks.0.W_V"], first.params["blocks.0.W_V"])
     other = V.load_for_command(quiet=True, steps=1, seed=2)
     assert (tmp_path / "checkpoints" / "digits_vit_seed2_steps1.pt").is_file() and other.seed == 2
     fewer = V.load_for_command(quiet=True, steps=1)  # other steps: its own model, the default one is neither read nor replaced
     assert fewer.train_info["trained_in_this_run"] is True and fewer.train_info["steps"] == 1
     assert (tmp_path / "checkpoints" / "digits_vit_steps1.pt").is_file()
-    assert torch.equal(V.load_for_command(quiet=True).params["W_V"], first.params["W_V"])
+    assert torch.equal(V.load_for_command(quiet=True).params["blocks.0.W_V"], first.params["blocks.0.W_V"])
     V.save(fewer, tmp_path / "checkpoints" / "digits_vit.pt")  # as an earlier `report --steps 1` did: the default file, 1 step
     with pytest.raises(ValueError, match="holds a model of seed 0 trained 1 steps, not seed 0 and 3 steps"):
         V.load_for_command(quiet=True)

@@ -7,8 +7,8 @@ command writes them), then
 
 - copies its JSON to ``docs/data/NAME.json``, without the per-point arrays that :data:`TRIM`
   leaves out (they stay in ``runs/NAME/``), so that every stored file stays under a few hundred KB;
-- copies the figures the docs show (:data:`FIGURES`) to ``docs/figures/`` (not
-  ``hessian_trained.png``, the README's reduced copy of the report's heat map);
+- copies the figures the docs show (:data:`FIGURES`) to ``docs/figures/``, the large heat maps
+  reduced (:data:`REDUCED`: 0.6 of their size, 256 colours);
 - records in ``docs/data/runs.json`` the command line, wall-clock and CPU seconds, the load
   average before and after, when it finished, the git commit and whether ``src/`` had
   uncommitted changes.
@@ -78,7 +78,21 @@ FIGURES = {
     "scaling-full": [(f, f) for f in ("scaling_input_scale.png", "scaling_seq_len.png", "scaling_ln_variance.png")],
     "convergence-full": [(f"{f}.png", f"convergence_{f}.png")
                          for f in ("differences", "bound", "taylor", "assumption1", "spectra")],
+    "report": [("training_dynamics.png", "report_training_dynamics.png")],
 }
+
+#: name -> (figure the command writes, name under docs/figures), stored reduced (:func:`_reduced`)
+REDUCED = {"report": [("model_hessian.png", "report_model_hessian.png"),
+                      ("two_block_hessian.png", "report_two_block_hessian.png")]}
+
+
+def _reduced(src: Path, dst: Path, scale: float = 0.6) -> None:
+    """A heat map at ``scale`` of its size in 256 colours (a tenth of the bytes; Pillow comes with matplotlib)."""
+    from PIL import Image
+
+    im = Image.open(src).convert("RGB")
+    im = im.resize((round(im.size[0] * scale), round(im.size[1] * scale)), Image.LANCZOS)
+    im.quantize(256, method=Image.Quantize.MAXCOVERAGE).save(dst, optimize=True)
 
 
 def _git(*args: str) -> str:
@@ -108,6 +122,8 @@ def refresh(name: str) -> dict:
     (DATA / f"{name}.json").write_text(json.dumps(TRIM.get(name, lambda d: d)(data), indent=1, allow_nan=False) + "\n")
     for src, dst in FIGURES.get(name, []):
         shutil.copyfile(out / src, ROOT / "docs" / "figures" / dst)
+    for src, dst in REDUCED.get(name, []):
+        _reduced(out / src, ROOT / "docs" / "figures" / dst)
     return {
         "command": "blockhess " + " ".join(cmd[:-2]),
         "wall_s": wall,

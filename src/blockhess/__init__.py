@@ -20,6 +20,8 @@ from .result import HessianBlocks
 from .layers import attention, ffn, layernorm, softmax
 from .config import BlockConfig, ModelConfig, init_params, param_shapes
 from .hessian import hessian
+from .operators import hessian_operator
+from . import operators
 from .validation import InsufficientMemoryError
 from . import bounds  # noqa: E402  (Theorems 1 and 6; after the core it uses)
 from . import convergence  # noqa: E402  (Theorem 7; after the core it uses)
@@ -37,6 +39,8 @@ __all__ = [
     "ffn",
     "forward",
     "hessian",
+    "hessian_operator",
+    "operators",
     "init_params",
     "input_jacobian",
     "jacobian",

@@ -140,7 +140,10 @@ def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
     ``(d_model, n_heads*d_k)``, ``W_V, W_O`` ``(d_model, d_model)``, ``W_1`` ``(d_model, d_ff)``,
     ``W_2`` ``(d_ff, d_model)``, vectors ``(n,)``. The paper's setting gives
     ``W_Q, W_K, W_V, W_1, W_2`` (``kind="block"``) or ``W_Q, W_K, W_V`` (``kind="attention"``).
+    A :class:`ModelConfig` gives the model's (:func:`model_param_shapes`).
     """
+    if isinstance(cfg, ModelConfig):
+        return model_param_shapes(cfg)
     d, dk, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_ff
     b, block = cfg.bias, cfg.kind == "block"
     spec = [

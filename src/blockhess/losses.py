@@ -25,7 +25,7 @@ import torch
 
 from .validation import check_fits, check_tensor, saved_bytes
 
-__all__ = ["LossDerivatives", "check", "derivatives", "value", "hessian_work_bytes", "saved_loss_bytes"]
+__all__ = ["LossDerivatives", "check", "derivatives", "directional", "value", "hessian_work_bytes", "saved_loss_bytes"]
 
 
 class LossDerivatives(NamedTuple):
@@ -224,6 +224,27 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
             b = int((~ok).nonzero()[0])
             raise ValueError(f"loss has a NaN or Inf value, gradient or Hessian w.r.t. Z at sequence {first + b}")
     return LossDerivatives(grad.div_(mean_over), hess.reshape(B, L * d, L * d).div_(mean_over), False)  # our buffers
+
+
+def directional(loss, target, Z: torch.Tensor, batch: int | None = None):
+    r"""``(grad, omega)``: the gradient of the mean-over-sequences loss w.r.t. ``Z`` ``(B, L, d)`` (as
+    :func:`derivatives`) and ``omega(dZ)``, its Hessian applied to tangents ``dZ`` ``(k, B, L, d)``,
+    without forming a per-token ``d × d`` matrix for MSE (a scaling) and CE
+    (:math:`(p \odot \dot z - p\,(p\cdot\dot z))/(L\,B)` per token); a callable's from its
+    per-sequence Hessians (:func:`derivatives`, with its memory check). Arguments as :func:`derivatives`."""
+    B, L, d = Z.shape
+    mean_over = B if batch is None else batch
+    if loss == "mse":
+        c = 2.0 / (L * d * mean_over)
+        return c * (Z - target), lambda dZ: c * dZ
+    if loss == "ce":
+        p = torch.softmax(Z, -1)
+        n = L * mean_over
+        grad = (p - torch.nn.functional.one_hot(target, d).to(Z.dtype)) / n
+        return grad, lambda dZ: (p * dZ - p * (p * dZ).sum(-1, keepdim=True)) / n
+    ld = derivatives(loss, target, Z, batch, 0)
+    H = ld.hess  # (B, L·d, L·d)
+    return ld.grad, lambda dZ: torch.einsum("bij,kbj->kbi", H, dZ.reshape(dZ.shape[0], B, L * d)).reshape(dZ.shape)
 
 
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:

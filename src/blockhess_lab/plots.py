@@ -3,7 +3,9 @@
 * :func:`hessian_heatmap` — ``log10|H|`` with dashed block boundaries and block labels
   (the paper's Figs. 3–4);
 * :func:`block_norm_bars` — per block pair spectral norms, outer vs functional term;
-* :func:`eigen_spectrum` — sorted eigenvalues on a symmetric-log axis.
+* :func:`eigen_spectrum` — sorted eigenvalues on a symmetric-log axis;
+* :func:`norm_grid` — ``log10`` of a norm per block pair as a matrix of cells (a model's parameter groups);
+* :func:`training_curves` — values per group against the training step (the paper's Fig. 5).
 
 Each returns nothing and writes one PNG; callers pass plain tensors/arrays and labels.
 """
@@ -19,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum"]
+__all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves"]
 
 
 def log_abs(H, floor: float) -> np.ndarray:
@@ -28,22 +30,50 @@ def log_abs(H, floor: float) -> np.ndarray:
     return np.log10(np.maximum(A, floor))
 
 
-def _draw_blocks(ax, names, sizes, vmin, vmax, data, title):
-    im = ax.imshow(data, cmap="viridis", vmin=vmin, vmax=vmax, interpolation="antialiased")
+NARROW = 0.03  # a block narrower than this fraction of its axis is labelled on the opposite side
+
+
+def _ticks(ax, axis: str, names, sizes, small: bool):
+    """Dashed block boundaries and one label per block, at its centre; the labels of narrow blocks
+    (:data:`NARROW`, e.g. a bias next to its weight) go on the opposite side (top, right) so that
+    neighbours do not overlap."""
     edges = np.cumsum([0] + list(sizes))
-    for e in edges[1:-1]:
-        ax.axhline(e - 0.5, color="white", ls="--", lw=0.8)
-        ax.axvline(e - 0.5, color="white", ls="--", lw=0.8)
     centres = (edges[:-1] + edges[1:]) / 2 - 0.5
-    ax.set_xticks(centres, names)
-    ax.set_yticks(centres, names)
+    for e in edges[1:-1]:
+        (ax.axvline if axis == "x" else ax.axhline)(e - 0.5, color="white", ls="--", lw=0.6 if small else 0.8)
+    narrow = np.asarray(sizes) < NARROW * edges[-1]
+    if narrow.all():
+        narrow[:] = False
+    kw = {"fontsize": 7} if small else {}
+    far = [(c, n) for c, n, w in zip(centres, names, narrow) if w]
+    near = [(c, n) for c, n, w in zip(centres, names, narrow) if not w]
+    if axis == "x":
+        ax.set_xticks([c for c, _ in near], [n for _, n in near], rotation=90 if small else 0, **kw)
+    else:
+        ax.set_yticks([c for c, _ in near], [n for _, n in near], **kw)
+    if far:
+        sec = ax.secondary_xaxis("top") if axis == "x" else ax.secondary_yaxis("right")
+        if axis == "x":
+            sec.set_xticks([c for c, _ in far], [n for _, n in far], rotation=90 if small else 0, **kw)
+        else:
+            sec.set_yticks([c for c, _ in far], [n for _, n in far], **kw)
+        sec.tick_params(length=0)
+
+
+def _draw_blocks(ax, rows, cols, vmin, vmax, data, title):
+    im = ax.imshow(data, cmap="viridis", vmin=vmin, vmax=vmax, interpolation="antialiased")
+    small = max(len(rows[0]), len(cols[0])) > 6  # many groups, some narrow: smaller labels, upright on x
+    _ticks(ax, "y", *rows, small)
+    _ticks(ax, "x", *cols, small)
     ax.tick_params(length=0)
     ax.set_title(title)
     return im
 
 
 def hessian_heatmap(path, panels, vmin: float, vmax: float, suptitle: str, note: str = "") -> None:
-    """One row of ``log10|H|`` panels; ``panels`` is a list of ``(H, names, sizes, title)``.
+    """One row of ``log10|H|`` panels; ``panels`` is a list of ``(H, names, sizes, title)`` (a
+    square matrix of blocks) or ``(H, row_names, row_sizes, title, col_names, col_sizes)`` (a
+    rectangular part of one, e.g. cross-layer blocks).
 
     ``vmin``/``vmax`` are decades (shared by all panels, and by the caller across figures so
     that init and trained compare); entries below ``10**vmin`` are drawn at ``vmin``, which the
@@ -51,12 +81,67 @@ def hessian_heatmap(path, panels, vmin: float, vmax: float, suptitle: str, note:
     """
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 1.2, 6.0), squeeze=False)
     im = None
-    for ax, (H, names, sizes, title) in zip(axes[0], panels):
-        im = _draw_blocks(ax, names, sizes, vmin, vmax, log_abs(H, 10.0**vmin), title)
+    for ax, (H, names, sizes, title, *cols) in zip(axes[0], panels):
+        cols = tuple(cols) if cols else (names, sizes)
+        im = _draw_blocks(ax, (names, sizes), cols, vmin, vmax, log_abs(H, 10.0**vmin), title)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.85, label=r"$\log_{10}|H_{ij}|$")
     fig.suptitle(suptitle)
     floor = f"Entries below $10^{{{vmin:g}}}$, exact zeros included, are drawn in the lowest colour."
-    fig.text(0.45, 0.1, floor + (" " + note if note else ""), ha="center", va="top", fontsize=9, wrap=True)
+    fig.text(0.45, 0.1 if len(panels[0][1]) <= 6 else 0.05, floor + (" " + note if note else ""), ha="center", va="top",
+             fontsize=9, wrap=True)
+    fig.savefig(Path(path), dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+def norm_grid(path, panels: dict, labels: list[str], ncols: int, suptitle: str) -> None:
+    """``log10`` of a norm per block pair, one square matrix per panel (``{title: (k, k) array}``,
+    rows and columns ``labels``), ``ncols`` panels a row, one colour scale; a zero norm is drawn
+    blank and each cell carries its ``log10`` (one decimal)."""
+    mats = list(panels.values())
+    pos = [float(v) for m in mats for v in np.asarray(m).ravel() if v > 0]
+    lo, hi = (math.floor(math.log10(min(pos))), math.ceil(math.log10(max(pos)))) if pos else (-1, 0)
+    nrows = math.ceil(len(panels) / ncols)
+    k = len(labels)
+    side = 0.42 * k + 1.2
+    fig, axes = plt.subplots(nrows, ncols, figsize=(side * ncols + 1.2, side * nrows), squeeze=False)
+    im = None
+    for ax, (title, M) in zip(axes.ravel(), panels.items()):
+        M = np.asarray(M, dtype=np.float64)
+        L = np.where(M > 0, np.log10(np.where(M > 0, M, 1.0)), np.nan)
+        im = ax.imshow(L, cmap="magma", vmin=lo, vmax=hi)
+        for i in range(k):
+            for j in range(k):
+                if np.isfinite(L[i, j]):
+                    ax.text(j, i, f"{L[i, j]:.1f}", ha="center", va="center", fontsize=5.5,
+                            color="white" if L[i, j] < (lo + hi) / 2 else "black")
+        ax.set_xticks(range(k), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(k), labels, fontsize=7)
+        ax.tick_params(length=0)
+        ax.set_title(title, fontsize=9)
+    for ax in axes.ravel()[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label=r"$\log_{10}\|H_{ab}\|_F$")
+    fig.suptitle(suptitle)
+    fig.savefig(Path(path), dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+def training_curves(path, steps, panels: dict, suptitle: str, log: tuple = ()) -> None:
+    """Curves against the training step, one panel per entry of ``panels``
+    (``{title: {series: [value per step]}}``), markers at the steps; the panels whose titles are in
+    ``log`` on a log y axis."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 4.2), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels.items()):
+        for name, vals in series.items():
+            ax.plot(steps, vals, marker="o", ms=3, lw=1.3, label=name)
+        if title in log:
+            ax.set_yscale("log")
+        ax.set_xlabel("training step")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
     fig.savefig(Path(path), dpi=150, bbox_inches="tight")
     plt.close(fig)
 

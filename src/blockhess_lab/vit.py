@@ -1,4 +1,4 @@
-r"""A one-block post-LN Vision Transformer on scikit-learn's digits: data, model, training, checkpoint.
+r"""A post-LN Vision Transformer (one block by default) on scikit-learn's digits: data, model, training, checkpoint.
 
 The paper's experiments (arXiv 2510.16927, §5.1–5.4) train a 1-block post-LN ViT on MNIST and
 study the Hessian of its block. Here the same model runs on the 1,797 handwritten 8×8 digits
@@ -23,7 +23,15 @@ that ship with scikit-learn (``sklearn.datasets.load_digits``: nothing is downlo
 Row vectors act on the right throughout (as in the block, docs/derivations.md): ``W_E`` is ``(p², d_model)``, ``W_H``
 is ``(d_model, 10)``.
 
-Everything after the block is a function of the block output ``Z`` alone, so the model's loss
+The model is exactly :class:`blockhess.config.ModelConfig` ``(blocks=(cfg,) * n_blocks, embedding="patch",
+image=(1, 8, 8), patch=p, positions="sinusoidal", pool="mean", head=10)`` (:func:`model_config`; the row-major
+pixel order of :func:`patchify` is the model's channel-major patch order for one channel), its weights are
+that config's parameters under its names (``W_E, b_E, blocks.0.W_Q, ..., W_H, b_H``), and the training's
+forward pass is :func:`blockhess.reference.forward` of that config. So the exact Hessian of the whole
+model's loss is ``bh.hessian(vit.params, vit.model_inputs(images), vit.model_cfg, loss="ce", target=labels)``.
+``arch["n_blocks"]`` (default 1) stacks more blocks of the same recipe.
+
+For one block, everything after it is a function of the block output ``Z`` alone, so the model's loss
 *is* a loss ``ℓ(Z)`` of the block, and :func:`blockhess.hessian` with
 ``loss=vit.head_loss, target=labels`` gives the exact Hessian of the model's cross-entropy
 w.r.t. the block's weights, with the embedded patches ``vit.embed(images)`` as the block's
@@ -37,16 +45,18 @@ The interface used by the ``report``, ``bounds`` and ``convergence`` commands (t
 >>> X = vit.embed(vit.train_images[:128])          # (128, 16, 16) float64, the block's input
 >>> y = vit.train_labels[:128]
 >>> H = bh.hessian(vit.block_params(), X, vit.cfg, loss=vit.head_loss, target=y)   # doctest: +SKIP
+>>> Hm = bh.hessian(vit.params, vit.model_inputs(vit.train_images[:128]), vit.model_cfg, loss="ce", target=y)  # doctest: +SKIP
 
 Seeds: one ``seed`` fixes the train/test split, the initial weights and the order of the
 training batches, each drawn from its own private generator (the global RNGs are untouched).
+Training keeps snapshots of the weights at :func:`snapshot_steps` (``0, 200, ..., 1000`` for the
+default 2,000 steps) for the report's training-dynamics figure (:meth:`TrainedViT.at_step`).
 Training is float32 on CPU; every analysis method works in the dtype it is asked for
 (float64 by default) from a float64 master copy of the weights.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
@@ -57,8 +67,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as Fn
 
-from blockhess.config import BlockConfig, init_params
-from blockhess.reference import forward as block_forward
+from blockhess.config import BlockConfig, ModelConfig, block_prefix, init_params, model_param_shapes, sinusoidal_positions
+from blockhess.reference import forward as plain_forward
 from .runtime import progress, torch_threads
 
 __all__ = [
@@ -72,8 +82,11 @@ __all__ = [
     "check_batch",
     "patchify",
     "sinusoidal_positions",
+    "model_config",
+    "snapshot_steps",
     "init_model",
     "train",
+    "train_like",
     "save",
     "load",
     "load_or_train",
@@ -84,19 +97,22 @@ __all__ = [
 DEFAULT_CHECKPOINT = "checkpoints/digits_vit.pt"
 #: Training steps (batches of 128) when :func:`load_or_train` has to train and none are given.
 DEFAULT_STEPS = 2000
-#: The block's weights, canonical order.
+#: The block's weights, canonical order (in the model: ``blocks.{i}.`` before each).
 BLOCK_NAMES = ("W_Q", "W_K", "W_V", "W_1", "W_2")
-#: Every weight of the model, forward order.
-MODEL_NAMES = ("W_E", "b_E") + BLOCK_NAMES + ("W_H", "b_H")
+#: Training snapshots: six, evenly spaced over the first ``SNAPSHOT_SPAN`` steps (or all of a shorter run).
+SNAPSHOT_SPAN = 1000
+N_SNAPSHOTS = 6
 
 N_CLASSES = 10
 IMAGE_SIZE = 8
 TEST_FRACTION = 0.2
 FORMAT = "blockhess-digits-vit"
-FORMAT_VERSION = 1
+#: 2: the model's parameter names (``blocks.0.W_Q``), ``arch["n_blocks"]`` and the training snapshots;
+#: 1 (read too): one block, its weights under the block's names, no snapshots.
+FORMAT_VERSION = 2
 
 #: The model used by ``make run`` (d_ff = 32, not the paper's 64: see docs in README / report).
-DEFAULT_ARCH = {"patch": 2, "d_model": 16, "d_ff": 32, "d_k": 16, "ln_eps": 1e-5}
+DEFAULT_ARCH = {"patch": 2, "d_model": 16, "d_ff": 32, "d_k": 16, "ln_eps": 1e-5, "n_blocks": 1}
 
 #: Optimiser settings: the paper's experimental setup except the learning rate and no augmentation.
 DEFAULT_OPTIM = {
@@ -149,17 +165,6 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(N, (H // patch) * (W // patch), patch * patch)
 
 
-def sinusoidal_positions(L: int, d: int, dtype=torch.float64, device=None) -> torch.Tensor:
-    """Fixed positions ``(L, d)`` in ``dtype`` on ``device``: ``P[t, 2i] = sin(t / 10000^{2i/d})``,
-    ``P[t, 2i+1] = cos(·)`` (computed in float64 on the CPU)."""
-    t = torch.arange(L, dtype=torch.float64)[:, None]
-    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
-    P = torch.zeros(L, d, dtype=torch.float64)
-    P[:, 0::2] = torch.sin(t * freq)
-    P[:, 1::2] = torch.cos(t * freq[: d // 2])
-    return P.to(dtype=dtype, device=device)
-
-
 # ----------------------------------------------------------------------------- model
 
 
@@ -167,31 +172,28 @@ def _block_config(arch: dict) -> BlockConfig:
     return BlockConfig(d_model=arch["d_model"], d_ff=arch["d_ff"], d_k=arch["d_k"], ln_eps=arch["ln_eps"])
 
 
+def model_config(arch: dict) -> ModelConfig:
+    """The digits ViT of ``arch`` as a :class:`~blockhess.config.ModelConfig`: ``arch["n_blocks"]``
+    (default 1) blocks of :func:`_block_config`, a patch embedding of the one-channel 8×8 image with
+    bias, sinusoidal positions, mean pooling and a 10-class head with bias."""
+    return ModelConfig(blocks=(_block_config(arch),) * int(arch.get("n_blocks", 1)), embedding="patch",
+                       image=(1, IMAGE_SIZE, IMAGE_SIZE), patch=arch["patch"], positions="sinusoidal", pool="mean",
+                       head=N_CLASSES, head_bias=True)
+
+
+def snapshot_steps(steps: int) -> list[int]:
+    """The steps at which :func:`train` keeps the weights (after that many updates; 0 is the
+    initialisation): :data:`N_SNAPSHOTS` evenly spaced over ``min(steps, SNAPSHOT_SPAN)``, rounded,
+    each once (``[0, 200, 400, 600, 800, 1000]`` for 2,000 steps, ``[0, 2, 4, 6, 8, 10]`` for 10)."""
+    span = min(int(steps), SNAPSHOT_SPAN)
+    return sorted({round(i * span / (N_SNAPSHOTS - 1)) for i in range(N_SNAPSHOTS)})
+
+
 def init_model(arch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Initial weights (float64), :data:`MODEL_NAMES` order.
-
-    Block: :func:`blockhess.init_params` (``N(0, 1/fan_in)``) with ``seed``; patch embedding and
-    head: ``N(0, 1/fan_in)`` weights, zero biases, from a private generator seeded ``seed + 1``.
-    """
-    cfg = _block_config(arch)
-    d, p2 = arch["d_model"], arch["patch"] ** 2
-    gen = torch.Generator().manual_seed(int(seed) + 1)
-    params = {
-        "W_E": torch.randn(p2, d, generator=gen, dtype=torch.float64) / math.sqrt(p2),
-        "b_E": torch.zeros(d, dtype=torch.float64),
-    }
-    params.update(init_params(cfg, seed=int(seed), dtype=torch.float64))
-    params["W_H"] = torch.randn(d, N_CLASSES, generator=gen, dtype=torch.float64) / math.sqrt(d)
-    params["b_H"] = torch.zeros(N_CLASSES, dtype=torch.float64)
-    return {n: params[n] for n in MODEL_NAMES}
-
-
-def _shapes(arch: dict) -> dict[str, tuple[int, ...]]:
-    d, f, k, p2 = arch["d_model"], arch["d_ff"], arch["d_k"], arch["patch"] ** 2
-    return {
-        "W_E": (p2, d), "b_E": (d,), "W_Q": (d, k), "W_K": (d, k), "W_V": (d, d),
-        "W_1": (d, f), "W_2": (f, d), "W_H": (d, N_CLASSES), "b_H": (N_CLASSES,),
-    }
+    """Initial weights (float64) under the model's names: :func:`blockhess.init_params` of
+    :func:`model_config` with ``seed`` (block ``i`` from ``seed + i``; patch embedding and head
+    ``N(0, 1/fan_in)``, zero biases, from a generator seeded ``seed + n_blocks``)."""
+    return init_params(model_config(arch), seed=int(seed), dtype=torch.float64)
 
 
 def _embed(params: dict, images: torch.Tensor, patch: int) -> torch.Tensor:
@@ -204,9 +206,9 @@ def _head(params: dict, Z: torch.Tensor) -> torch.Tensor:
     return Z.mean(-2) @ params["W_H"] + params["b_H"]
 
 
-def _logits(params: dict, images: torch.Tensor, cfg: BlockConfig, patch: int) -> torch.Tensor:
-    X = _embed(params, images.to(params["W_E"].dtype), patch)
-    return _head(params, block_forward({n: params[n] for n in BLOCK_NAMES}, X, cfg))
+def _logits(params: dict, images: torch.Tensor, mc: ModelConfig) -> torch.Tensor:
+    """``(B, 10)`` logits of ``(B, 8, 8)`` images by the model's plain forward (:func:`blockhess.reference.forward`)."""
+    return plain_forward(params, images.to(params["W_E"].dtype)[:, None], mc)[:, 0]
 
 
 # ----------------------------------------------------------------------------- the trained model
@@ -219,11 +221,12 @@ class TrainedViT:
     Attributes
     ----------
     cfg : blockhess.BlockConfig
-        The block's configuration (``d_model``, ``d_ff``, ``d_k``, ``ln_eps``).
+        The configuration of each block (``d_model``, ``d_ff``, ``d_k``, ``ln_eps``).
     arch : dict
-        ``patch``, ``d_model``, ``d_ff``, ``d_k``, ``ln_eps``.
+        ``patch``, ``d_model``, ``d_ff``, ``d_k``, ``ln_eps``, ``n_blocks``.
     params, init_params_ : dict[str, Tensor]
-        Every weight (:data:`MODEL_NAMES`, float64): trained, and at initialisation.
+        Every weight under the model's names (``model_param_shapes(vit.model_cfg)``: ``W_E, b_E,
+        blocks.0.W_Q, ..., W_H, b_H``), float64: trained, and at initialisation.
     seed : int
         The seed of the split, the initialisation and the batch order.
     test_accuracy : float
@@ -236,6 +239,9 @@ class TrainedViT:
         Steps, optimiser settings, seconds, final training loss, where the model came from.
     checkpoint : str or None
         The file it was loaded from or saved to.
+    snapshots : dict[int, dict[str, Tensor]]
+        The weights after ``step`` updates, for each step of :func:`snapshot_steps` (float64, the
+        model's names); empty for a model read from a format-1 checkpoint.
     """
 
     cfg: BlockConfig
@@ -252,18 +258,41 @@ class TrainedViT:
     test_index: torch.Tensor | None = None
     train_info: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    snapshots: dict = field(default_factory=dict)
     _cast: dict = field(default_factory=dict, repr=False)
 
     # -- weights ---------------------------------------------------------------------------
+    @property
+    def model_cfg(self) -> ModelConfig:
+        """The whole model as a :class:`~blockhess.config.ModelConfig` (:func:`model_config`)."""
+        return model_config(self.arch)
+
+    @property
+    def n_blocks(self) -> int:
+        """Number of blocks."""
+        return int(self.arch.get("n_blocks", 1))
+
     def _weights(self, dtype: torch.dtype, device=None) -> dict:
         key = (dtype, torch.device(device or "cpu"))
         if key not in self._cast:
             self._cast[key] = {n: v.to(dtype=dtype, device=key[1]) for n, v in self.params.items()}
         return self._cast[key]
 
+    def _one_block(self, what: str) -> None:
+        if self.n_blocks != 1:
+            raise ValueError(f"{what} is the one block's; this model has {self.n_blocks} blocks "
+                             "(use params, model_cfg and model_inputs for the whole model)")
+
+    def model_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """Every weight under the model's names, in ``dtype`` (fresh copies)."""
+        return {n: v.to(dtype).clone() for n, v in self.params.items()}
+
     def block_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-        """The block's weights ``{W_Q, W_K, W_V, W_1, W_2}`` in ``dtype`` (fresh copies)."""
-        return {n: self.params[n].to(dtype).clone() for n in BLOCK_NAMES}
+        """The block's weights ``{W_Q, W_K, W_V, W_1, W_2}`` in ``dtype`` (fresh copies); one block only
+        (``ValueError`` otherwise)."""
+        self._one_block("block_params")
+        pre = block_prefix(0)
+        return {n: self.params[pre + n].to(dtype).clone() for n in BLOCK_NAMES}
 
     def at_init(self) -> "TrainedViT":
         """The same model with *every* weight (embedding, block, head) at its initial value.
@@ -274,7 +303,17 @@ class TrainedViT:
         this (trained) model's ``logits`` or ``per_sample_losses`` they give a hybrid: the
         initial block inside the trained embedding and head.
         """
-        vit = replace(self, params=self.init_params_, _cast={})
+        return self._with(self.init_params_)
+
+    def at_step(self, step: int) -> "TrainedViT":
+        """The same model with every weight as it was after ``step`` training updates (a key of
+        :attr:`snapshots`; ``ValueError`` naming the steps kept otherwise)."""
+        if step not in self.snapshots:
+            raise ValueError(f"no snapshot of step {step!r}: this model kept {sorted(self.snapshots) or 'none'}")
+        return self._with(self.snapshots[step])
+
+    def _with(self, params: dict) -> "TrainedViT":
+        vit = replace(self, params=params, _cast={})
         vit.test_accuracy = vit.accuracy(self.test_images, self.test_labels)
         return vit
 
@@ -284,25 +323,35 @@ class TrainedViT:
         """Tokens per image, ``(8/p)²``."""
         return (IMAGE_SIZE // self.arch["patch"]) ** 2
 
-    def embed(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The block's input: patch embedding plus positions, ``(B, L, d_model)`` in ``dtype``.
-
-        ``images``: ``(B, 8, 8)`` (or one image ``(8, 8)`` -> ``(L, d_model)``), pixel values in
-        ``[0, 1]`` like the training data. Raises ``ValueError`` for another shape, NaN/Inf or
-        values outside ``[0, 1]`` (e.g. raw 0–255 or 0–16 pixels).
-        """
+    @staticmethod
+    def _check_images(images) -> None:
         side = IMAGE_SIZE  # the images are square
         if not isinstance(images, torch.Tensor) or images.ndim not in (2, 3) or tuple(images.shape[-2:]) != (side, side):
             raise ValueError(f"images must be a tensor of shape (B, {side}, {side}) or ({side}, {side}), "
                              f"got {tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
         if images.numel() and not (bool(torch.isfinite(images).all()) and float(images.min()) >= 0 and float(images.max()) <= 1):
             raise ValueError("images must hold pixel values in [0, 1], like the training data (scale raw pixels first)")
+
+    def embed(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The first block's input: patch embedding plus positions, ``(B, L, d_model)`` in ``dtype``.
+
+        ``images``: ``(B, 8, 8)`` (or one image ``(8, 8)`` -> ``(L, d_model)``), pixel values in
+        ``[0, 1]`` like the training data. Raises ``ValueError`` for another shape, NaN/Inf or
+        values outside ``[0, 1]`` (e.g. raw 0–255 or 0–16 pixels).
+        """
+        self._check_images(images)
         one = images.ndim == 2
         X = _embed(self._weights(dtype, images.device), (images[None] if one else images).to(dtype), self.arch["patch"])
         return X[0] if one else X
 
+    def model_inputs(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """What the whole model (:attr:`model_cfg`) takes: ``(B, 1, 8, 8)`` images in ``dtype`` (one
+        image ``(8, 8)`` -> ``(1, 8, 8)``). Raises ``ValueError`` as :meth:`embed`."""
+        self._check_images(images)
+        return images.to(dtype).unsqueeze(-3)
+
     def head_loss(self, Z: torch.Tensor, y) -> torch.Tensor:
-        r"""Cross-entropy of ``head(mean-pool(Z))`` against the class ``y``: the model's loss as a loss of the block output.
+        r"""Cross-entropy of ``head(mean-pool(Z))`` against the class ``y``: the model's loss as a loss of the last block's output.
 
         ``Z``: one sequence ``(L, d_model)`` and ``y`` an integer (or 0-d tensor) -> a scalar;
         this is the callable-loss convention of :func:`blockhess.hessian`, so
@@ -321,13 +370,14 @@ class TrainedViT:
         return (ce + torch.where(onehot.sum(-1) == 1, 0.0, torch.nan).to(Z.dtype)).mean()
 
     def logits(self, images: torch.Tensor, block_params: dict | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Class logits ``(B, 10)``; ``block_params`` replaces the block's weights (their dtype wins)."""
+        """Class logits ``(B, 10)``; ``block_params`` (one block only) replaces the block's weights (their dtype wins)."""
         if dtype is None:
             dtype = next(iter(block_params.values())).dtype if block_params else torch.float64
         w = dict(self._weights(dtype, images.device))
         if block_params is not None:
-            w.update({n: block_params[n] for n in BLOCK_NAMES})
-        return _logits(w, images, self.cfg, self.arch["patch"])
+            self._one_block("block_params")
+            w.update({block_prefix(0) + n: block_params[n] for n in BLOCK_NAMES})
+        return _logits(w, images, self.model_cfg)
 
     def per_sample_losses(self, images: torch.Tensor, labels: torch.Tensor, block_params: dict | None = None) -> torch.Tensor:
         """Cross-entropy of each image, ``(B,)``, in the dtype of ``block_params`` (float64 by default).
@@ -359,7 +409,8 @@ def train(
     Linear warm-up over ``warmup_steps``, then a constant learning rate; gradient clipping;
     batches of ``batch_size`` drawn without replacement, reshuffled each epoch by a private
     generator seeded ``seed + 2``. ``arch`` and ``optim`` override :data:`DEFAULT_ARCH` and
-    :data:`DEFAULT_OPTIM` key by key. A progress bar shows the loss unless ``quiet``.
+    :data:`DEFAULT_OPTIM` key by key. The weights after each step of :func:`snapshot_steps`
+    are kept (``vit.snapshots``). A progress bar shows the loss unless ``quiet``.
 
     Runs on one thread (restored afterwards): the model is too small for intra-op parallelism
     to pay (docs/results.md, "The digits ViT's training").
@@ -373,7 +424,7 @@ def train(
 def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
     arch = {**DEFAULT_ARCH, **(arch or {})}
     opt = {**DEFAULT_OPTIM, **(optim or {})}
-    cfg = _block_config(arch)
+    mc = model_config(arch)
     images, labels = load_data()
     tr, te = split_data(labels, seed)
     init = init_model(arch, seed)
@@ -387,15 +438,20 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
     gen = torch.Generator().manual_seed(int(seed) + 2)
     bs = min(int(opt["batch_size"]), len(tr))
     order, pos = torch.randperm(len(tr), generator=gen), 0
+    keep = set(snapshot_steps(steps))
+    snapshots = {}
     t0 = time.perf_counter()
     losses = []
-    bar = progress(range(steps), quiet, desc="train digits ViT", unit="step")
+    bar = progress(range(steps), quiet, desc=f"train digits ViT ({mc.n_layers} block{'s' if mc.n_layers > 1 else ''})",
+                   unit="step")
     for step in bar:
+        if step in keep:  # step 0: the float64 initialisation itself (training's float32 copy rounds it)
+            snapshots[step] = init if step == 0 else {n: v.detach().to(torch.float64) for n, v in w.items()}
         if pos + bs > len(tr):
             order, pos = torch.randperm(len(tr), generator=gen), 0
         idx = order[pos : pos + bs]
         pos += bs
-        loss = Fn.cross_entropy(_logits(w, Xtr[idx], cfg, arch["patch"]), ytr[idx])
+        loss = Fn.cross_entropy(_logits(w, Xtr[idx], mc), ytr[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(w.values()), opt["grad_clip"])
@@ -406,6 +462,8 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     params = {n: v.detach().to(torch.float64) for n, v in w.items()}
+    if steps in keep:
+        snapshots[steps] = init if steps == 0 else params
     if not all(torch.isfinite(v).all() for v in params.values()):  # not bad input: the recipe failed (traceback)
         raise RuntimeError(f"training diverged (seed {seed}, {steps} steps, lr {opt['lr']}): the weights contain NaN or Inf")
     info = {
@@ -417,18 +475,27 @@ def _train(seed, steps, quiet, arch, optim) -> TrainedViT:
         "threads": 1,
         "final_loss_mean_last_50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
         "loss_history": losses[:: max(1, steps // 100)] if steps else [],
+        "snapshot_steps": sorted(snapshots),
         "torch_version": str(torch.__version__),
     }
-    vit = _assemble(arch, params, init, int(seed), images, labels, tr, te, info, None)
+    vit = _assemble(arch, params, init, int(seed), images, labels, tr, te, info, None, snapshots)
     info["test_accuracy"] = vit.test_accuracy
     return vit
 
 
-def _assemble(arch, params, init, seed, images, labels, tr, te, info, path) -> TrainedViT:
+def train_like(vit: TrainedViT, *, quiet: bool = False, **arch) -> TrainedViT:
+    """A model of ``vit``'s recipe (seed, architecture, optimiser settings, steps) with the
+    architecture keys ``arch`` changed (``n_blocks=2``), trained now (:func:`train`; not saved)."""
+    info = vit.train_info
+    optim = {k: (tuple(info[k]) if k == "betas" else info[k]) for k in DEFAULT_OPTIM if k in info}
+    return train(vit.seed, steps=int(info["steps"]), quiet=quiet, arch={**vit.arch, **arch}, optim=optim)
+
+
+def _assemble(arch, params, init, seed, images, labels, tr, te, info, path, snapshots) -> TrainedViT:
     vit = TrainedViT(
         cfg=_block_config(arch), arch=dict(arch), params=params, init_params_=init, seed=seed, test_accuracy=float("nan"),
         train_images=images[tr], train_labels=labels[tr], test_images=images[te], test_labels=labels[te],
-        train_index=tr, test_index=te, train_info=info, checkpoint=path,
+        train_index=tr, test_index=te, train_info=info, checkpoint=path, snapshots=snapshots,
     )
     vit.test_accuracy = vit.accuracy(vit.test_images, vit.test_labels)
     return vit
@@ -437,11 +504,16 @@ def _assemble(arch, params, init, seed, images, labels, tr, te, info, path) -> T
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def _f64(params: dict) -> dict:
+    return {k: v.detach().to(torch.float64).contiguous() for k, v in params.items()}
+
+
 def save(vit: TrainedViT, path: str | os.PathLike) -> Path:
     """Write ``vit`` to ``path`` as a plain dict (``torch.save``), atomically (temporary file, then rename).
 
-    The dict: ``format``, ``version``, ``arch``, ``seed``, ``params``, ``init_params`` (float64
-    tensors), ``train_index``/``test_index`` (the split, int64), ``test_accuracy``, ``train_info``.
+    The dict: ``format``, ``version`` (:data:`FORMAT_VERSION`), ``arch``, ``seed``, ``params``,
+    ``init_params`` (float64 tensors under the model's names), ``snapshots`` (``{step: params}``),
+    ``train_index``/``test_index`` (the split, int64), ``test_accuracy``, ``train_info``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -450,8 +522,9 @@ def save(vit: TrainedViT, path: str | os.PathLike) -> Path:
         "version": FORMAT_VERSION,
         "arch": dict(vit.arch),
         "seed": vit.seed,
-        "params": {k: v.detach().to(torch.float64).contiguous() for k, v in vit.params.items()},
-        "init_params": {k: v.detach().to(torch.float64).contiguous() for k, v in vit.init_params_.items()},
+        "params": _f64(vit.params),
+        "init_params": _f64(vit.init_params_),
+        "snapshots": {int(s): _f64(p) for s, p in vit.snapshots.items()},
         "train_index": vit.train_index,
         "test_index": vit.test_index,
         "n_images": len(vit.train_index) + len(vit.test_index),
@@ -477,8 +550,26 @@ def _bad(path, reason: str) -> ValueError:
     return ValueError(f"checkpoint {path} is not a usable digits-ViT checkpoint: {reason} (delete it to retrain)")
 
 
+def _read_params(path, src, shapes: dict, version: int, what: str) -> dict:
+    """The weights of one entry of a checkpoint, checked, float64, under the model's names (a
+    format-1 checkpoint's block names ``W_Q`` are the model's ``blocks.0.W_Q``)."""
+    if not isinstance(src, dict):
+        raise _bad(path, f"{what} is not a dict of weights")
+    out = {}
+    for name, shape in shapes.items():
+        stored = name[len(block_prefix(0)):] if version == 1 and name.startswith(block_prefix(0)) else name
+        t = src[stored]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.dtype.is_floating_point:
+            raise _bad(path, f"weight {stored} should be a float tensor of shape {shape}")
+        if not torch.isfinite(t).all():
+            raise _bad(path, f"weight {stored} contains NaN or Inf")
+        out[name] = t.to(torch.float64)
+    return out
+
+
 def load(path: str | os.PathLike) -> TrainedViT:
-    """Read a checkpoint written by :func:`save`; ``ValueError`` (one line) if missing or corrupt."""
+    """Read a checkpoint written by :func:`save` (format 2, or format 1: one block, no snapshots);
+    ``ValueError`` (one line) if missing or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}" if not path.exists() else f"checkpoint {path} is not a file")
@@ -490,22 +581,21 @@ def load(path: str | os.PathLike) -> TrainedViT:
         raise _bad(path, f"torch.load cannot read it ({type(exc).__name__}: {first})") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise _bad(path, f"no '{FORMAT}' format tag")
-    if blob.get("version") != FORMAT_VERSION:
-        raise _bad(path, f"format version {blob.get('version')!r}, expected {FORMAT_VERSION}")
+    version = blob.get("version")
+    if version not in (1, FORMAT_VERSION):
+        raise _bad(path, f"format version {version!r}, expected {FORMAT_VERSION} (or 1)")
     try:
-        arch = {k: blob["arch"][k] for k in DEFAULT_ARCH}
-        _block_config(arch)  # a BlockConfig the architecture cannot form is a damaged checkpoint
+        arch = {k: blob["arch"].get(k, 1) if k == "n_blocks" else blob["arch"][k] for k in DEFAULT_ARCH}
+        if version == 1 and arch["n_blocks"] != 1:
+            raise _bad(path, "a format-1 checkpoint holds one block")
+        shapes = model_param_shapes(model_config(arch))  # an architecture no config can form is a damaged checkpoint
         seed = int(blob["seed"])
-        shapes = _shapes(arch)
-        params, init = {}, {}
-        for src, dst in ((blob["params"], params), (blob["init_params"], init)):
-            for name, shape in shapes.items():
-                t = src[name]
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.dtype.is_floating_point:
-                    raise _bad(path, f"weight {name} should be a float tensor of shape {shape}")
-                if not torch.isfinite(t).all():
-                    raise _bad(path, f"weight {name} contains NaN or Inf")
-                dst[name] = t.to(torch.float64)
+        params = _read_params(path, blob["params"], shapes, version, "params")
+        init = _read_params(path, blob["init_params"], shapes, version, "init_params")
+        raw = blob.get("snapshots", {}) if version > 1 else {}
+        if not isinstance(raw, dict):
+            raise _bad(path, "the training snapshots are damaged")
+        snapshots = {int(s): _read_params(path, p, shapes, version, f"snapshot {s}") for s, p in raw.items()}
         tr, te = blob["train_index"], blob["test_index"]
         images, labels = load_data()
         if int(blob["n_images"]) != len(labels):
@@ -516,9 +606,6 @@ def load(path: str | os.PathLike) -> TrainedViT:
         if len(tr) + len(te) != len(labels) or len(torch.cat([tr, te]).unique()) != len(labels):
             raise _bad(path, "the data split is damaged")
         info = dict(blob.get("train_info", {}))
-        patch = arch["patch"]
-        if IMAGE_SIZE % patch:
-            raise _bad(path, f"patch size {patch} does not divide {IMAGE_SIZE}")
     except (KeyError, TypeError, AttributeError) as exc:
         raise _bad(path, f"missing or malformed entry {exc}") from None
     except ValueError as exc:
@@ -526,7 +613,8 @@ def load(path: str | os.PathLike) -> TrainedViT:
             raise
         raise _bad(path, str(exc).splitlines()[0]) from None
     info["trained_in_this_run"] = False
-    return _assemble(arch, params, init, seed, images, labels, tr, te, info, str(path))
+    info["format_version"] = version
+    return _assemble(arch, params, init, seed, images, labels, tr, te, info, str(path), snapshots)
 
 
 def default_checkpoint(seed: int = 0, steps: int = DEFAULT_STEPS) -> Path:
@@ -548,7 +636,9 @@ def load_or_train(checkpoint: str | os.PathLike, *, seed: int = 0, steps: int | 
         exists it is read (:func:`load`) and must hold the model of ``seed`` and ``steps``;
         otherwise the model is trained (:func:`train`) and saved
         there (:func:`save`, parent folders created), and a line on stderr says so unless
-        ``quiet``. ``train_info["trained_in_this_run"]`` records which happened.
+        ``quiet``. A format-1 file (written before the training snapshots were kept) is trained
+        again and replaced, with a line on stderr saying why (the same seed gives the same
+        model). ``train_info["trained_in_this_run"]`` records which happened.
     seed : int
         Seed of the split, initialisation and batch order.
     steps : int or None
@@ -571,8 +661,13 @@ def load_or_train(checkpoint: str | os.PathLike, *, seed: int = 0, steps: int | 
         if got != (seed, steps):  # e.g. written by an earlier version that kept one file for every --steps
             raise ValueError(f"{path} holds a model of seed {got[0]} trained {got[1]} steps, not seed {seed} and "
                              f"{steps} steps: remove it to train again, or read it as it is (--checkpoint, vit.load)")
-        return vit
-    if not quiet:
+        if vit.snapshots:
+            return vit
+        if not quiet:
+            print(f"{path} was written by an earlier version (checkpoint format {vit.train_info['format_version']}, "
+                  f"no training snapshots): training the digits ViT again (seed {seed}, {steps} steps) and replacing it",
+                  file=sys.stderr, flush=True)
+    elif not quiet:
         print(f"no checkpoint at {path}: training the digits ViT (seed {seed}, {steps} steps) and saving it there",
               file=sys.stderr, flush=True)
     vit = train(seed, steps=steps, quiet=quiet)

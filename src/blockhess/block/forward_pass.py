@@ -43,6 +43,8 @@ class Cache:
     J_SY: torch.Tensor | None = None  # (T, d, d)
     ln1: tuple | None = None  # post: (y_1, J_y1) of R; pre: (n_1, J_n1) of X (unscaled)
     ln2: tuple | None = None  # post: (y_2, J_y2) of S
+    r1: torch.Tensor | None = None  # (T, 1) LN_1's inverse std 1/σ of its input (post: R; pre: X); None for attention
+    r2: torch.Tensor | None = None  # (T, 1) LN_2's of S (post-LN; pre-LN: fc.r)
 
 
 def as_batch(X: torch.Tensor) -> torch.Tensor:
@@ -203,13 +205,14 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
         ln1, ln2 = (y1, J1), (y2, J2)
         J_SY = ffn.input_jacobian(fc) if upstream else None
         return Cache(cfg=cfg, names=names, att=att, out=Z.reshape(Xb.shape), params=p, X=Xb, P=P.reshape(-1, d),
-                     x_shape=tuple(X.shape), U=U, fc=fc, E_Y=E_Y, E_Z=E_Z, J_SY=J_SY, ln1=ln1, ln2=ln2)
+                     x_shape=tuple(X.shape), U=U, fc=fc, E_Y=E_Y, E_Z=E_Z, J_SY=J_SY, ln1=ln1, ln2=ln2,
+                     r1=r1.reshape(-1, 1), r2=r2.reshape(-1, 1))
     fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
                      gamma=g2, beta=p.get("beta_2"), jacobian=not plain)
     eye = None if plain else torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
     J_SY = ffn.input_jacobian(fc) if upstream else None
     return Cache(cfg=cfg, names=names, att=att, out=fc.S.reshape(Xb.shape), params=p, X=Xb, P=P.reshape(-1, d),
-                 x_shape=tuple(X.shape), U=U, fc=fc, E_Z=eye, J_SY=J_SY, ln1=ln1)
+                 x_shape=tuple(X.shape), U=U, fc=fc, E_Z=eye, J_SY=J_SY, ln1=ln1, r1=r1.reshape(-1, 1))
 
 
 def check_forward(c: Cache, first: int = 0) -> None:

@@ -38,11 +38,14 @@ import torch
 import torch.nn.functional as Fn
 
 from ..kronecker import TokenKron
-from . import softmax
+from . import linear, softmax
+from .linear import add
 from .protocol import Contraction
 
 __all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian",
-           "contract_input_hessian", "head_names", "NAMES"]
+           "contract_input_hessian", "head_names", "NAMES",
+           # directional derivatives, for a matrix-free product (docs/derivations.md §18)
+           "Tangent", "Adjoint", "tangent", "adjoint", "second_adjoint"]
 
 NAMES = ("W_Q", "W_K", "W_V")
 
@@ -335,3 +338,137 @@ def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None,
         XV = XV + (hd.A.transpose(1, 2) @ Gh)[:, :, None, None, :] * eye_d[None, None, :, :, None]
         XW[nm["W_V"]] = XV
     return XX, XW
+
+
+class Tangent(NamedTuple):
+    """The attention's tangents along ``k`` directions (:func:`tangent`); ``None`` where zero.
+    Heads split: ``(k, B, H, L, ·)``."""
+
+    dQ: torch.Tensor | None  # (k, B, H, L, d_k), the query tangent (bias included)
+    dK: torch.Tensor | None  # (k, B, H, L, d_k)
+    dV: torch.Tensor | None  # (k, B, H, L, d_v)
+    dA: torch.Tensor | None  # (k, B, H, L, L), the attention weights' tangent
+    dF: torch.Tensor | None  # (k, B, L, d), the concatenated output's tangent
+
+
+class Adjoint(NamedTuple):
+    """The attention's first-order adjoints of an output adjoint ``g_F`` (:func:`adjoint`), computed
+    once per operator: heads split ``(B, H, L, ·)``, projections merged ``(B, L, ·)``."""
+
+    gO: torch.Tensor  # (B, H, L, d_v) the output adjoint per head
+    u: torch.Tensor  # (B, H, L, L) softmax.centred of g_A = g_O V^T: g_T = A ⊙ u
+    gT: torch.Tensor  # (B, H, L, L) the scores' adjoint
+    gQ: torch.Tensor  # (B, L, H·d_k)
+    gK: torch.Tensor  # (B, L, H·d_k)
+    gV: torch.Tensor  # (B, L, d)
+    gX: torch.Tensor | None  # (B, L, d) the input's, or None (not asked)
+
+
+def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
+    """``(..., B, L, H·w) -> (..., B, H, L, w)`` (a view where it can be)."""
+    return t.reshape(*t.shape[:-1], H, t.shape[-1] // H).transpose(-2, -3)
+
+
+def _merge(t: torch.Tensor) -> torch.Tensor:
+    """``(..., B, H, L, w) -> (..., B, L, H·w)``."""
+    t = t.transpose(-2, -3)
+    return t.reshape(*t.shape[:-2], -1)
+
+
+def _weights(c: Cache) -> torch.Tensor:
+    """``A`` with its head axis: ``(B, H, L, L)``."""
+    return c.A if c.A.ndim == 4 else c.A[:, None]
+
+
+def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
+    r"""The tangents of the attention along ``k`` directions of its input ``dX`` ``(k, B, L, d)`` and
+    weights ``dp`` (name → ``(k, *shape)``, absent or ``None``: zero), at the cached point ``c`` with
+    weights ``p`` (``W_Q, W_K, W_V``, biases if present). Per head:
+
+    .. math::
+        \dot Q = \dot X W_Q + X\dot W_Q + \dot b_Q\ (\text{so } \dot K, \dot V),\quad
+        \dot T = s(\dot Q K^\top + Q\dot K^\top),\quad \dot A = S\,\dot T\ (\text{row-wise}),\quad
+        \dot O = \dot A V + A\dot V.
+
+    ``b_K``'s direction is dropped: it moves every score of a row by one number, which softmax
+    ignores (exactly zero). A causal mask needs nothing: ``\dot A`` is zero where ``A`` is.
+    Returns the :class:`Tangent`. Kernel: no checks."""
+    H, s = c.n_heads, c.scale
+    A = _weights(c)
+    dQ = linear.tangent(c.X, p["W_Q"], dX, dp.get("W_Q"), dp.get("b_Q"))
+    dK = linear.tangent(c.X, p["W_K"], dX, dp.get("W_K"))
+    dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
+    dQ, dK, dV = (None if t is None else _heads(t, H) for t in (dQ, dK, dV))
+    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    dT = add(None if dQ is None else dQ @ Kh.transpose(-1, -2), None if dK is None else Qh @ dK.transpose(-1, -2))
+    dA = None if dT is None else softmax.tangent(A, dT * s)
+    dO = add(None if dA is None else dA @ Vh, None if dV is None else A @ dV)
+    return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO))
+
+
+def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False) -> Adjoint:
+    r"""The first-order adjoints of the output adjoint ``gF`` ``(B, L, d)`` (the back-propagated
+    gradient at ``O``): :math:`g_A = g_O V^\top`, :math:`g_T = S g_A`, :math:`g_V = A^\top g_O`,
+    :math:`g_Q = s\,g_T K`, :math:`g_K = s\,g_T^\top Q` per head, and with ``want_input`` the input's
+    :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. Returns the :class:`Adjoint`. Kernel."""
+    H, s = c.n_heads, c.scale
+    A = _weights(c)
+    gO = _heads(gF, H)
+    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    u = softmax.centred(A, gO @ Vh.transpose(-1, -2))
+    gT = A * u
+    gQ, gK, gV = _merge(gT @ Kh) * s, _merge(gT.transpose(-1, -2) @ Qh) * s, _merge(A.transpose(-1, -2) @ gO)
+    gX = None
+    if want_input:
+        gX = linear.adjoint(p["W_Q"], gQ) + linear.adjoint(p["W_K"], gK) + linear.adjoint(p["W_V"], gV)
+    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX)
+
+
+def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
+                   want_input: bool = True) -> tuple:
+    r"""``(dg_X, hv)``: the tangent of the input adjoint ``(k, B, L, d)`` (``None`` with
+    ``want_input=False`` or when zero) and the attention weights' rows of the Hessian-vector
+    product, ``hv`` name → ``(k, *shape)`` for each weight of ``p`` (``None`` where zero; ``b_K``'s
+    is exactly zero, shift invariance). Per head, with ``[·]`` the second-order (functional) terms
+    that ``second=False`` drops (the Gauss–Newton product):
+
+    .. math::
+        \dot g_A = \dot g_O V^\top + [g_O\dot V^\top],\quad
+        \dot g_T = S\dot g_A + [\dot A\odot u - A\odot(\dot A\cdot u)\mathbf 1^\top],\quad
+        \dot g_V = A^\top\dot g_O + [\dot A^\top g_O],
+
+        \dot g_Q = s(\dot g_T K + [g_T\dot K]),\quad \dot g_K = s(\dot g_T^\top Q + [g_T^\top\dot Q]),
+
+    then each projection's :func:`~blockhess.layers.linear.second_adjoint`. ``c``, ``p`` as for
+    :func:`tangent`, ``a`` the :func:`adjoint` of the cached output adjoint, ``t`` the
+    :func:`tangent` along the same directions ``dp``, ``dX``; ``dgF`` ``(k, B, L, d)`` the output
+    adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel: no checks."""
+    H, s = c.n_heads, c.scale
+    A = _weights(c)
+    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    dgO = None if dgF is None else _heads(dgF, H)
+    if not second:
+        t = Tangent(None, None, None, None, t.dF)
+
+    def mm(x, y):  # a product with a zero (None) direction is zero
+        return None if x is None or y is None else x @ y
+
+    def mT(x):
+        return None if x is None else x.mT
+
+    dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
+    dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
+    dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
+    dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
+    dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
+    dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
+    dgV = None if dgV is None else _merge(dgV)
+    hv, dg_X = {}, None
+    for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
+        x_in, hv[w], hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input, bias=b in p)
+        dg_X = add(dg_X, x_in)
+        if b in p:
+            hv[b] = hb
+    if "b_K" in p:
+        hv["b_K"] = None
+    return dg_X, hv

@@ -32,11 +32,14 @@ from typing import NamedTuple
 import torch
 
 from ..kronecker import TokenKron
-from . import layernorm
+from . import layernorm, linear
+from .linear import add
 from .protocol import Contraction
 
 __all__ = ["NAMES", "Cache", "Contraction", "forward", "activation", "weight_jacobians", "input_jacobian",
-           "contract_hessian"]
+           "contract_hessian",
+           # directional derivatives, for a matrix-free product (docs/derivations.md §18)
+           "Tangent", "Adjoint", "tangent", "adjoint", "second_adjoint"]
 
 NAMES = ("W_1", "W_2")
 
@@ -57,6 +60,7 @@ class Cache(NamedTuple):
     J_f: torch.Tensor | None = None  # (T, d, d) Jacobian of LN_2 with gamma (pre-LN)
     ln_eps: float = 0.0
     gamma: torch.Tensor | None = None
+    r: torch.Tensor | None = None  # (T, 1) inverse std 1/σ of Y (pre-LN)
 
 
 def activation(x: torch.Tensor, kind: str = "relu"):
@@ -91,7 +95,7 @@ def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2
     """``S = act(Y_f W_1 + b_1) W_2 + b_2 + Y`` for ``Y`` of shape ``(T, d)``; ``Y_f = LN_2(Y)``
     with ``pre_ln`` (``ln_eps``, ``gamma``, ``beta``), else ``Y``. ``jacobian=False`` (a plain
     forward): LN_2's per-token ``(d, d)`` Jacobians ``J_n``, ``J_f`` are not formed. No checks (kernel)."""
-    n = J_n = J_f = None
+    n = J_n = J_f = r = None
     Yf = Y
     if pre_ln:
         n, r = layernorm.normalise(Y, ln_eps)
@@ -106,7 +110,8 @@ def forward(Y: torch.Tensor, W_1: torch.Tensor, W_2: torch.Tensor, b_1=None, b_2
     S = h @ W_2 + Y
     if b_2 is not None:
         S = S + b_2
-    return Cache(Y=Y, D=D, h=h, S=S, W_1=W_1, W_2=W_2, D2=D2, Yf=Yf, n=n, J_n=J_n, J_f=J_f, ln_eps=ln_eps, gamma=gamma)
+    return Cache(Y=Y, D=D, h=h, S=S, W_1=W_1, W_2=W_2, D2=D2, Yf=Yf, n=n, J_n=J_n, J_f=J_f, ln_eps=ln_eps, gamma=gamma,
+                 r=r)
 
 
 def _M(c: Cache) -> torch.Tensor:
@@ -226,3 +231,105 @@ def contract_hessian(c: Cache, g: torch.Tensor, acc, names=NAMES) -> Contraction
                 else:
                     core[(a, b)] = (ma.transpose(1, 2) * psi[:, None, :]) @ mb
     return Contraction(gamma=gamma, cross=cross, core=core)
+
+
+class Tangent(NamedTuple):
+    """The FFN's tangents along ``k`` directions (:func:`tangent`), tokens flattened; ``None`` where zero."""
+
+    dn: torch.Tensor | None  # (k, T, d) pre-LN: LN_2's normalised rows' tangent
+    rho: torch.Tensor | None  # (k, T, 1) pre-LN: layernorm.tangent's rho
+    dYf: torch.Tensor | None  # (k, T, d) the FFN input's (Y itself post-LN)
+    dH1: torch.Tensor | None  # (k, T, d_ff) the pre-activation's
+    dh: torch.Tensor | None  # (k, T, d_ff) the activation's
+    dS: torch.Tensor | None  # (k, T, d) the output's (residual included)
+
+
+class Adjoint(NamedTuple):
+    """The FFN's first-order adjoints of an output adjoint ``g`` (:func:`adjoint`), ``(T, ·)``."""
+
+    g: torch.Tensor  # (T, d) at S
+    g_h: torch.Tensor  # (T, d_ff) at h: g W_2^T
+    g_H: torch.Tensor  # (T, d_ff) at H_1: act' ⊙ g_h
+    g_Yf: torch.Tensor  # (T, d) at the FFN input Y_f: g_H W_1^T
+    g_ln: torch.Tensor | None  # (T, d) pre-LN: LN_2's input adjoint of g_Yf
+    g_Y: torch.Tensor  # (T, d) at Y: g + g_Yf (post-LN), g + g_ln (pre-LN)
+
+
+def _Yf(c: Cache) -> torch.Tensor:
+    return c.Y if c.Yf is None else c.Yf
+
+
+def tangent(c: Cache, p: dict, dp: dict, dY=None) -> Tangent:
+    r"""The tangents of the FFN along ``k`` directions of its input ``dY`` ``(k, T, d)`` and weights
+    ``dp`` (name → ``(k, *shape)``: ``W_1, b_1, W_2, b_2``, pre-LN ``gamma_2, beta_2``; absent or
+    ``None``: zero), at the cached point ``c`` with weights ``p``:
+
+    .. math::
+        \dot Y_f = \gamma_2\odot J_n\dot Y + \dot\gamma_2\odot n + \dot\beta_2\ (\text{pre-LN; } \dot Y \text{ post-LN}),\quad
+        \dot H_1 = \dot Y_f W_1 + Y_f\dot W_1 + \dot b_1,\quad \dot h = a'\odot\dot H_1,\quad
+        \dot S = \dot h W_2 + h\dot W_2 + \dot b_2 + \dot Y.
+
+    Returns the :class:`Tangent`. Kernel: no checks."""
+    dn = rho = None
+    dYf = dY
+    if c.n is not None:  # pre-LN: LN_2 inside
+        if dY is not None:
+            dn, rho = layernorm.tangent(c.n, c.r, dY)
+        dYf = layernorm.affine_tangent(c.n, dn, c.gamma, dp.get("gamma_2"), dp.get("beta_2"))
+    dH1 = linear.tangent(_Yf(c), c.W_1, dYf, dp.get("W_1"), dp.get("b_1"))
+    dh = None if dH1 is None else dH1 * c.D
+    dS = add(linear.tangent(c.h, c.W_2, dh, dp.get("W_2"), dp.get("b_2")), dY)
+    return Tangent(dn=dn, rho=rho, dYf=dYf, dH1=dH1, dh=dh, dS=dS)
+
+
+def adjoint(c: Cache, g: torch.Tensor) -> Adjoint:
+    r"""The first-order adjoints of the output adjoint ``g`` ``(T, d)``: :math:`g_h = gW_2^\top`,
+    :math:`g_H = a'\odot g_h`, :math:`g_{Y_f} = g_H W_1^\top`, pre-LN LN_2's
+    :math:`g_{ln} = J_n(\gamma_2\odot g_{Y_f})`, and :math:`g_Y = g + g_{Y_f}` (post-LN) or
+    :math:`g + g_{ln}` (pre-LN). Returns the :class:`Adjoint`. Kernel: no checks."""
+    g_h = linear.adjoint(c.W_2, g)
+    g_H = g_h * c.D
+    g_Yf = linear.adjoint(c.W_1, g_H)
+    g_ln = None if c.n is None else layernorm.adjoint(c.n, c.r, g_Yf, c.gamma)
+    return Adjoint(g=g, g_h=g_h, g_H=g_H, g_Yf=g_Yf, g_ln=g_ln, g_Y=g + (g_Yf if g_ln is None else g_ln))
+
+
+def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, second: bool = True,
+                   want_input: bool = True) -> tuple:
+    r"""``(dg_Y, hv)``: the tangent of the input adjoint ``(k, T, d)`` (``None`` with
+    ``want_input=False`` or when zero) and the FFN weights' rows of the Hessian-vector product,
+    ``hv`` name → ``(k, *shape)`` for each of ``W_1, b_1, W_2, b_2`` (and pre-LN ``gamma_2, beta_2``)
+    in ``p`` (``None`` where zero). With ``[·]`` the second-order (functional) terms that
+    ``second=False`` drops (the Gauss–Newton product):
+
+    .. math::
+        \dot g_h = \dot g W_2^\top + [g\dot W_2^\top],\quad
+        \dot g_H = a'\odot\dot g_h + [a''\odot\dot H_1\odot g_h],\quad
+        \dot g_{Y_f} = \dot g_H W_1^\top + [g_H\dot W_1^\top],
+
+        (Hv)_{W_2} = \textstyle\sum h^\top\dot g + [\sum\dot h^\top g],\quad
+        (Hv)_{W_1} = \sum Y_f^\top\dot g_H + [\sum\dot Y_f^\top g_H],
+
+    pre-LN LN_2's :func:`~blockhess.layers.layernorm.second_adjoint`, and :math:`\dot g_Y = \dot g +`
+    the input adjoint's tangent of the branch. ``a``: the :func:`adjoint` of the cached output
+    adjoint; ``t``: the :func:`tangent` along ``dp`` and the input's direction; ``dg``
+    ``(k, T, d)`` the output adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel."""
+    hv = {}
+    dg_h, hv["W_2"], hb2 = linear.second_adjoint(c.h, c.W_2, a.g, dg, t.dh, dp.get("W_2"), second, bias="b_2" in p)
+    dg_H = None if dg_h is None else dg_h * c.D
+    if second and c.D2 is not None and t.dH1 is not None:
+        dg_H = add(dg_H, t.dH1 * (c.D2 * a.g_h))
+    pre = c.n is not None
+    dg_Yf, hv["W_1"], hb1 = linear.second_adjoint(_Yf(c), c.W_1, a.g_H, dg_H, t.dYf, dp.get("W_1"), second,
+                                                  want_input or pre, bias="b_1" in p)
+    for name, v in (("b_1", hb1), ("b_2", hb2)):
+        if name in p:
+            hv[name] = v
+    if pre:
+        dg_Yf, hg, hb = layernorm.second_adjoint(c.n, c.r, a.g_Yf, a.g_ln, dg_Yf, t.dn, t.rho, c.gamma,
+                                                 dp.get("gamma_2"), second, want_input,
+                                                 ("gamma_2" in p, "beta_2" in p))
+        for name, v in (("gamma_2", hg), ("beta_2", hb)):
+            if name in p:
+                hv[name] = v
+    return (add(dg, dg_Yf) if want_input else None), hv

@@ -27,10 +27,13 @@ import math
 import torch
 
 from ..validation import check_eps, check_fits, check_ln_variance, check_result, check_tensor
+from .linear import add
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian",
            # kernels without checks, for the block (blockhess.block) and the FFN
-           "normalise", "affine", "per_token_jacobian", "contract_hessian_unchecked"]
+           "normalise", "affine", "per_token_jacobian", "contract_hessian_unchecked",
+           # directional derivatives, for a matrix-free product (docs/derivations.md §18)
+           "tangent", "affine_tangent", "adjoint", "second_adjoint"]
 
 
 def _stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,3 +224,72 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     t = torch.arange(L, device=X.device)
     dense[:, t, :, t, :, t, :] = H.transpose(0, 1)  # entries where output and both inputs share a token
     return dense.reshape(*batch, (L * d) ** 2, L * d)
+
+
+def tangent(y: torch.Tensor, r: torch.Tensor, dx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(dy, rho)``: the tangent of the normalised rows :math:`\dot y = J\dot x = r(C\dot x) - y\,\rho`
+    and :math:`\rho = r\,y^\top\dot x/d` (``= -\dot r/r``, the one number per token that
+    :func:`second_adjoint` needs besides ``dy``), for ``dx`` ``(k, ..., d)``; ``y``, ``r`` from
+    :func:`normalise` (``(..., d)``, ``(..., 1)``). ``dy`` ``(k, ..., d)``, ``rho`` ``(k, ..., 1)``.
+    Any ``eps >= 0`` (it is in ``r``). Kernel: no checks."""
+    d = y.shape[-1]
+    rho = r * (y * dx).sum(-1, keepdim=True) / d
+    return r * (dx - dx.mean(-1, keepdim=True)) - y * rho, rho
+
+
+def affine_tangent(y: torch.Tensor, dy=None, gamma=None, dgamma=None, dbeta=None):
+    r"""The tangent of :math:`\gamma\odot y + \beta`: :math:`\gamma\odot\dot y + \dot\gamma\odot y + \dot\beta`,
+    ``(k, ..., d)``, or ``None`` when every direction is ``None``. ``y`` ``(..., d)``; ``dy``
+    ``(k, ..., d)``; ``gamma`` ``(d,)`` or ``None`` (1); ``dgamma``, ``dbeta`` ``(k, d)``. Kernel."""
+    lead = (1,) * (y.ndim - 1)  # a direction (k, d) broadcast over the tokens
+    out = add(None if dy is None else (dy if gamma is None else dy * gamma),
+              None if dgamma is None else dgamma.reshape(-1, *lead, y.shape[-1]) * y,
+              None if dbeta is None else dbeta.reshape(-1, *lead, y.shape[-1]))
+    return None if out is None else out.expand(out.shape[0], *y.shape)  # a shift alone: every token's
+
+
+def adjoint(y: torch.Tensor, r: torch.Tensor, g: torch.Tensor, gamma=None) -> torch.Tensor:
+    r"""The input adjoint :math:`g_x = J^\top(\gamma\odot g) = r\,(C g_y - y\,y^\top g_y/d)`,
+    :math:`g_y = \gamma\odot g`, of the output adjoint ``g`` (any leading axes, ``y``'s last, ``d``);
+    ``J`` is symmetric. Kernel: no checks."""
+    gy = g if gamma is None else g * gamma
+    d = y.shape[-1]
+    return r * (gy - gy.mean(-1, keepdim=True) - y * (y * gy).sum(-1, keepdim=True) / d)
+
+
+def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=None, gamma=None, dgamma=None,
+                   second: bool = True, want_input: bool = True, variables: tuple[bool, bool] = (False, False)):
+    r"""``(dg_x, hv_gamma, hv_beta)``: the tangent of the input adjoint and the scale's and shift's rows
+    of the Hessian-vector product, for :math:`\mathrm{out} = \gamma\odot y + \beta`, :math:`y = \mathrm{norm}(x)`.
+
+    .. math::
+        \dot g_y = \gamma\odot\dot g + [\dot\gamma\odot g],\qquad
+        \dot g_x = J\dot g_y + [-\rho\, g_x - r\,(\dot y\, y^\top g_y + y\,\dot y^\top g_y)/d],
+
+        (Hv)_\gamma = \textstyle\sum \dot g\odot y + [\sum g\odot\dot y],\qquad (Hv)_\beta = \sum\dot g,
+
+    the bracket :math:`\dot J g_y = \Gamma\dot x` (:func:`contract_hessian`'s curvature applied to
+    :math:`\dot x` without forming it; docs/derivations.md §18). ``y``, ``r`` from :func:`normalise`
+    (``(T, d)``, ``(T, 1)``, tokens flattened); ``g`` ``(T, d)`` the cached output adjoint and ``g_x``
+    its :func:`adjoint` (read only with ``second``); ``dg`` ``(k, T, d)`` or ``None``; ``dy``, ``rho``
+    from :func:`tangent` (``None``: no input tangent); ``gamma`` ``(d,)`` or ``None``, ``dgamma``
+    ``(k, d)`` or ``None``. ``variables``: whether ``(gamma, beta)`` are variables (else their rows
+    are ``None``). ``second=False``: the Gauss–Newton product (no bracketed term). Each result is
+    ``None`` when zero (``dg_x`` also with ``want_input=False``). Kernel: no checks."""
+    d = y.shape[-1]
+    dg_y = None if dg is None else (dg if gamma is None else dg * gamma)
+    if second and dgamma is not None:
+        dg_y = add(dg_y, dgamma[:, None, :] * g)
+    dg_x = None
+    if want_input:
+        dg_x = None if dg_y is None else adjoint(y, r, dg_y)
+        if second and dy is not None:
+            gy = g if gamma is None else g * gamma
+            s_g, s_dy = (y * gy).sum(-1, keepdim=True), (dy * gy).sum(-1, keepdim=True)
+            dg_x = add(dg_x, -rho * g_x - r * (dy * s_g + y * s_dy) / d)
+    hv_gamma = hv_beta = None
+    if variables[0]:
+        hv_gamma = add(None if dg is None else (dg * y).sum(1), (g * dy).sum(1) if second and dy is not None else None)
+    if variables[1] and dg is not None:
+        hv_beta = dg.sum(1)
+    return dg_x, hv_gamma, hv_beta

@@ -28,12 +28,19 @@ One return convention for every order of derivative:
                               each block is computed) and returns a :class:`Contraction`: the parts
                               only the caller can finish, because they need the factors of the
                               variables before the layer
+``tangent`` /                 directional derivatives along ``k`` directions on a leading axis, for a
+``adjoint`` /                 matrix-free product (docs/derivations.md §18): the tangent of the output
+``second_adjoint``            (a :class:`Layer`: its ``Tangent``, every node's); the first-order
+                              adjoints of an output adjoint, once per operator (a :class:`Layer`: its
+                              ``Adjoint``); the tangent of the input adjoint with the weights' rows of
+                              the Hessian-vector product, ``second=False`` dropping the second-order
+                              terms (Gauss–Newton); ``None`` is a zero direction throughout
 ============================  =====================================================================
 
 A :class:`Map`'s result is the :class:`Contraction` of a layer with no weights: its ``gamma`` alone.
 Each public function checks its arguments; the kernels the block calls skip the checks
-(``*_unchecked``, and every function of a :class:`Layer`). Directional derivatives (tangents and
-their adjoints) for a matrix-free operator belong beside these functions, in the same layer file.
+(``*_unchecked``, the directional derivatives, and every function of a :class:`Layer`). The affine
+map ``xW + b`` of the projections has only directional derivatives, in :mod:`~blockhess.layers.linear`.
 """
 
 from __future__ import annotations
@@ -81,6 +88,12 @@ class Map(Protocol):
     def contract_hessian_unchecked(self, x: torch.Tensor, G: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """:meth:`contract_hessian` without checks (the kernel the block calls)."""
 
+    def tangent(self, x: torch.Tensor, *args, **kwargs):
+        """The output's tangent along ``k`` input directions (LayerNorm: with the ``rho`` its adjoint needs)."""
+
+    def second_adjoint(self, x: torch.Tensor, *args, **kwargs):
+        """The tangent of the input adjoint (LayerNorm: with its ``gamma``, ``beta`` rows)."""
+
 
 @runtime_checkable
 class Layer(Protocol):
@@ -101,3 +114,12 @@ class Layer(Protocol):
 
     def contract_hessian(self, c: tuple, G: torch.Tensor, acc, names=None) -> Contraction:
         """Adds the blocks among the layer's own weights to ``acc``; returns the :class:`Contraction`."""
+
+    def tangent(self, c: tuple, p: dict, dp: dict, *args, **kwargs) -> tuple:
+        """The layer's ``Tangent`` along ``k`` directions of its input and weights ``dp``."""
+
+    def adjoint(self, c: tuple, *args, **kwargs) -> tuple:
+        """The layer's ``Adjoint``: the first-order adjoints of an output adjoint, once per operator."""
+
+    def second_adjoint(self, c: tuple, p: dict, dp: dict, a: tuple, t: tuple, *args, **kwargs) -> tuple:
+        """``(dg_in, hv)``: the input adjoint's tangent and the weights' rows of the product."""

@@ -24,7 +24,9 @@ from ..validation import check_fits, check_tensor
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian",
            # kernels without checks, for the attention (blockhess.layers.attention)
-           "row_jacobians", "apply_row_jacobians", "contract_hessian_unchecked"]
+           "row_jacobians", "apply_row_jacobians", "contract_hessian_unchecked",
+           # directional derivatives, for a matrix-free product (docs/derivations.md §18)
+           "tangent", "centred", "second_adjoint"]
 
 
 def _check(A: torch.Tensor, name: str = "A") -> None:
@@ -154,3 +156,38 @@ def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"B must have the shape of A {tuple(A.shape)}, got {tuple(B.shape)}")
     check_fits(3 * A.numel() * A.shape[-1] * A.element_size(), "the row-wise contracted softmax Hessian", A.device)
     return contract_hessian_unchecked(A, B)
+
+
+def tangent(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
+    r"""The tangent :math:`\dot A_i = S_i \dot T_i = a_i \odot (\dot t_i - a_i^\top \dot t_i)` of every row
+    along the scores' tangent ``dT`` (``(k, ..., L, L')``, broadcast against ``A`` ``(..., L, L')``):
+    ``(k, ..., L, L')``. ``S_i`` is symmetric, so this is also the adjoint :math:`g_T = S_i g_{A,i}` of an
+    output adjoint. Deviations taken from the row's most probable entry (:func:`apply_row_jacobians`);
+    masked entries (``a = 0``) get 0 whatever ``dT`` holds there. Kernel: no checks."""
+    return apply_row_jacobians(A, dT[..., None])[..., 0]
+
+
+def centred(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    r"""``u_i = g_i - a_i^\top g_i`` per row of the output adjoint ``G`` (``A``'s shape ``(..., L, L')``),
+    evaluated as :math:`(g - g_m) - a^\top(g - g_m)`, ``m`` the row's most probable entry (exact near
+    saturation, docs/derivations.md §2): the first-order adjoint is :math:`g_T = a \odot u`, and ``u``
+    enters :func:`second_adjoint`. Kernel: no checks."""
+    m = A.argmax(-1, keepdim=True)
+    D = G - G.gather(-1, m)
+    return D - (A * D).sum(-1, keepdim=True)
+
+
+def second_adjoint(A: torch.Tensor, dA, u: torch.Tensor, dG) -> torch.Tensor | None:
+    r"""The tangent of the score adjoint :math:`g_T = S(A)\,g_A` along ``(dA, dG)``:
+    :math:`\dot g_{T,i} = S_i \dot g_{A,i} + [\dot a_i \odot u_i - a_i\,(\dot a_i^\top u_i)]`, ``(k, ..., L, L')``.
+
+    ``A`` ``(..., L, L')`` the softmax output, ``u`` :func:`centred` of the cached output adjoint,
+    ``dG`` ``(k, ..., L, L')`` the output adjoint's tangent, ``dA`` the output's tangent
+    (:func:`tangent`); ``None`` for either drops its term (``dA=None``: the Gauss–Newton product, no
+    second-order term). The bracket is :func:`contract_hessian`'s :math:`\Psi_i \dot t_i` without
+    forming :math:`\Psi_i`. ``None`` when both are ``None``. Kernel: no checks."""
+    out = None if dG is None else tangent(A, dG)
+    if dA is not None:
+        curv = dA * u - A * (dA * u).sum(-1, keepdim=True)
+        out = curv if out is None else out + curv
+    return out

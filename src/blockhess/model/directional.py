@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..block.directional import adjoints
 from .stages import TIED_HEAD, BlockStage, SoftmaxHead
 
 __all__ = ["ModelProduct"]
@@ -32,16 +33,22 @@ class ModelProduct:
         self.top, self.block_hvp = top, block_hvp
         g = top.g if isinstance(top, SoftmaxHead) else top.ld.grad  # (B, P, C) at the output
         self.grads = [None] * len(self.stages)  # the gradient at each stage's output
+        self.adj = {}  # each block's first-order adjoints of its output gradient, once (functional terms)
         for k in reversed(range(len(self.stages))):
             self.grads[k] = g
             st = self.stages[k]
-            if k and st.back is not None:
+            if isinstance(st, BlockStage):
+                self.adj[k] = adjoints(st.c, g)
+                if k:
+                    g = st.grad_in(g)
+            elif k and st.back is not None:
                 B = g.shape[0]
                 g = st.back(g.reshape(B, 1, -1))[:, 0].reshape(B, -1, d_model)
 
     def __call__(self, V: dict, names, outer: bool = True, functional: bool = True) -> dict:
         out: dict = {}
         wanted = set(names)
+        k_dirs = next(iter(V.values())).shape[0]
 
         def run(k: int, dx):
             if k == len(self.stages):
@@ -51,11 +58,14 @@ class ModelProduct:
             here = [n for n in st.names if n in wanted]
             if isinstance(st, BlockStage):
                 p = len(st.prefix)
-                HV, dg = self.block_hvp(st.c, self.grads[k], {n[p:]: v for n, v in Vk.items()},
-                                        omega=lambda dZ: run(k + 1, dZ), dX=dx, outer=outer, functional=functional)
+                if dx is None and not Vk:  # no direction reaches this block: a zero one
+                    dx = st.c.X.new_zeros(k_dirs, *st.c.X.shape)
+                HV, dg = self.block_hvp(st.c, self.adj[k] if functional else None, {n[p:]: v for n, v in Vk.items()},
+                                        omega=lambda dZ: run(k + 1, dZ), dX=dx, outer=True, functional=functional,
+                                        input_adjoint=k > 0)
                 out.update({st.prefix + n: v for n, v in HV.items() if st.prefix + n in wanted})
                 return dg
-            dy = st.tangent(dx, Vk)
+            dy = st.tangent(dx, Vk, k_dirs)
             dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, run(k + 1, dy), here, functional)
             out.update(HV)
             return dg_in

@@ -25,6 +25,7 @@ import torch
 
 from .. import losses
 from ..block import contract_output, jacobian_factors
+from ..block.directional import hvp
 from ..config import param_shapes
 from ..layers import layernorm
 from ..result import BlockSum
@@ -82,10 +83,10 @@ class EmbeddingStage:
         return out
 
 
-def _embedding_tangent(st, V: dict) -> torch.Tensor:
-    """``J_θ θ̇`` of the embedding for directions ``V`` ``{name: (k, *shape)}``: ``(k, B, L, d)``."""
-    cfg, k = st.cfg, next(iter(V.values())).shape[0]
-    out = next(iter(V.values())).new_zeros(k, st.B, st.L, st.d)
+def _embedding_tangent(st, V: dict, k: int) -> torch.Tensor:
+    """``J_θ θ̇`` of the embedding for ``k`` directions ``V`` ``{name: (k, *shape)}``: ``(k, B, L, d)``."""
+    cfg = st.cfg
+    out = st.p[st.names[0]].new_zeros(k, st.B, st.L, st.d)
     o = 1 if cfg.cls_token else 0
     for n, v in V.items():
         if n == "W_E":
@@ -101,7 +102,7 @@ def _embedding_tangent(st, V: dict) -> torch.Tensor:
     return out
 
 
-EmbeddingStage.tangent = lambda self, dx, V: _embedding_tangent(self, V)
+EmbeddingStage.tangent = lambda self, dx, V, k: _embedding_tangent(self, V, k)
 EmbeddingStage.tangent.__doc__ = "``J_θ θ̇`` ``(k, B, L, d)`` (no input)."
 
 
@@ -150,9 +151,8 @@ class NormStage:
         d = dx.shape[-1]
         return self.r * (dx - dx.mean(-1, keepdim=True) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
 
-    def tangent(self, dx, V: dict) -> torch.Tensor:
+    def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``u̇ = γ ⊙ J_n ẋ + γ̇ ⊙ n + β̇`` ``(k, B, L, d)``; ``dx`` ``(k, B, L, d)`` or ``None``."""
-        k = dx.shape[0] if dx is not None else next(iter(V.values())).shape[0]
         out = self.x.new_zeros(k, *self.x.shape)
         if dx is not None:
             n_dot = self._n_dot(dx)
@@ -227,7 +227,7 @@ class PoolStage:
         G = G.reshape(B, self.L, self.d, n)
         return G.mean(1) if self.kind == "mean" else G[:, 0]
 
-    def tangent(self, dx, V: dict) -> torch.Tensor:
+    def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``(k, B, 1, d)`` from ``(k, B, L, d)``."""
         return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, :1]
 
@@ -262,10 +262,9 @@ class HeadStage:
         P, d = self.h.shape[1:]
         return torch.einsum("bpin,ic->bpcn", G.reshape(B, P, d, n), self.W).reshape(B, -1, n)
 
-    def tangent(self, dx, V: dict) -> torch.Tensor:
+    def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
-        k = dx.shape[0] if dx is not None else next(iter(V.values())).shape[0]
         out = self.h.new_zeros(k, *self.h.shape[:2], self.W.shape[1])
         if dx is not None:
             out += dx @ self.W
@@ -306,12 +305,22 @@ class BlockStage:
     """Block ``c`` (a :class:`blockhess.block.Cache` with the input ``X`` a variable), its variables
     named ``prefix + name``."""
 
-    def __init__(self, c, prefix: str):
+    def __init__(self, c, prefix: str, dense: bool = True):
         self.c, self.prefix = c, prefix
-        self.f = jacobian_factors(c)
         self.names = tuple(prefix + n for n in c.names if n != "X")
         self.B, self.L, self.d = c.out.shape
-        self.Jx = self.f.J["X"].dense()  # (B, L·d, L·d)
+        self.f = self.Jx = None
+        if dense:  # the walk's factors and input Jacobian (B, L·d, L·d); products need neither
+            self.f = jacobian_factors(c)
+            self.Jx = self.f.J["X"].dense()
+
+    def grad_in(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient at the block's input, :math:`J_x^\top g` ``(B, L, d)``, for ``g`` ``(B, L, d)``
+        at its output: one Gauss–Newton pass of :func:`blockhess.block.directional.hvp` with the
+        output adjoint's tangent set to ``g`` (no Jacobian formed)."""
+        zero = g.new_zeros(1, *g.shape)
+        return hvp(self.c, None, {}, omega=lambda dZ: g[None].expand_as(dZ), dX=zero, outer=True,
+                   functional=False, input_adjoint=True)[1][0]
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]

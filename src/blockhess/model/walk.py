@@ -36,7 +36,7 @@ from .forward_pass import block_params, check_model_inputs, model_input, n_token
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
 
-__all__ = ["hessian", "stages_of"]
+__all__ = ["hessian", "prepare", "stages_of"]
 
 
 def _fused(cfg: ModelConfig, loss) -> bool:
@@ -48,8 +48,9 @@ def _head_names(cfg: ModelConfig) -> tuple[str, ...]:
     return ((TIED_HEAD if cfg.tied else "W_H"),) + (("b_H",) if cfg.head_bias else ())
 
 
-def stages_of(t, loss, target, batch: int, first: int):
-    """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top."""
+def stages_of(t, loss, target, batch: int, first: int, dense: bool = True):
+    """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top;
+    ``dense=False``: the blocks without the walk's factors (for products; ``t`` may be a plain trace)."""
     cfg, p = t.cfg, t.params
     shapes = model_param_shapes(cfg)
     st = []
@@ -60,7 +61,7 @@ def stages_of(t, loss, target, batch: int, first: int):
         st.append(NormStage(t.X0, cfg.norm_eps, p.get("gamma_E"), p.get("beta_E"),
                             tuple(n for n in ("gamma_E", "beta_E") if n in shapes)))
     for i, c in enumerate(t.blocks):
-        st.append(BlockStage(c, block_prefix(i)))
+        st.append(BlockStage(c, block_prefix(i), dense))
     if cfg.final_norm:
         st.append(NormStage(t.XN, cfg.norm_eps, p.get("gamma_F"), p.get("beta_F"),
                             tuple(n for n in ("gamma_F", "beta_F") if n in shapes)))
@@ -104,44 +105,37 @@ class _Fold:
 def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -> None:
     """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring).
 
-    ``Wt`` ``(B, m + Σ n_later, m)`` holds the rows of ``Ψ`` then of ``K^T`` at the current level; a
-    block with a later variable is one summed vector–Jacobian product of its rows (``(n_u, n_v)``,
-    written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
-    Psi, rows, H, g = top.start(wanted, outer, functional)
+    At the current level ``Psi`` ``(B, m, m)`` and, for each later variable ``u``, its rows of ``K^T``
+    ``(B, n_u, m)`` (``later``, a list: each is taken through a stage and dropped in turn, so one
+    level's rows are held once); a block with a later variable is one summed vector–Jacobian product
+    of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
+    Psi, later, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
     j0, bottom, G = _bottom_tangents(stages, wanted)
     if G:
-        for u, r in rows:  # the bottom variables with the head's: Σ_b G_top^T K_u
+        for u, r in later:  # the bottom variables with the head's: Σ_b G_top^T K_u
             _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bum->nu", G[len(stages) - 1], r), u)
-    m = Psi.shape[1]
-    later = [(n, r.shape[1]) for n, r in rows]
-    Wt = torch.cat([Psi] + [r for _, r in rows], 1)
-    del Psi, rows
+    later = list(later)
     for k in reversed(range(len(stages))):
         st = stages[k]
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
-        own, sizes = None, []
+        own = []
         if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
-            TPsi = torch.einsum("bmn,bmr->bnr", G[k], Wt[:, :m])
+            TPsi = torch.einsum("bmn,bmr->bnr", G[k], Psi)
             for v in here:
                 _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
             del TPsi
         if here:
             for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
-                off = m
-                for u, nu in later:
-                    acc.add(u, v, st.vjp(Wt[:, off:off + nu], [v], summed=True)[v])
-                    off += nu
-            P = st.vjp(Wt[:, :m], here)  # {v: (B, m, n_v)}: Psi J_v per sequence
-            sizes = [P[w].shape[2] for w in here]
-            own = torch.cat([P[w].transpose(1, 2) for w in here], 1)  # rows J_w^T Psi, (B, n_here, m)
-            del P
-            starts = [sum(sizes[:i]) for i in range(len(here))]
-            for i, v in enumerate(here):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
-                for j, w in enumerate(here[: i + 1]):
-                    acc.add(w, v, st.vjp(own[:, starts[j]:starts[j] + sizes[j]], [v], summed=True)[v])
+                for u, r in later:
+                    acc.add(u, v, st.vjp(r, [v], summed=True)[v])
+            P = st.vjp(Psi, here)  # {v: (B, m, n_v)}: Psi J_v per sequence
+            own = [(w, P.pop(w).transpose(1, 2).contiguous()) for w in here]  # rows J_w^T Psi, (B, n_w, m)
+            for i, (v, _) in enumerate(own):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
+                for w, r in own[: i + 1]:
+                    acc.add(w, v, st.vjp(r, [v], summed=True)[v])
         XX, Xt = None, {}
         if functional:
             XX, Xt, tt = st.curv(g, here)
@@ -153,35 +147,25 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         if not below:
             return
         if G and k == j0:  # below: the bottom stages, whose blocks with everything above are done
-            here, sizes, own = [], [], None
-            Wt, later = Wt[:, :m], []
-        B = Wt.shape[0]
-        PsiJx = st.back(Wt[:, :m])  # (B, m, m_in): Psi J_x
-        m_in = PsiJx.shape[2]
-        n_here = sum(sizes)
-        new = Wt.new_empty(B, m_in + Wt.shape[1] - m + n_here, m_in)
-        new[:, :m_in] = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
+            own, later = [], []
+        PsiJx = st.back(Psi)  # (B, m, m_in): Psi J_x
+        Psi = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
         del PsiJx
         if XX is not None:
-            new[:, :m_in] += XX
-        if own is not None:
-            new[:, m_in:m_in + n_here] = st.back(own)  # J_x^T Psi J_θ
-            del own
-            off = m_in
-            for w, nw in zip(here, sizes):
-                if w in Xt:
-                    new[:, off:off + nw] += Xt[w].transpose(1, 2)
-                off += nw
-        for lo in range(m, Wt.shape[1], ROWS):  # J_x^T K, a slab of rows at a time
-            hi = min(lo + ROWS, Wt.shape[1])
-            new[:, m_in + n_here + lo - m:m_in + n_here + hi - m] = st.back(Wt[:, lo:hi])
-        Wt = new
-        later = list(zip(here, sizes)) + later
-        m = m_in
+            Psi += XX
+        down = []
+        for w, r in own:  # J_x^T Psi J_θ + M_xθ: the stage's own variables' rows one level down
+            r = st.back(r)
+            if w in Xt:
+                r += Xt[w].transpose(1, 2)
+            down.append((w, r))
+        del own
+        while later:  # J_x^T K, one later variable's rows at a time (the old ones dropped as they go)
+            u, r = later.pop(0)
+            down.append((u, st.back(r)))
+            del r
+        later = down
         g = st.back(g[:, None])[:, 0]
-
-
-ROWS = 1024  # rows of K taken through a stage at a time
 
 
 def _bottom_tangents(stages, wanted: set):
@@ -242,16 +226,16 @@ def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
     as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`, ``"factors"``),
     the largest block walk's work space on top (``"hessian"`` less ``"factors"``: one block's second
     derivatives at a time); the walk's rows at a level, ``Ψ`` and ``K^T`` (``m + n`` rows of
-    ``m = L·d``, or the output's ``P·n_out`` at the top), twice (this level's and the next), a slab of
-    ``ROWS`` of them through a stage, and ``Ψ J_θ`` with its transpose for the largest stage's
-    variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    ``m = L·d``, or the output's ``P·n_out`` at the top), once (each variable's rows are taken down
+    and dropped in turn: one variable's twice), and ``Ψ J_θ`` with its transpose for the largest
+    stage's variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     d = cfg.d_model
     P = 1 if cfg.pool != "none" else L
     m = max(L * d, 0 if _fused(cfg, loss) else P * cfg.n_out)  # the widest level the rows reach
     held = [work_entries(b, 1, L, "factors", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks]
     walk = max(work_entries(b, 1, L, "hessian", wrt_input=True) - work_entries(b, 1, L, "factors", wrt_input=True)
                for b in cfg.blocks)
-    per = sum(held) + walk + 2 * (m + n) * m + ROWS * m + 2 * m * _stage_entries(cfg)
+    per = sum(held) + walk + (m + n) * m + m * _stage_entries(cfg, largest=True) + 2 * m * _stage_entries(cfg)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
@@ -285,9 +269,33 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+    for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
+        if (name, name) in acc.blocks:
+            blk = acc.blocks[(name, name)]
+            blk.add_(blk.T.clone()).mul_(0.5)
     H = acc.result(like, cfg, parts)
     check_result({f"the Hessian{'' if which == 'full' else ' ' + which + ' part'}": H.dense()})
     return H
+
+
+def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
+    """The checked call: ``(params, inputs, loss, target, names, t)`` with copies of ``params`` and the
+    batched ``inputs`` (a snapshot), the loss and target as :mod:`blockhess.losses` takes them on the
+    output ``(B, P, n_out)`` (:func:`~.forward_pass.sequence_loss`), the ``wrt`` names in canonical order,
+    and the plain forward trace ``t`` (every LayerNorm row checked before any derivative). Raises
+    ``ValueError`` as :func:`hessian`."""
+    inputs, single = model_input(cfg, inputs)
+    check_model_inputs(params, inputs, cfg)
+    names = select_wrt(tuple(model_param_shapes(cfg)), wrt)
+    params, _, target = detached(params, params[names[0]], target)
+    params = {k: v.clone() for k, v in params.items()}
+    inputs = inputs.clone()
+    t = trace(params, inputs, cfg, derivatives=False)
+    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
+        target = target[None]
+    loss, target = sequence_loss(cfg, loss, target, t.z)
+    target = losses.check(loss, target, t.z)
+    return params, inputs, loss, target, names, t
 
 
 def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=None) -> HessianBlocks:
@@ -308,20 +316,10 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     overflow; ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with the
     largest pass (:func:`_sequence_entries`), would not fit.
     """
-    inputs, single = model_input(cfg, inputs)
-    check_model_inputs(params, inputs, cfg)
+    params, inputs, loss, target, names, _ = prepare(params, inputs, cfg, loss, target, wrt)
     shapes = model_param_shapes(cfg)
-    names = select_wrt(tuple(shapes), wrt)
     like = params[names[0]]
-    params, _, target = detached(params, like, target)
-    params = {k: v.clone() for k, v in params.items()}
-    inputs = inputs.clone()
     B = inputs.shape[0]
-    z = trace(params, inputs, cfg, derivatives=False).z  # every row checked before any derivative
-    if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
-        target = target[None]
-    loss, target = sequence_loss(cfg, loss, target, z)
-    target = losses.check(loss, target, z)
     e = like.element_size()
     n = sum(math.prod(shapes[k]) for k in names)
     L = n_tokens(cfg, inputs)

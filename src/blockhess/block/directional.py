@@ -1,0 +1,296 @@
+r"""The block's exact Hessian-vector product, matrix-free: a tangent pass forward and a second-order
+adjoint pass back, each layer's product rule in closed form (no autograd; docs/derivations.md §18).
+
+For the loss :math:`\ell(Z(\theta, X))` of a block, directions :math:`v = (\dot\theta, \dot X)` and the
+first-order adjoints :math:`g_\bullet` (the gradient back-propagated to every node, once per operator:
+:func:`adjoints`), the product :math:`Hv` is the tangent of the gradient along ``v``:
+
+* forward, every node's tangent :math:`\dot n = \partial_{in} f\,\dot{in} + \partial_\theta f\,\dot\theta`
+  (each layer's ``tangent``), up to the output's :math:`\dot Z`;
+* at the output, :math:`\dot g_Z = \Omega\,\dot Z` (``omega``: the loss Hessian applied, or the Hessian
+  of whatever lies above a block inside a model);
+* back, every node's adjoint tangent :math:`\dot g_{in} = J^\top\dot g_{out} + [\dot J^\top g_{out}]` and
+  every weight's :math:`(Hv)_\theta = \dot g_\theta` (each layer's ``second_adjoint``), down to the
+  input's :math:`\dot g_X`.
+
+The bracketed terms, linear in the cached adjoints ``g``, are the functional part; without them
+(``functional=False``) the pass is :math:`J^\top\Omega J v` (Gauss–Newton), and with
+:math:`\dot g_Z = 0` (``outer=False``) it is the functional part alone: outer + functional = full
+exactly, as for :func:`blockhess.hessian`. ``k`` directions ride along a leading axis: every
+product is a batched matrix product, memory ``O(k ×`` the forward activations) (:func:`work_entries`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..config import param_shapes
+from ..layers import attention, ffn, layernorm, linear
+from ..layers.linear import add
+from ..validation import check_bool, check_fits, check_tensor
+from .forward_pass import Cache, pre_ln
+
+__all__ = ["Adjoints", "adjoints", "hvp", "work_entries"]
+
+
+class Adjoints(NamedTuple):
+    """The first-order adjoints of one output adjoint ``g`` through a block (:func:`adjoints`): what
+    the second-order terms of every product read, computed once per operator. Tokens flattened
+    ``(T, d)`` unless noted; ``None`` where a setting has no such node."""
+
+    gZ: torch.Tensor  # (T, d) at the output
+    gS: torch.Tensor | None  # (T, d) at LN_2's input S (post-LN; pre-LN: gZ itself)
+    fc: ffn.Adjoint | None  # the FFN's, of gS
+    gU: torch.Tensor | None  # (T, d) at the residual sum R (LN_1's input post-LN; the FFN's input pre-LN)
+    gP: torch.Tensor  # (B, L, d) at the attention's output after W_O
+    gF: torch.Tensor  # (B, L, d) at the heads' concatenated output O (W_O's input)
+    att: attention.Adjoint
+    gX1: torch.Tensor | None  # (T, d) pre-LN: LN_1's input adjoint of the attention's input adjoint
+
+
+def _none_adjoints() -> Adjoints:
+    """Adjoints that are never read: the Gauss–Newton product (``functional=False``) needs none."""
+    return Adjoints(gZ=None, gS=None, fc=ffn.Adjoint(*(None,) * len(ffn.Adjoint._fields)), gU=None, gP=None,
+                    gF=None, att=attention.Adjoint(*(None,) * len(attention.Adjoint._fields)), gX1=None)
+
+
+def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
+    r"""The first-order adjoints of the output adjoint ``g`` ``(B, L, d)`` (the loss gradient at the
+    block's output ``c.out``, batch mean included) at every node of the block: the gradient's
+    backward pass, :math:`g_{in} = J^\top g_{out}` layer by layer, from the cache ``c`` of
+    :func:`~blockhess.block.forward_cache` (any of its modes). Returns the :class:`Adjoints`, in
+    ``g``'s dtype and device. Kernel: no checks (:func:`hvp` checks ``g``)."""
+    cfg, p = c.cfg, c.params
+    B, L, d = c.X.shape
+    gZ = g.reshape(-1, d)
+    gS = fc = gU = gX1 = None
+    if cfg.kind == "attention":
+        gP = g.reshape(B, L, d)
+    else:
+        if pre_ln(cfg):
+            gS = gZ
+        else:
+            gS = layernorm.adjoint(c.ln2[0], c.r2, gZ, p.get("gamma_2"))
+        fc = ffn.adjoint(c.fc, gS)
+        gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"))
+        gP = gU.reshape(B, L, d)
+    gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
+    att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg))
+    if pre_ln(cfg):
+        gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"))
+    return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
+
+
+def work_entries(cfg, B: int, L: int, k: int) -> int:
+    r"""An upper estimate of the tensor entries one :func:`hvp` of ``k`` directions holds at once for
+    ``B`` sequences of ``L`` tokens, its result included (the forward cache, the :class:`Adjoints` and
+    the directions not: they are the operator's and the caller's). Per token and direction, with
+    ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``: the tangents of ``Q, K`` and
+    their adjoints' with temporaries (``6q``), of the scores and weights and their adjoints with the
+    softmax's temporaries (``10HL``), two dozen rows of ``d`` and six of ``d_ff``; per direction,
+    four copies of the ``n`` weights (the result, its summands, the directions laid out for one
+    matrix product). The coefficients are counts checked against the peaks (docs/derivations.md §18)."""
+    d, H = cfg.d_model, cfg.n_heads
+    q = H * cfg.head_dim
+    ff = cfg.d_ff if cfg.kind == "block" else 0
+    n = sum(math.prod(s) for s in param_shapes(cfg).values())
+    return k * (B * L * (6 * q + 24 * d + 10 * H * L + 6 * ff) + 4 * n)
+
+
+def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | None, int]:
+    """Check ``V`` and ``dX`` against the cache; returns ``(dp, dX (k, B, L, d) or None, k)``."""
+    if not isinstance(V, dict):
+        raise ValueError(f"V must be a dict name -> (k, *shape) tensor over the weights {list(shapes)}, "
+                         f"got {type(V).__name__}")
+    bad = [n for n in V if n not in shapes]
+    if bad:
+        hint = "; the input's directions go in dX" if "X" in bad else ""
+        raise ValueError(f"V must map names of the block's weights {list(shapes)}, got {bad}{hint}")
+    k = None
+    for n, v in V.items():
+        check_tensor(f"V[{n!r}]", v, like=c.X)
+        if v.ndim != len(shapes[n]) + 1 or tuple(v.shape[1:]) != tuple(shapes[n]) or v.shape[0] < 1:
+            raise ValueError(f"V[{n!r}] must have shape (k, {', '.join(map(str, shapes[n]))}) with k >= 1 "
+                             f"(k directions stacked on a leading axis), got {tuple(v.shape)}")
+        if k is not None and v.shape[0] != k:
+            raise ValueError(f"every V[name] must hold the same number k of directions, got {k} and "
+                             f"{v.shape[0]} for {n!r}")
+        k = v.shape[0]
+    if dX is not None:
+        check_tensor("dX", dX, like=c.X)
+        B, L, d = c.X.shape
+        ok = (dX.ndim == 4 and tuple(dX.shape[1:]) == (B, L, d)) or (
+            dX.ndim == len(c.x_shape) + 1 and tuple(dX.shape[1:]) == tuple(c.x_shape))
+        if not ok or dX.shape[0] < 1 or (k is not None and dX.shape[0] != k):
+            want = "k" if k is None else str(k)
+            raise ValueError(f"dX must have shape ({want}, {B}, {L}, {d}) (the input's directions, as many as V's), "
+                             f"got {tuple(dX.shape)}")
+        k = dX.shape[0]
+        dX = dX.reshape(k, B, L, d)
+    if k is None:
+        raise ValueError("hvp needs at least one direction: V must not be empty unless dX is given")
+    return {n: V.get(n) for n in shapes}, dX, k
+
+
+def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functional: bool = True,
+        input_adjoint: bool | None = None) -> tuple[dict, torch.Tensor | None]:
+    r"""The exact Hessian-vector products of a block's loss along ``k`` directions at once:
+    ``(HV, dgX)``, matrix-free (no ``n × n`` object, no autograd).
+
+    ``c``: the :class:`~blockhess.block.Cache` of :func:`~blockhess.block.forward_cache` (any mode;
+    ``plain=True`` forms no per-token Jacobian and suits large blocks), built once and reused by every
+    product. ``g``: the loss gradient at the output ``c.out``, ``(B, L, d)`` (batch mean included, as
+    :func:`blockhess.losses.derivatives` gives it), or its :func:`adjoints` computed once (reuse them
+    across products); may be ``None`` with ``functional=False``. ``V``: weight name → ``k``
+    directions ``(k, *shape)`` (names of :func:`~blockhess.config.param_shapes`; an absent name is a
+    zero direction). ``omega``: a callable ``omega(dZ) -> dgZ``, ``(k, B, L, d)`` to ``(k, B, L, d)``,
+    applying the loss Hessian w.r.t. the output to the output's tangent (MSE: a scaling; CE: per token
+    ``(diag p - p pᵀ) dz`` without forming it; inside a model, the Hessian of the stages above);
+    required with ``outer=True``. ``dX``: the input's directions ``(k, B, L, d)`` (or ``(k, L, d)`` for
+    an unbatched input), optional. ``outer``, ``functional``: which part of the Hessian (both: the full
+    one; ``outer`` alone: Gauss–Newton :math:`J^\top\Omega J V`; ``functional`` alone: :math:`\dot g_Z = 0`).
+    ``input_adjoint``: whether to return ``dgX`` (default: when ``dX`` is given).
+
+    Returns ``HV``: name → ``(k, *shape)``, the rows of :math:`H\,[V; dX]` of every weight of the
+    block (in canonical order; ``b_K``'s exactly zero), and ``dgX`` ``(k, B, L, d)``: the input's rows
+    (the tangent of the input adjoint, for the stages below in a model), or ``None`` when not asked.
+    dtype and device of ``c.X``. Results hold almost everywhere for ReLU (off its kinks, Lemma 1).
+    Source: each layer's tangent and second-order adjoint (docs/derivations.md §18).
+
+    Raises ``ValueError``: ``c`` not a Cache; ``V`` not a dict of weight names (``"X"``: use ``dX``)
+    with tensors ``(k, *shape)`` of ``c.X``'s dtype and device, finite, one ``k``; ``dX`` of another
+    shape, dtype, device or ``k``; no direction at all; ``g`` not ``(B, L, d)`` (or missing with
+    ``functional=True``); ``omega`` missing or not callable with ``outer=True``, or returning another
+    shape, dtype or device, or NaN/Inf; ``outer``, ``functional`` not bools or both ``False``.
+    ``InsufficientMemoryError`` before any work if the products' working set (:func:`work_entries`)
+    would not fit.
+    """
+    if not isinstance(c, Cache):
+        raise ValueError(f"c must be a blockhess.block.Cache (from forward_cache), got {type(c).__name__}")
+    check_bool("outer", outer)
+    check_bool("functional", functional)
+    if not (outer or functional):
+        raise ValueError("outer and functional are both False: ask for at least one part of the Hessian")
+    if input_adjoint is not None:
+        check_bool("input_adjoint", input_adjoint)
+    cfg, p = c.cfg, c.params
+    shapes = {n: tuple(s) for n, s in param_shapes(cfg).items()}
+    dp, dX, k = _directions(c, V, dX, shapes)
+    want_dgX = dX is not None if input_adjoint is None else input_adjoint
+    B, L, d = c.X.shape
+    if outer and not callable(omega):
+        raise ValueError("omega must be a callable omega(dZ) -> (k, B, L, d) applying the loss Hessian to the "
+                         f"output's tangent, required with outer=True; got {type(omega).__name__}")
+    if functional:
+        if isinstance(g, Adjoints):
+            a = g
+        else:
+            if g is None:
+                raise ValueError("g (the loss gradient at the block output, (B, L, d)) is required with functional=True")
+            check_tensor("g", g, like=c.X)
+            if tuple(g.shape) not in ((B, L, d), tuple(c.x_shape)):
+                raise ValueError(f"g must have the output's shape ({B}, {L}, {d}), got {tuple(g.shape)}")
+            a = None
+    check_fits(work_entries(cfg, B, L, k) * c.X.element_size(), f"the Hessian-vector products of {k} directions",
+               c.X.device)
+    if functional and a is None:
+        a = adjoints(c, g.reshape(B, L, d))
+    if not functional:
+        a = _none_adjoints()
+
+    # ---- tangents, forward
+    pre = pre_ln(cfg)
+    T = B * L
+
+    def tokens(t):
+        return None if t is None else t.reshape(k, T, d)
+
+    def seqs(t):
+        return None if t is None else t.reshape(k, B, L, d)
+
+    ln1 = ln2 = (None, None)  # (dy, rho) of each LayerNorm's normalised rows
+    dXa = dX
+    if pre:
+        if dX is not None:
+            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
+        dXa = seqs(layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1")))
+    ta = attention.tangent(c.att, p, dp, dXa)
+    dP = ta.dF
+    if cfg.out_proj:
+        dP = linear.tangent(c.att.F, p["W_O"], ta.dF, dp.get("W_O"), dp.get("b_O"))
+    tf = None
+    if cfg.kind == "attention":
+        dZ = dP
+    else:
+        dU = tokens(add(dX, dP))
+        if pre:
+            tf = ffn.tangent(c.fc, p, dp, dU)
+            dZ = tf.dS
+        else:
+            if dU is not None:
+                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU)
+            dY = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
+            tf = ffn.tangent(c.fc, p, dp, dY)
+            if tf.dS is not None:
+                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS)
+            dZ = layernorm.affine_tangent(c.ln2[0], ln2[0], p.get("gamma_2"), dp.get("gamma_2"), dp.get("beta_2"))
+
+    # ---- the output adjoint's tangent
+    dgZ = None
+    if outer and dZ is not None:
+        dgZ = omega(seqs(dZ))
+        if not isinstance(dgZ, torch.Tensor) or tuple(dgZ.shape) != (k, B, L, d):
+            got = tuple(dgZ.shape) if isinstance(dgZ, torch.Tensor) else type(dgZ).__name__
+            raise ValueError(f"omega(dZ) must return a tensor of dZ's shape ({k}, {B}, {L}, {d}), got {got}")
+        check_tensor("omega(dZ)", dgZ, like=c.X)
+
+    # ---- second-order adjoints, back
+    second = functional
+    hv: dict = {}
+
+    def keep(found: dict):
+        hv.update({n: v for n, v in found.items() if n in shapes})
+
+    def ln_vars(i):
+        return (f"gamma_{i}" in shapes, f"beta_{i}" in shapes)
+
+    dgU = None
+    if cfg.kind == "attention":
+        dgP = dgZ
+    else:
+        if pre:
+            dgU, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, tokens(dgZ), second)
+            keep(found)
+        else:
+            dgS, hg, hb = layernorm.second_adjoint(c.ln2[0], c.r2, a.gZ, a.gS, tokens(dgZ), ln2[0], ln2[1],
+                                                   p.get("gamma_2"), dp.get("gamma_2"), second, True, ln_vars(2))
+            keep({"gamma_2": hg, "beta_2": hb})
+            dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second)
+            keep(found)
+            dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
+                                                   p.get("gamma_1"), dp.get("gamma_1"), second, True, ln_vars(1))
+            keep({"gamma_1": hg, "beta_1": hb})
+        dgP = seqs(dgU)
+    dgF = dgP
+    if cfg.out_proj:
+        dgF, hv["W_O"], hb = linear.second_adjoint(c.att.F, p["W_O"], a.gP, dgP, ta.dF, dp.get("W_O"), second,
+                                                   bias="b_O" in shapes)
+        keep({"b_O": hb})
+    dgXa, found = attention.second_adjoint(c.att, p, dp, a.att, ta, dgF, dXa, second, want_dgX or pre)
+    keep(found)
+    dgX = None
+    if pre:
+        dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, None if a.att.gX is None else a.att.gX.reshape(T, d),
+                                                a.gX1, tokens(dgXa), ln1[0], ln1[1], p.get("gamma_1"),
+                                                dp.get("gamma_1"), second, want_dgX, ln_vars(1))
+        keep({"gamma_1": hg, "beta_1": hb})
+        dgXa = seqs(dgX1)
+    if want_dgX:
+        dgX = add(seqs(dgU), dgXa)
+        if dgX is None:
+            dgX = c.X.new_zeros(k, B, L, d)
+    HV = {n: hv[n] if hv.get(n) is not None else c.X.new_zeros(k, *s) for n, s in shapes.items()}
+    return HV, dgX

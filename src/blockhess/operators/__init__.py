@@ -1,0 +1,16 @@
+"""Matrix-free operators and the estimators that run on them (docs/architecture.md, "Operators").
+
+:class:`HessianOperator` is the symmetric Hessian over named parameters given by an engine's
+products (``A @ V``, sub-block views ``A[a, b]``, ``A.to_scipy()``); :func:`mean_operator` is the mean
+over a dataset's batches. The estimators are free functions on any operator with ``@``, ``shape``,
+``dtype`` and ``device`` (:mod:`blockhess.operators.estimators`).
+"""
+
+from .estimators import (EigResult, Estimate, NotConvergedError, SLQResult, diagonal, frobenius_norm,
+                         hutchinson_diagonal, hutchpp_trace, lanczos_eigs, per_block, slq_density)
+from .operator import Diagonal, HessianOperator, Product, head_views, mean_operator
+from .engines import hessian_operator
+
+__all__ = ["hessian_operator", "HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "NotConvergedError", "EigResult",
+           "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace", "hutchinson_diagonal",
+           "frobenius_norm", "diagonal", "per_block"]

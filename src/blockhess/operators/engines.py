@@ -1,0 +1,97 @@
+r"""The closed-form engines of :class:`~.operator.HessianOperator`: the exact Hessian-vector
+products of a block (:func:`blockhess.block.directional.hvp`) and of a model
+(:class:`blockhess.model.directional.ModelProduct`), and :func:`hessian_operator`, their constructor.
+
+The forward pass, the loss's derivatives at the output and every first-order adjoint are computed
+once, when the operator is made; each product then costs a tangent pass and a second-order adjoint
+pass (docs/derivations.md §18). Memory: the forward activations and ``k`` tangents of them per
+product of ``k`` columns; never ``n²``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import losses
+from ..block import check_forward, check_inputs, forward_cache, select_wrt
+from ..block.directional import adjoints, hvp
+from ..config import ModelConfig, param_shapes
+from ..model.directional import ModelProduct, fold_tied, unfold_tied
+from ..model.stages import TIED_HEAD
+from ..model.walk import prepare, stages_of
+from ..validation import detached
+from .operator import HessianOperator, head_views
+
+__all__ = ["hessian_operator"]
+
+_PARTS = ("full", "outer", "functional")
+
+
+def _block_engine(params, X, cfg, loss, target, names, outer, functional):
+    check_inputs(params, X, cfg)
+    if X.ndim == 2 and isinstance(target, torch.Tensor):
+        target = target[None]
+    params, X, target = detached(params, X, target)
+    params, X = {k: v.clone() for k, v in params.items()}, (X[None] if X.ndim == 2 else X).clone()
+    c = forward_cache(params, X, cfg, plain=True)
+    check_forward(c)
+    target = losses.check(loss, target, c.out)
+    g, omega = losses.directional(loss, target, c.out)
+    a = adjoints(c, g) if functional else None
+
+    def product(V, wanted_out):
+        if not V:
+            return {n: c.X.new_zeros(0) for n in ()}
+        HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional)
+        return {n: HV[n] for n in wanted_out}
+
+    return product, X.shape[0], X.dtype, X.device
+
+
+def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
+    params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, names)
+    st, top = stages_of(t, loss, target, inputs.shape[0], 0, dense=False)
+    prod = ModelProduct(st, top, cfg.d_model, hvp)
+    shapes = param_shapes(cfg)
+    internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
+    every = tuple(internal)
+    like = params[names[0]]
+
+    def product(V, wanted_out):
+        HV = unfold_tied(prod(fold_tied(V, internal), every, outer=outer, functional=functional))
+        k = next(iter(V.values())).shape[0]
+        return {n: HV[n] if n in HV else like.new_zeros(k, *shapes[n]) for n in wanted_out}
+
+    return product, inputs.shape[0], like.dtype, like.device
+
+
+def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
+    r"""The exact Hessian of the loss w.r.t. ``wrt`` (default: every parameter) as a matrix-free
+    :class:`~.operator.HessianOperator`: ``A @ V`` for ``V`` ``(n,)`` or ``(n, k)`` (the parameters'
+    ``vec_r`` concatenated in canonical order), ``A[a, b]``, ``A.to_scipy()``; the estimators of
+    :mod:`blockhess.operators.estimators` run on it.
+
+    ``params``, ``inputs``, ``cfg``, ``loss``, ``target``, ``wrt`` as :func:`blockhess.hessian` for a block
+    (``cfg`` a :class:`~blockhess.BlockConfig`, ``inputs`` ``X``) or a model (a
+    :class:`~blockhess.config.ModelConfig`). ``part``: ``"full"``, ``"outer"`` (Gauss–Newton) or
+    ``"functional"``. The batch's loss is the mean over its sequences (``A.count`` of them; a dataset:
+    :func:`~.operator.mean_operator` of per-batch operators). dtype and device of the parameters.
+    Exact almost everywhere (ReLU kinks, Lemma 1).
+
+    Raises ``ValueError`` for an unknown ``part`` and as :func:`blockhess.hessian` on bad inputs, before
+    any product; the products' own memory check (:func:`blockhess.block.directional.work_entries`)
+    raises ``InsufficientMemoryError`` before a product that would not fit.
+    """
+    if part not in _PARTS:
+        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
+    outer, functional = part in ("full", "outer"), part in ("full", "functional")
+    names = select_wrt(tuple(param_shapes(cfg)), wrt)
+    engine = _model_engine if isinstance(cfg, ModelConfig) else _block_engine
+    product, count, dtype, device = engine(params, inputs, cfg, loss, target, names, outer, functional)
+    shapes = param_shapes(cfg)
+
+    def restricted(V, wanted_out):  # the operator over names: other parameters have zero directions
+        return product({n: v for n, v in V.items() if n in names}, wanted_out)
+
+    return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, split=head_views(cfg),
+                           count=count)

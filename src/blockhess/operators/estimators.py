@@ -1,0 +1,577 @@
+r"""Estimators on any symmetric operator, as free functions named after their method.
+
+An operator here is anything with ``A @ X`` for a tensor ``X`` of shape ``(n, k)`` (returning
+``(n_out, k)``), ``A.shape``, ``A.dtype`` (float32 or float64) and ``A.device``: a
+:class:`~blockhess.operators.HessianOperator` or a view of it, a dense tensor, or a curvlinops
+operator. Square operators are taken to be symmetric (a Hessian). Every random draw comes from a CPU
+``torch.Generator`` seeded with ``seed`` (the same draws on every device; the global RNG untouched).
+Formulas, sources and the residual conventions are in docs/derivations.md, "Estimators on operators".
+On CUDA in float32 with TF32 matrix products enabled every estimator warns (``UserWarning``): the
+reorthogonalisations would then carry about 1e-3 relative error.
+
+* :func:`lanczos_eigs`: extreme eigenpairs by block Lanczos with full reorthogonalisation and
+  Krylov–Schur restarts, to a stated residual, never silently unconverged (:class:`NotConvergedError`);
+  the dense eigendecomposition below a size.
+* :func:`slq_density`: the spectral density by stochastic Lanczos quadrature, with its sampling and
+  quadrature errors.
+* :func:`hutchpp_trace`: the trace by Hutch++, with its standard error.
+* :func:`frobenius_norm`: exact from the columns, or estimated the Hutch++ way.
+* :func:`diagonal`: the engine's exact diagonal (never sampled); :func:`hutchinson_diagonal` samples one.
+* :func:`per_block`: any of these for every block ``A[a, a]`` (or pair ``A[a, b]``) in one call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import linalg
+from ..validation import FLOAT_DTYPES, check_fits, check_int, warn_tf32
+
+__all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace",
+           "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
+
+WHICH = ("LA", "SA", "LM")
+IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
+
+
+class NotConvergedError(RuntimeError):
+    """An iterative estimator stopped before its stated tolerance; ``.result`` holds what it had (with
+    ``converged=False``), for a caller who wants to inspect it."""
+
+    def __init__(self, message: str, result):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass(frozen=True)
+class EigResult:
+    """Eigenpairs of a symmetric operator (:func:`lanczos_eigs`), most wanted first.
+
+    ``eigenvalues`` ``(k,)``, ``eigenvectors`` ``(n, k)`` (orthonormal columns), ``residuals`` ``(k,)`` the
+    true ``‖A v − λ v‖₂`` of each pair (from a final product, not the recurrence), ``scale`` the largest
+    ``|Ritz value|`` seen (at most ``‖A‖₂``), ``tol``, ``converged`` (every residual ``<= tol · scale``),
+    ``matvecs`` (columns multiplied, the final check's ``k`` included), ``iterations`` (block products),
+    ``restarts``, ``which``, ``method`` (``"lanczos"`` or ``"dense"``). Each eigenvalue lies within its
+    residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
+
+    eigenvalues: torch.Tensor
+    eigenvectors: torch.Tensor
+    residuals: torch.Tensor
+    scale: float
+    tol: float
+    converged: bool
+    matvecs: int
+    iterations: int
+    restarts: int
+    which: str
+    method: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A (possibly random) estimate: ``value`` (a float, or a tensor for a diagonal), ``stderr`` its
+    sample standard error (0 where ``exact``), ``matvecs`` (columns multiplied), ``exact`` (computed
+    column by column, no sampling)."""
+
+    value: float | torch.Tensor
+    stderr: float | torch.Tensor
+    matvecs: int
+    exact: bool
+
+
+@dataclass(frozen=True)
+class SLQResult:
+    r"""A spectral density by stochastic Lanczos quadrature (:func:`slq_density`).
+
+    ``grid`` ``(G,)``, ``density`` ``(G,)`` the Gaussian-broadened density
+    :math:`\phi(t) = \frac1P\sum_p\sum_j \tau_{pj}\, g_\sigma(t-\theta_{pj})` (unit mass, an estimate of
+    :math:`\frac1n\sum_i g_\sigma(t-\lambda_i)`), ``stderr`` ``(G,)`` its standard error over the probes,
+    ``quadrature_error`` ``(G,)`` the mean over probes of :math:`|\phi_p^{(m)}-\phi_p^{(m-1)}|` (the ``m``- and
+    ``(m−1)``-node Gauss rules; 0 for a probe whose Krylov space became invariant: its rule is exact),
+    ``sigma``; ``nodes``, ``weights`` ``(P, m)`` each probe's Ritz values and squared first components
+    (a probe with an invariant Krylov space of dimension ``L < m`` has zero weights after ``L``),
+    ``nodes_prev``, ``weights_prev`` the ``(m−1)``-node rules, ``n_probes``, ``n_iter`` (``m``),
+    ``matvecs``, ``reorth``. :meth:`broaden` evaluates another grid or width."""
+
+    grid: torch.Tensor
+    density: torch.Tensor
+    stderr: torch.Tensor
+    quadrature_error: torch.Tensor
+    sigma: float
+    nodes: torch.Tensor
+    weights: torch.Tensor
+    nodes_prev: torch.Tensor
+    weights_prev: torch.Tensor
+    n_probes: int
+    n_iter: int
+    matvecs: int
+    reorth: str
+
+    def broaden(self, grid: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(density, stderr, quadrature_error)`` on ``grid`` ``(G,)`` with Gaussian width ``sigma > 0``."""
+        return _broaden(self.nodes, self.weights, self.nodes_prev, self.weights_prev, grid, sigma)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_operator(A, square: bool = True) -> tuple[int, int]:
+    shape = getattr(A, "shape", None)
+    if shape is None or len(shape) != 2 or not hasattr(A, "__matmul__"):
+        raise ValueError(f"A must be an operator with A @ X and a 2-d shape, got {type(A).__name__}")
+    if square and shape[0] != shape[1]:
+        raise ValueError(f"A must be square (a symmetric operator), got shape {tuple(shape)}")
+    if getattr(A, "dtype", None) not in FLOAT_DTYPES:
+        raise ValueError(f"A must have dtype torch.float32 or torch.float64, got {getattr(A, 'dtype', None)!r}")
+    if getattr(A, "device", None) is None:
+        raise ValueError("A must have a device")
+    warn_tf32(A.dtype, A.device)
+    return int(shape[0]), int(shape[1])
+
+
+def _mm(A, X: torch.Tensor) -> torch.Tensor:
+    Y = A @ X
+    if not isinstance(Y, torch.Tensor) or tuple(Y.shape) != (A.shape[0], X.shape[1]):
+        got = tuple(Y.shape) if isinstance(Y, torch.Tensor) else type(Y).__name__
+        raise RuntimeError(f"A @ X returned {got} for X of shape {tuple(X.shape)}, expected {(A.shape[0], X.shape[1])}")
+    return Y
+
+
+def _generator(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(check_int("seed", seed, 0))
+
+
+def _gaussian(gen, shape, A) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=A.dtype).to(A.device)
+
+
+def _rademacher(gen, shape, A) -> torch.Tensor:
+    return (torch.randint(0, 2, shape, generator=gen) * 2 - 1).to(dtype=A.dtype, device=A.device)
+
+
+def _columns(A, n_in: int):
+    """``(j, A @ I[:, j:j+c])`` for consecutive chunks of the identity's columns."""
+    for j in range(0, n_in, IDENTITY_COLUMNS):
+        c = min(IDENTITY_COLUMNS, n_in - j)
+        E = torch.zeros(n_in, c, dtype=A.dtype, device=A.device)
+        E[j : j + c].fill_diagonal_(1)
+        yield j, _mm(A, E)
+
+
+def _project_out(B: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W`` minus its projection on the orthonormal columns of ``B``, classical Gram–Schmidt twice
+    (Kahan's "twice is enough"), and the coefficients ``Bᵀ W`` of both passes together."""
+    C = B.T @ W
+    W = W - B @ C
+    C2 = B.T @ W
+    return W - B @ C2, C + C2
+
+
+def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
+    if which == "LA":
+        return torch.argsort(theta, descending=True)
+    if which == "SA":
+        return torch.argsort(theta)
+    return torch.argsort(theta.abs(), descending=True)
+
+
+# ----------------------------------------------------------------------------- eigenpairs
+
+
+def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, scale: float, gen, A) -> torch.Tensor:
+    """An orthonormal basis ``(n, b')`` of the residual block ``W`` (already orthogonal to ``B``),
+    ``b' = min(W's columns, room)``: its left singular vectors above rounding, completed by random
+    vectors orthogonal to everything (an invariant subspace found: the Krylov space continues in the
+    complement, as a fresh start)."""
+    width = min(W.shape[1], room)
+    if width <= 0:
+        return W[:, :0]
+    U, S, _ = torch.linalg.svd(W, full_matrices=False)
+    floor = math.sqrt(W.shape[0]) * torch.finfo(W.dtype).eps * max(scale, float(S.max()) if S.numel() else 0.0)
+    U = U[:, : int((S[:width] > floor).sum())]
+    while U.shape[1] < width:
+        R = _gaussian(gen, (W.shape[0], width - U.shape[1]), A)
+        R, _ = _project_out(torch.cat([B, U], 1), R)
+        R, _ = _project_out(torch.cat([B, U], 1), R)
+        Qr, Rr = torch.linalg.qr(R)
+        good = Rr.diagonal().abs() > math.sqrt(W.shape[0]) * torch.finfo(W.dtype).eps * max(float(R.norm()), 1e-300)
+        if not bool(good.any()):
+            break  # no room left in the space
+        U = torch.cat([U, Qr[:, good]], 1)
+    return U
+
+
+def _dense_eigs(A, n: int, k: int, which: str, tol: float) -> EigResult:
+    bytes_ = torch.finfo(A.dtype).bits // 8
+    check_fits(n * n * bytes_ * 2, f"the dense {n}x{n} matrix of A (dense_below)", A.device)
+    M = torch.empty(n, n, dtype=A.dtype, device=A.device)
+    for j, cols in _columns(A, n):
+        M[:, j : j + cols.shape[1]] = cols
+    M = (M + M.T) / 2
+    lam, U = linalg.eigh(M)
+    scale = float(lam.abs().max())
+    idx = _order(lam, which)[:k]
+    X, lam = U[:, idx].contiguous(), lam[idx]
+    res = (_mm(A, X) - X * lam).norm(dim=0)
+    return EigResult(lam, X, res, scale, tol, bool((res <= tol * scale).all()), n + k, 1, 0, which, "dense")
+
+
+def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, max_matvecs: int = 5000,
+                 ncv: int | None = None, block_size: int | None = None, seed: int = 0, v0: torch.Tensor | None = None,
+                 allow_unconverged: bool = False, dense_below: int = 0) -> EigResult:
+    r"""The ``k`` extreme eigenpairs of a symmetric operator ``A`` ``(n, n)``, each to a residual
+    :math:`\|A v - \lambda v\|_2 \le \mathrm{tol}\cdot s` with :math:`s` the largest :math:`|\theta|` over
+    the Ritz values seen (:math:`s \le \|A\|_2`): an :class:`EigResult`.
+
+    ``which``: ``"LA"`` largest algebraic (descending), ``"SA"`` smallest (ascending), ``"LM"`` largest
+    magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
+    whole basis, twice) and Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv``
+    vectors (default ``max(3k + 2·block_size, 30)``, capped at ``n``); at a restart the ``k + (ncv −
+    block_size − k)//2`` most wanted Ritz vectors are kept. ``block_size`` (default 1: the fewest products)
+    vectors are multiplied at once; an eigenvalue of multiplicity above it may be missed, as by any
+    Krylov method (a larger block also batches the engine's products). Convergence is judged on the recurrence's residual estimates and confirmed by one
+    product of the ``k`` Ritz vectors (the reported ``residuals``). ``v0`` ``(n,)`` or ``(n, j)``: a warm
+    start (e.g. the eigenvectors of a nearby operator); with ``j >= block_size`` the start block is
+    ``j`` random combinations of its columns, else its columns plus random ones. Residuals certify
+    eigenpairs; that they are the extreme ones holds with probability one for a random start (a start
+    orthogonal to an eigenvector never sees it). ``dense_below``: for ``n <= dense_below``, the exact
+    dense eigendecomposition of ``A @ I`` (:func:`blockhess.linalg.eigh`, method ``"dense"``).
+
+    ``max_matvecs`` bounds the columns multiplied by the iteration (the final check adds ``k``). Raises
+    :class:`NotConvergedError` (``.result`` the unconverged result) when a residual is above the
+    tolerance at the end, unless ``allow_unconverged=True`` (then the result says ``converged=False``);
+    ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``, ``tol`` not in
+    ``(ε, 1)`` of the dtype, a bad ``ncv`` (``< k + 2·block_size`` below ``n``), ``block_size``,
+    ``max_matvecs``, ``seed`` or ``v0``; ``InsufficientMemoryError`` when the basis
+    ``n × ncv`` does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3
+    (block Lanczos); G. W. Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur).
+    """
+    n, _ = _check_operator(A)
+    k = check_int("k", k, 1)
+    if k > n:
+        raise ValueError(f"k must be at most n = {n}, got {k}")
+    if which not in WHICH:
+        raise ValueError(f"which must be one of {WHICH}, got {which!r}")
+    eps = torch.finfo(A.dtype).eps
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (eps < tol < 1):
+        raise ValueError(f"tol must be a float in ({eps:.3g}, 1) for {A.dtype}, got {tol!r}")
+    tol = float(tol)
+    max_matvecs = check_int("max_matvecs", max_matvecs, 1)
+    if n <= check_int("dense_below", dense_below, 0):
+        result = _dense_eigs(A, n, k, which, tol)
+        return _finish(result, allow_unconverged)
+    p = 1 if block_size is None else check_int("block_size", block_size, 1)
+    p = min(p, n)
+    if ncv is None:
+        ncv = max(3 * k + 2 * p, 30)
+    else:
+        ncv = check_int("ncv", ncv, 1)
+        if ncv < k + 2 * p and ncv < n:
+            raise ValueError(f"ncv must be at least k + 2*block_size = {k + 2 * p} (or >= n = {n}), got {ncv}")
+    ncv = min(ncv, n)
+    gen = _generator(seed)
+    check_fits(n * ncv * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {ncv})", A.device)
+
+    # the start block
+    if v0 is None:
+        X0 = _gaussian(gen, (n, p), A)
+    else:
+        if not isinstance(v0, torch.Tensor) or v0.ndim not in (1, 2) or v0.shape[0] != n:
+            raise ValueError(f"v0 must be a tensor of shape ({n},) or ({n}, j), got "
+                             f"{tuple(v0.shape) if isinstance(v0, torch.Tensor) else type(v0).__name__}")
+        if v0.dtype != A.dtype or v0.device != A.device:
+            raise ValueError(f"v0 must be {A.dtype} on {A.device} like A, got {v0.dtype} on {v0.device}")
+        v0 = v0.reshape(n, -1)
+        if not bool(torch.isfinite(v0).all()) or float(v0.norm()) == 0.0:
+            raise ValueError("v0 must be finite and not zero")
+        j = v0.shape[1]
+        X0 = v0 @ _gaussian(gen, (j, p), A) if j >= p else torch.cat([v0, _gaussian(gen, (n, p - j), A)], 1)
+    V = torch.zeros(n, ncv, dtype=A.dtype, device=A.device)
+    T = torch.zeros(ncv, ncv, dtype=A.dtype, device=A.device)
+    U0 = _new_block(X0, V[:, :0], n, 0.0, gen, A)
+    m, q = 0, U0.shape[1]
+    V[:, :q] = U0
+    matvecs = iterations = restarts = 0
+    scale = 0.0
+    keep = min(k + max(0, (ncv - p - k) // 2), ncv - p) if ncv < n else ncv
+    while True:
+        b = q - m
+        W = _mm(A, V[:, m:q])
+        matvecs += b
+        iterations += 1
+        W, C = _project_out(V[:, :q], W)
+        T[:q, m:q] = C
+        T[m:q, :q] = C.T
+        T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
+        m = q
+        theta, Y = linalg.eigh(T[:m, :m])
+        scale = max(scale, float(theta.abs().max()))
+        idx = _order(theta, which)[: min(k, m)]
+        est = (W @ Y[m - b : m, idx]).norm(dim=0)  # A V y - θ V y = W (last rows of y): the residuals
+        if idx.numel() == k and bool((est <= tol * scale).all()):
+            break
+        U = _new_block(W, V[:, :m], n - m, scale, gen, A)
+        if U.shape[1] == 0 or matvecs + U.shape[1] > max_matvecs:
+            break
+        if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
+            kept = _order(theta, which)[: min(keep, m - 1)]
+            V[:, : kept.numel()] = V[:, :m] @ Y[:, kept]
+            m = kept.numel()
+            T.zero_()
+            T[:m, :m] = torch.diag(theta[kept])
+            restarts += 1
+        V[:, m : m + U.shape[1]] = U
+        q = m + U.shape[1]
+    X = V[:, :m] @ Y[:, idx]
+    lam = theta[idx]
+    res = (_mm(A, X) - X * lam).norm(dim=0)
+    matvecs += X.shape[1]
+    converged = idx.numel() == k and bool((res <= tol * scale).all())
+    return _finish(EigResult(lam, X, res, scale, tol, converged, matvecs, iterations, restarts, which, "lanczos"),
+                   allow_unconverged)
+
+
+def _finish(result: EigResult, allow_unconverged: bool) -> EigResult:
+    if result.converged or allow_unconverged:
+        return result
+    worst = float((result.residuals / max(result.scale, torch.finfo(result.residuals.dtype).tiny)).max())
+    raise NotConvergedError(
+        f"lanczos_eigs did not converge: largest relative residual {worst:.3g} > tol={result.tol:g} after "
+        f"{result.matvecs} products ({result.restarts} restarts); raise max_matvecs or ncv, or loosen tol "
+        f"(residuals below about eps·n·||A|| are not reachable in {result.eigenvalues.dtype})", result)
+
+
+# ----------------------------------------------------------------------------- spectral density
+
+
+def _gauss(grid: torch.Tensor, nodes: torch.Tensor, weights: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Per probe ``Σ_j w_j g_σ(t − θ_j)`` on ``grid``: ``(P, G)``."""
+    z = (grid[None, None, :] - nodes[:, :, None]) / sigma
+    return (weights[:, :, None] * torch.exp(-0.5 * z * z)).sum(1) / (sigma * math.sqrt(2 * math.pi))
+
+
+def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma):
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (sigma > 0 and math.isfinite(sigma)):
+        raise ValueError(f"sigma must be a finite float > 0, got {sigma!r}")
+    if not isinstance(grid, torch.Tensor) or grid.ndim != 1:
+        raise ValueError(f"grid must be a 1-d tensor, got {type(grid).__name__}")
+    grid = grid.to(dtype=nodes.dtype, device=nodes.device)
+    per = _gauss(grid, nodes, weights, float(sigma))
+    prev = _gauss(grid, nodes_prev, weights_prev, float(sigma))
+    P = per.shape[0]
+    return per.mean(0), per.std(0, correction=1) / math.sqrt(P), (per - prev).abs().mean(0)
+
+
+def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: int | torch.Tensor = 512,
+                sigma: float | None = None, reorth: str = "full") -> SLQResult:
+    r"""The spectral density of a symmetric operator ``A`` ``(n, n)`` by stochastic Lanczos quadrature
+    (Lin, Saad & Yang 2016; Ubaru, Chen & Saad 2017): an :class:`SLQResult`.
+
+    ``n_probes >= 2`` Rademacher probes :math:`v = z/\sqrt n`, each run through ``n_iter`` Lanczos steps
+    (all probes multiplied as one ``(n, n_probes)`` block; ``n_iter`` capped at ``n``). Each gives the
+    Gauss rule :math:`\{(\theta_j, \tau_j)\}` of :math:`v^\top f(A) v = \int f\,d\mu_v`, exact for
+    polynomials of degree ``<= 2 n_iter − 1``; :math:`E[\mu_v] = \frac1n\sum_i\delta_{\lambda_i}`. The density is
+    that average broadened by a Gaussian of width ``sigma`` (default: the nodes' spread ``/ n_iter``,
+    stated in the result) on ``grid`` (a number of points over the nodes' range ``± 5σ``, or a tensor).
+    Errors stated: ``stderr`` (the sampling error, over probes) and ``quadrature_error`` (the ``m``- vs
+    ``(m−1)``-node rule). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
+    basis, twice; memory ``n_probes · n_iter · n``) or ``"none"`` (the three-term recurrence only,
+    memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
+    Greenbaum 1989, with spurious copies of converged nodes).
+
+    Raises ``ValueError`` for ``n_probes < 2``, ``n_iter < 2``, a bad ``seed``, ``grid``, ``sigma`` or
+    ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
+    """
+    n, _ = _check_operator(A)
+    P = check_int("n_probes", n_probes, 2)
+    m = min(check_int("n_iter", n_iter, 2), n)
+    if reorth not in ("full", "none"):
+        raise ValueError(f"reorth must be 'full' or 'none', got {reorth!r}")
+    if not (isinstance(grid, torch.Tensor) and grid.ndim == 1) and not (isinstance(grid, numbers.Integral)
+                                                                       and not isinstance(grid, bool) and grid >= 2):
+        raise ValueError(f"grid must be an int >= 2 (points) or a 1-d tensor, got {grid!r}")
+    gen = _generator(seed)
+    bytes_ = torch.finfo(A.dtype).bits // 8
+    check_fits((m if reorth == "full" else 3) * n * P * bytes_, f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
+    eps = torch.finfo(A.dtype).eps
+    q = _rademacher(gen, (n, P), A) / math.sqrt(n)
+    q_prev = torch.zeros_like(q)
+    basis = torch.zeros(m, n, P, dtype=A.dtype, device=A.device) if reorth == "full" else None
+    alpha = torch.zeros(P, m, dtype=A.dtype, device=A.device)
+    beta = torch.zeros(P, m, dtype=A.dtype, device=A.device)
+    length = torch.full((P,), m, dtype=torch.long)
+    alive = torch.ones(P, dtype=torch.bool, device=A.device)
+    scale = 0.0
+    matvecs = 0
+    for j in range(m):
+        if bool(alive.all()):
+            W = _mm(A, q)
+        else:  # probes whose Krylov space is invariant are done: only the others are multiplied
+            W = torch.zeros_like(q)
+            W[:, alive] = _mm(A, q[:, alive])
+        matvecs += int(alive.sum())
+        a = (q * W).sum(0)
+        W = W - q * a - q_prev * (beta[:, j - 1] if j else 0.0)
+        if basis is not None:
+            basis[j] = q
+            for _ in range(2):  # twice is enough (Kahan)
+                W = W - torch.einsum("jnp,jp->np", basis[: j + 1], torch.einsum("jnp,np->jp", basis[: j + 1], W))
+        bn = W.norm(dim=0)
+        alpha[:, j] = a * alive
+        scale = max(scale, float(a.abs().max()), float(bn.max()))
+        dead = alive & (bn <= n * eps * scale)
+        length[dead.cpu()] = j + 1
+        alive = alive & ~dead
+        beta[:, j] = bn * alive
+        q_prev, q = q, torch.where(alive, W / bn.clamp_min(torch.finfo(A.dtype).tiny), torch.zeros_like(W))
+        if not bool(alive.any()) or j == m - 1:
+            break
+    nodes = torch.zeros(P, m, dtype=A.dtype, device=A.device)
+    weights = torch.zeros_like(nodes)
+    nodes_prev, weights_prev = torch.zeros_like(nodes), torch.zeros_like(nodes)
+    for p in range(P):
+        L = int(length[p])
+        Tp = torch.diag(alpha[p, :L]) + torch.diag(beta[p, : L - 1], 1) + torch.diag(beta[p, : L - 1], -1)
+        theta, Y = linalg.eigh(Tp)
+        nodes[p, :L], weights[p, :L] = theta, Y[0] ** 2
+        if L == m and L < n:  # a full-length rule: compare with the one node fewer
+            theta, Y = linalg.eigh(Tp[: L - 1, : L - 1])
+            nodes_prev[p, : L - 1], weights_prev[p, : L - 1] = theta, Y[0] ** 2
+        else:  # the Krylov space is invariant: the rule is exact
+            nodes_prev[p], weights_prev[p] = nodes[p], weights[p]
+    used = weights > 0
+    lo, hi = float(nodes[used].min()), float(nodes[used].max())
+    spread = hi - lo if hi > lo else max(abs(hi), 1.0)
+    if sigma is None:
+        sigma = spread / m
+    if not isinstance(grid, torch.Tensor):
+        s = float(sigma) if isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) else 0.0
+        grid = torch.linspace(lo - 5 * s, hi + 5 * s, int(grid), dtype=A.dtype, device=A.device)
+    density, stderr, quad = _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma)
+    return SLQResult(grid.to(dtype=A.dtype, device=A.device), density, stderr, quad, float(sigma), nodes, weights,
+                     nodes_prev, weights_prev, P, m, matvecs, reorth)
+
+
+# ----------------------------------------------------------------------------- trace, norm, diagonal
+
+
+def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
+    r"""The trace of a symmetric operator ``A`` ``(n, n)`` by Hutch++ (Meyer, Musco, Musco & Woodruff,
+    SOSA 2021): an :class:`Estimate`.
+
+    With ``s = n_matvecs // 3`` Rademacher columns ``S`` and ``g = n_matvecs − 2·s`` more ``G``:
+    :math:`Q = \mathrm{orth}(AS)`, :math:`t = \mathrm{tr}(Q^\top A Q) + \frac1g\sum_i x_i`,
+    :math:`x_i = (P g_i)^\top A (P g_i)`, :math:`P = I - QQ^\top` — unbiased; ``stderr`` the sample
+    standard deviation of the :math:`x_i` over :math:`\sqrt g` (the first term has no sampling error
+    given ``Q``). ``n_matvecs >= n``: the exact trace from ``A``'s columns (``exact=True``).
+
+    Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
+    """
+    n, _ = _check_operator(A)
+    N = check_int("n_matvecs", n_matvecs, 4)
+    gen = _generator(seed)
+    if N >= n:
+        tr = sum(float(torch.diagonal(cols[j : j + cols.shape[1]]).sum()) for j, cols in _columns(A, n))
+        return Estimate(tr, 0.0, n, True)
+    s = N // 3
+    g = N - 2 * s
+    Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n, s), A))).Q
+    exact_part = float((Q * _mm(A, Q)).sum())
+    G = _rademacher(gen, (n, g), A)
+    PG = G - Q @ (Q.T @ G)
+    x = (PG * _mm(A, PG)).sum(0)
+    return Estimate(exact_part + float(x.mean()), float(x.std(correction=1)) / math.sqrt(g), N, False)
+
+
+def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0) -> Estimate:
+    r"""The Frobenius norm :math:`\|A\|_F` of an operator ``A`` ``(n_out, n_in)`` (a symmetric one, or an
+    off-diagonal view ``A[a, b]``): an :class:`Estimate` of the norm.
+
+    ``n_matvecs`` ``None`` or ``>= n_in``: exact, :math:`\sum_j \|A e_j\|^2` over the columns
+    (``exact=True``). Otherwise the Hutch++ split of :math:`\|A\|_F^2 = \|AQ\|_F^2 + \|A(I-QQ^\top)\|_F^2`
+    (any orthonormal ``Q``): ``Q = orth(Aᵀ S)`` from ``s = n_matvecs // 3`` Rademacher columns (``Aᵀ = A``
+    for a square, symmetric ``A``; ``A.T`` otherwise), the first term exact, the second Hutchinson's
+    :math:`\frac1g\sum_i\|A P g_i\|^2` over the other ``g = n_matvecs − 2·s`` (unbiased for the square);
+    ``stderr`` of the norm by the delta method, (std of the :math:`\|APg_i\|^2` ``/ √g``) ``/ (2‖A‖_F)``.
+
+    Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
+    """
+    n_out, n_in = _check_operator(A, square=False)
+    gen = _generator(seed)
+    if n_matvecs is None or check_int("n_matvecs", n_matvecs, 4) >= n_in:
+        sq = sum(float((cols.to(torch.float64) ** 2).sum()) for _, cols in _columns(A, n_in))
+        return Estimate(math.sqrt(sq), 0.0, n_in, True)
+    N = n_matvecs
+    s = N // 3
+    g = N - 2 * s
+    if n_out == n_in:
+        Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n_in, s), A))).Q
+    else:
+        At = A.T
+        Q = torch.linalg.qr(_mm(At, _rademacher(gen, (n_out, s), A))).Q
+    exact_part = float((_mm(A, Q).to(torch.float64) ** 2).sum())
+    G = _rademacher(gen, (n_in, g), A)
+    x = (_mm(A, G - Q @ (Q.T @ G)).to(torch.float64) ** 2).sum(0)
+    sq = exact_part + float(x.mean())
+    value = math.sqrt(sq)
+    se_sq = float(x.std(correction=1)) / math.sqrt(g)
+    return Estimate(value, se_sq / (2 * value) if value > 0 else 0.0, N, False)
+
+
+def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
+    r"""An estimate of the diagonal ``(n,)`` of a square operator by Hutchinson's method (Bekas,
+    Kokiopoulou & Saad 2007): :math:`\hat d = \frac1N\sum_i g_i \odot A g_i` over ``N = n_matvecs``
+    Rademacher vectors, unbiased, ``stderr`` ``(n,)`` the per-entry sample standard deviation ``/ √N``. A
+    sampled estimate, never the exact diagonal (that is :func:`diagonal`).
+
+    Raises ``ValueError`` for ``n_matvecs < 2`` or a bad ``seed``.
+    """
+    n, _ = _check_operator(A)
+    N = check_int("n_matvecs", n_matvecs, 2)
+    G = _rademacher(_generator(seed), (n, N), A)
+    x = G * _mm(A, G)
+    return Estimate(x.mean(1), x.std(1, correction=1) / math.sqrt(N), N, False)
+
+
+def diagonal(A) -> torch.Tensor:
+    """The exact diagonal ``(n,)`` of a square operator from its engine's closed form: ``A.diagonal()``
+    (a :class:`~blockhess.operators.HessianOperator` or a view ``A[a, a]``; a dense tensor's own
+    diagonal). Never sampled: raises ``NotImplementedError`` for an operator with no closed-form
+    diagonal (:func:`hutchinson_diagonal` estimates one), ``ValueError`` for a non-square one."""
+    n_out, n_in = _check_operator(A, square=False)
+    if n_out != n_in:
+        raise ValueError(f"the diagonal is defined for a square operator, got shape {tuple(A.shape)}")
+    if isinstance(A, torch.Tensor):
+        return torch.diagonal(A).clone()
+    fn = getattr(A, "diagonal", None)
+    if not callable(fn):
+        raise NotImplementedError(f"{type(A).__name__} offers no closed-form diagonal; hutchinson_diagonal estimates "
+                                  "it by sampling")
+    return fn()
+
+
+def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs) -> dict:
+    """``estimator(A[b, b], **kwargs)`` for every block ``b`` of ``blocks`` (default ``A.names``; each a
+    variable name, a head's ``W_Q#h``, or a tuple of names), as ``{b: result}``; with ``pairs=True``
+    ``estimator(A[a, b], **kwargs)`` for every unordered pair, ``a`` not after ``b`` in ``blocks``, as
+    ``{(a, b): result}`` (for estimators of rectangular operators, e.g. :func:`frobenius_norm`).
+    Each view's products touch only its block (:class:`~blockhess.operators.HessianOperator`).
+
+    E.g. ``per_block(A, lanczos_eigs, k=3, dense_below=1024)``: the top eigenpairs of every block, the
+    small ones by the dense eigendecomposition. Raises ``ValueError`` for an ``A`` without views, a
+    ``KeyError`` for an unknown block; the estimator's errors otherwise.
+    """
+    if not (hasattr(A, "__getitem__") and hasattr(A, "names")):
+        raise ValueError(f"per_block needs an operator with named views A[a, b] (a HessianOperator), got {type(A).__name__}")
+    if not callable(estimator):
+        raise ValueError(f"estimator must be callable, got {type(estimator).__name__}")
+    blocks = list(A.names if blocks is None else blocks)
+    keys = [b if isinstance(b, str) else tuple(b) for b in blocks]
+    if pairs:
+        return {(a, b): estimator(A[a, b], **kwargs) for i, a in enumerate(keys) for b in keys[i:]}
+    return {b: estimator(A[b, b], **kwargs) for b in keys}

@@ -1,0 +1,527 @@
+r"""The matrix-free Hessian operator: products with vectors over named parameters, sub-block views,
+the SciPy export, and the mean over batches.
+
+A :class:`HessianOperator` is the symmetric ``n × n`` matrix :math:`H` over named parameters (canonical
+order, each flattened by ``vec_r``) given only by its products. What computes them, the *engine*, is
+plugged in (:class:`Product`, :class:`Diagonal`); the operator does the bookkeeping around it: it
+splits a vector ``V`` of shape ``(n,)`` or ``(n, k)`` into the parameters' slices, passes the engine only
+the parameters a view needs (and the rows it wants back), and concatenates the result. It follows
+curvlinops' minimal operator contract (``@`` on ``(n,)``/``(n, k)`` tensors and on tensor lists, ``shape``,
+``dtype``, ``device``, ``adjoint()``, ``to_scipy()``), so SciPy's and curvlinops' estimators run on it;
+:mod:`blockhess.operators.estimators` holds this package's own (docs/derivations.md, "Estimators on operators").
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..config import BlockConfig, ModelConfig, block_prefix
+from ..result import HessianBlocks, head_split
+from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int
+
+__all__ = ["HessianOperator", "Product", "Diagonal", "mean_operator", "head_views"]
+
+#: columns of the identity multiplied at a time by :meth:`HessianOperator.dense` (without ``max_columns``)
+DENSE_COLUMNS = 512
+
+Split = dict[str, tuple[str, tuple[int, ...], tuple]]
+
+
+class Product(Protocol):
+    """The engine's product: ``product(V, wanted_out) -> dict``.
+
+    ``V``: ``{parameter name: tensor (k, *shape)}`` over *some* of the operator's parameters (an absent
+    parameter's entries are zero), all of one ``k >= 1``, the operator's dtype and device; not to be
+    modified. ``wanted_out``: a tuple of parameter names, the rows wanted. Returns a dict holding, for
+    every name ``a`` of ``wanted_out``, ``(H V)[a] = Σ_b H[a, b] V[b]`` of shape ``(k, *shape_a)``
+    (other keys are ignored). A view ``A[a, b]`` passes only ``b``'s parameters and asks only for
+    ``a``'s, so an engine can skip everything else."""
+
+    def __call__(self, V: dict[str, torch.Tensor], wanted_out: tuple[str, ...]) -> dict[str, torch.Tensor]: ...
+
+
+class Diagonal(Protocol):
+    """The engine's exact diagonal: ``diagonal(wanted) -> dict``: for each parameter name of the tuple
+    ``wanted``, the diagonal of its block ``H[a, a]`` as a tensor of the parameter's shape."""
+
+    def __call__(self, wanted: tuple[str, ...]) -> dict[str, torch.Tensor]: ...
+
+
+def head_views(cfg) -> Split:
+    """Per-head sub-variables of a block's (:class:`~blockhess.config.BlockConfig`) or a model's
+    (:class:`~blockhess.config.ModelConfig`, names prefixed ``blocks.{i}.``) parameters: name
+    ``W_Q#h`` → ``(parameter, refined shape, index)``, :func:`blockhess.result.head_split`; empty for
+    one head or another config. ``b_Q#h`` is included; :class:`HessianOperator` drops the entries of
+    parameters it does not have."""
+    if isinstance(cfg, BlockConfig):
+        return dict(head_split(cfg))
+    if isinstance(cfg, ModelConfig):
+        out = {}
+        for i, block in enumerate(cfg.blocks):
+            pre = block_prefix(i)
+            out.update({pre + k: (pre + p, ref, idx) for k, (p, ref, idx) in head_split(block).items()})
+        return out
+    return {}
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape))
+
+
+class HessianOperator:
+    r"""A symmetric ``n × n`` matrix over named parameters, given by an engine's products.
+
+    Parameters
+    ----------
+    product : Product
+        ``product(V, wanted_out)``: the engine (:class:`Product`).
+    names : sequence of str
+        The parameters, canonical order; ``vec_r`` of each, concatenated, is a vector's layout.
+    shapes : dict
+        ``name -> shape`` of each parameter.
+    dtype : torch.float32 or torch.float64
+        Of every product (inputs must have it).
+    device : torch.device or str
+        Of every product.
+    diagonal : Diagonal, optional
+        The engine's exact diagonal (:class:`Diagonal`); without it :meth:`diagonal` raises
+        ``NotImplementedError``.
+    split : dict, optional
+        Sub-variables addressable in views, ``name -> (parameter, refined shape, index)``
+        (:func:`head_views`: each head's column groups ``W_Q#h``); entries of parameters not in
+        ``names`` are dropped. Sub-variables of one parameter must not overlap.
+    count : int, optional
+        The number of sequences this operator averages over (the weight of :func:`mean_operator`).
+    max_columns : int, optional
+        At most this many columns are passed to the engine at once (a product with more is split).
+
+    Attributes
+    ----------
+    shape : tuple (n_out, n_in)
+        ``(n, n)`` for the operator and a diagonal view ``A[a, a]``.
+    names, shapes, sizes
+        The rows' variables (canonical order for the operator; a view's in the order asked),
+        ``name -> shape`` and the tuple of their ``numel``.
+    in_names, in_shapes, in_sizes
+        The same for the columns (equal to the rows' except in an off-diagonal view).
+    params : tuple of str
+        All parameters of the engine (canonical order).
+    dtype, device, count, max_columns
+
+    ``A @ V``: ``V`` a tensor ``(n_in,)`` or ``(n_in, k)`` of the operator's dtype and device (a NumPy
+    array is converted and the result returned as NumPy), or a list of tensors of the column
+    variables' shapes, each with an optional trailing ``k`` (curvlinops' tensor-list format; the result
+    in that format). ``A[a, b]`` is the sub-block view (``a``, ``b`` a name, a head's name ``W_Q#h``, or a
+    sequence of them). ``A.T`` / ``A.adjoint()``: the transpose (``A`` itself where rows and columns
+    agree). Products raise ``ValueError`` for an input of another shape, dtype or device, and
+    ``RuntimeError`` when the engine returns a tensor of the wrong shape.
+    """
+
+    def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
+                 device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
+                 count: int | None = None, max_columns: int | None = None):
+        if not callable(product):
+            raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
+        if diagonal is not None and not callable(diagonal):
+            raise ValueError(f"diagonal must be None or callable as diagonal(wanted), got {type(diagonal).__name__}")
+        names = tuple(names)
+        if not names or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"names must be a non-empty sequence of distinct strings, got {names!r}")
+        if not isinstance(shapes, dict) or set(names) - set(shapes):
+            raise ValueError(f"shapes must be a dict with a shape for each of {list(names)}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+        self._product = product
+        self._diagonal = diagonal
+        self.params = names
+        self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.count = None if count is None else check_int("count", count, 1)
+        self.max_columns = None if max_columns is None else check_int("max_columns", max_columns, 1)
+        self._vars = {n: (n, s, tuple(slice(None) for _ in s)) for n, s in self.param_shapes.items()}
+        for name, (param, ref, idx) in (split or {}).items():
+            if param not in self.param_shapes:
+                continue
+            if name in self._vars:
+                raise ValueError(f"split: sub-variable {name!r} has a parameter's name")
+            if _numel(ref) != _numel(self.param_shapes[param]) or len(idx) != len(ref):
+                raise ValueError(f"split[{name!r}]: refined shape {tuple(ref)} with index {idx!r} does not fit "
+                                 f"{param!r} of shape {self.param_shapes[param]}")
+            self._vars[name] = (param, tuple(int(r) for r in ref), tuple(idx))
+        self._check_split()
+        self._set(names, names)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _check_split(self) -> None:
+        """Sub-variables of one parameter must be disjoint (each entry in at most one)."""
+        masks: dict[str, torch.Tensor] = {}
+        for name, (param, ref, idx) in self._vars.items():
+            if name == param:
+                continue
+            mask = masks.setdefault(param, torch.zeros(ref, dtype=torch.int32))
+            mask.view(ref)[idx] += 1
+            if int(mask.max()) > 1:
+                raise ValueError(f"split: sub-variable {name!r} overlaps another of {param!r}")
+
+    def _sub_shape(self, var: str) -> tuple[int, ...]:
+        _, ref, idx = self._vars[var]
+        return tuple(len(range(*i.indices(r))) for r, i in zip(ref, idx) if not isinstance(i, numbers.Integral))
+
+    def _set(self, rows: tuple[str, ...], cols: tuple[str, ...]) -> None:
+        self.names, self.in_names = rows, cols
+        self.shapes = {v: self._sub_shape(v) for v in rows}
+        self.in_shapes = {v: self._sub_shape(v) for v in cols}
+        self.sizes = tuple(_numel(self.shapes[v]) for v in rows)
+        self.in_sizes = tuple(_numel(self.in_shapes[v]) for v in cols)
+        self.shape = (sum(self.sizes), sum(self.in_sizes))
+
+    @property
+    def is_square_view(self) -> bool:
+        """Whether rows and columns are the same variables (the operator, or a view ``A[a, a]``): then
+        the view is symmetric and ``A.T`` is ``A``."""
+        return self.names == self.in_names
+
+    def _select(self, key, within: tuple[str, ...], what: str) -> tuple[str, ...]:
+        names = (key,) if isinstance(key, str) else tuple(key) if isinstance(key, (tuple, list)) else None
+        if not names or not all(isinstance(n, str) for n in names):
+            raise KeyError(f"{what} of A[a, b] must be a name or a non-empty sequence of names, got {key!r}")
+        for n in names:
+            if n not in self._vars:
+                raise KeyError(f"unknown variable {n!r}; this operator has {list(self._vars)}")
+            if n not in within and self._vars[n][0] not in within:
+                raise KeyError(f"{n!r} is not among this view's {what}, {list(within)}")
+        covered: dict[str, set[str]] = {}
+        for n in names:
+            param = self._vars[n][0]
+            seen = covered.setdefault(param, set())
+            if n in seen or param in seen or (n == param and seen):
+                raise KeyError(f"{what} of A[a, b] name overlapping variables of {param!r}: {list(names)}")
+            seen.add(n)
+        return names
+
+    def __getitem__(self, key) -> "HessianOperator":
+        """The sub-block view ``A[a, b]`` (``n_a × n_b``): ``a``, ``b`` a variable name (a parameter
+        or a head's ``W_Q#h``) or a sequence of non-overlapping ones, among this view's rows and
+        columns. Its products take vectors over ``b``'s entries only and return ``a``'s rows only.
+        Raises ``KeyError`` for another key."""
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise KeyError(f"index a HessianOperator by a pair, e.g. A[{self.names[0]!r}, {self.names[0]!r}]; got {key!r}")
+        rows = self._select(key[0], self.names, "rows")
+        cols = self._select(key[1], self.in_names, "columns")
+        view = object.__new__(HessianOperator)
+        view.__dict__.update(self.__dict__)
+        view._set(rows, cols)
+        return view
+
+    @property
+    def T(self) -> "HessianOperator":
+        """The transpose: ``A`` itself for a square view (``H`` is symmetric), else the view ``A[b, a]``."""
+        return self.adjoint()
+
+    def adjoint(self) -> "HessianOperator":
+        """The adjoint (transpose; real entries), as :attr:`T` (curvlinops' method name)."""
+        if self.is_square_view:
+            return self
+        view = object.__new__(HessianOperator)
+        view.__dict__.update(self.__dict__)
+        view._set(self.in_names, self.names)
+        return view
+
+    # ------------------------------------------------------------------ products
+
+    def _columns_to_params(self, X: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``X`` ``(n_in, k)`` split into the column variables and embedded into their parameters: ``(k, *shape)``."""
+        k = X.shape[1]
+        V: dict[str, torch.Tensor] = {}
+        off = 0
+        for var, size in zip(self.in_names, self.in_sizes):
+            block = X[off : off + size].T  # (k, size)
+            off += size
+            param, ref, idx = self._vars[var]
+            if var == param:
+                V[param] = block.reshape(k, *ref)
+                continue
+            if param not in V:
+                V[param] = X.new_zeros(k, *self.param_shapes[param])
+            V[param].view(k, *ref)[(slice(None), *idx)] = block.reshape(k, *self.in_shapes[var])
+        return V
+
+    def _matmat(self, X: torch.Tensor) -> torch.Tensor:
+        """``H_view @ X`` for ``X`` ``(n_in, k)`` of the operator's dtype and device: ``(n_out, k)``."""
+        k = X.shape[1]
+        if k == 0:
+            return X.new_zeros(self.shape[0], 0)
+        if self.max_columns is not None and k > self.max_columns:
+            return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
+        wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
+        out = self._product(self._columns_to_params(X), wanted)
+        rows = []
+        for var in self.names:
+            param, ref, idx = self._vars[var]
+            y = out.get(param) if isinstance(out, dict) else None
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != (k, *self.param_shapes[param]):
+                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise RuntimeError(f"the operator's product returned {got} for {param!r}, expected a tensor of shape "
+                                   f"{(k, *self.param_shapes[param])}")
+            if var != param:
+                y = y.reshape(k, *ref)[(slice(None), *idx)]
+            rows.append(y.reshape(k, -1).T)
+        return torch.cat(rows, 0) if len(rows) > 1 else rows[0].contiguous()
+
+    def _check_tensor(self, V: torch.Tensor, what: str = "V") -> None:
+        if V.dtype != self.dtype or V.device != self.device:
+            raise ValueError(f"{what} must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
+
+    def __matmul__(self, V):
+        """``A @ V``; see the class docstring for the formats."""
+        if isinstance(V, np.ndarray):
+            if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+                raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {V.shape}")
+            X = torch.as_tensor(V).to(dtype=self.dtype, device=self.device)
+            return (self @ X).cpu().numpy()
+        if isinstance(V, list):
+            return self._matmul_list(V)
+        if not isinstance(V, torch.Tensor):
+            return NotImplemented
+        if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+            raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
+        self._check_tensor(V)
+        if V.ndim == 1:
+            return self._matmat(V[:, None])[:, 0]
+        return self._matmat(V)
+
+    def _matmul_list(self, V: list):
+        shapes = [self.in_shapes[v] for v in self.in_names]
+        if len(V) != len(shapes) or not all(isinstance(t, torch.Tensor) for t in V):
+            raise ValueError(f"a list V must hold {len(shapes)} tensors, one per column variable {list(self.in_names)}")
+        for t in V:
+            self._check_tensor(t, "each tensor of V")
+        if all(tuple(t.shape) == s for t, s in zip(V, shapes)):
+            X = torch.cat([t.reshape(-1, 1) for t in V], 0)
+            vector = True
+        elif all(t.ndim == len(s) + 1 and tuple(t.shape[:-1]) == s for t, s in zip(V, shapes)) \
+                and len({t.shape[-1] for t in V}) == 1:
+            X = torch.cat([t.reshape(-1, t.shape[-1]) for t in V], 0)
+            vector = False
+        else:
+            raise ValueError(f"a list V must hold tensors of shapes {shapes}, each with an optional trailing k, "
+                             f"got {[tuple(t.shape) for t in V]}")
+        Y = self._matmat(X)
+        out, off = [], 0
+        for var, size in zip(self.names, self.sizes):
+            y = Y[off : off + size]
+            off += size
+            out.append(y.reshape(self.shapes[var]) if vector else y.reshape(*self.shapes[var], Y.shape[1]))
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The view as a dense ``(n_out, n_in)`` matrix, ``A @ I`` (the identity's columns in chunks of
+        ``max_columns``, or ``DENSE_COLUMNS``). Raises ``InsufficientMemoryError`` before allocating if it
+        would not fit."""
+        n_out, n_in = self.shape
+        chunk = self.max_columns or DENSE_COLUMNS
+        check_fits((n_out * n_in + n_in * min(chunk, n_in)) * torch.finfo(self.dtype).bits // 8,
+                   f"the dense {n_out}x{n_in} matrix", self.device)
+        M = torch.empty(n_out, n_in, dtype=self.dtype, device=self.device)
+        for j in range(0, n_in, chunk):
+            c = min(chunk, n_in - j)
+            E = torch.zeros(n_in, c, dtype=self.dtype, device=self.device)
+            E[j : j + c].fill_diagonal_(1)
+            M[:, j : j + c] = self._matmat(E)
+        return M
+
+    def diagonal(self) -> torch.Tensor:
+        """The exact diagonal ``(n,)`` of a square view, from the engine's closed form (:class:`Diagonal`).
+
+        Raises ``ValueError`` for an off-diagonal view and ``NotImplementedError`` when the engine offers
+        no closed-form diagonal (:func:`~blockhess.operators.estimators.hutchinson_diagonal` estimates one
+        by sampling), ``RuntimeError`` when the engine returns a tensor of the wrong shape."""
+        if not self.is_square_view:
+            raise ValueError(f"the diagonal is defined for a square view A[a, a]; this view's rows are "
+                             f"{list(self.names)} and columns {list(self.in_names)}")
+        if self._diagonal is None:
+            raise NotImplementedError("this operator's engine offers no closed-form diagonal; "
+                                      "blockhess.operators.hutchinson_diagonal estimates it by sampling")
+        wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
+        d = self._diagonal(wanted)
+        parts = []
+        for var in self.names:
+            param, ref, idx = self._vars[var]
+            y = d.get(param) if isinstance(d, dict) else None
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != self.param_shapes[param]:
+                raise RuntimeError(f"the operator's diagonal returned no tensor of shape {self.param_shapes[param]} "
+                                   f"for {param!r}")
+            parts.append((y if var == param else y.reshape(ref)[idx]).reshape(-1))
+        return torch.cat(parts)
+
+    def to_scipy(self, dtype=None):
+        """A ``scipy.sparse.linalg.LinearOperator`` of this view (products in PyTorch, in the operator's
+        dtype and device; inputs converted to it, results returned as NumPy of ``dtype``, default the
+        operator's: float64 or float32). SciPy is imported here only; ``ImportError`` without it."""
+        try:
+            from scipy.sparse.linalg import LinearOperator
+        except ImportError as e:  # the library runs without SciPy; only this export needs it
+            raise ImportError("HessianOperator.to_scipy needs SciPy: pip install scipy (or blockhess[lab])") from e
+        np_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float64" if self.dtype == torch.float64 else "float32")
+
+        def wrap(op):
+            def mm(x):
+                x = np.asarray(x)
+                X = torch.as_tensor(x.reshape(x.shape[0], -1)).to(dtype=op.dtype, device=op.device)
+                return op._matmat(X).cpu().numpy().astype(np_dtype, copy=False).reshape(op.shape[0], *x.shape[1:])
+            return mm
+
+        adj = self.adjoint()
+        return LinearOperator(self.shape, matvec=wrap(self), rmatvec=wrap(adj), matmat=wrap(self),
+                              rmatmat=wrap(adj), dtype=np_dtype)
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dense(cls, H, names=None, shapes=None, split=None) -> "HessianOperator":
+        """The operator of a dense Hessian: ``H`` a :class:`~blockhess.result.HessianBlocks` (its blocks,
+        names and shapes; heads from its ``cfg``, :func:`head_views`), or a symmetric ``(n, n)`` tensor
+        with ``names``/``shapes`` (default one variable ``"x"`` of shape ``(n,)``). Products are the blocks'
+        matrix products (``Σ_b H[a, b] V_b``), the diagonal exact. For checks and small problems: the
+        dense matrix is what a matrix-free engine avoids. Raises ``ValueError`` for another ``H``, a tensor
+        that is not symmetric to rounding (``‖H − Hᵀ‖_F > n ε ‖H‖_F``) or ``shapes`` of another size."""
+        if isinstance(H, HessianBlocks):
+            blocks = {(a, b): H[a, b] for a in H.names for b in H.names}
+            names, shapes = H.names, H.shapes
+            split = head_views(H.cfg) if split is None else split
+            dtype, device = H.dtype, H.device
+        elif isinstance(H, torch.Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] and H.dtype in FLOAT_DTYPES:
+            n = H.shape[0]
+            asym = float(torch.linalg.matrix_norm(H - H.T))
+            if asym > n * torch.finfo(H.dtype).eps * float(torch.linalg.matrix_norm(H)):
+                raise ValueError(f"H must be symmetric (to rounding): ||H - H^T||_F = {asym:.3g}")
+            names = ("x",) if names is None else tuple(names)
+            shapes = {"x": (n,)} if shapes is None else shapes
+            sizes = [_numel(shapes[a]) for a in names]
+            if sum(sizes) != n:
+                raise ValueError(f"shapes {shapes} hold {sum(sizes)} entries, H has {n}")
+            offs = np.cumsum([0, *sizes])
+            blocks = {(a, b): H[offs[i]:offs[i + 1], offs[j]:offs[j + 1]]
+                      for i, a in enumerate(names) for j, b in enumerate(names)}
+            dtype, device = H.dtype, H.device
+        else:
+            raise ValueError(f"H must be a HessianBlocks or a square float32/float64 2-d tensor, got "
+                             f"{type(H).__name__}{tuple(H.shape) if isinstance(H, torch.Tensor) else ''}")
+        flat = {n: _numel(shapes[n]) for n in names}
+
+        def product(V, wanted_out):
+            k = next(iter(V.values())).shape[0] if V else 0
+            out = {}
+            for a in wanted_out:
+                acc = torch.zeros(k, flat[a], dtype=dtype, device=device)
+                for b, v in V.items():
+                    acc = acc + v.reshape(k, -1) @ blocks[(a, b)].T
+                out[a] = acc.reshape(k, *shapes[a])
+            return out
+
+        def diagonal(wanted):
+            return {a: torch.diagonal(blocks[(a, a)]).reshape(shapes[a]) for a in wanted}
+
+        return cls(product, names, shapes, dtype, device, diagonal=diagonal, split=split)
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{n}{list(self.shapes[n])}" for n in self.names)
+        cols = "" if self.is_square_view else " x " + ", ".join(f"{n}{list(self.in_shapes[n])}" for n in self.in_names)
+        return f"HessianOperator({rows}{cols}; shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress: bool = False) -> HessianOperator:
+    r"""The Hessian of the mean loss over a dataset of batches, :math:`\sum_i c_i H_i / \sum_i c_i`
+    (each batch operator :math:`H_i` the mean over its :math:`c_i` sequences), as one operator.
+
+    ``parts``: a non-empty sequence of :class:`HessianOperator` (each holds its batch's factors) or of
+    callables ``() -> HessianOperator`` (built again for every product: one batch's factors in memory
+    at a time, each batch's forward pass recomputed per product), all over the same parameters,
+    shapes, dtype and device. ``counts``: each batch's sequence count, default each operator's
+    ``count``. ``progress``: a tqdm bar over the batches in each product (tqdm imported here only).
+    The result has the parts' views (``A[a, b]`` restricts every batch's product), ``count = Σ c_i``,
+    and the exact diagonal :math:`\sum_i c_i\,\mathrm{diag}\,H_i / \sum_i c_i` where every part has one.
+
+    Raises ``ValueError`` for an empty ``parts``, a part of other parameters, shapes, dtype or device
+    (named by its index; a callable's when it is built), counts missing or not positive integers, or
+    their number unlike the parts'; ``ImportError`` for ``progress=True`` without tqdm.
+    """
+    check_bool("progress", progress)
+    parts = list(parts)
+    if not parts:
+        raise ValueError("parts must hold at least one operator (or callable returning one)")
+    first = parts[0] if isinstance(parts[0], HessianOperator) else parts[0]()
+    if not isinstance(first, HessianOperator):
+        raise ValueError(f"parts[0] must be a HessianOperator or a callable returning one, got {type(first).__name__}")
+
+    def check(i, op):
+        if not isinstance(op, HessianOperator):
+            raise ValueError(f"parts[{i}] must be a HessianOperator or a callable returning one, got {type(op).__name__}")
+        same = (op.params == first.params and op.param_shapes == first.param_shapes and op.dtype == first.dtype
+                and op.device == first.device and op.is_square_view and op.names == op.params)
+        if not same:
+            raise ValueError(f"parts[{i}] is {op!r}; every part must be a whole operator like parts[0], {first!r}")
+        return op
+
+    check(0, first)
+    for i, p in enumerate(parts):
+        if isinstance(p, HessianOperator):
+            check(i, p)
+        elif not callable(p):
+            raise ValueError(f"parts[{i}] must be a HessianOperator or a callable returning one, got {type(p).__name__}")
+    if counts is None:
+        counts = [p.count if isinstance(p, HessianOperator) else None for p in parts]
+        if any(c is None for c in counts):
+            raise ValueError("counts must be given (each batch's sequence count) unless every part is an operator "
+                             "with a count")
+    counts = list(counts)
+    if len(counts) != len(parts):
+        raise ValueError(f"counts must have one entry per part ({len(parts)}), got {len(counts)}")
+    counts = [check_int(f"counts[{i}]", c, 1) for i, c in enumerate(counts)]
+    total = sum(counts)
+    weights = [c / total for c in counts]
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm as bar
+        except ImportError as e:  # the library runs without tqdm; only the progress bar needs it
+            raise ImportError("progress=True needs tqdm: pip install tqdm (or blockhess[lab])") from e
+
+    def each():
+        items = enumerate(zip(parts, weights))
+        if bar is not None:
+            items = bar(items, total=len(parts), desc="batches", leave=False)
+        for i, (p, w) in items:
+            yield (p if isinstance(p, HessianOperator) else check(i, p())), w
+
+    def product(V, wanted_out):
+        out = {}
+        for op, w in each():
+            y = op._product(V, wanted_out)
+            for a in wanted_out:
+                out[a] = y[a] * w if a not in out else out[a].add_(y[a], alpha=w)
+        return out
+
+    def diagonal(wanted):
+        out = {}
+        for op, w in each():
+            if op._diagonal is None:
+                raise NotImplementedError("a batch's operator offers no closed-form diagonal, so the mean has none; "
+                                          "blockhess.operators.hutchinson_diagonal estimates it by sampling")
+            y = op._diagonal(wanted)
+            for a in wanted:
+                out[a] = y[a] * w if a not in out else out[a].add_(y[a], alpha=w)
+        return out
+
+    has_diag = all(p._diagonal is not None for p in parts if isinstance(p, HessianOperator))
+    split = {v: t for v, t in first._vars.items() if v != t[0]}
+    return HessianOperator(product, first.params, first.param_shapes, first.dtype, first.device,
+                           diagonal=diagonal if has_diag else None, split=split, count=total,
+                           max_columns=first.max_columns)
