@@ -915,6 +915,18 @@ def test_models_bench_section():
           *b["m/vit/B8"][:2], *b["m/vit/B32"][:2], cb["m/gpt2/B8"]["methods"]["closed_form"]["median_s"], *b["m/gpt2/B8"][:2],
           b["m/vit/B8"][2], b["m/vit/B32"][2], b["m/gpt2/B8"][2]]),
     ])
+    rd = _bench_run("run20-models-870b317")
+    cd, d = ratios("run20-models-870b317")
+    loads = [w["load_before"][0] for c in cd.values() for e in c["methods"].values() if (w := e.get("watch"))]
+    check_quotes("docs/results.md", [
+        ("the same plan at load average {} at the start\nand {} at the end ({}–{} before each job; {} minutes): every time 2–3× "
+         "those above (ViT B = 8\n{} s, GPT-2 {} s),",
+         [rd["env"]["load_average_at_start"][0], rd["env"]["load_average_at_end"][0], min(loads), max(loads), rd["total_s"] / 60,
+          cd["m/vit/B8"]["methods"]["closed_form"]["median_s"], cd["m/gpt2/B8"]["methods"]["closed_form"]["median_s"]]),
+        ("against\n`torch.func.hessian` {}×, {}×, {}× (ViT B = 8, B = 32, GPT-2), against curvlinops {}×,\n{}×, {}×; peaks {}×, {}×, {}×.",
+         [d["m/vit/B8"][0], d["m/vit/B32"][0], d["m/gpt2/B8"][0], d["m/vit/B8"][1], d["m/vit/B32"][1], d["m/gpt2/B8"][1],
+          d["m/vit/B8"][2], d["m/vit/B32"][2], d["m/gpt2/B8"][2]]),
+    ])
     st = _bench_run("run20-baseline-settings")["cases"]
 
     def curv(cid, cols, mb=None):  # the whole batch (B, from the id) as one mini-batch unless mb
