@@ -19,8 +19,8 @@ refresh, update the quotes it reports as different. Timings are those of the mac
 refresh ran on (the load average beside them says how busy it was).
 
 The commands read or train the digits ViT at ``checkpoints/digits_vit.pt``. With no NAME,
-all runs: about 10 minutes on two busy shared cores, 6.5 minutes of CPU (``runs.json`` has
-each one's time).
+all runs: about 14 minutes on two busy shared cores, 8.5 minutes of CPU (``runs.json`` has
+each one's time; ``spectrum`` alone about 4 minutes).
 """
 
 from __future__ import annotations
