@@ -174,3 +174,22 @@ def test_the_presets_blocks_and_sizes():
     for bad in ("W_Q+W_Q#1", "W_Q#1+W_Q#1", "W_Q#12"):  # 12 heads: #0 .. #11
         with pytest.raises(ValueError, match="--blocks: "):
             spectrum.block_keys(bad, gpt2)
+
+
+def test_heads_and_joined_blocks_are_checked_like_parameters():
+    """A two-head model: a head's view (``W_Q#1``) and a joined block (``W_K#0+W_V``) by Lanczos against the
+    dense closed form's same views, every part."""
+    from blockhess.config import ModelConfig, BlockConfig
+
+    cfg = ModelConfig(blocks=(BlockConfig(d_model=8, d_ff=8, n_heads=2, d_k=4, ln_eps=1e-5),), embedding="linear", d_in=3,
+                      pool="mean", head=4)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64), torch.randint(0, 4, (3,), generator=gen)
+    problem = spectrum.Problem("test", cfg, bh.init_params(cfg, seed=0), [(x, y)], "ce", {})
+    keys = spectrum.block_keys("blocks.0.W_Q#1,blocks.0.W_K#0+blocks.0.W_V", cfg)
+    s = spectrum.Settings(parts=("full", "outer", "functional"), k=2, which="LA", tol=1e-10, max_matvecs=500,
+                          dense_below=0, density=None, trace=0, validate_below=1024, seed=0)
+    res = spectrum.spectra(problem, keys, s, quiet=True)
+    assert {k: res["blocks"][k]["full"]["n"] for k in keys} == {keys[0]: 8 * 4, keys[1]: 8 * 4 + 8 * 8}  # W_Q, W_K (8, 2·4), W_V (8, 8)
+    v = spectrum.validate(problem, keys, res["blocks"], s, torch.float64, quiet=True)
+    assert v["passed"] is True and set(v["blocks"]) == set(keys) and v["max_rel_diff"] <= spectrum.AGREEMENT
