@@ -575,6 +575,8 @@ def label(key: str, cfg) -> str:
 
 
 def figures(tmp: Path, problem: Problem, res: dict, ser: dict | None, s: Settings) -> list[str]:
+    """Write ``eigenvalues.png`` and, where computed, ``density.png``, ``trace.png`` and ``series.png``
+    into ``tmp``; returns their names."""
     labels = {key: label(key, problem.cfg) for key in res["blocks"]}
     title = {"digits": "digits ViT (trained)", "gpt2-block": "GPT-2-small-sized block (random)",
              "cifar100-vit": "CIFAR-100-sized ViT (random)"}[problem.preset]
@@ -616,6 +618,7 @@ def _g(x: float) -> str:
 
 
 def markdown(rep: dict) -> str:
+    """``spectrum.md``: the settings, a table per part, the check, the series' products and the run time."""
     s, res = rep["settings"], rep["spectra"]
     lines = [f"# blockhess spectrum: {rep['preset']}", "",
              f"Model: {', '.join(f'{k} {v}' for k, v in rep['model'].items() if k != 'preset')}. "
