@@ -867,6 +867,66 @@ def test_results_report_section():
     assert 0.01 <= pn["embedding"][-1] / pn["embedding"][0] - 1 <= pn["W_V"][-1] / pn["W_V"][0] - 1 <= 0.30
 
 
+def test_results_spectrum_section():
+    """docs/results.md's spectrum section: the per-block table, the check, the series and the cost quotes."""
+    sp, rep = data("spectrum"), data("report")
+    blocks, ops = sp["spectra"]["blocks"], sp["spectra"]["operators"]
+    start = "## Spectra per block, matrix-free (`blockhess spectrum`)"
+    rows = table("docs/results.md", "| block | n | products (full, outer, functional) |", start)
+    keys = ["W_E", "blocks.0.W_Q", "blocks.0.W_K", "blocks.0.W_V", "blocks.0.W_1", "blocks.0.W_2", "W_H"]
+    assert [row[0] for row in rows] == [f"`{k.removeprefix('blocks.0.')}`" for k in keys] and list(blocks) == keys
+    for row, key in zip(rows, keys):
+        b = blocks[key]
+        assert_shown(row[1], b["full"]["n"], f"spectrum table {key} n")
+        counts = row[2].removesuffix(" (dense)").split(", ")
+        assert row[2].endswith(" (dense)") == (b["full"]["method"] == "dense") and len(counts) == 3
+        for txt, part in zip(counts, ("full", "outer", "functional")):
+            assert_shown(txt, b[part]["matvecs"], f"spectrum table {key} {part} products")
+        for txt, part in zip(row[3:6], ("full", "outer", "functional")):
+            assert_shown(txt, b[part]["eigenvalues"][0], f"spectrum table {key} {part} top eigenvalue")
+        value, se = row[6].split(" ± ")
+        assert_shown(value, b["full"]["trace"]["value"], f"spectrum table {key} trace")
+        assert_shown(se, b["full"]["trace"]["stderr"], f"spectrum table {key} trace stderr")
+    assert [blocks[k]["full"]["method"] for k in keys] == ["dense"] + ["lanczos"] * 6
+    ratio = [b["outer"]["eigenvalues"][0] / b["functional"]["eigenvalues"][0] for b in blocks.values()
+             if b["functional"]["eigenvalues"][0] > 0]
+    assert blocks["W_H"]["functional"]["eigenvalues"] == [0.0] * 5
+    assert all(b["functional"]["matvecs"] == max(b[p]["matvecs"] for p in b) for k, b in blocks.items() if k != "W_H")
+    v = sp["validation"]
+    parts = [p for rec in v["blocks"].values() for p in rec["parts"].values()]
+    z = [p["trace_z"] for p in parts if p["trace_z"] is not None]
+    ser = sp["series"]
+    tops = {k: [row["eigenvalues"][0] for row in ser["blocks"][k]["full"]] for k in ser["blocks"]}
+    steps = [max(a / b, b / a) for parts_ in ser["blocks"].values() for rows_ in parts_.values()
+             for a, b in zip([r["eigenvalues"][0] for r in rows_], [r["eigenvalues"][0] for r in rows_[1:]])
+             if a > 0 and b > 0]
+    t = ser["matvecs_after_the_first"]
+    check_quotes("docs/results.md", [
+        ("`blockhess spectrum --series --tol 1e-8`\n(`runs.json`: {} s wall clock, {} s of CPU, load average {} at the start "
+         "and {} at the end)", [run("spectrum")["wall_s"], run("spectrum")["cpu_s"], run("spectrum")["load_average_start"][0],
+                                run("spectrum")["load_average_end"][0]]),
+        ("(the digits ViT of `make run`, n = {}; {} training images,\nseed {})", [sp["n_params"], sp["sequences"], sp["settings"]["seed"]]),
+        ("(8 probes × 32 steps) and the Hutch++ trace (30 products)", []),
+        ("functional part's top eigenvalues are\n{}–{}× smaller than the outer part's", [min(ratio), max(ratio)]),
+        ("float64), each part: the largest difference is {}\nof `‖A‖₂` ({} of {} pass", [v["max_rel_diff"], len(parts), len(parts)]),
+        ("(z from {} to {}; 10 samples", [min(z), max(z)]),
+        ("after the first point, {} products warm-started against {}\ncold ({} % fewer)",
+         [t["warm"], t["cold"], 100 * (1 - t["warm"] / t["cold"])]),
+        ("move by factors of\nup to {} between them (`W_V`: {} → {} → {} → {} → {} → {} → {})",
+         [max(steps), *tops["blocks.0.W_V"]]),
+        ("(`W_V` at step 1,000: {} in both)", [[tops["blocks.0.W_V"][5], rep["training_dynamics"]["snapshots"][5]["hessian_spectral_norm"]["W_V"]]]),
+        ("on 128 images: {} s (full), {} s (outer), {} s (functional)",
+         [ops["full"]["product_seconds"], ops["outer"]["product_seconds"], ops["functional"]["product_seconds"]]),
+    ])
+    assert v["passed"] and all(p["passed"] for p in parts) and v["max_rel_diff"] <= 1e-8 and len(v["blocks"]) == 7
+    assert all(abs(x) <= 4.5 for x in z) and sp["settings"]["trace"] == 30 and sp["settings"]["density"] == [8, 32]
+    assert ser["steps"] == [0, 200, 400, 600, 800, 1000, 2000] and sp["settings"]["tol"] == 1e-8
+    # the series' top eigenvalues at the snapshots equal the report's Fig. 5 spectral norms (dense, eigvalsh)
+    for key, group in (("blocks.0.W_Q", "W_Q"), ("blocks.0.W_K", "W_K"), ("blocks.0.W_V", "W_V")):
+        dense = [s_["hessian_spectral_norm"][group] for s_ in rep["training_dynamics"]["snapshots"]]
+        assert all(abs(a - b) <= 1e-8 * b for a, b in zip(tops[key], dense)), key
+
+
 def test_readme_thread_quotes():
     """The README's thread advice quotes the stored threads run next to a busy process pinned to one CPU."""
     import pathlib
@@ -972,6 +1032,14 @@ UNSTORED = {
         "95 s and 10.7 GB for\nall 128 images in a one-off measurement",  # the reason for checking the model on 16
         "a sequence's work space, 12.7 M entries at the\nstored run's commit and 4.4 M after",  # model.walk._sequence_entries
         "its reference is asymmetric\nby 7.9e-14 of its norm",  # measured once on the stored run's 8 images
+        # blockhess spectrum: a run at the default tol, and the presets' one-block runs (one-off, not stored)
+        "agreed to 9.0e-8 of `‖A‖₂` in an earlier run",
+        "the load average was\n3.4–4.6 during both",
+        "| `gpt2-block` (float32, B = 8, L = 256, MSE) | 7,087,872 | 1.44 s | 2.82 s | `W_O` top eigenvalue: 51 products, 85 s |",
+        "| `cifar100-vit` (float32, B = 8, 64 tokens, CE) | 1,460,964 | 1.36 s | 0.34 s | `blocks.0.W_V` top eigenvalue: 11 "
+        "products, 2.9 s |",
+        "(97 s wall clock in all)",
+        "(1.7 s per `W_O` product against 2.8 s)",
     ],
     "docs/bounds.md": [
         "up to ~0.45 in the search",

@@ -19,8 +19,8 @@ refresh, update the quotes it reports as different. Timings are those of the mac
 refresh ran on (the load average beside them says how busy it was).
 
 The commands read or train the digits ViT at ``checkpoints/digits_vit.pt``. With no NAME,
-all runs: about 10 minutes on two busy shared cores, 6.5 minutes of CPU (``runs.json`` has
-each one's time).
+all runs: about 14 minutes on two busy shared cores, 8.5 minutes of CPU (``runs.json`` has
+each one's time; ``spectrum`` alone about 4 minutes).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ RUNS = {
     "convergence-full": (["convergence"], "convergence.json"),
     "convergence-quick": (["convergence", "--quick"], "convergence.json"),
     "report": (["report"], "report.json"),
+    "spectrum": (["spectrum", "--series", "--tol", "1e-8"], "spectrum.json"),
 }
 
 
@@ -69,8 +70,18 @@ def _no_records(data: dict) -> dict:
     return {k: v for k, v in data.items() if k != "records"}
 
 
+def _no_density_curves(data: dict) -> dict:
+    """Each block's SLQ density without its curves on the grid (grid, density, stderr, quadrature error:
+    0.8 MB); its settings, width and products stay, and the figure shows the curves."""
+    curves = ("grid", "density", "stderr", "quadrature_error")
+    blocks = {key: {part: {**r, "density": {k: v for k, v in r["density"].items() if k not in curves}}
+                    if "density" in r else r for part, r in parts.items()}
+              for key, parts in data["spectra"]["blocks"].items()}
+    return {**data, "spectra": {**data["spectra"], "blocks": blocks}}
+
+
 #: name -> what the stored copy keeps of the command's JSON (all of it where absent)
-TRIM = {"bounds": _bounds, "scaling-full": _no_records, "scaling-quick": _no_records}
+TRIM = {"bounds": _bounds, "scaling-full": _no_records, "scaling-quick": _no_records, "spectrum": _no_density_curves}
 
 #: name -> (figure the command writes, name under docs/figures)
 FIGURES = {
@@ -79,6 +90,7 @@ FIGURES = {
     "convergence-full": [(f"{f}.png", f"convergence_{f}.png")
                          for f in ("differences", "bound", "taylor", "assumption1", "spectra")],
     "report": [("training_dynamics.png", "report_training_dynamics.png")],
+    "spectrum": [(f"{f}.png", f"spectrum_{f}.png") for f in ("eigenvalues", "density", "series")],
 }
 
 #: name -> (figure the command writes, name under docs/figures), stored reduced (:func:`_reduced`)

@@ -34,6 +34,7 @@ COMMANDS = {
     "convergence": "convergence",
     "validate": "validate",
     "bench": "bench",
+    "spectrum": "spectrum",
 }
 
 

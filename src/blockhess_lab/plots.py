@@ -5,7 +5,11 @@
 * :func:`block_norm_bars` — per block pair spectral norms, outer vs functional term;
 * :func:`eigen_spectrum` — sorted eigenvalues on a symmetric-log axis;
 * :func:`norm_grid` — ``log10`` of a norm per block pair as a matrix of cells (a model's parameter groups);
-* :func:`training_curves` — values per group against the training step (the paper's Fig. 5).
+* :func:`training_curves` — values per group against the training step (the paper's Fig. 5);
+* :func:`block_eigenvalues` — each block's top eigenvalues, one panel per Hessian part;
+* :func:`densities` — spectral densities with their error bands, one panel per block;
+* :func:`trace_bars` — traces with error bars per block and part;
+* :func:`eigenvalue_trajectories` — top eigenvalues against the training step per block, and products counts.
 
 Each returns nothing and writes one PNG; callers pass plain tensors/arrays and labels.
 """
@@ -21,7 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves"]
+__all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves",
+           "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories"]
 
 
 def log_abs(H, floor: float) -> np.ndarray:
@@ -209,4 +214,146 @@ def eigen_spectrum(path, panels: dict, suptitle: str) -> None:
     fig.suptitle(suptitle)
     fig.tight_layout()
     fig.savefig(Path(path), dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+PART_COLOURS = {"full": "0.15", "outer": "tab:blue", "functional": "tab:orange"}
+
+
+def _symlog(ax, values, axis: str = "y") -> None:
+    """A symmetric-log axis whose linear zone starts at the decade of the smallest non-zero ``|value|``,
+    at most six decades below the largest."""
+    mags = [abs(float(v)) for v in values if float(v) != 0.0]
+    big = max(mags + [1e-300])
+    lin = 10.0 ** max(math.floor(math.log10(min(mags))) if mags else -300, math.floor(math.log10(big)) - 6)
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("symlog", linthresh=lin)
+    ax.axhline(0, color="0.6", lw=0.6) if axis == "y" else ax.axvline(0, color="0.6", lw=0.6)
+
+
+def block_eigenvalues(path, panels: dict, suptitle: str) -> None:
+    """Each block's eigenvalues as dots above its label, one panel per part; ``panels``:
+    ``{part: {block label: (eigenvalues, method)}}``; method ``"dense"`` is drawn as an open square,
+    Lanczos as a dot; symmetric-log y axis."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, 0.5 * max(len(p) for p in panels.values()) + 2) * len(panels),
+                                                     4.6), squeeze=False)
+    for ax, (part, blocks) in zip(axes[0], panels.items()):
+        allv = []
+        for i, (name, (lam, method)) in enumerate(blocks.items()):
+            lam = np.asarray(lam, dtype=np.float64)
+            allv += list(lam)
+            if method == "dense":
+                ax.scatter(np.full(lam.shape, i), lam, s=26, facecolors="none", edgecolors=PART_COLOURS.get(part), lw=1.0)
+            else:
+                ax.scatter(np.full(lam.shape, i), lam, s=14, color=PART_COLOURS.get(part))
+        _symlog(ax, allv)
+        ax.set_xticks(range(len(blocks)), list(blocks), rotation=90, fontsize=7)
+        ax.set_title(part)
+        ax.set_ylabel("eigenvalue (symmetric log)")
+        ax.grid(alpha=0.3)
+    axes[0][0].scatter([], [], s=14, color="0.3", label="Lanczos")
+    axes[0][0].scatter([], [], s=26, facecolors="none", edgecolors="0.3", label="dense eigh (small block)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def densities(path, panels: dict, suptitle: str, ncols: int = 4) -> None:
+    """Spectral densities, one panel per block; ``panels``: ``{block label: {part: (grid, density,
+    stderr)}}``; a band of ±1 standard error; log y axis from 1e-4 of the panel's peak."""
+    nrows = math.ceil(len(panels) / ncols)
+    ncols = min(ncols, len(panels))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False)
+    for ax, (name, parts) in zip(axes.ravel(), panels.items()):
+        peak = max(float(np.max(d)) for _, d, _ in parts.values())
+        floor = 1e-4 * peak if peak > 0 else 1e-12
+        for part, (grid, dens, se) in parts.items():
+            grid, dens, se = (np.asarray(a, dtype=np.float64) for a in (grid, dens, se))
+            ax.plot(grid, np.maximum(dens, floor), color=PART_COLOURS.get(part), lw=1.1, label=part)
+            ax.fill_between(grid, np.maximum(dens - se, floor), np.maximum(dens + se, floor), color=PART_COLOURS.get(part),
+                            alpha=0.2, lw=0)
+        ax.set_yscale("log")
+        ax.set_ylim(floor, peak * 2)
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(panels):]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.supxlabel("eigenvalue")
+    fig.supylabel("density")
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def trace_bars(path, panels: dict, suptitle: str) -> None:
+    """Traces per block, grouped by part; ``panels``: ``{part: {block label: (value, stderr)}}``;
+    error bars of ±2 standard errors; symmetric-log y axis."""
+    parts = list(panels)
+    blocks = list(next(iter(panels.values())))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(blocks) * len(parts) ** 0.5 + 2), 4.2))
+    width = 0.8 / len(parts)
+    allv = []
+    for j, part in enumerate(parts):
+        vals = np.array([panels[part][b][0] for b in blocks], dtype=np.float64)
+        err = np.array([2 * panels[part][b][1] for b in blocks], dtype=np.float64)
+        allv += list(np.abs(vals) + err)
+        x = np.arange(len(blocks)) + (j - (len(parts) - 1) / 2) * width
+        ax.bar(x, vals, width, yerr=err, color=PART_COLOURS.get(part), label=part, capsize=2,
+               error_kw={"lw": 0.8})
+    _symlog(ax, allv)
+    ax.set_xticks(range(len(blocks)), blocks, rotation=90, fontsize=7)
+    ax.set_ylabel("trace (symmetric log)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def eigenvalue_trajectories(path, x, panels: dict, counts: dict, count_x, xlabel: str, suptitle: str,
+                            ticks=None, ncols: int = 4) -> None:
+    """Top eigenvalues against ``x`` (the training step), one panel per block (``{block label: {part:
+    [eigenvalues per point]}}``, one line per rank, the part's colour), and a last panel with the
+    products counts per point (``{series name: [count per point of count_x]}``); ``ticks``: labels for
+    ``x`` (e.g. checkpoint names)."""
+    n = len(panels) + 1
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False)
+    flat = axes.ravel()
+    for ax, (name, parts) in zip(flat, panels.items()):
+        allv = []
+        for part, rows in parts.items():
+            lam = np.asarray(rows, dtype=np.float64)  # (points, k)
+            allv += list(lam.ravel())
+            for r in range(lam.shape[1]):
+                ax.plot(x, lam[:, r], color=PART_COLOURS.get(part), lw=1.4 if r == 0 else 0.8, marker="o", ms=2,
+                        label=part if r == 0 else None)
+        _symlog(ax, allv)
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if ticks is not None:
+            ax.set_xticks(x, ticks, rotation=90, fontsize=6)
+    flat[0].legend(fontsize=7)
+    ax = flat[len(panels)]
+    for i, (name, vals) in enumerate(counts.items()):
+        ax.plot(count_x, vals, marker="o" if i == 0 else "s", ms=3, lw=1.2, label=name)
+    ax.set_title("Lanczos products per point", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if ticks is not None:
+        ax.set_xticks(count_x, ticks[1:], rotation=90, fontsize=6)
+    for ax in flat[n:]:
+        ax.axis("off")
+    fig.supxlabel(xlabel)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
     plt.close(fig)

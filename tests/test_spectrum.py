@@ -1,0 +1,195 @@
+"""``blockhess spectrum`` end to end on a tiny digits ViT checkpoint: the JSON's fields, the check
+against dense eigh (and that it can fail), the series with warm starts, the presets' blocks, and the
+one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import blockhess as bh
+from blockhess.config import param_shapes
+from blockhess_lab import spectrum
+from blockhess_lab import vit as V
+from blockhess_lab.cli import main
+
+TINY = {"patch": 4, "d_model": 8, "d_ff": 8, "d_k": 4, "ln_eps": 1e-5}
+PNG = b"\x89PNG\r\n\x1a\n"
+EPS64 = torch.finfo(torch.float64).eps
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    vit = V.train(0, steps=60, quiet=True, arch=TINY, optim={"warmup_steps": 5, "lr": 1e-2})
+    return str(V.save(vit, tmp_path_factory.mktemp("ck") / "tiny.pt"))
+
+
+def _spectrum(out, checkpoint, *extra):
+    return main(["spectrum", "--checkpoint", checkpoint, "--out", str(out), "--batch", "6", "--quiet", *extra])
+
+
+def test_spectrum_end_to_end(tmp_path, checkpoint, capsys):
+    out = tmp_path / "sp"
+    # W_V (64) and W_E+b_E (136) by Lanczos, b_H (10) dense, all (482) by Lanczos; a tight tol: agreement to 1e-8
+    rc = _spectrum(out, checkpoint, "--blocks", "blocks.0.W_V,W_E+b_E,b_H,all", "--dense-below", "40", "--k", "3",
+                   "--tol", "1e-9", "--density", "4,12", "--trace", "12")
+    assert rc == 0 and capsys.readouterr() == ("", "")
+    rep = json.loads((out / "spectrum.json").read_text())
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        ["spectrum.json", "spectrum.md", "eigenvalues.png", "density.png", "trace.png"])
+    assert all((out / f).read_bytes().startswith(PNG) for f in rep["figures"])
+    assert rep["converged"] and rep["n_params"] == sum(rep["sizes"].values()) == 482
+    blocks = rep["spectra"]["blocks"]
+    assert list(blocks) == ["blocks.0.W_V", "W_E+b_E", "b_H", "all"]
+    for key, n in (("blocks.0.W_V", 64), ("W_E+b_E", 136), ("b_H", 10), ("all", 482)):
+        for part in ("full", "outer", "functional"):
+            r = blocks[key][part]
+            assert r["n"] == n and r["k"] == 3 and len(r["eigenvalues"]) == len(r["residuals"]) == 3
+            assert r["method"] == ("dense" if n <= 40 else "lanczos")
+            assert r["method_reason"].startswith(f"n = {n} <= --dense-below 40" if n <= 40 else "block Lanczos")
+            assert r["converged"] and max(r["relative_residuals"]) <= 1e-9
+            assert r["matvecs"] >= 3 and r["seconds"] > 0 and r["eigenvalues"] == sorted(r["eigenvalues"], reverse=True)
+            d = r["density"]
+            assert (d["probes"], d["iterations"]) == (4, min(12, n)) and d["matvecs"] > 0 and d["sigma"] > 0
+            assert len(d["grid"]) == len(d["density"]) == len(d["stderr"]) == len(d["quadrature_error"]) == spectrum.GRID
+            t = r["trace"]
+            assert t["matvecs"] == min(12, n) and t["exact"] == (n <= 12)  # exact from the columns when n <= products
+        outer = blocks[key]["outer"]
+        assert min(outer["eigenvalues"]) >= -outer["n"] * EPS64 * outer["scale"]  # Gauss-Newton: PSD
+    v = rep["validation"]
+    assert v["passed"] is True and set(v["blocks"]) == set(blocks) and v["skipped"] == []
+    assert v["max_rel_diff"] <= spectrum.AGREEMENT
+    for key, rec in v["blocks"].items():
+        assert rec["seconds_closed_form"] > 0
+        for part, p in rec["parts"].items():
+            got = sorted(blocks[key][part]["eigenvalues"])
+            assert max(abs(a - b) for a, b in zip(got, p["dense_eigenvalues"])) <= p["bound"]
+            if p["trace_z"] is None:  # exact from the columns
+                assert p["trace_abs_error"] <= 1e-12 * max(1.0, abs(p["trace_exact"]))
+    ops = rep["spectra"]["operators"]
+    assert set(ops) == {"full", "outer", "functional"} and all(o["product_seconds"] > 0 for o in ops.values())
+    md = (out / "spectrum.md").read_text()
+    assert "| `W_E+b_E` | 136 | lanczos |" in md and "| `b_H` | 10 | dense |" in md and ": passed;" in md
+
+
+def test_the_dense_check_fails_on_a_wrong_eigenvalue(tmp_path, checkpoint, monkeypatch, capsys):
+    real = spectrum.lanczos_eigs
+
+    def off(*a, **k):  # as if Lanczos returned eigenvalues 1e-6 too high, residuals unchanged
+        r = real(*a, **k)
+        return type(r)(**{**r.__dict__, "eigenvalues": r.eigenvalues * (1 + 1e-6)})
+
+    monkeypatch.setattr(spectrum, "lanczos_eigs", off)
+    out = tmp_path / "sp"
+    rc = _spectrum(out, checkpoint, "--blocks", "blocks.0.W_V", "--parts", "full", "--k", "2", "--tol", "1e-10",
+                   "--density", "0", "--trace", "0", "--dense-below", "0")
+    assert rc == 1
+    assert "the check against dense eigh FAILED" in capsys.readouterr().err
+    rep = json.loads((out / "spectrum.json").read_text())  # written first
+    assert rep["validation"]["passed"] is False and not rep["validation"]["blocks"]["blocks.0.W_V"]["parts"]["full"]["passed"]
+
+
+def test_series_warm_starts(tmp_path, checkpoint):
+    out = tmp_path / "sp"
+    rc = _spectrum(out, checkpoint, "--series", "--blocks", "blocks.0.W_V,blocks.0.W_1", "--parts", "full", "--k", "3",
+                   "--tol", "1e-10", "--density", "0", "--trace", "0", "--dense-below", "0", "--validate-below", "0")
+    assert rc == 0
+    rep = json.loads((out / "spectrum.json").read_text())
+    ser = rep["series"]
+    assert ser["kind"] == "snapshots" and ser["steps"] == [0, 12, 24, 36, 48, 60]  # 60 steps: the last is a snapshot
+    assert (out / "series.png").read_bytes().startswith(PNG)
+    vit = V.load(rep["checkpoint"][0])
+    for key in ("blocks.0.W_V", "blocks.0.W_1"):
+        rows = ser["blocks"][key]["full"]
+        assert "matvecs_warm" not in rows[0] and all("matvecs_warm" in r for r in rows[1:])
+        for row in rows[1:]:  # warm and cold agree to their residuals
+            assert row["converged"] and row["max_abs_diff_warm_cold"] <= row["diff_bound"]
+        # the second snapshot's top eigenvalue is that of its own Hessian (not the previous point's)
+        m = vit.at_step(12)
+        idx = torch.randperm(len(vit.train_labels), generator=torch.Generator().manual_seed(3))[:6].sort().values
+        H = bh.hessian(m.params, m.model_inputs(m.train_images[idx]), m.model_cfg, loss="ce",
+                       target=m.train_labels[idx], wrt=[key])
+        top = float(torch.linalg.eigvalsh(H[key, key])[-1])
+        assert abs(rows[1]["eigenvalues"][0] - top) <= rows[1]["residuals"][0] + 64 * EPS64 * abs(top)
+    t = ser["matvecs_after_the_first"]
+    rows = [r for k in ser["blocks"] for r in ser["blocks"][k]["full"][1:]]
+    assert t == {"warm": sum(r["matvecs_warm"] for r in rows), "cold": sum(r["matvecs_cold"] for r in rows)}
+    # warm or cold is measured, not asserted: these snapshots are 12 steps of lr 1e-2 apart, and the counts were equal
+
+
+def test_a_series_of_checkpoints_warm_starts_from_the_previous_vectors(tmp_path, checkpoint):
+    """The same checkpoint twice: the second point's warm start is the first point's eigenvectors of the same
+    operator, so its Krylov space holds them after k products, and the run stops near 2k (k more for the final
+    residuals) where the cold run takes several times k."""
+    out = tmp_path / "sp"
+    rc = _spectrum(out, checkpoint, "--checkpoint", checkpoint, checkpoint, "--blocks", "blocks.0.W_V,W_E", "--parts", "full,outer", "--k", "3",
+                   "--tol", "1e-10", "--density", "0", "--trace", "0", "--dense-below", "0", "--validate-below", "0")
+    assert rc == 0
+    ser = json.loads((out / "spectrum.json").read_text())["series"]
+    assert ser["kind"] == "checkpoints" and ser["labels"] == [checkpoint, checkpoint] and ser["steps"] == [None, None]
+    for key in ("blocks.0.W_V", "W_E"):
+        for part in ("full", "outer"):
+            first, second = ser["blocks"][key][part]
+            # 3k: the previous vectors are eigenvectors to their residual (about tol), one or two products more
+            # can be needed to reach tol again (measured: 7 for k = 3)
+            assert second["matvecs_warm"] <= 3 * 3 < second["matvecs_cold"] == first["matvecs_cold"]
+            assert second["max_abs_diff_warm_cold"] <= second["diff_bound"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--blocks", "blocks.0.W_X"], "--blocks: unknown block 'blocks.0.W_X'; this model has W_E, b_E, blocks.0.W_Q"),
+    (["--blocks", "W_E,,W_H"], "--blocks must be a comma-separated list without empty entries"),
+    (["--blocks", "W_E+W_E"], "--blocks: 'W_E+W_E' joins overlapping variables"),
+    (["--parts", "full,gauss"], "--parts: unknown part 'gauss'; expected some of full, outer, functional"),
+    (["--density", "8"], "--density must be PROBES,ITERATIONS (two integers) or 0, got '8'"),
+    (["--trace", "2"], "--trace must be 0 (none) or at least 4 products, got 2"),
+    (["--k", "0"], "--k must be >= 1, got 0"),
+    (["--tol", "1e-17"], "--tol must be above the dtype's epsilon"),
+    (["--preset", "gpt2-block", "--series"], "--series and --checkpoint are for the digits preset"),
+    (["--batch", "2000"], "--batch 2000 is larger than the"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, msg, tmp_path, checkpoint, capsys):
+    out = tmp_path / "sp"
+    ck = [] if "--preset" in argv else ["--checkpoint", checkpoint]
+    assert main(["spectrum", *ck, "--out", str(out), "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"blockhess spectrum: error: {msg}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_the_presets_blocks_and_sizes():
+    gpt2 = spectrum.GPT2_BLOCK
+    assert (gpt2.d_model, gpt2.n_heads, gpt2.d_ff, gpt2.norm, gpt2.causal) == (768, 12, 3072, "pre", True)
+    assert spectrum.block_keys(None, gpt2) == ["W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"]
+    assert sum(map(lambda s: torch.Size(s).numel(), param_shapes(gpt2).values())) == 7_087_872
+    vit = spectrum.CIFAR_VIT
+    keys = spectrum.block_keys(None, vit)
+    assert keys[0] == "W_E" and keys[-1] == "W_H" and len(keys) == 8 * 5 + 2
+    assert param_shapes(vit)["W_E"] == (48, 128) and param_shapes(vit)["W_H"] == (128, 100)
+    x = torch.rand(1, *vit.image, dtype=torch.float64)
+    assert bh.forward(bh.init_params(vit, seed=0), x, vit).shape == (1, 100)
+    assert spectrum.block_keys("W_Q#3,W_O+W_1,all", gpt2) == ["W_Q#3", "W_O+W_1", "all"]
+    for bad in ("W_Q+W_Q#1", "W_Q#1+W_Q#1", "W_Q#12"):  # 12 heads: #0 .. #11
+        with pytest.raises(ValueError, match="--blocks: "):
+            spectrum.block_keys(bad, gpt2)
+
+
+def test_heads_and_joined_blocks_are_checked_like_parameters():
+    """A two-head model: a head's view (``W_Q#1``) and a joined block (``W_K#0+W_V``) by Lanczos against the
+    dense closed form's same views, every part."""
+    from blockhess.config import ModelConfig, BlockConfig
+
+    cfg = ModelConfig(blocks=(BlockConfig(d_model=8, d_ff=8, n_heads=2, d_k=4, ln_eps=1e-5),), embedding="linear", d_in=3,
+                      pool="mean", head=4)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 5, 3, generator=gen, dtype=torch.float64), torch.randint(0, 4, (3,), generator=gen)
+    problem = spectrum.Problem("test", cfg, bh.init_params(cfg, seed=0), [(x, y)], "ce", {})
+    keys = spectrum.block_keys("blocks.0.W_Q#1,blocks.0.W_K#0+blocks.0.W_V", cfg)
+    s = spectrum.Settings(parts=("full", "outer", "functional"), k=2, which="LA", tol=1e-10, max_matvecs=500,
+                          dense_below=0, density=None, trace=0, validate_below=1024, seed=0)
+    res = spectrum.spectra(problem, keys, s, quiet=True)
+    assert {k: res["blocks"][k]["full"]["n"] for k in keys} == {keys[0]: 8 * 4, keys[1]: 8 * 4 + 8 * 8}  # W_Q, W_K (8, 2·4), W_V (8, 8)
+    v = spectrum.validate(problem, keys, res["blocks"], s, torch.float64, quiet=True)
+    assert v["passed"] is True and set(v["blocks"]) == set(keys) and v["max_rel_diff"] <= spectrum.AGREEMENT
