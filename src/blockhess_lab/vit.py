@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as Fn
 
-from blockhess.config import BlockConfig, init_params
+from blockhess.config import BlockConfig, ModelConfig, block_prefix, init_params
 from blockhess.reference import forward as block_forward
 from .runtime import progress, torch_threads
 
@@ -277,6 +277,29 @@ class TrainedViT:
         vit = replace(self, params=self.init_params_, _cast={})
         vit.test_accuracy = vit.accuracy(self.test_images, self.test_labels)
         return vit
+
+    # -- the whole model as a blockhess model ----------------------------------------------
+    @property
+    def model_cfg(self) -> ModelConfig:
+        """The whole ViT as a :class:`blockhess.config.ModelConfig`: patch embedding of ``(1, 8, 8)``
+        images with its bias, fixed sinusoidal positions, the block, mean pooling, the 10-class head
+        with its bias. ``bh.hessian(vit.model_params(), vit.model_inputs(images), vit.model_cfg,
+        loss="ce", target=labels)`` is the exact Hessian of the model's mean cross-entropy w.r.t. every
+        weight (its block rows and columns are the block's Hessian with ``loss=vit.head_loss``)."""
+        return ModelConfig(blocks=(self.cfg,), embedding="patch", image=(1, IMAGE_SIZE, IMAGE_SIZE),
+                           patch=self.arch["patch"], positions="sinusoidal", pool="mean", head=N_CLASSES)
+
+    def model_params(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """Every weight in ``dtype`` (fresh copies) under :attr:`model_cfg`'s names (the block's as
+        ``blocks.0.W_Q``, ...), in its canonical order."""
+        return {(block_prefix(0) + n if n in BLOCK_NAMES else n): self.params[n].to(dtype).clone() for n in MODEL_NAMES}
+
+    def model_inputs(self, images: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``images`` ``(B, 8, 8)`` as :attr:`model_cfg` takes them: ``(B, 1, 8, 8)`` in ``dtype``."""
+        if not isinstance(images, torch.Tensor) or images.ndim != 3:
+            raise ValueError(f"images must be a tensor of shape (B, {IMAGE_SIZE}, {IMAGE_SIZE}), got "
+                             f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
+        return images[:, None].to(dtype)
 
     # -- the model, piece by piece ---------------------------------------------------------
     @property
