@@ -25,7 +25,7 @@ calls it, with its own shard and the same everything else, and each call goes th
    function first does (shapes, dtypes, devices, finite values, ``wrt``) and describes what must be
    the same everywhere (a fingerprint: the config, the loss, the ``wrt`` names, the dtype and device
    type, the shape of one sequence and of its target, every parameter's name, shape, dtype and a
-   SHA-256 of its values, the function and its options, blockhess' version); one ``all_gather_object``
+   SHA-256 of its values, the function and its options); one ``all_gather_object``
    of these and the shard sizes;
 2. the single-process function on the shard (:func:`blockhess.hessian`,
    :mod:`blockhess.convergence`);
@@ -62,7 +62,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import __version__, convergence
+from . import convergence as cv
 from .block import check_inputs, select_wrt
 from .config import BlockConfig, ModelConfig, model_param_shapes, param_shapes
 from .hessian import hessian as single_hessian
@@ -327,8 +327,8 @@ def _prepare(g: _Group, function: str, params, X, cfg, loss, target, wrt, option
         if not g.takes(like.device):
             raise ValueError(f"the process group's backend {g.backend} takes CUDA tensors, and the result would be on "
                              f"{like.device}: use gloo for CPU tensors")
-        fp = {"blockhess version": __version__, "the function and its options": (function, options),
-              "the kind of cfg": type(cfg).__name__, **{f"cfg.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)},
+        fp = {"the function and its options": (function, options), "the kind of cfg": type(cfg).__name__,
+              **{f"cfg.{f.name}": repr(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)},
               "loss": _loss_name(loss), "wrt (the names differentiated)": names,
               "the dtype": str(like.dtype), "the device type": like.device.type, "the shape of one sequence": one}
         if count:
@@ -484,28 +484,28 @@ def _per_sample(function: str, params, X, cfg, loss, target, wrt, options: dict,
 
 
 def per_sample_losses(params: dict, X, cfg: BlockConfig, loss="mse", target=None, *, group=None) -> torch.Tensor:
-    """:func:`blockhess.convergence.per_sample_losses` of every rank's shard, ``(N,)`` in the global order
+    """:func:`blockhess.cv.per_sample_losses` of every rank's shard, ``(N,)`` in the global order
     (rank 0's sequences first), on every rank (collective; module docstring). Raises as
     :func:`hessian`, and :class:`DistributedInputError` for a :class:`~blockhess.config.ModelConfig`
     (the single-process function takes a block)."""
     return _per_sample("per_sample_losses", params, X, cfg, loss, target, None, {}, group,
-                       lambda sh, N: convergence.per_sample_losses(params, X, cfg, loss=loss, target=target),
+                       lambda sh, N: cv.per_sample_losses(params, X, cfg, loss=loss, target=target),
                        lambda sh: ())
 
 
 def per_sample_gradients(params: dict, X, cfg: BlockConfig, loss="mse", target=None, wrt=None, *,
                          group=None) -> torch.Tensor:
-    """:func:`blockhess.convergence.per_sample_gradients` of every rank's shard, ``(N, n)`` in the global
+    """:func:`blockhess.cv.per_sample_gradients` of every rank's shard, ``(N, n)`` in the global
     order, on every rank (collective; module docstring). Raises as :func:`per_sample_losses`."""
     return _per_sample("per_sample_gradients", params, X, cfg, loss, target, wrt, {}, group,
-                       lambda sh, N: convergence.per_sample_gradients(params, X, cfg, loss=loss, target=target,
+                       lambda sh, N: cv.per_sample_gradients(params, X, cfg, loss=loss, target=target,
                                                                       wrt=sh.names),
                        lambda sh: (_size(sh),))
 
 
 def per_sample_hessians(params: dict, X, cfg: BlockConfig, loss="mse", target=None, wrt=None, *,
                         group=None) -> torch.Tensor:
-    """:func:`blockhess.convergence.per_sample_hessians` of every rank's shard, ``(N, n, n)`` in the global
+    """:func:`blockhess.cv.per_sample_hessians` of every rank's shard, ``(N, n, n)`` in the global
     order, on every rank (collective; module docstring). Raises as :func:`per_sample_losses`, and
     :class:`DistributedInputError` (an ``InsufficientMemoryError`` of a rank) before the local work
     where the ``N·n²`` entries, twice (gathered and stacked), would not fit on that rank."""
@@ -513,21 +513,21 @@ def per_sample_hessians(params: dict, X, cfg: BlockConfig, loss="mse", target=No
         n = _size(sh)
         check_fits(2 * N * n * n * sh.like.element_size(), f"the {N} per-sample {n}x{n} Hessians gathered from "
                    "every rank", sh.like.device)
-        return convergence.per_sample_hessians(params, X, cfg, loss=loss, target=target, wrt=sh.names)
+        return cv.per_sample_hessians(params, X, cfg, loss=loss, target=target, wrt=sh.names)
 
     return _per_sample("per_sample_hessians", params, X, cfg, loss, target, wrt, {}, group, rows,
                        lambda sh: (_size(sh), _size(sh)))
 
 
-#: the per-sample fields of :class:`blockhess.convergence.PerSampleStats` that are one number per sample
+#: the per-sample fields of :class:`blockhess.cv.PerSampleStats` that are one number per sample
 _SCALARS = ("loss", "spectral", "spectral_residual", "frobenius", "grad_norm")
 
 
 def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=None,
                           directions: torch.Tensor | None = None, *, wrt=None, chunk_size: int = 8,
                           lanczos_iters: int | None = 64, lanczos_tol: float = 1e-10, keep_grads: bool = False,
-                          progress: Callable[[int], None] | None = None, group=None) -> convergence.PerSampleStats:
-    r""":func:`blockhess.convergence.per_sample_statistics` of every rank's shard, gathered to every rank
+                          progress: Callable[[int], None] | None = None, group=None) -> cv.PerSampleStats:
+    r""":func:`blockhess.cv.per_sample_statistics` of every rank's shard, gathered to every rank
     in the global order (rank 0's sequences first; collective, module docstring): the losses
     :math:`l_i`, gradient norms, spectral and Frobenius norms of the per-sample Hessians and the
     quadratic forms along ``directions`` that Theorem 7 takes (its constants are the maxima:
@@ -553,7 +553,7 @@ def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=
         return len(_SCALARS) + 2 * max(D, 0) + (_size(sh) if keep_grads else 0)
 
     def rows(sh, N) -> torch.Tensor:
-        st = convergence.per_sample_statistics(params, X, cfg, loss=loss, target=target, directions=directions,
+        st = cv.per_sample_statistics(params, X, cfg, loss=loss, target=target, directions=directions,
                                                wrt=sh.names, chunk_size=chunk_size, lanczos_iters=lanczos_iters,
                                                lanczos_tol=lanczos_tol, keep_grads=keep_grads, progress=progress)
         cols = [getattr(st, k)[:, None] for k in _SCALARS] + [st.grad_dot, st.quad] + ([st.grads] if keep_grads else [])
@@ -566,4 +566,4 @@ def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=
     out["grad_dot"] = packed[:, d0 : d0 + D].clone()
     out["quad"] = packed[:, d0 + D : d0 + 2 * D].clone()
     out["grads"] = packed[:, d0 + 2 * D :].clone() if keep_grads else None
-    return convergence.PerSampleStats(**out)
+    return cv.PerSampleStats(**out)
