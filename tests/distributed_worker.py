@@ -132,6 +132,9 @@ def _main(rank: int) -> dict:
     s["fault-wrt-input"] = lambda: bhd.hessian(*args(part(case("block"), rank)), **kw(part(case("block"), rank)),
                                                wrt_input=rank == 1).dense()
 
+    s["fault-model-stats"] = lambda: bhd.per_sample_losses(*args(part(case("model"), rank)), loss="ce",
+                                                           target=part(case("model"), rank)["target"])
+
     def raises_runtime():
         if rank == 1:
             raise RuntimeError("not an input error")

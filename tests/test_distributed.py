@@ -160,6 +160,7 @@ FAULTS = {  # scenario -> (error on every rank, words its message must hold)
     "fault-order": ("DistributedInputError", ["the part made", "'outer'", "'functional'"]),
     "fault-all-empty": ("DistributedInputError", ["every rank's shard is empty"]),
     "fault-wrt-input": ("DistributedInputError", ["rank 1 raised ValueError: wrt_input must be False"]),
+    "fault-model-stats": ("DistributedInputError", ["cfg must be a BlockConfig for per_sample_losses"]),
     "fault-runtime": ("DistributedError", ["a step: rank 1 raised RuntimeError: not an input error"]),
 }
 
@@ -284,6 +285,8 @@ def test_the_command_under_torchrun_says_a_mistake_in_one_line_on_every_rank(tmp
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=WALL)
     assert done.returncode != 0
     line = f"blockhess distributed: error: rank 0: --n-images {n} is larger than the {n - 1} training images"
-    assert done.stderr.count(line) == 2, done.stderr[-3000:]  # each rank's one line (torchrun may interleave them)
-    assert done.stderr.count("exitcode  : 2") == 2  # torchrun's report of each rank: the user's mistake
+    # each rank raises and says it in one line; torchrun ends the other rank once one has exited, which may be
+    # before that rank has written its line (every rank's error is tested in the group main)
+    assert 1 <= done.stderr.count(line) <= 2, done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr  # torchrun's report of the first rank to exit: the user's mistake
     assert "blockhess_lab" not in done.stderr and not (tmp_path / "out").exists()  # no traceback of ours, nothing written

@@ -6,7 +6,7 @@ images sharded over the processes of a ``torchrun`` launch (:mod:`blockhess.dist
     torchrun --standalone --nproc_per_node=2 -m blockhess distributed --out runs/distributed
 
 Each process takes its contiguous share of the first ``--n-images`` training images (default: all
-1,437; :func:`blockhess.distributed.shard`) and computes, by the closed form, the Hessian of the mean
+1,438; :func:`blockhess.distributed.shard`) and computes, by the closed form, the Hessian of the mean
 cross-entropy over its share: of the whole model w.r.t. every weight (``--what model``: patch
 embedding, block, head; ``n = 2,042``) or of the block w.r.t. its weights with the head's
 cross-entropy as its loss (``--what block``, ``n = 1,792``); one ``all_reduce`` gives every process the
