@@ -1,9 +1,9 @@
 r"""Dataset-level curvature on ``torch.distributed``: each rank holds a shard of the data, and every
 rank gets the result over all of it (docs/distributed.md).
 
->>> import blockhess.distributed as bhd                                   # doctest: +SKIP
->>> rows = bhd.shard(len(X))                      # this rank's contiguous share of the dataset
->>> H = bhd.hessian(params, X[rows], cfg, loss="ce", target=y[rows])    # on every rank  # doctest: +SKIP
+>>> import blockhess.distributed as bhd
+>>> rows = bhd.shard(len(X))                   # this rank's contiguous share  # doctest: +SKIP
+>>> H = bhd.hessian(params, X[rows], cfg, loss="ce", target=y[rows])   # on every rank  # doctest: +SKIP
 
 A dataset split over the ``W`` ranks of a process group, shard ``r`` holding ``B_r`` sequences, has
 the mean loss over all ``N = Σ_r B_r`` sequences (the convention of a batch,
