@@ -403,3 +403,15 @@ def test_embed_refuses_raw_pixels_and_other_shapes(tiny):
         tiny.embed(tiny.train_images[:2] * 16)  # scikit-learn's raw 0-16 digits
     with pytest.raises(ValueError, match=r"images must be a tensor of shape \(B, 8, 8\) or \(8, 8\), got \(2, 64\)"):
         tiny.embed(tiny.train_images[:2].reshape(2, 64))
+
+
+def test_the_whole_model_as_a_model_config(tiny):
+    images = tiny.train_images[:5]
+    cfg, params, inputs = tiny.model_cfg, tiny.model_params(), tiny.model_inputs(images)
+    assert list(params) == list(bh.config.model_param_shapes(cfg))
+    assert_close(bh.forward(params, inputs, cfg), tiny.logits(images))
+    H = bh.hessian(params, inputs, cfg, loss="ce", target=tiny.train_labels[:5])
+    Hb = bh.hessian(tiny.block_params(), tiny.embed(images), tiny.cfg, loss=tiny.head_loss, target=tiny.train_labels[:5])
+    for a in V.BLOCK_NAMES:
+        for b in V.BLOCK_NAMES:
+            assert_close(H["blocks.0." + a, "blocks.0." + b], Hb[a, b], scale=float(Hb.dense().norm()), what=f"{a}, {b}")

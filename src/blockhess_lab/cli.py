@@ -32,6 +32,7 @@ COMMANDS = {
     "bounds": "bounds",
     "scaling": "scaling",
     "convergence": "convergence",
+    "distributed": "distributed",
     "validate": "validate",
     "bench": "bench",
     "spectrum": "spectrum",
