@@ -94,6 +94,22 @@ def _main(rank: int) -> dict:
         {"X": case("ce")["X"][2], "target": case("ce")["target"][2]} if rank == 1 else {})})
     s["empty"] = lambda: _hessian_with_parts(part(case("block"), rank, (0, 5)))
 
+    def operator(name, split=SPLIT):  # products of the collective operator, each part, and top eigenvalues on it
+        from blockhess.operators import lanczos_eigs
+        c = part(case(name), rank, split)
+        out = {}
+        for which in ("full", "outer", "functional"):
+            A = bhd.hessian_operator(*args(c), **kw(c), part=which)
+            V = torch.randn(A.shape[0], 3, generator=torch.Generator().manual_seed(11), dtype=DT)
+            out[which] = A @ V
+        out["V"] = V
+        out["top"] = lanczos_eigs(bhd.hessian_operator(*args(c), **kw(c)), 2, tol=1e-10, seed=0).eigenvalues
+        return out
+
+    for name in ("block", "model"):
+        s[f"operator-{name}"] = lambda name=name: operator(name)
+    s["operator-empty"] = lambda: operator("block", (0, 5))
+
     def stats(split=SPLIT):
         c = part(case("stats"), rank, split)
         U = torch.nn.functional.normalize(torch.randn(2, 88, generator=torch.Generator().manual_seed(3), dtype=DT), dim=1)

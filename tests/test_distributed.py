@@ -130,6 +130,19 @@ def test_hessian_and_parts_equal_one_process_on_the_whole_data(runs, name):
     _same_on_both(values, ("full", "outer", "functional"))
 
 
+@pytest.mark.parametrize("name", ["operator-block", "operator-model", "operator-empty"])
+def test_operator_products_and_eigenvalues_equal_one_process(runs, name):
+    """bhd.hessian_operator: each part's products, and Lanczos' top eigenvalues run on every rank."""
+    values = _values(runs, name)
+    c = W.case("model" if name.endswith("model") else "block")
+    H = bh.hessian(*W.args(c), **W.kw(c))
+    V = values[0]["V"]
+    for which, ref in (("full", H), ("outer", H.outer), ("functional", H.functional)):
+        _close(values[0][which], ref.dense() @ V, f"{name}: {which} A @ V")
+    _close(values[0]["top"].sort().values, torch.linalg.eigvalsh(H.dense())[-2:], f"{name}: top eigenvalues")
+    _same_on_both(values, ("full", "outer", "functional", "top"))
+
+
 @pytest.mark.parametrize("name", ["stats", "stats-empty"])
 def test_per_sample_results_equal_one_process_in_the_global_order(runs, name):
     values = _values(runs, name)

@@ -66,11 +66,14 @@ from . import convergence as cv
 from .block import check_inputs, select_wrt
 from .config import BlockConfig, ModelConfig, model_param_shapes, param_shapes
 from .hessian import hessian as single_hessian
+from .operators import HessianOperator, head_views
+from .operators import hessian_operator as single_operator
 from .model.forward_pass import check_model_inputs, model_input
 from .result import BlockSum, HessianBlocks, pairs
 from .validation import check_fits, check_int, check_result
 
 __all__ = [
+    "hessian_operator",
     "DistributedError",
     "DistributedInputError",
     "CollectiveError",
@@ -567,3 +570,65 @@ def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=
     out["quad"] = packed[:, d0 + D : d0 + 2 * D].clone()
     out["grads"] = packed[:, d0 + 2 * D :].clone() if keep_grads else None
     return cv.PerSampleStats(**out)
+
+
+# ----------------------------------------------------------------------------- the operator
+
+
+def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, part: str = "full", *,
+                     group=None) -> HessianOperator:
+    r"""The matrix-free Hessian of the mean loss over every rank's shard:
+    :func:`blockhess.hessian_operator` on the shards concatenated in rank order, on every rank
+    (collective; module docstring).
+
+    Arguments as :func:`hessian` (``part`` as :func:`blockhess.hessian_operator`); the inputs are checked
+    and agreed as there before any work. Each product ``A @ V`` is collective: every rank multiplies
+    its own shard's operator (:func:`blockhess.hessian_operator`, the forward pass and adjoints kept
+    once), scales it by its share ``B_r / N`` and one ``all_reduce`` of the ``n_out × k`` rows sums
+    them, so **every rank must make the same products in the same order** (an estimator with the same
+    seed on every rank does: the sums are the same bits on every rank, so are its next vectors). A
+    product that raises on one rank makes every rank raise :class:`DistributedError` (an error flag
+    rides in the same ``all_reduce``); a rank that exits, :class:`CollectiveError`. Views ``A[a, b]``
+    are collective the same way.
+
+    Raises as :func:`hessian` (before any product).
+    """
+    g = _Group(group)
+    sh, counts = _prepare(g, "hessian_operator", params, X, cfg, loss, target, wrt, {"part": part})
+    total = sum(counts)
+
+    def local():
+        return single_operator(params, X, cfg, loss=loss, target=target, wrt=sh.names, part=part) if sh.count else None
+
+    op, _ = g.agree("blockhess.distributed.hessian_operator: the local operators", local)
+    like = sh.like
+    sizes = {k: int(torch.Size(sh.shapes[k]).numel()) for k in sh.names}
+
+    def product(V: dict, wanted_out: tuple) -> dict:
+        k = next(iter(V.values())).shape[0] if V else 1
+        n_out = sum(sizes[a] for a in wanted_out)
+        buf = like.new_zeros(n_out * k + 1)  # the rows, then the error flag
+        mine = None
+        if op is not None:
+            try:
+                cols = torch.cat([V[a].reshape(k, -1) if a in V else like.new_zeros(k, sizes[a]) for a in sh.names], 1)
+                rows = op[tuple(wanted_out), tuple(sh.names)] @ cols.T.contiguous()  # (n_out, k)
+                buf[:-1] = (rows * (sh.count / total)).reshape(-1)
+            except Exception as exc:  # noqa: BLE001 — every rank must hear of it
+                mine = exc
+                buf.zero_()
+                buf[-1] = 1
+        g.all_reduce(buf, "the all-reduce of a Hessian-vector product")
+        if float(buf[-1]) > 0:
+            raise DistributedError(f"blockhess.distributed.hessian_operator: a product failed on "
+                                   f"{int(buf[-1])} rank(s)" + (f"; on rank {g.rank}: {_first_line(mine)}" if mine else ""),
+                                   {g.rank: _sendable(mine)} if mine else {}) from mine
+        rows = buf[:-1].reshape(n_out, k)
+        out, off = {}, 0
+        for a in wanted_out:
+            out[a] = rows[off:off + sizes[a]].T.reshape(k, *sh.shapes[a])
+            off += sizes[a]
+        return out
+
+    return HessianOperator(product, sh.names, {k: sh.shapes[k] for k in sh.names}, like.dtype, like.device,
+                           split=head_views(cfg), count=total)
