@@ -766,7 +766,7 @@ def markdown(results: dict) -> str:
             mine = p["loss"] == "mse" and not p.get("heads")  # the issue measured the paper's block
             issue = "; ".join(f"{METHOD_LABEL[k].split(':')[0]} {v}" for k, v in ISSUE_HESSIAN.get(key, {}).items()) if mine else ""
             ro = _ratio(c, "closed_form_out")
-            w(f"| {c['id']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | {_fmt_x(None if not fl else 1 / fl)} | "
+            w(f"| {c['id']} | {format(c['n'], ',') if c.get('n') else '—'} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | {_fmt_x(None if not fl else 1 / fl)} | "
               f"{_cell(c, 'closed_form_out')} | {_fmt_x(None if not ro else 1 / ro)} | "
               f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'jax')}{comp} | {_x(c, 'jax')} | "
               f"{_cell(c, 'curvlinops')} | {_x(c, 'curvlinops')} | {_cell(c, 'autograd')} | {_x(c, 'autograd')} | {issue} |")
@@ -783,7 +783,7 @@ def markdown(results: dict) -> str:
             model = (f"digits ViT, {p['blocks']} block{'s' if p['blocks'] > 1 else ''}" if p["model"] == "vit" else
                      f"GPT-2, {p['blocks']} layer{'s' if p['blocks'] > 1 else ''}, d = {p['d']}, {p['heads']} heads, vocabulary {p['vocab']}, {p['positions']} positions")
             cols = c["methods"].get("curvlinops", {}).get("columns")
-            w(f"| {c['id']} | {model} | {p['B']} | {c.get('n') or '—':,} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | "
+            w(f"| {c['id']} | {model} | {p['B']} | {format(c['n'], ',') if c.get('n') else '—'} | {_cell(c, 'closed_form')} | {_cell(c, 'floor')} | "
               f"{_cell(c, 'func_hessian')} | {_x(c, 'func_hessian')} | {_cell(c, 'curvlinops')}{f' ({cols:,} columns)' if cols else ''} | "
               f"{_x(c, 'curvlinops')} |")
         w("")
