@@ -24,7 +24,7 @@ from .layers import attention
 from .threads import TRANSPOSE_ENTRIES, threads_for
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "BlockSum", "HeadSplitSum", "head_split", "pairs", "relabel"]
+__all__ = ["HessianBlocks", "BlockSum", "HeadSplitSum", "InputSplitSum", "head_split", "pairs", "relabel"]
 
 Key = tuple[str, str]
 
@@ -371,16 +371,19 @@ def _embed(value: torch.Tensor, ref: tuple, idx: tuple) -> torch.Tensor:
 
 
 class HeadSplitSum:
-    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`."""
+    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`;
+    ``prefix``: the public names are ``prefix + name`` in ``acc`` (a block's weights in a model's
+    Hessian, ``"blocks.0."``)."""
 
-    def __init__(self, acc: BlockSum, cfg: BlockConfig):
+    def __init__(self, acc: BlockSum, cfg: BlockConfig, prefix: str = ""):
         self.acc = acc
         self.split = head_split(cfg)
+        self.prefix = prefix
         self.dense = acc.buffer is not None
         self.pending: dict[tuple[str, str], torch.Tensor] = {}
 
     def pub(self, n: str) -> str:
-        return self.split[n][0] if n in self.split else n
+        return self.prefix + (self.split[n][0] if n in self.split else n)
 
     def wants(self, a: str, b: str) -> bool:
         return self.acc.wants(self.pub(a), self.pub(b))
@@ -392,7 +395,7 @@ class HeadSplitSum:
     def _ref(self, n: str):
         if n in self.split:
             return self.split[n][1], self.split[n][2]
-        shape = self.acc.shapes[n]
+        shape = self.acc.shapes[self.pub(n)]
         return shape, tuple(slice(None) for _ in shape)
 
     def _sub(self, n: str) -> tuple:
@@ -404,7 +407,7 @@ class HeadSplitSum:
         if not self.wants(a, b):
             return
         A, B = self.pub(a), self.pub(b)
-        if A == "X" and B == "X":
+        if a == b == "X":
             self._add_xx(value if diag is None else torch.diag_embed(value, 0, *diag))
             return
         if a not in self.split and b not in self.split:
@@ -439,7 +442,7 @@ class HeadSplitSum:
             if a == b == "X":
                 self.add(a, b, sandwich(F1, F2, omega, core))
             else:
-                self.acc.add_sandwich(a, b, F1, F2, omega, core)
+                self.acc.add_sandwich(self.pub(a), self.pub(b), F1, F2, omega, core)
             return
         if not self._ordered(a, b):
             a, b = b, a
@@ -479,21 +482,50 @@ class HeadSplitSum:
         self.pending[key] = self.pending[key] + full if key in self.pending else full
 
     def _add_xx(self, value: torch.Tensor) -> None:
-        shape = self.acc.shapes["X"]
+        X = self.pub("X")
+        shape = self.acc.shapes[X]
         if self.acc.per_sequence:
-            self.acc.add("X", "X", value)
+            self.acc.add(X, X, value)
             return
         if len(shape) == 2:
-            self.acc.add("X", "X", value.reshape(*shape, *shape))
+            self.acc.add(X, X, value.reshape(*shape, *shape))
             return
         Bn, L, d = shape
         v = value.reshape(Bn, L, d, L, d)
         if self.dense:
-            self.acc.add_diagonal("X", "X", 0, 3, v.permute(1, 2, 3, 4, 0))
+            self.acc.add_diagonal(X, X, 0, 3, v.permute(1, 2, 3, 4, 0))
         else:
-            self.acc.add("X", "X", torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
+            self.acc.add(X, X, torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
 
     def finish(self) -> None:
         for (A, B), v in self.pending.items():
             self.acc.add(A, B, v.reshape(self.acc.sizes[A], self.acc.sizes[B]))
         self.pending = {}
+
+
+class InputSplitSum:
+    """Routes a block's blocks by whether they hold its input: those with ``X`` to ``with_x``, the
+    rest to ``weights`` (both :class:`HeadSplitSum`; a block as a model's stage keeps its input's
+    blocks per sequence and writes its weights' straight into the model's dense Hessian)."""
+
+    def __init__(self, with_x: HeadSplitSum, weights: HeadSplitSum):
+        self.with_x, self.weights = with_x, weights
+
+    def _to(self, a: str, b: str) -> HeadSplitSum:
+        return self.with_x if a == "X" or b == "X" else self.weights
+
+    def wants(self, a: str, b: str) -> bool:
+        return self._to(a, b).wants(a, b)
+
+    def add(self, a: str, b: str, value: torch.Tensor, diag: tuple[int, int] | None = None) -> None:
+        self._to(a, b).add(a, b, value, diag)
+
+    def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
+        self._to(a, b).add_sandwich(a, b, F1, F2, omega, core)
+
+    def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
+        self._to(a, b).add_diagonal(a, b, dim1, dim2, value)
+
+    def finish(self) -> None:
+        self.with_x.finish()
+        self.weights.finish()

@@ -7,9 +7,10 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
-* ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
-  at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
-  ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
+* ``curv(g, names, acc)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
+  at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``;
+  the ``θθ`` blocks, summed over the batch, are added to ``acc`` (the model's dense
+  :class:`~blockhess.result.BlockSum` over the public names) where they lie.
 
 A block is a stage through :mod:`blockhess.block` (its factors, its input Jacobian and its
 contracted second derivatives w.r.t. ``(X, θ)``: Theorems 4–5 with the input as a variable); the
@@ -28,7 +29,7 @@ from ..block import contract_output, jacobian_factors
 from ..block.directional import hvp
 from ..config import param_shapes
 from ..layers import layernorm
-from ..result import BlockSum
+from ..result import BlockSum, HeadSplitSum, InputSplitSum
 
 __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage", "OutputLoss", "SoftmaxHead",
            "TIED_HEAD"]
@@ -37,8 +38,8 @@ __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage"
 TIED_HEAD = "W_E@head"
 
 
-def _none_curv(g, names):
-    return None, {}, {}
+def _none_curv(g, names, acc):
+    return None, {}
 
 
 class EmbeddingStage:
@@ -190,7 +191,7 @@ class NormStage:
                                            + s * (dx - dx.mean(-1, keepdim=True) - 3 * self.y * ydx / d))
         return gx, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc):
         B, L, d = self.x.shape
         gt = g.reshape(B, L, d)
         Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma)  # (B, L, d, d)
@@ -199,7 +200,7 @@ class NormStage:
         Xt = {}
         if self.g_name in names:  # d2(g.u)/dx_t dgamma = J_n,t^T diag(g_t)
             Xt[self.g_name] = (self.Jn * gt[..., :, None]).transpose(-1, -2).reshape(B, L * d, d)
-        return XX, Xt, {}
+        return XX, Xt
 
 
 class PoolStage:
@@ -291,14 +292,14 @@ class HeadStage:
             out[b] = dg.sum((1, 2))
         return gh, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc):
         B, P, d = self.h.shape
         C = self.W.shape[1]
         Xt = {}
         if self.names[0] in names:  # d2(g.z)/dh_ti dW_jc = delta_ij g_tc
             eye = torch.eye(d, dtype=g.dtype, device=g.device)
             Xt[self.names[0]] = torch.einsum("ij,btc->btijc", eye, g.reshape(B, P, C)).reshape(B, P * d, d * C)
-        return None, Xt, {}
+        return None, Xt
 
 
 class BlockStage:
@@ -334,17 +335,20 @@ class BlockStage:
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         return self.Jx @ G
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc):
+        """``(XX, Xθ)`` of the block (:func:`blockhess.block.contract_output` with ``X`` a variable): the
+        blocks with ``X`` per sequence, its weights' pairs written into ``acc`` (no copy of them held)."""
         k = len(self.prefix)
         local = ("X",) + tuple(n[k:] for n in names)
         shapes = {"X": (self.B, self.L, self.d), **param_shapes(self.c.cfg)}
-        acc = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
-        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, acc)
+        xs = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
+        both = InputSplitSum(HeadSplitSum(xs, self.c.cfg), HeadSplitSum(acc, self.c.cfg, self.prefix))
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, both)
+        both.finish()
         m = self.L * self.d
-        XX = acc.blocks.get(("X", "X"))
-        Xt = {self.prefix + b: v.reshape(self.B, m, -1) for (a, b), v in acc.blocks.items() if a == "X" and b != "X"}
-        tt = {(self.prefix + a, self.prefix + b): v for (a, b), v in acc.blocks.items() if a != "X"}
-        return XX, Xt, tt
+        XX = xs.blocks.get(("X", "X"))
+        Xt = {self.prefix + b: v.reshape(self.B, m, -1) for (a, b), v in xs.blocks.items() if a == "X" and b != "X"}
+        return XX, Xt
 
 
 class OutputLoss:

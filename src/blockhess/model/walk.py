@@ -138,9 +138,7 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
                     acc.add(w, v, st.vjp(r, [v], summed=True)[v])
         XX, Xt = None, {}
         if functional:
-            XX, Xt, tt = st.curv(g, here)
-            for (a, b), v in tt.items():
-                acc.add(a, b, v)
+            XX, Xt = st.curv(g, here, acc.acc)
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
