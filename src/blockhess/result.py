@@ -185,6 +185,7 @@ class BlockSum:
     def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero
         blocks), with ``parts`` (``which -> HessianBlocks``, see :class:`HessianBlocks`) if given."""
+        self._workspace = None  # the sums are done: their scratch goes before the mirror touches the lower triangle
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
@@ -199,7 +200,6 @@ class BlockSum:
                             self.blocks[(a, b)].add_(lower.T)
                     if a != b:
                         self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
-            self._workspace = None
         return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer, parts, cfg=cfg)
 
 

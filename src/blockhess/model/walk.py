@@ -108,7 +108,10 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
     At the current level ``Psi`` ``(B, m, m)`` and, for each later variable ``u``, its rows of ``K^T``
     ``(B, n_u, m)`` (``later``, a list: each is taken through a stage and dropped in turn, so one
     level's rows are held once); a block with a later variable is one summed vector–Jacobian product
-    of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
+    of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`). A
+    stage's own variables are taken one at a time: ``Psi J_v``, its pairs with the variables before
+    it, its rows one level down, then dropped (the stage's curvature first, so that its work space
+    meets none of them)."""
     Psi, later, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
@@ -121,43 +124,48 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         st = stages[k]
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
-        own = []
+        last = not below or bool(G and k == j0)  # no rows go further down (the bottom stages carry tangents up)
         if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
             TPsi = torch.einsum("bmn,bmr->bnr", G[k], Psi)
             for v in here:
                 _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
             del TPsi
-        if here:
-            for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
-                for u, r in later:
+        if here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
+            for i in range(len(later)):
+                u, r = later[i]
+                for v in here:
                     acc.add(u, v, st.vjp(r, [v], summed=True)[v])
-            P = st.vjp(Psi, here)  # {v: (B, m, n_v)}: Psi J_v per sequence
-            own = [(w, P.pop(w).transpose(1, 2).contiguous()) for w in here]  # rows J_w^T Psi, (B, n_w, m)
-            for i, (v, _) in enumerate(own):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
-                for w, r in own[: i + 1]:
-                    acc.add(w, v, st.vjp(r, [v], summed=True)[v])
+                if last:
+                    later[i] = (u, None)
+                del r
+        if last:
+            later = []
         XX, Xt = None, {}
         if functional:
             XX, Xt = st.curv(g, here, acc.acc)
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
+        down = []
+        for i, v in enumerate(here):  # the stage's own pairs (v, w), w not after v: Σ_b J_v^T Psi J_w
+            r = st.vjp(Psi, [v])[v].transpose(1, 2)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
+            for w in here[: i + 1]:
+                acc.add(v, w, st.vjp(r, [w], summed=True)[w])
+            if not last:  # J_x^T Psi J_v + M_xv: v's rows one level down
+                r = st.back(r)
+                if v in Xt:
+                    r += Xt.pop(v).transpose(1, 2)
+                down.append((v, r))
+            del r
         if not below:
             return
-        if G and k == j0:  # below: the bottom stages, whose blocks with everything above are done
-            own, later = [], []
+        Xt = None
         PsiJx = st.back(Psi)  # (B, m, m_in): Psi J_x
         Psi = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
         del PsiJx
         if XX is not None:
             Psi += XX
-        down = []
-        for w, r in own:  # J_x^T Psi J_θ + M_xθ: the stage's own variables' rows one level down
-            r = st.back(r)
-            if w in Xt:
-                r += Xt[w].transpose(1, 2)
-            down.append((w, r))
-        del own
+        del XX
         while later:  # J_x^T K, one later variable's rows at a time (the old ones dropped as they go)
             u, r = later.pop(0)
             down.append((u, st.back(r)))
@@ -267,6 +275,7 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+        del t, st, top  # a pass's trace and stages go before the next pass's are built
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
         if (name, name) in acc.blocks:
             blk = acc.blocks[(name, name)]
