@@ -146,21 +146,22 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
+        PsiJx = st.back(Psi) if below else None  # (B, m, m_in): Psi J_x
         down = []
         for i, v in enumerate(here):  # the stage's own pairs (v, w), w not after v: Σ_b J_v^T Psi J_w
             r = st.vjp(Psi, [v])[v].transpose(1, 2)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
             for w in here[: i + 1]:
                 acc.add(v, w, st.vjp(r, [w], summed=True)[w])
-            if not last:  # J_x^T Psi J_v + M_xv: v's rows one level down
-                r = st.back(r)
-                if v in Xt:
-                    r += Xt.pop(v).transpose(1, 2)
-                down.append((v, r))
             del r
+            if not last:  # v's rows one level down, J_v^T Psi J_x + M_vx: the m_in rows of J_x^T Psi through J_v
+                D = st.vjp(PsiJx.transpose(1, 2), [v])[v]  # (B, m_in, n_v)
+                if v in Xt:
+                    D += Xt.pop(v)
+                down.append((v, D.transpose(1, 2)))
+                del D
         if not below:
             return
         Xt = None
-        PsiJx = st.back(Psi)  # (B, m, m_in): Psi J_x
         Psi = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
         del PsiJx
         if XX is not None:
