@@ -158,6 +158,11 @@ class BlockSum:
             self._workspace = self.buffer.new_empty(need)
         sandwich_into(target, F1, F2, omega, core, accumulate=accumulate, workspace=self._workspace)
 
+    def free_scratch(self) -> None:
+        """Drop the scratch :meth:`write_sandwich` reuses (allocated again by the next one): for a
+        caller whose later additions write no sandwiches, or before :meth:`result`."""
+        self._workspace = None
+
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``
         (``a`` not after ``b``); ``value`` is laid out as :func:`torch.diagonal` returns it.
@@ -185,7 +190,7 @@ class BlockSum:
     def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero
         blocks), with ``parts`` (``which -> HessianBlocks``, see :class:`HessianBlocks`) if given."""
-        self._workspace = None  # the sums are done: their scratch goes before the mirror touches the lower triangle
+        self.free_scratch()  # the sums are done: their scratch goes before the mirror touches the lower triangle
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
@@ -505,27 +510,33 @@ class HeadSplitSum:
 
 class InputSplitSum:
     """Routes a block's blocks by whether they hold its input: those with ``X`` to ``with_x``, the
-    rest to ``weights`` (both :class:`HeadSplitSum`; a block as a model's stage keeps its input's
-    blocks per sequence and writes its weights' straight into the model's dense Hessian)."""
+    rest to ``weights`` (each a :class:`HeadSplitSum`, or ``None``: those pairs are not wanted). A
+    block as a model's stage keeps its input's blocks per sequence, and writes its weights' pairs
+    straight into the model's dense Hessian in passes of their own."""
 
-    def __init__(self, with_x: HeadSplitSum, weights: HeadSplitSum):
+    def __init__(self, with_x: HeadSplitSum | None, weights: HeadSplitSum | None):
         self.with_x, self.weights = with_x, weights
 
-    def _to(self, a: str, b: str) -> HeadSplitSum:
+    def _to(self, a: str, b: str) -> HeadSplitSum | None:
         return self.with_x if a == "X" or b == "X" else self.weights
 
     def wants(self, a: str, b: str) -> bool:
-        return self._to(a, b).wants(a, b)
+        to = self._to(a, b)
+        return to is not None and to.wants(a, b)
 
     def add(self, a: str, b: str, value: torch.Tensor, diag: tuple[int, int] | None = None) -> None:
-        self._to(a, b).add(a, b, value, diag)
+        if self.wants(a, b):
+            self._to(a, b).add(a, b, value, diag)
 
     def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
-        self._to(a, b).add_sandwich(a, b, F1, F2, omega, core)
+        if self.wants(a, b):
+            self._to(a, b).add_sandwich(a, b, F1, F2, omega, core)
 
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
-        self._to(a, b).add_diagonal(a, b, dim1, dim2, value)
+        if self.wants(a, b):
+            self._to(a, b).add_diagonal(a, b, dim1, dim2, value)
 
     def finish(self) -> None:
-        self.with_x.finish()
-        self.weights.finish()
+        for side in (self.with_x, self.weights):
+            if side is not None:
+                side.finish()

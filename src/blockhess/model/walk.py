@@ -141,8 +141,8 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         if last:
             later = []
         XX, Xt = None, {}
-        if functional:
-            XX, Xt = st.curv(g, here, acc.acc)
+        if functional and below:  # (its pairs among its own variables are _weight_pairs')
+            XX, Xt = st.curv(g, here)
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
@@ -173,6 +173,24 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
             del r
         later = down
         g = st.back(g[:, None])[:, 0]
+
+
+def _weight_pairs(stages, top, wanted: set, acc: BlockSum) -> None:
+    """Add every block's second derivatives among its own variables over ``wanted``, contracted
+    with the gradient at its output and summed over the pass's sequences
+    (:meth:`~.stages.BlockStage.weight_pairs`), to ``acc``: the functional part's pairs that need
+    none of the walk's rows, only the forward pass and the gradient, taken down the stages
+    (a block's :meth:`~.stages.BlockStage.grad_in`, no input Jacobian formed)."""
+    g = top.gradient()
+    first = next((k for k, s in enumerate(stages) if isinstance(s, BlockStage)), len(stages))
+    for k in reversed(range(first, len(stages))):
+        st = stages[k]
+        if isinstance(st, BlockStage):
+            st.weight_pairs(g, [n for n in st.names if n in wanted], acc)
+            if k > first:
+                g = st.grad_in(g.reshape(st.B, st.L, st.d)).reshape(st.B, -1)
+        else:
+            g = st.back(g[:, None])[:, 0]
 
 
 def _bottom_tangents(stages, wanted: set):
@@ -248,22 +266,42 @@ def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
     return per
 
 
+def _weight_entries(cfg: ModelConfig, L: int, loss) -> int:
+    """Entries one sequence adds to a pass of the blocks' weight pairs (:func:`_weight_pairs`):
+    every block's forward cache and factors without its input (:func:`blockhess.block.work_entries`,
+    ``"factors"``), the largest block's contraction on top (``"hessian"`` less ``"factors"``), the
+    gradient's rows; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    P = 1 if cfg.pool != "none" else L
+    per = sum(work_entries(b, 1, L, "factors") for b in cfg.blocks)
+    per += max(work_entries(b, 1, L, "hessian") - work_entries(b, 1, L, "factors") for b in cfg.blocks)
+    per += 4 * L * max(cfg.d_model, cfg.n_out)
+    if callable(loss):
+        per += 2 * (P * cfg.n_out) ** 2
+    return per
+
+
 def _fixed_entries(cfg: ModelConfig, n: int) -> int:
     """Entries a pass holds besides its sequences': the summed product of one variable's rows with
     another's (the largest pair, three times: the product, its layout and the addition)."""
     return 3 * _stage_entries(cfg, largest=True) ** 2
 
 
-def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> list[slice]:
-    """The batch's sequences, one slice per pass: as many as fit in ``PASS_BYTES`` or half the
-    dense result, whichever is more (:func:`_sequence_entries`)."""
+def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[list[slice], list[slice]]:
+    """The batch's sequences, one slice per pass: ``(walk, pairs)``. The walk's passes take as many
+    as fit in ``PASS_BYTES`` or half the dense result, whichever is more (:func:`_sequence_entries`);
+    the blocks' weight pairs' as many as fit in what one walk pass may hold (:func:`_weight_entries`),
+    so that they raise no peak."""
     room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
     size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
-    return [slice(s, min(s + size, B)) for s in range(0, B, size)]
+    pairs = max(1, min(B, size * _sequence_entries(cfg, L, n, loss) // _weight_entries(cfg, L, loss)))
+    return ([slice(s, min(s + size, B)) for s in range(0, B, size)],
+            [slice(s, min(s + pairs, B)) for s in range(0, B, pairs)])
 
 
 @serial()
 def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None) -> HessianBlocks:
+    """``chunks``: ``(walk, pairs)``, the slices of the walk's passes (:func:`_sequence_entries`) and
+    of the blocks' weight pairs' (:func:`_weight_entries`; the functional part's only)."""
     shapes = model_param_shapes(cfg)
     wanted = set(names)
     if cfg.tied and "W_E" in wanted:
@@ -271,7 +309,16 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
     B = inputs.shape[0]
     acc = BlockSum(names, shapes, dense=True, dtype=like.dtype, device=like.device)
     fold = _Fold(acc, shapes)
-    for rows in chunks:
+    walk_chunks, pair_chunks = chunks
+    if which in ("full", "functional"):
+        for rows in pair_chunks:
+            t = trace(params, inputs[rows], cfg, first=rows.start, wrt_input=False)
+            tg = target[rows] if isinstance(target, torch.Tensor) else target
+            st, top = stages_of(t, loss, tg, B, rows.start, dense=False)
+            _weight_pairs(st, top, wanted, acc)
+            del t, st, top
+        acc.free_scratch()  # the walk's passes write no sandwiches
+    for rows in walk_chunks:
         t = trace(params, inputs[rows], cfg, first=rows.start)
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
@@ -332,16 +379,15 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     n = sum(math.prod(shapes[k]) for k in names)
     L = n_tokens(cfg, inputs)
     chunks = _chunks(cfg, B, L, n, loss, e)
-    rows = max(len(range(B)[c]) for c in chunks)
+    rows = max(len(range(B)[c]) for c in chunks[0])  # the pairs' passes hold no more than the walk's
+    need = (n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
-    check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e,
-               f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
+    check_fits(need, f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
                like.device)
 
     def part(which: str) -> HessianBlocks:
-        check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
-                   f"({n}x{n}) with a pass", like.device)
+        check_fits(need, f"the {which} part of the Hessian ({n}x{n}) with a pass", like.device)
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
 
     return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part)
