@@ -24,7 +24,7 @@ from .layers import attention
 from .threads import TRANSPOSE_ENTRIES, threads_for
 from .validation import check_fits
 
-__all__ = ["HessianBlocks", "BlockSum", "HeadSplitSum", "head_split", "pairs", "relabel"]
+__all__ = ["HessianBlocks", "BlockSum", "HeadSplitSum", "InputSplitSum", "head_split", "pairs", "relabel"]
 
 Key = tuple[str, str]
 
@@ -158,6 +158,11 @@ class BlockSum:
             self._workspace = self.buffer.new_empty(need)
         sandwich_into(target, F1, F2, omega, core, accumulate=accumulate, workspace=self._workspace)
 
+    def free_scratch(self) -> None:
+        """Drop the scratch :meth:`write_sandwich` reuses (allocated again by the next one): for a
+        caller whose later additions write no sandwiches, or before :meth:`result`."""
+        self._workspace = None
+
     def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
         """Add ``value`` on the diagonal ``(dim1, dim2)`` of pair ``(a, b)`` viewed as ``shape_a + shape_b``
         (``a`` not after ``b``); ``value`` is laid out as :func:`torch.diagonal` returns it.
@@ -185,6 +190,7 @@ class BlockSum:
     def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero
         blocks), with ``parts`` (``which -> HessianBlocks``, see :class:`HessianBlocks`) if given."""
+        self.free_scratch()  # the sums are done: their scratch goes before the mirror touches the lower triangle
         if self.buffer is not None:
             for i, a in enumerate(self.names):
                 for b in self.names[i:]:
@@ -199,7 +205,6 @@ class BlockSum:
                             self.blocks[(a, b)].add_(lower.T)
                     if a != b:
                         self._mirror(self.blocks[(a, b)], self.buffer[self.slices[b], self.slices[a]])
-            self._workspace = None
         return HessianBlocks(self.names, self.shapes, self.blocks, like, self.buffer, parts, cfg=cfg)
 
 
@@ -371,16 +376,19 @@ def _embed(value: torch.Tensor, ref: tuple, idx: tuple) -> torch.Tensor:
 
 
 class HeadSplitSum:
-    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`."""
+    """Adds blocks of internal variables (head column groups, ``X``) into a public :class:`BlockSum`;
+    ``prefix``: the public names are ``prefix + name`` in ``acc`` (a block's weights in a model's
+    Hessian, ``"blocks.0."``)."""
 
-    def __init__(self, acc: BlockSum, cfg: BlockConfig):
+    def __init__(self, acc: BlockSum, cfg: BlockConfig, prefix: str = ""):
         self.acc = acc
         self.split = head_split(cfg)
+        self.prefix = prefix
         self.dense = acc.buffer is not None
         self.pending: dict[tuple[str, str], torch.Tensor] = {}
 
     def pub(self, n: str) -> str:
-        return self.split[n][0] if n in self.split else n
+        return self.prefix + (self.split[n][0] if n in self.split else n)
 
     def wants(self, a: str, b: str) -> bool:
         return self.acc.wants(self.pub(a), self.pub(b))
@@ -392,7 +400,7 @@ class HeadSplitSum:
     def _ref(self, n: str):
         if n in self.split:
             return self.split[n][1], self.split[n][2]
-        shape = self.acc.shapes[n]
+        shape = self.acc.shapes[self.pub(n)]
         return shape, tuple(slice(None) for _ in shape)
 
     def _sub(self, n: str) -> tuple:
@@ -404,7 +412,7 @@ class HeadSplitSum:
         if not self.wants(a, b):
             return
         A, B = self.pub(a), self.pub(b)
-        if A == "X" and B == "X":
+        if a == b == "X":
             self._add_xx(value if diag is None else torch.diag_embed(value, 0, *diag))
             return
         if a not in self.split and b not in self.split:
@@ -439,7 +447,7 @@ class HeadSplitSum:
             if a == b == "X":
                 self.add(a, b, sandwich(F1, F2, omega, core))
             else:
-                self.acc.add_sandwich(a, b, F1, F2, omega, core)
+                self.acc.add_sandwich(self.pub(a), self.pub(b), F1, F2, omega, core)
             return
         if not self._ordered(a, b):
             a, b = b, a
@@ -479,21 +487,56 @@ class HeadSplitSum:
         self.pending[key] = self.pending[key] + full if key in self.pending else full
 
     def _add_xx(self, value: torch.Tensor) -> None:
-        shape = self.acc.shapes["X"]
+        X = self.pub("X")
+        shape = self.acc.shapes[X]
         if self.acc.per_sequence:
-            self.acc.add("X", "X", value)
+            self.acc.add(X, X, value)
             return
         if len(shape) == 2:
-            self.acc.add("X", "X", value.reshape(*shape, *shape))
+            self.acc.add(X, X, value.reshape(*shape, *shape))
             return
         Bn, L, d = shape
         v = value.reshape(Bn, L, d, L, d)
         if self.dense:
-            self.acc.add_diagonal("X", "X", 0, 3, v.permute(1, 2, 3, 4, 0))
+            self.acc.add_diagonal(X, X, 0, 3, v.permute(1, 2, 3, 4, 0))
         else:
-            self.acc.add("X", "X", torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
+            self.acc.add(X, X, torch.diag_embed(v.permute(1, 2, 3, 4, 0), 0, 0, 3))
 
     def finish(self) -> None:
         for (A, B), v in self.pending.items():
             self.acc.add(A, B, v.reshape(self.acc.sizes[A], self.acc.sizes[B]))
         self.pending = {}
+
+
+class InputSplitSum:
+    """Routes a block's blocks by whether they hold its input: those with ``X`` to ``with_x``, the
+    rest to ``weights`` (each a :class:`HeadSplitSum`, or ``None``: those pairs are not wanted). A
+    block as a model's stage keeps its input's blocks per sequence, and writes its weights' pairs
+    straight into the model's dense Hessian in passes of their own."""
+
+    def __init__(self, with_x: HeadSplitSum | None, weights: HeadSplitSum | None):
+        self.with_x, self.weights = with_x, weights
+
+    def _to(self, a: str, b: str) -> HeadSplitSum | None:
+        return self.with_x if a == "X" or b == "X" else self.weights
+
+    def wants(self, a: str, b: str) -> bool:
+        to = self._to(a, b)
+        return to is not None and to.wants(a, b)
+
+    def add(self, a: str, b: str, value: torch.Tensor, diag: tuple[int, int] | None = None) -> None:
+        if self.wants(a, b):
+            self._to(a, b).add(a, b, value, diag)
+
+    def add_sandwich(self, a: str, b: str, F1, F2, omega=None, core=None) -> None:
+        if self.wants(a, b):
+            self._to(a, b).add_sandwich(a, b, F1, F2, omega, core)
+
+    def add_diagonal(self, a: str, b: str, dim1: int, dim2: int, value: torch.Tensor) -> None:
+        if self.wants(a, b):
+            self._to(a, b).add_diagonal(a, b, dim1, dim2, value)
+
+    def finish(self) -> None:
+        for side in (self.with_x, self.weights):
+            if side is not None:
+                side.finish()

@@ -26,7 +26,7 @@ from ..config import BlockConfig, param_shapes
 from ..kronecker import TokenKron
 from ..layers import attention, ffn, layernorm
 from ..layers.protocol import Contraction
-from ..result import BlockSum, HeadSplitSum
+from ..result import BlockSum, HeadSplitSum, InputSplitSum
 from ..validation import check_fits, check_result
 from . import forward_pass  # forward_pass.forward_cache looked up when called: one forward pass to replace in checks
 from .first_order import Factors, attention_input_jacobian, jacobian_factors
@@ -244,10 +244,11 @@ def contract_output(c: Cache, g, f: Factors, acc, omega_Z: torch.Tensor | None =
 
     ``g`` has the shape of the output, ``(B, L, d)`` (``None``: no functional term). ``omega_Z``
     (``(T, d, d)``, per token) adds the outer term :math:`J^\top \Omega J` on the same pass.
-    ``acc`` is a :class:`~blockhess.result.BlockSum` over the public names. Theorem 5 contracted
-    (docs/derivations.md §6, §10). No checks (kernel).
+    ``acc`` is a :class:`~blockhess.result.BlockSum` over the public names (or a
+    :class:`~blockhess.result.HeadSplitSum` or :class:`~blockhess.result.InputSplitSum` over them,
+    finished by the caller). Theorem 5 contracted (docs/derivations.md §6, §10). No checks (kernel).
     """
-    wrap = acc if isinstance(acc, HeadSplitSum) else HeadSplitSum(acc, c.cfg)
+    wrap = acc if isinstance(acc, (HeadSplitSum, InputSplitSum)) else HeadSplitSum(acc, c.cfg)
     _walk(c, f, wrap, None if g is None else g.reshape(-1, c.cfg.d_model), omega_Z)
     if wrap is not acc:
         wrap.finish()

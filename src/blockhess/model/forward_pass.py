@@ -148,12 +148,13 @@ def _norm(p: dict, X: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
     return layernorm.affine(layernorm.normalise(X, cfg.norm_eps)[0], p.get(f"gamma_{s}"), p.get(f"beta_{s}"))
 
 
-def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: bool = True, first: int = 0) -> Trace:
+def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: bool = True, first: int = 0,
+          wrt_input: bool = True) -> Trace:
     """The forward pass over batched, checked ``inputs``; every LayerNorm input row is checked
     (:func:`~blockhess.validation.check_ln_variance`), the blocks' too (:func:`~blockhess.block.check_forward`),
     and the output must be finite. ``derivatives``: the blocks' caches keep their per-token Jacobians
-    and the input ``X`` as a variable (``False``: a plain forward). ``first``: the batch index of the
-    first sequence (for the rows errors name). Raises ``ValueError``."""
+    and, with ``wrt_input``, the input ``X`` as a variable (``False``: a plain forward). ``first``: the
+    batch index of the first sequence (for the rows errors name). Raises ``ValueError``."""
     x = patches(inputs, cfg.patch) if cfg.embedding == "patch" else inputs
     X0 = _embed(params, x, cfg)
     X = X0
@@ -162,7 +163,7 @@ def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: boo
         X = _norm(params, X0, cfg, "E")
     caches = []
     for i, bc in enumerate(cfg.blocks):
-        c = forward_cache(block_params(params, cfg, i), X, bc, wrt_input=derivatives, plain=not derivatives)
+        c = forward_cache(block_params(params, cfg, i), X, bc, wrt_input=derivatives and wrt_input, plain=not derivatives)
         check_forward(c, first=first)
         caches.append(c)
         X = c.out

@@ -7,9 +7,10 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
-* ``curv(g, names)``: the stage's second derivatives contracted with the gradient ``g`` ``(B, m_out)``
-  at its output: ``(XX, Xθ, θθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ`` ``{name: (B, m_in, n_θ)}``,
-  ``θθ`` ``{(a, b): (n_a, n_b)}`` summed over the batch.
+* ``curv(g, names)``: the stage's second derivatives with its input contracted with the gradient ``g``
+  ``(B, m_out)`` at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ``
+  ``{name: (B, m_in, n_θ)}``. Only a block's variables have second derivatives among themselves
+  (:meth:`BlockStage.weight_pairs`; the head's with its cross-entropy are :class:`SoftmaxHead`'s).
 
 A block is a stage through :mod:`blockhess.block` (its factors, its input Jacobian and its
 contracted second derivatives w.r.t. ``(X, θ)``: Theorems 4–5 with the input as a variable); the
@@ -28,7 +29,7 @@ from ..block import contract_output, jacobian_factors
 from ..block.directional import hvp
 from ..config import param_shapes
 from ..layers import layernorm
-from ..result import BlockSum
+from ..result import BlockSum, HeadSplitSum, InputSplitSum
 
 __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage", "OutputLoss", "SoftmaxHead",
            "TIED_HEAD"]
@@ -38,7 +39,7 @@ TIED_HEAD = "W_E@head"
 
 
 def _none_curv(g, names):
-    return None, {}, {}
+    return None, {}
 
 
 class EmbeddingStage:
@@ -199,7 +200,7 @@ class NormStage:
         Xt = {}
         if self.g_name in names:  # d2(g.u)/dx_t dgamma = J_n,t^T diag(g_t)
             Xt[self.g_name] = (self.Jn * gt[..., :, None]).transpose(-1, -2).reshape(B, L * d, d)
-        return XX, Xt, {}
+        return XX, Xt
 
 
 class PoolStage:
@@ -298,7 +299,7 @@ class HeadStage:
         if self.names[0] in names:  # d2(g.z)/dh_ti dW_jc = delta_ij g_tc
             eye = torch.eye(d, dtype=g.dtype, device=g.device)
             Xt[self.names[0]] = torch.einsum("ij,btc->btijc", eye, g.reshape(B, P, C)).reshape(B, P * d, d * C)
-        return None, Xt, {}
+        return None, Xt
 
 
 class BlockStage:
@@ -335,16 +336,32 @@ class BlockStage:
         return self.Jx @ G
 
     def curv(self, g: torch.Tensor, names):
+        """``(XX, Xθ)`` of the block: the second derivatives with its input ``X``, per sequence
+        (:func:`blockhess.block.contract_output` with ``X`` a variable, the pairs with ``X`` only)."""
         k = len(self.prefix)
         local = ("X",) + tuple(n[k:] for n in names)
         shapes = {"X": (self.B, self.L, self.d), **param_shapes(self.c.cfg)}
-        acc = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
-        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, acc)
+        xs = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
+        with_x = InputSplitSum(HeadSplitSum(xs, self.c.cfg), None)
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, with_x)
+        with_x.finish()
         m = self.L * self.d
-        XX = acc.blocks.get(("X", "X"))
-        Xt = {self.prefix + b: v.reshape(self.B, m, -1) for (a, b), v in acc.blocks.items() if a == "X" and b != "X"}
-        tt = {(self.prefix + a, self.prefix + b): v for (a, b), v in acc.blocks.items() if a != "X"}
-        return XX, Xt, tt
+        XX = xs.blocks.get(("X", "X"))
+        Xt = {self.prefix + b: v.reshape(self.B, m, -1) for (a, b), v in xs.blocks.items() if a == "X" and b != "X"}
+        return XX, Xt
+
+    def weight_pairs(self, g: torch.Tensor, names, acc) -> None:
+        """Add the block's second derivatives among its variables (those of ``names`` that ``acc``
+        wants), contracted with the gradient ``g`` ``(B, L·d)`` at its output and summed over the
+        batch (Theorem 5, :func:`blockhess.block.contract_output`), to ``acc`` (the model's dense
+        :class:`~blockhess.result.BlockSum` over the public names), each block where it lies. The
+        block's factors are formed here when the stage has none (``dense=False``) and dropped after."""
+        if not names:
+            return
+        f = self.f if self.f is not None else jacobian_factors(self.c)
+        weights = InputSplitSum(None, HeadSplitSum(acc, self.c.cfg, self.prefix))
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), f, weights)
+        weights.finish()
 
 
 class OutputLoss:
@@ -363,6 +380,10 @@ class OutputLoss:
             return torch.einsum("btac,kbtc->kbta", self.ld.hess.reshape(B, P, C, C), dz)
         return torch.einsum("bij,kbj->kbi", self.ld.hess, dz.reshape(k, B, P * C)).reshape(dz.shape)
 
+    def gradient(self) -> torch.Tensor:
+        """The loss gradient at the output, ``(B, P·C)``."""
+        return self.ld.grad.reshape(self.ld.grad.shape[0], -1)
+
     def start(self, names, outer: bool, functional: bool):
         """``(Psi (B, m, m), {}, g (B, m))`` at the output: the loss Hessian (``outer``) or zero."""
         g = self.ld.grad
@@ -375,7 +396,7 @@ class OutputLoss:
             Psi = torch.einsum("btac,ts->btasc", self.ld.hess.reshape(B, P, C, C), eye).reshape(B, m, m)
         else:
             Psi = self.ld.hess
-        return Psi, [], {}, g.reshape(B, m)
+        return Psi, [], {}, self.gradient()
 
 
 class SoftmaxHead:
@@ -399,6 +420,10 @@ class SoftmaxHead:
     def head(self) -> "HeadStage":
         """The head as a plain stage (for products: its tangents and second-order adjoints)."""
         return HeadStage(self.h, self.W, self.names)
+
+    def gradient(self) -> torch.Tensor:
+        """The loss gradient at the head's input ``h``, ``(B, P·d)``: ``g Wᵀ`` per row."""
+        return torch.einsum("btc,ic->bti", self.g, self.W).reshape(self.h.shape[0], -1)
 
     def start(self, names, outer: bool, functional: bool):
         r"""``(Psi_h, later, H, g_h)`` at the head's input: ``Psi_h`` ``(B, P·d, P·d)``, the rows of
@@ -436,5 +461,4 @@ class SoftmaxHead:
                 Hwb = h.new_zeros(d, C, C)
                 torch.diagonal(Hwb, 0, 1, 2).copy_(hf.T @ pf / N)
                 H[(w_name, b_name)] = (Hwb - torch.einsum("ti,ta,tc->iac", hf, pf, pf) / N).reshape(d * C, C)
-        g_h = torch.einsum("btc,ic->bti", g, W).reshape(B, P * d)
-        return Psi, rows, H, g_h
+        return Psi, rows, H, self.gradient()

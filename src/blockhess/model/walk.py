@@ -108,7 +108,10 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
     At the current level ``Psi`` ``(B, m, m)`` and, for each later variable ``u``, its rows of ``K^T``
     ``(B, n_u, m)`` (``later``, a list: each is taken through a stage and dropped in turn, so one
     level's rows are held once); a block with a later variable is one summed vector–Jacobian product
-    of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`)."""
+    of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`). A
+    stage's own variables are taken one at a time: ``Psi J_v``, its pairs with the variables before
+    it, its rows one level down, then dropped (the stage's curvature first, so that its work space
+    meets none of them)."""
     Psi, later, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
@@ -121,51 +124,73 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         st = stages[k]
         here = [n for n in st.names if n in wanted]
         below = any(n in wanted for s in stages[:k] for n in s.names)
-        own = []
+        last = not below or bool(G and k == j0)  # no rows go further down (the bottom stages carry tangents up)
         if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
             TPsi = torch.einsum("bmn,bmr->bnr", G[k], Psi)
             for v in here:
                 _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
             del TPsi
-        if here:
-            for v in here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
-                for u, r in later:
+        if here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
+            for i in range(len(later)):
+                u, r = later[i]
+                for v in here:
                     acc.add(u, v, st.vjp(r, [v], summed=True)[v])
-            P = st.vjp(Psi, here)  # {v: (B, m, n_v)}: Psi J_v per sequence
-            own = [(w, P.pop(w).transpose(1, 2).contiguous()) for w in here]  # rows J_w^T Psi, (B, n_w, m)
-            for i, (v, _) in enumerate(own):  # the stage's own pairs (w, v), w not after v: Σ_b J_w^T Psi J_v
-                for w, r in own[: i + 1]:
-                    acc.add(w, v, st.vjp(r, [v], summed=True)[v])
+                if last:
+                    later[i] = (u, None)
+                del r
+        if last:
+            later = []
         XX, Xt = None, {}
-        if functional:
-            XX, Xt, tt = st.curv(g, here)
-            for (a, b), v in tt.items():
-                acc.add(a, b, v)
+        if functional and below:  # (its pairs among its own variables are _weight_pairs')
+            XX, Xt = st.curv(g, here)
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
+        PsiJx = st.back(Psi) if below else None  # (B, m, m_in): Psi J_x
+        down = []
+        for i, v in enumerate(here):  # the stage's own pairs (v, w), w not after v: Σ_b J_v^T Psi J_w
+            r = st.vjp(Psi, [v])[v].transpose(1, 2)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
+            for w in here[: i + 1]:
+                acc.add(v, w, st.vjp(r, [w], summed=True)[w])
+            del r
+            if not last:  # v's rows one level down, J_v^T Psi J_x + M_vx: the m_in rows of J_x^T Psi through J_v
+                D = st.vjp(PsiJx.transpose(1, 2), [v])[v]  # (B, m_in, n_v)
+                if v in Xt:
+                    D += Xt.pop(v)
+                down.append((v, D.transpose(1, 2)))
+                del D
         if not below:
             return
-        if G and k == j0:  # below: the bottom stages, whose blocks with everything above are done
-            own, later = [], []
-        PsiJx = st.back(Psi)  # (B, m, m_in): Psi J_x
+        Xt = None
         Psi = st.back(PsiJx.transpose(1, 2))  # J_x^T Psi J_x
         del PsiJx
         if XX is not None:
             Psi += XX
-        down = []
-        for w, r in own:  # J_x^T Psi J_θ + M_xθ: the stage's own variables' rows one level down
-            r = st.back(r)
-            if w in Xt:
-                r += Xt[w].transpose(1, 2)
-            down.append((w, r))
-        del own
+        del XX
         while later:  # J_x^T K, one later variable's rows at a time (the old ones dropped as they go)
             u, r = later.pop(0)
             down.append((u, st.back(r)))
             del r
         later = down
         g = st.back(g[:, None])[:, 0]
+
+
+def _weight_pairs(stages, top, wanted: set, acc: BlockSum) -> None:
+    """Add every block's second derivatives among its own variables over ``wanted``, contracted
+    with the gradient at its output and summed over the pass's sequences
+    (:meth:`~.stages.BlockStage.weight_pairs`), to ``acc``: the functional part's pairs that need
+    none of the walk's rows, only the forward pass and the gradient, taken down the stages
+    (a block's :meth:`~.stages.BlockStage.grad_in`, no input Jacobian formed)."""
+    g = top.gradient()
+    first = next((k for k, s in enumerate(stages) if isinstance(s, BlockStage)), len(stages))
+    for k in reversed(range(first, len(stages))):
+        st = stages[k]
+        if isinstance(st, BlockStage):
+            st.weight_pairs(g, [n for n in st.names if n in wanted], acc)
+            if k > first:
+                g = st.grad_in(g.reshape(st.B, st.L, st.d)).reshape(st.B, -1)
+        else:
+            g = st.back(g[:, None])[:, 0]
 
 
 def _bottom_tangents(stages, wanted: set):
@@ -241,22 +266,42 @@ def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
     return per
 
 
+def _weight_entries(cfg: ModelConfig, L: int, loss) -> int:
+    """Entries one sequence adds to a pass of the blocks' weight pairs (:func:`_weight_pairs`):
+    every block's forward cache and factors without its input (:func:`blockhess.block.work_entries`,
+    ``"factors"``), the largest block's contraction on top (``"hessian"`` less ``"factors"``), the
+    gradient's rows; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    P = 1 if cfg.pool != "none" else L
+    per = sum(work_entries(b, 1, L, "factors") for b in cfg.blocks)
+    per += max(work_entries(b, 1, L, "hessian") - work_entries(b, 1, L, "factors") for b in cfg.blocks)
+    per += 4 * L * max(cfg.d_model, cfg.n_out)
+    if callable(loss):
+        per += 2 * (P * cfg.n_out) ** 2
+    return per
+
+
 def _fixed_entries(cfg: ModelConfig, n: int) -> int:
     """Entries a pass holds besides its sequences': the summed product of one variable's rows with
     another's (the largest pair, three times: the product, its layout and the addition)."""
     return 3 * _stage_entries(cfg, largest=True) ** 2
 
 
-def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> list[slice]:
-    """The batch's sequences, one slice per pass: as many as fit in ``PASS_BYTES`` or half the
-    dense result, whichever is more (:func:`_sequence_entries`)."""
+def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[list[slice], list[slice]]:
+    """The batch's sequences, one slice per pass: ``(walk, pairs)``. The walk's passes take as many
+    as fit in ``PASS_BYTES`` or half the dense result, whichever is more (:func:`_sequence_entries`);
+    the blocks' weight pairs' as many as fit in what one walk pass may hold (:func:`_weight_entries`),
+    so that they raise no peak."""
     room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
     size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
-    return [slice(s, min(s + size, B)) for s in range(0, B, size)]
+    pairs = max(1, min(B, size * _sequence_entries(cfg, L, n, loss) // _weight_entries(cfg, L, loss)))
+    return ([slice(s, min(s + size, B)) for s in range(0, B, size)],
+            [slice(s, min(s + pairs, B)) for s in range(0, B, pairs)])
 
 
 @serial()
 def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None) -> HessianBlocks:
+    """``chunks``: ``(walk, pairs)``, the slices of the walk's passes (:func:`_sequence_entries`) and
+    of the blocks' weight pairs' (:func:`_weight_entries`; the functional part's only)."""
     shapes = model_param_shapes(cfg)
     wanted = set(names)
     if cfg.tied and "W_E" in wanted:
@@ -264,11 +309,21 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
     B = inputs.shape[0]
     acc = BlockSum(names, shapes, dense=True, dtype=like.dtype, device=like.device)
     fold = _Fold(acc, shapes)
-    for rows in chunks:
+    walk_chunks, pair_chunks = chunks
+    if which in ("full", "functional"):
+        for rows in pair_chunks:
+            t = trace(params, inputs[rows], cfg, first=rows.start, wrt_input=False)
+            tg = target[rows] if isinstance(target, torch.Tensor) else target
+            st, top = stages_of(t, loss, tg, B, rows.start, dense=False)
+            _weight_pairs(st, top, wanted, acc)
+            del t, st, top
+        acc.free_scratch()  # the walk's passes write no sandwiches
+    for rows in walk_chunks:
         t = trace(params, inputs[rows], cfg, first=rows.start)
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+        del t, st, top  # a pass's trace and stages go before the next pass's are built
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
         if (name, name) in acc.blocks:
             blk = acc.blocks[(name, name)]
@@ -324,16 +379,15 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     n = sum(math.prod(shapes[k]) for k in names)
     L = n_tokens(cfg, inputs)
     chunks = _chunks(cfg, B, L, n, loss, e)
-    rows = max(len(range(B)[c]) for c in chunks)
+    rows = max(len(range(B)[c]) for c in chunks[0])  # the pairs' passes hold no more than the walk's
+    need = (n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
-    check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e,
-               f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
+    check_fits(need, f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
                like.device)
 
     def part(which: str) -> HessianBlocks:
-        check_fits((n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e, f"the {which} part of the Hessian "
-                   f"({n}x{n}) with a pass", like.device)
+        check_fits(need, f"the {which} part of the Hessian ({n}x{n}) with a pass", like.device)
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
 
     return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part)
