@@ -55,8 +55,9 @@ def op(hess):
     return HessianOperator.from_dense(hess)
 
 
-def _known(n=240, top=(6.0, 5.0, 4.0, 3.0, 2.5), bottom=(-3.0, -2.0), seed=0):
-    """A symmetric ``(n, n)`` matrix with eigenvalues ``top``, ``bottom`` and a bulk in ``[-1, 1]``,
+def _known(n=240, top=(6.0, 5.0, 4.0, 3.0, 2.5), bottom=(-3.5, -2.0), seed=0):
+    """A symmetric ``(n, n)`` matrix with eigenvalues ``top``, ``bottom`` (no two of one magnitude: "LM" is
+    then one set) and a bulk in ``[-1, 1]``,
     random eigenvectors; and its eigenvalues (ascending)."""
     g = torch.Generator().manual_seed(seed)
     bulk = torch.rand(n - len(top) - len(bottom), generator=g, dtype=DT) * 2 - 1
