@@ -290,8 +290,10 @@ def errors(P, got: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def timed_rounds(calls: dict, rounds: int, warmup: int, log) -> dict:
     """Warm each call up, then time ``rounds`` rounds, each calling every method once in an order
-    rotated by the round (one call a sample); medians and quartiles."""
-    res = {m: {"times": []} for m in calls}
+    rotated by the round (one call a sample); medians and quartiles of the wall-clock time, and the
+    median of the process's CPU time per call (on one thread, the time it ran: on a shared machine
+    it leaves out the time the process waited for a core)."""
+    res = {m: {"times": [], "cpu_times": []} for m in calls}
     for m, c in calls.items():
         for _ in range(warmup):
             t0 = time.perf_counter()
@@ -302,14 +304,16 @@ def timed_rounds(calls: dict, rounds: int, warmup: int, log) -> dict:
         k = r % len(order)
         for m in order[k:] + order[:k]:
             gc.collect()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             calls[m]()
             res[m]["times"].append(time.perf_counter() - t0)
+            res[m]["cpu_times"].append(time.process_time() - c0)
         log(f"round {r + 1}/{rounds}: " + ", ".join(f"{m} {res[m]['times'][-1]:.2f}s" for m in order))
     for m, e in res.items():
         t = e["times"]
         q = statistics.quantiles(t, n=4, method="inclusive") if len(t) >= 2 else [t[0]] * 3
-        e.update(median_s=statistics.median(t), p25_s=q[0], p75_s=q[2], samples=len(t))
+        e.update(median_s=statistics.median(t), p25_s=q[0], p75_s=q[2], samples=len(t),
+                 median_cpu_s=statistics.median(e["cpu_times"]))
     return res
 
 
@@ -453,7 +457,7 @@ def rel_residuals(view, lam, X) -> list:
 
 
 def ours_eigs(view, tol: float, block_size: int = 1, ncv: int | None = None) -> dict:
-    from blockhess.operators.estimators import lanczos_eigs
+    from blockhess.operators.estimators import NotConvergedError, lanczos_eigs
 
     C = Counted(view)
     t0 = time.perf_counter()
@@ -462,8 +466,14 @@ def ours_eigs(view, tol: float, block_size: int = 1, ncv: int | None = None) -> 
     rel = (r.residuals / r.eigenvalues.abs()).tolist()
     while max(rel) > 1e-4:  # lanczos_eigs's tolerance is relative to the largest |θ|: tighten to each |λ_i|
         t2 = tol * float(r.eigenvalues.abs().min()) / r.scale * 0.9
-        r = lanczos_eigs(C, k=5, which="LA", tol=t2, v0=r.eigenvectors, block_size=block_size, ncv=ncv)
-        runs.append({"tol": t2, "matvecs": r.matvecs, "restarts": r.restarts})
+        try:
+            r = lanczos_eigs(C, k=5, which="LA", tol=t2, v0=r.eigenvectors, block_size=block_size, ncv=ncv)
+            runs.append({"tol": t2, "v0": "warm", "matvecs": r.matvecs, "restarts": r.restarts})
+        except NotConvergedError as exc:  # a warm start can stop on its recurrence's estimates: start afresh
+            runs.append({"tol": t2, "v0": "warm", "matvecs": exc.result.matvecs, "restarts": exc.result.restarts,
+                         "error": str(exc).split(";")[0]})
+            r = lanczos_eigs(C, k=5, which="LA", tol=t2, block_size=block_size, ncv=ncv)
+            runs.append({"tol": t2, "v0": "random", "matvecs": r.matvecs, "restarts": r.restarts})
         rel = (r.residuals / r.eigenvalues.abs()).tolist()
     dt = time.perf_counter() - t0
     return {"time_s": dt, "matvecs": C.count, "eigenvalues": r.eigenvalues.tolist(), "rel_residuals": rel,
@@ -585,6 +595,97 @@ def section_eigs(P, args, log) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
+# tables from the JSON
+
+
+def _t(x) -> str:
+    return "—" if x is None else f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.0f} ms"
+
+
+def report(paths: list) -> str:
+    """Markdown tables of runs' JSON (each section where a run has it)."""
+    out = []
+    w = out.append
+    for path in paths:
+        r = json.load(open(path))
+        z, env = r["size"], r["env"]
+        w(f"**{os.path.basename(path)}**: B = {z['B']}, L = {z['L']}, d = {z['d']}, {z['heads']} heads, d_ff = {z['d_ff']}, "
+          f"n = {z['n']:,}; torch {env['torch']}, {env['torch_threads']} thread(s), {env['date']}.")
+        w("")
+        sec = r["sections"]
+        if "products" in sec:
+            p = sec["products"]
+            w(f"Products (load average {p['load_average_before'][0]:.1f} before, {p['load_average_after'][0]:.1f} after; "
+              f"float64: ours against double backward {p['ours_float64']['rel_err_vs_float64']:.1e}):")
+            w("")
+            w("| method | wall median [quartiles] | CPU median | method / ours, wall (median of rounds) | method / ours, CPU "
+              "| rel. err. vs float64 | worst parameter |")
+            w("|---|---|---|---|---|---|---|")
+            o = p.get("ours", {})
+            for m in METHODS:
+                e = p.get(m)
+                if not e:
+                    continue
+                if "median_s" not in e:
+                    w(f"| {LABEL[m]} | {e.get('skipped') or e.get('error')} | | | | | |")
+                    continue
+                per = args_k = e.get("k", 1)
+                med = e["median_s"] / per
+                cpu = e["median_cpu_s"] / per if "median_cpu_s" in e else None
+                if m == "ours" or not o.get("times"):
+                    rw = rc = "—"
+                else:
+                    ratios = [a / per / b for a, b in zip(e["times"], o["times"])]
+                    rw = f"{statistics.median(ratios):.2f}"
+                    rc = f"{cpu / o['median_cpu_s']:.2f}" if cpu is not None and "median_cpu_s" in o else "—"
+                err = f"{e['rel_err_vs_float64']:.1e}" if "rel_err_vs_float64" in e else "—"
+                worst = f"{e['worst_param']} {e['worst_param_rel_err']:.1e}" if "worst_param" in e else "—"
+                label = LABEL[m].replace("k columns", f"k = {args_k} columns")
+                w(f"| {label} | {_t(med)} [{_t(e['p25_s'] / per)}–{_t(e['p75_s'] / per)}] | {_t(cpu)} | {rw} | {rc} | {err} | {worst} |")
+            w("")
+        if "memory" in sec:
+            w("Peak resident memory above the built problem (a worker process per method):")
+            w("")
+            w("| method | setup + first product | the product alone |")
+            w("|---|---|---|")
+            for m, e in sec["memory"].items():
+                if isinstance(e, dict) and "peak_total_bytes" in e:
+                    label = LABEL[m].replace("k columns), per column", f"k = {r['args']['k']} columns)")
+                    w(f"| {label} | {e['peak_total_bytes'] / 2**30:.2f} GiB | {e['peak_call_bytes'] / 2**30:.2f} GiB |")
+            w("")
+        if "blocks" in sec:
+            b = sec["blocks"]
+            t = b["timing"]
+            cells = " | ".join(f"{a} {_t(t[a]['median_s'])}" for a in SIX)
+            w(f"Six blocks (load average {b['load_average_before'][0]:.1f}): full product {_t(b['full_median_s'])}; {cells}; "
+              f"sum {_t(b['six_sum_median_s'])}, sum / full = {b['ratio_six_over_full']:.2f} (CPU: "
+              f"{sum(t[a]['median_cpu_s'] for a in SIX) / t['full']['median_cpu_s']:.2f})." if "median_cpu_s" in t["full"] else
+              f"Six blocks: sum / full = {b['ratio_six_over_full']:.2f}.")
+            w("")
+        if "eigs" in sec:
+            g = sec["eigs"]
+            w(f"Top 5 eigenvalues per block (load average {g['load_average_before'][0]:.1f}):")
+            w("")
+            w("| block | ours: products, time | ours: eigenvalues (max rel. residual) | eigenthings: Krylov size, time "
+              "(search total) | PyHessian: products, time (max rel. residual) |")
+            w("|---|---|---|---|---|")
+            for a in SIX:
+                e = g.get(a)
+                if not isinstance(e, dict):
+                    continue
+                ou = e["ours"]
+                lam = ", ".join(f"{x:.4g}" for x in ou["eigenvalues"])
+                et, ph = e.get("eigenthings", {}), e.get("pyhessian", {})
+                etc = (f"{et['matvecs']}, {_t(et['time_s'])} ({_t(et['search_total_s'])})" if "time_s" in et else
+                       "not converged" if et else "—")
+                phc = (f"{ph['matvecs']}, {_t(ph['time_s'])} ({max(ph['rel_residuals']):.1e})" if "time_s" in ph else
+                       ph.get("skipped", "—") if ph else "—")
+                w(f"| {a} | {ou['matvecs']}, {_t(ou['time_s'])} | {lam} ({max(ou['rel_residuals']):.1e}) | {etc} | {phc} |")
+            w("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
@@ -606,10 +707,14 @@ def main(argv=None) -> int:
     ap.add_argument("--pyhessian-tol", type=float, default=1e-8)
     ap.add_argument("--pyhessian-iter", type=int, default=200)
     ap.add_argument("--out", help="JSON file")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown tables of these runs and exit")
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.report:
+        print(report(args.report))
+        return 0
     torch.set_num_threads(args.threads)
     args.eig_baselines = [b for b in args.eig_baselines.split(",") if b]
     bad = set(args.methods.split(",")) - set(METHODS)
