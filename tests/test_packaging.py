@@ -160,6 +160,6 @@ def test_pyproject_core_requirements_are_torch_numpy_psutil():
     assert _requirement_names(project["dependencies"]) == {"torch", "numpy", "psutil"}
     extras = project["optional-dependencies"]
     assert _requirement_names(extras["lab"]) == {"matplotlib", "scikit-learn", "scipy", "tqdm"}
-    assert "blockhess[lab,hf]" in _requirement_names(extras["dev"]) and "blockhess[lab]" in _requirement_names(extras["bench"])
+    assert "blockhess[lab,hf]" in _requirement_names(extras["dev"]) and "blockhess[lab,hf]" in _requirement_names(extras["bench"])
     assert _requirement_names(extras["hf"]) == {"transformers"}
     assert project["scripts"] == {"blockhess": "blockhess_lab.cli:main"}
