@@ -23,7 +23,8 @@ Sections (``--sections``, default all):
 ``eigs``
     The top 5 (largest algebraic) eigenvalues of the six blocks by ``lanczos_eigs``, to a residual
     ``<= 1e-4 |λ_i|`` for every ``i`` (checked by a final product; a run whose per-eigenvalue residual
-    misses is repeated from its eigenvectors with a tolerance scaled down to meet it); ``--eig-baselines``
+    misses is repeated from its eigenvectors, or afresh if that stops unconverged, with the tolerance
+    scaled down to meet it; ``--block-size``, ``--ncv`` as ``lanczos_eigs`` takes them); ``--eig-baselines``
     blocks also by hessian-eigenthings ``lanczos`` (Krylov dimensions doubled from 20 until converged;
     the first converged run's time) and by PyHessian's power iteration (``eigenvalues(top_n=5)``,
     relative tolerance ``--pyhessian-tol``, at most ``--pyhessian-iter`` products per eigenvalue), their
@@ -634,7 +635,7 @@ def report(paths: list) -> str:
                 if "median_s" not in e:
                     w(f"| {LABEL[m]} | {e.get('skipped') or e.get('error')} | | | | | |")
                     continue
-                per = args_k = e.get("k", 1)
+                per = e.get("k", 1)
                 med = e["median_s"] / per
                 cpu = e["median_cpu_s"] / per if "median_cpu_s" in e else None
                 if m == "ours" or not o.get("times"):
@@ -645,7 +646,7 @@ def report(paths: list) -> str:
                     rc = f"{cpu / o['median_cpu_s']:.2f}" if cpu is not None and "median_cpu_s" in o else "—"
                 err = f"{e['rel_err_vs_float64']:.1e}" if "rel_err_vs_float64" in e else "—"
                 worst = f"{e['worst_param']} {e['worst_param_rel_err']:.1e}" if "worst_param" in e else "—"
-                label = LABEL[m].replace("k columns", f"k = {args_k} columns")
+                label = LABEL[m].replace("k columns", f"k = {per} columns")
                 w(f"| {label} | {_t(med)} [{_t(e['p25_s'] / per)}–{_t(e['p75_s'] / per)}] | {_t(cpu)} | {rw} | {rc} | {err} | {worst} |")
             w("")
         if "memory" in sec:
