@@ -23,7 +23,8 @@ Sections (``--sections``, default all):
 ``eigs``
     The top 5 (largest algebraic) eigenvalues of the six blocks by ``lanczos_eigs``, to a residual
     ``<= 1e-4 |λ_i|`` for every ``i`` (checked by a final product; a run whose per-eigenvalue residual
-    misses is repeated from its eigenvectors with a tolerance scaled down to meet it); ``--eig-baselines``
+    misses is repeated from its eigenvectors, or afresh if that stops unconverged, with the tolerance
+    scaled down to meet it; ``--block-size``, ``--ncv`` as ``lanczos_eigs`` takes them); ``--eig-baselines``
     blocks also by hessian-eigenthings ``lanczos`` (Krylov dimensions doubled from 20 until converged;
     the first converged run's time) and by PyHessian's power iteration (``eigenvalues(top_n=5)``,
     relative tolerance ``--pyhessian-tol``, at most ``--pyhessian-iter`` products per eigenvalue), their
@@ -585,12 +586,17 @@ def section_eigs(P, args, log) -> dict:
     for a in args.eig_blocks.split(","):
         view = A[a, a]
         e = out.setdefault(a, {})
-        e["ours"] = ours_eigs(view, 1e-4, args.block_size, args.ncv)
-        log(f"ours {a}: {e['ours']['time_s']:.1f}s, {e['ours']['matvecs']} products, eigenvalues "
-            f"{[f'{x:.4g}' for x in e['ours']['eigenvalues']]}, max rel. residual {max(e['ours']['rel_residuals']):.1e}")
-        if a in args.eig_baselines:
+        if "ours" in args.eig_methods:
+            e["ours"] = ours_eigs(view, 1e-4, args.block_size, args.ncv)
+            log(f"ours {a}: {e['ours']['time_s']:.1f}s, {e['ours']['matvecs']} products, eigenvalues "
+                f"{[f'{x:.4g}' for x in e['ours']['eigenvalues']]}, max rel. residual {max(e['ours']['rel_residuals']):.1e}")
+            args.partial(out)
+        if a in args.eig_baselines and "eigenthings" in args.eig_methods:
             e["eigenthings"] = eigenthings_eigs(P, a, view, log, args.eigenthings_cap)
+            args.partial(out)
+        if a in args.eig_baselines and "pyhessian" in args.eig_methods:
             e["pyhessian"] = pyhessian_eigs(P, a, view, log, args.pyhessian_tol, args.pyhessian_iter)
+            args.partial(out)
     return out
 
 
@@ -629,7 +635,7 @@ def report(paths: list) -> str:
                 if "median_s" not in e:
                     w(f"| {LABEL[m]} | {e.get('skipped') or e.get('error')} | | | | | |")
                     continue
-                per = args_k = e.get("k", 1)
+                per = e.get("k", 1)
                 med = e["median_s"] / per
                 cpu = e["median_cpu_s"] / per if "median_cpu_s" in e else None
                 if m == "ours" or not o.get("times"):
@@ -640,7 +646,7 @@ def report(paths: list) -> str:
                     rc = f"{cpu / o['median_cpu_s']:.2f}" if cpu is not None and "median_cpu_s" in o else "—"
                 err = f"{e['rel_err_vs_float64']:.1e}" if "rel_err_vs_float64" in e else "—"
                 worst = f"{e['worst_param']} {e['worst_param_rel_err']:.1e}" if "worst_param" in e else "—"
-                label = LABEL[m].replace("k columns", f"k = {args_k} columns")
+                label = LABEL[m].replace("k columns", f"k = {per} columns")
                 w(f"| {label} | {_t(med)} [{_t(e['p25_s'] / per)}–{_t(e['p75_s'] / per)}] | {_t(cpu)} | {rw} | {rc} | {err} | {worst} |")
             w("")
         if "memory" in sec:
@@ -702,6 +708,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=1, help="eigs: lanczos_eigs's block_size")
     ap.add_argument("--ncv", type=int, default=None, help="eigs: lanczos_eigs's ncv (default its own)")
     ap.add_argument("--eig-blocks", default=",".join(SIX), help="eigs: the blocks")
+    ap.add_argument("--eig-methods", default="ours,eigenthings,pyhessian", help="eigs: which of ours, eigenthings, pyhessian")
     ap.add_argument("--eig-baselines", default="W_1", help="blocks whose top 5 the baselines also compute")
     ap.add_argument("--eigenthings-cap", type=int, default=640, help="largest Krylov dimension tried")
     ap.add_argument("--pyhessian-tol", type=float, default=1e-8)
@@ -729,7 +736,7 @@ def main(argv=None) -> int:
     P = Problem(args.size, args.seed, k=args.k)
     B, L, d, H, d_ff = P.dims
     result = {"size": dict(name=args.size, B=B, L=L, d=d, heads=H, d_ff=d_ff, n=P.n), "loss": "mse", "dtype": "float32",
-              "args": {k: v for k, v in vars(args).items() if k != "worker"},
+              "args": {k: v for k, v in vars(args).items() if k not in ("worker", "partial")},
               "env": {**environment("cpu"), "torch_threads": torch.get_num_threads(),
                       "curvlinops": package_version("curvlinops-for-pytorch"), "pyhessian": package_version("pyhessian"),
                       "hessian_eigenthings": package_version("hessian-eigenthings"),
@@ -742,11 +749,17 @@ def main(argv=None) -> int:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
+    def partial(body):  # a long section's results so far, saved as it goes
+        result["sections"][f"{s}_partial"] = body
+        save()
+
+    args.partial = partial
     for s in [s for s in args.sections.split(",") if s]:
         load0 = load_average()
         t0 = time.perf_counter()
         body = {"products": section_products, "memory": section_memory, "blocks": section_blocks,
                 "eigs": section_eigs}[s](P, args, log)
+        result["sections"].pop(f"{s}_partial", None)
         result["sections"][s] = {"load_average_before": load0, "load_average_after": load_average(),
                                  "wall_s": time.perf_counter() - t0, **body}
         save()
