@@ -22,6 +22,8 @@ docs/derivations.md §16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import losses
@@ -310,10 +312,21 @@ class BlockStage:
         self.c, self.prefix = c, prefix
         self.names = tuple(prefix + n for n in c.names if n != "X")
         self.B, self.L, self.d = c.out.shape
-        self.f = self.Jx = None
-        if dense:  # the walk's factors and input Jacobian (B, L·d, L·d); products need neither
-            self.f = jacobian_factors(c)
-            self.Jx = self.f.J["X"].dense()
+        self._f = self.Jx = None
+        if dense:  # the walk's input Jacobian (B, L·d, L·d), from the input's factors alone; products need none
+            self.Jx = jacobian_factors(dataclasses.replace(c, names=("X",))).J["X"].dense()
+
+    @property
+    def f(self):
+        """The block's :class:`~blockhess.block.Factors` (every variable of the cache's), formed on
+        first use and kept until :meth:`release`."""
+        if self._f is None:
+            self._f = jacobian_factors(self.c)
+        return self._f
+
+    def release(self) -> None:
+        """Drop the factors (the walk is done with this stage's variables; ``Jx`` is kept)."""
+        self._f = None
 
     def grad_in(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient at the block's input, :math:`J_x^\top g` ``(B, L, d)``, for ``g`` ``(B, L, d)``
@@ -355,13 +368,13 @@ class BlockStage:
         wants), contracted with the gradient ``g`` ``(B, L·d)`` at its output and summed over the
         batch (Theorem 5, :func:`blockhess.block.contract_output`), to ``acc`` (the model's dense
         :class:`~blockhess.result.BlockSum` over the public names), each block where it lies. The
-        block's factors are formed here when the stage has none (``dense=False``) and dropped after."""
+        block's factors are formed for it (:attr:`f`) and dropped after."""
         if not names:
             return
-        f = self.f if self.f is not None else jacobian_factors(self.c)
         weights = InputSplitSum(None, HeadSplitSum(acc, self.c.cfg, self.prefix))
-        contract_output(self.c, g.reshape(self.B, self.L, self.d), f, weights)
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, weights)
         weights.finish()
+        self.release()
 
 
 class OutputLoss:

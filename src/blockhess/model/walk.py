@@ -29,6 +29,7 @@ import torch
 from .. import losses
 from ..block import select_wrt, work_entries
 from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes
+from ..heap import release_free
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
@@ -159,6 +160,8 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
                     D += Xt.pop(v)
                 down.append((v, D.transpose(1, 2)))
                 del D
+        if isinstance(st, BlockStage):
+            st.release()  # its factors: the stages below are walked without them
         if not below:
             return
         Xt = None
@@ -324,6 +327,7 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         st, top = stages_of(t, loss, tg, B, rows.start)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
         del t, st, top  # a pass's trace and stages go before the next pass's are built
+    release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
         if (name, name) in acc.blocks:
             blk = acc.blocks[(name, name)]
