@@ -7,10 +7,12 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
-* ``curv(g, names)``: the stage's second derivatives with its input contracted with the gradient ``g``
-  ``(B, m_out)`` at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ``
-  ``{name: (B, m_in, n_θ)}``. Only a block's variables have second derivatives among themselves
-  (:meth:`BlockStage.weight_pairs`; the head's with its cross-entropy are :class:`SoftmaxHead`'s).
+* ``curv(g, names, acc=None)``: the stage's second derivatives with its input contracted with the
+  gradient ``g`` ``(B, m_out)`` at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``,
+  ``Xθ`` ``{name: (B, m_in, n_θ)}``. Only a block's variables have second derivatives among themselves:
+  with ``acc`` (the model's dense :class:`~blockhess.result.BlockSum`) the block adds them there in
+  the same contraction, else :meth:`BlockStage.weight_pairs` does, in passes of their own (the
+  head's with its cross-entropy are :class:`SoftmaxHead`'s).
 
 A block is a stage through :mod:`blockhess.block` (its factors, its input Jacobian and its
 contracted second derivatives w.r.t. ``(X, θ)``: Theorems 4–5 with the input as a variable); the
@@ -40,7 +42,7 @@ __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage"
 TIED_HEAD = "W_E@head"
 
 
-def _none_curv(g, names):
+def _none_curv(g, names, acc=None):
     return None, {}
 
 
@@ -193,7 +195,7 @@ class NormStage:
                                            + s * (dx - dx.mean(-1, keepdim=True) - 3 * self.y * ydx / d))
         return gx, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         B, L, d = self.x.shape
         gt = g.reshape(B, L, d)
         Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma)  # (B, L, d, d)
@@ -294,7 +296,7 @@ class HeadStage:
             out[b] = dg.sum((1, 2))
         return gh, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         B, P, d = self.h.shape
         C = self.W.shape[1]
         Xt = {}
@@ -348,14 +350,16 @@ class BlockStage:
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         return self.Jx @ G
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         """``(XX, Xθ)`` of the block: the second derivatives with its input ``X``, per sequence
-        (:func:`blockhess.block.contract_output` with ``X`` a variable, the pairs with ``X`` only)."""
+        (:func:`blockhess.block.contract_output` with ``X`` a variable); with ``acc`` its weights'
+        pairs too, summed over the batch and written there where they lie (as :meth:`weight_pairs`)."""
         k = len(self.prefix)
         local = ("X",) + tuple(n[k:] for n in names)
         shapes = {"X": (self.B, self.L, self.d), **param_shapes(self.c.cfg)}
         xs = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
-        with_x = InputSplitSum(HeadSplitSum(xs, self.c.cfg), None)
+        with_x = InputSplitSum(HeadSplitSum(xs, self.c.cfg),
+                               None if acc is None else HeadSplitSum(acc, self.c.cfg, self.prefix))
         contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, with_x)
         with_x.finish()
         m = self.L * self.d
