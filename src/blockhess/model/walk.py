@@ -30,6 +30,7 @@ from .. import losses
 from ..block import select_wrt, work_entries
 from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes
 from ..heap import release_free
+from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
@@ -256,20 +257,23 @@ def _stage_entries(cfg: ModelConfig, largest: bool = False) -> int:
 
 
 def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
-    """Entries one sequence adds to a pass: every block's forward cache and factors with its input
-    as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`, ``"factors"``),
-    the largest block walk's work space on top (``"hessian"`` less ``"factors"``: one block's second
-    derivatives at a time); the walk's rows at a level, ``Ψ`` and ``K^T`` (``m + n`` rows of
-    ``m = L·d``, or the output's ``P·n_out`` at the top), once (each variable's rows are taken down
-    and dropped in turn: one variable's twice), and ``Ψ J_θ`` with its transpose for the largest
-    stage's variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    """Entries one sequence adds to a walk pass: every block's forward cache and factors with its
+    input as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`,
+    ``"factors"``; the walk forms one block's factors at a time, so this is more than it holds), the
+    largest block's contraction on top (``"hessian"`` less ``"factors"``); the walk's rows at a level,
+    ``Ψ``, ``Ψ J_x`` and ``K^T`` (``2m + n`` rows of ``m = L·d``, or the output's ``P·n_out`` at the
+    top: each variable's rows are taken down and dropped in turn); one variable's ``J_v^T Ψ`` and
+    its rows one level down with the largest stage's ``M_xθ`` (``m`` times the largest variable, and
+    twice the largest stage's); the rows' way of a sandwich's scratch (``L`` times the largest
+    variable); a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     d = cfg.d_model
     P = 1 if cfg.pool != "none" else L
     m = max(L * d, 0 if _fused(cfg, loss) else P * cfg.n_out)  # the widest level the rows reach
     held = [work_entries(b, 1, L, "factors", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks]
     walk = max(work_entries(b, 1, L, "hessian", wrt_input=True) - work_entries(b, 1, L, "factors", wrt_input=True)
                for b in cfg.blocks)
-    per = sum(held) + walk + (m + n) * m + m * _stage_entries(cfg, largest=True) + 2 * m * _stage_entries(cfg)
+    largest = _stage_entries(cfg, largest=True)
+    per = sum(held) + walk + (2 * m + n) * m + (m + L) * largest + 2 * m * _stage_entries(cfg)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
@@ -279,20 +283,25 @@ def _weight_entries(cfg: ModelConfig, L: int, loss) -> int:
     """Entries one sequence adds to a pass of the blocks' weight pairs (:func:`_weight_pairs`):
     every block's forward cache and factors without its input (:func:`blockhess.block.work_entries`,
     ``"factors"``), the largest block's contraction on top (``"hessian"`` less ``"factors"``), the
-    gradient's rows; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    gradient's rows, the rows' way of a sandwich's scratch (``L`` times the largest variable); a
+    callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     P = 1 if cfg.pool != "none" else L
     per = sum(work_entries(b, 1, L, "factors") for b in cfg.blocks)
     per += max(work_entries(b, 1, L, "hessian") - work_entries(b, 1, L, "factors") for b in cfg.blocks)
-    per += 4 * L * max(cfg.d_model, cfg.n_out)
+    per += 4 * L * max(cfg.d_model, cfg.n_out) + L * _stage_entries(cfg, largest=True)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
 
 
-def _fixed_entries(cfg: ModelConfig, n: int) -> int:
+def _fixed_entries(cfg: ModelConfig, n: int, e: int) -> int:
     """Entries a pass holds besides its sequences': the summed product of one variable's rows with
-    another's (the largest pair, three times: the product, its layout and the addition)."""
-    return 3 * _stage_entries(cfg, largest=True) ** 2
+    another's (the largest pair, three times: the product, its layout and the addition), and the
+    scratch of the blocks' sandwiches written into the result (:meth:`~blockhess.result.BlockSum.write_sandwich`:
+    ``SCRATCH_BYTES`` of ``e``-byte entries, or a Khatri–Rao block of the largest pair; the rows' way
+    is in :func:`_sequence_entries`)."""
+    largest = _stage_entries(cfg, largest=True)
+    return 4 * largest ** 2 + SCRATCH_BYTES // e
 
 
 def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[list[slice], list[slice]]:
@@ -301,7 +310,7 @@ def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[lis
     the blocks' weight pairs' as many as fit in what one walk pass may hold (:func:`_weight_entries`),
     so that they raise no peak, where that is at least ``PAIRS_GAIN`` times a walk pass's sequences
     (else ``[]``: the walk's passes add those pairs, in the contraction they make anyway)."""
-    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
+    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n, e)
     size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
     pairs = max(1, min(B, size * _sequence_entries(cfg, L, n, loss) // _weight_entries(cfg, L, loss)))
     return ([slice(s, min(s + size, B)) for s in range(0, B, size)],
@@ -392,7 +401,7 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     L = n_tokens(cfg, inputs)
     chunks = _chunks(cfg, B, L, n, loss, e)
     rows = max(len(range(B)[c]) for c in chunks[0])  # the pairs' passes hold no more than the walk's
-    need = (n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e
+    need = (n * n + _fixed_entries(cfg, n, e) + rows * _sequence_entries(cfg, L, n, loss)) * e
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
     check_fits(need, f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
