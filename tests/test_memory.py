@@ -280,3 +280,43 @@ def test_bounds_check_their_dense_copies(monkeypatch):
     seen.clear()
     bounds.ingredient_checks(p, X, cfg)
     assert seen[0][0] == 16 * 3 * 4 * 4 * (5 + 2 * 4) and "B_1" in seen[0][1]
+
+
+def _live_peak_bytes(call) -> int:
+    """The most tensor bytes ``call`` holds at once beyond what existed before it (torch.profiler's
+    allocation events, summed in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("layout", ["the model's own", "a walk pass per sequence, the weight pairs in one"])
+@pytest.mark.parametrize("name", ["vit", "gpt", "encoder"])
+def test_model_passes_hold_no_more_than_the_estimate(name, layout, monkeypatch):
+    """A whole model's Hessian holds at most the dense result, the fixed part and its largest pass as
+    estimated (model.walk: _fixed_entries, _sequence_entries, _weight_entries), measured as live
+    tensor bytes; also with the batch forced into one walk pass per sequence."""
+    from blockhess.model import walk
+    from blockhess.model.forward_pass import n_tokens
+    from conftest import make_model_case
+    from settings import NAMED_MODELS
+
+    cfg, p, x, loss, T = make_model_case(*NAMED_MODELS[name])
+    B, L, n = x.shape[0], n_tokens(cfg, x), sum(v.numel() for v in p.values())
+    chunks = walk._chunks(cfg, B, L, n, loss, 8)
+    if layout != "the model's own":
+        chunks = ([slice(b, b + 1) for b in range(B)], [slice(0, B)])
+        monkeypatch.setattr(walk, "_chunks", lambda *args: chunks)
+    rows = max(c.stop - c.start for c in chunks[0])
+    pairs = max((c.stop - c.start for c in chunks[1]), default=0)
+    need = n * n + walk._fixed_entries(cfg, n, 8) + max(rows * walk._sequence_entries(cfg, L, n, loss),
+                                                     pairs * walk._weight_entries(cfg, L, loss))
+    peak = _live_peak_bytes(lambda: bh.hessian(p, x, cfg, loss=loss, target=T).dense())
+    assert n * n * 8 < peak <= need * 8, (peak, need * 8)

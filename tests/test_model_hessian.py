@@ -168,6 +168,30 @@ def test_batch_is_mean_of_sequences():
     assert_close(H, per, what="batch mean")
 
 
+# how the walk's passes and the blocks' weight pairs' take the batch's 3 sequences (model.walk._chunks)
+PASS_LAYOUTS = {
+    "one pass, pairs in it": ([slice(0, 3)], []),
+    "a pass per sequence, pairs in them": ([slice(0, 1), slice(1, 2), slice(2, 3)], []),
+    "a pass per sequence, pairs in one pass": ([slice(0, 1), slice(1, 2), slice(2, 3)], [slice(0, 3)]),
+    "two passes, pairs in two others": ([slice(0, 2), slice(2, 3)], [slice(0, 1), slice(1, 3)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(PASS_LAYOUTS))
+@pytest.mark.parametrize("name", ["vit", "gpt", "encoder"])
+def test_any_split_into_passes(name, layout, monkeypatch):
+    """Every split of the batch into the walk's passes, and of the blocks' weight pairs into passes
+    of their own or into the walk's, gives the reference's Hessian and parts (also for a subset)."""
+    from blockhess.model import walk
+
+    monkeypatch.setattr(walk, "_chunks", lambda *args: PASS_LAYOUTS[layout])
+    cfg, p, x, loss, T = make_model_case(*NAMED_MODELS[name])
+    assert x.shape[0] == 3
+    check_against_reference(cfg, p, x, loss, T)
+    blocks = [n for n in p if n.startswith("blocks.")]
+    check_against_reference(cfg, p, x, loss, T, wrt=[blocks[0], blocks[-1], list(p)[-1]])
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8], ids=str)
 def test_token_ids_of_any_integer_dtype(dtype):
     """Token ids in any integer dtype are the int64 ids (indexing takes no other; uint8 would be a mask)."""

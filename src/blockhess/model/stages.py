@@ -7,10 +7,12 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
-* ``curv(g, names)``: the stage's second derivatives with its input contracted with the gradient ``g``
-  ``(B, m_out)`` at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``, ``Xθ``
-  ``{name: (B, m_in, n_θ)}``. Only a block's variables have second derivatives among themselves
-  (:meth:`BlockStage.weight_pairs`; the head's with its cross-entropy are :class:`SoftmaxHead`'s).
+* ``curv(g, names, acc=None)``: the stage's second derivatives with its input contracted with the
+  gradient ``g`` ``(B, m_out)`` at its output: ``(XX, Xθ)`` with ``XX`` ``(B, m_in, m_in)`` or ``None``,
+  ``Xθ`` ``{name: (B, m_in, n_θ)}``. Only a block's variables have second derivatives among themselves:
+  with ``acc`` (the model's dense :class:`~blockhess.result.BlockSum`) the block adds them there in
+  the same contraction, else :meth:`BlockStage.weight_pairs` does, in passes of their own (the
+  head's with its cross-entropy are :class:`SoftmaxHead`'s).
 
 A block is a stage through :mod:`blockhess.block` (its factors, its input Jacobian and its
 contracted second derivatives w.r.t. ``(X, θ)``: Theorems 4–5 with the input as a variable); the
@@ -21,6 +23,8 @@ docs/derivations.md §16.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -38,7 +42,7 @@ __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage"
 TIED_HEAD = "W_E@head"
 
 
-def _none_curv(g, names):
+def _none_curv(g, names, acc=None):
     return None, {}
 
 
@@ -191,7 +195,7 @@ class NormStage:
                                            + s * (dx - dx.mean(-1, keepdim=True) - 3 * self.y * ydx / d))
         return gx, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         B, L, d = self.x.shape
         gt = g.reshape(B, L, d)
         Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma)  # (B, L, d, d)
@@ -292,7 +296,7 @@ class HeadStage:
             out[b] = dg.sum((1, 2))
         return gh, out
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         B, P, d = self.h.shape
         C = self.W.shape[1]
         Xt = {}
@@ -310,10 +314,21 @@ class BlockStage:
         self.c, self.prefix = c, prefix
         self.names = tuple(prefix + n for n in c.names if n != "X")
         self.B, self.L, self.d = c.out.shape
-        self.f = self.Jx = None
-        if dense:  # the walk's factors and input Jacobian (B, L·d, L·d); products need neither
-            self.f = jacobian_factors(c)
-            self.Jx = self.f.J["X"].dense()
+        self._f = self.Jx = None
+        if dense:  # the walk's input Jacobian (B, L·d, L·d), from the input's factors alone; products need none
+            self.Jx = jacobian_factors(dataclasses.replace(c, names=("X",))).J["X"].dense()
+
+    @property
+    def f(self):
+        """The block's :class:`~blockhess.block.Factors` (every variable of the cache's), formed on
+        first use and kept until :meth:`release`."""
+        if self._f is None:
+            self._f = jacobian_factors(self.c)
+        return self._f
+
+    def release(self) -> None:
+        """Drop the factors (the walk is done with this stage's variables; ``Jx`` is kept)."""
+        self._f = None
 
     def grad_in(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient at the block's input, :math:`J_x^\top g` ``(B, L, d)``, for ``g`` ``(B, L, d)``
@@ -335,14 +350,16 @@ class BlockStage:
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         return self.Jx @ G
 
-    def curv(self, g: torch.Tensor, names):
+    def curv(self, g: torch.Tensor, names, acc=None):
         """``(XX, Xθ)`` of the block: the second derivatives with its input ``X``, per sequence
-        (:func:`blockhess.block.contract_output` with ``X`` a variable, the pairs with ``X`` only)."""
+        (:func:`blockhess.block.contract_output` with ``X`` a variable); with ``acc`` its weights'
+        pairs too, summed over the batch and written there where they lie (as :meth:`weight_pairs`)."""
         k = len(self.prefix)
         local = ("X",) + tuple(n[k:] for n in names)
         shapes = {"X": (self.B, self.L, self.d), **param_shapes(self.c.cfg)}
         xs = BlockSum(("X",) + tuple(n[k:] for n in self.names), shapes, wanted=local, per_sequence=True)
-        with_x = InputSplitSum(HeadSplitSum(xs, self.c.cfg), None)
+        with_x = InputSplitSum(HeadSplitSum(xs, self.c.cfg),
+                               None if acc is None else HeadSplitSum(acc, self.c.cfg, self.prefix))
         contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, with_x)
         with_x.finish()
         m = self.L * self.d
@@ -355,13 +372,13 @@ class BlockStage:
         wants), contracted with the gradient ``g`` ``(B, L·d)`` at its output and summed over the
         batch (Theorem 5, :func:`blockhess.block.contract_output`), to ``acc`` (the model's dense
         :class:`~blockhess.result.BlockSum` over the public names), each block where it lies. The
-        block's factors are formed here when the stage has none (``dense=False``) and dropped after."""
+        block's factors are formed for it (:attr:`f`) and dropped after."""
         if not names:
             return
-        f = self.f if self.f is not None else jacobian_factors(self.c)
         weights = InputSplitSum(None, HeadSplitSum(acc, self.c.cfg, self.prefix))
-        contract_output(self.c, g.reshape(self.B, self.L, self.d), f, weights)
+        contract_output(self.c, g.reshape(self.B, self.L, self.d), self.f, weights)
         weights.finish()
+        self.release()
 
 
 class OutputLoss:

@@ -29,6 +29,8 @@ import torch
 from .. import losses
 from ..block import select_wrt, work_entries
 from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes
+from ..heap import release_free
+from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
@@ -102,16 +104,18 @@ class _Fold:
             self.acc.add(A, B, value.T)
 
 
-def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -> None:
+def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, pairs: bool = True) -> None:
     """Add one pass's Hessian blocks over ``wanted`` (internal names) to ``acc`` (module docstring).
 
     At the current level ``Psi`` ``(B, m, m)`` and, for each later variable ``u``, its rows of ``K^T``
     ``(B, n_u, m)`` (``later``, a list: each is taken through a stage and dropped in turn, so one
     level's rows are held once); a block with a later variable is one summed vector–Jacobian product
     of its rows (``(n_u, n_v)``, written where it lies, :meth:`~blockhess.result.BlockSum.add`). A
-    stage's own variables are taken one at a time: ``Psi J_v``, its pairs with the variables before
-    it, its rows one level down, then dropped (the stage's curvature first, so that its work space
-    meets none of them)."""
+    stage's own variables are taken one at a time, the largest first: ``Psi J_v``, its pairs with
+    those taken before (the smaller one's rows through the larger one's factors), its rows one level
+    down, then dropped (the stage's curvature first, so that its work space meets none of them).
+    ``pairs``: the functional part's blocks among a block's own variables are added here (else by
+    :func:`_weight_pairs`, in passes of their own)."""
     Psi, later, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
@@ -141,16 +145,17 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
         if last:
             later = []
         XX, Xt = None, {}
-        if functional and below:  # (its pairs among its own variables are _weight_pairs')
-            XX, Xt = st.curv(g, here)
+        if functional and (below or pairs):
+            XX, Xt = st.curv(g, here, acc.acc if pairs else None)
             if G and k >= j0:  # ... and the stage's own cross term: Σ_b G_{k-1}^T M_{xθ}
                 for v, M in Xt.items():
                     _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bmq->nq", G[k - 1], M), v)
         PsiJx = st.back(Psi) if below else None  # (B, m, m_in): Psi J_x
         down = []
-        for i, v in enumerate(here):  # the stage's own pairs (v, w), w not after v: Σ_b J_v^T Psi J_w
+        order = sorted(here, key=lambda v: -acc.acc.sizes["W_E" if v == TIED_HEAD else v])
+        for i, v in enumerate(order):  # the stage's own pairs (v, w), w taken before v: Σ_b J_v^T Psi J_w
             r = st.vjp(Psi, [v])[v].transpose(1, 2)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
-            for w in here[: i + 1]:
+            for w in order[: i + 1]:
                 acc.add(v, w, st.vjp(r, [w], summed=True)[w])
             del r
             if not last:  # v's rows one level down, J_v^T Psi J_x + M_vx: the m_in rows of J_x^T Psi through J_v
@@ -159,6 +164,8 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold) -
                     D += Xt.pop(v)
                 down.append((v, D.transpose(1, 2)))
                 del D
+        if isinstance(st, BlockStage):
+            st.release()  # its factors: the stages below are walked without them
         if not below:
             return
         Xt = None
@@ -234,6 +241,9 @@ def _add_tangent_blocks(acc, bottom, value: torch.Tensor, v: str) -> None:
 
 
 PASS_BYTES = 64 * 2**20  # the working memory a pass over a chunk of the batch may always use
+#: the blocks' weight pairs get passes of their own (:func:`_weight_pairs`) where each takes at least this
+#: many times a walk pass's sequences: below it a second contraction per block costs more than it saves
+PAIRS_GAIN = 4
 
 
 def _stage_entries(cfg: ModelConfig, largest: bool = False) -> int:
@@ -247,20 +257,23 @@ def _stage_entries(cfg: ModelConfig, largest: bool = False) -> int:
 
 
 def _sequence_entries(cfg: ModelConfig, L: int, n: int, loss) -> int:
-    """Entries one sequence adds to a pass: every block's forward cache and factors with its input
-    as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`, ``"factors"``),
-    the largest block walk's work space on top (``"hessian"`` less ``"factors"``: one block's second
-    derivatives at a time); the walk's rows at a level, ``Ψ`` and ``K^T`` (``m + n`` rows of
-    ``m = L·d``, or the output's ``P·n_out`` at the top), once (each variable's rows are taken down
-    and dropped in turn: one variable's twice), and ``Ψ J_θ`` with its transpose for the largest
-    stage's variables; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    """Entries one sequence adds to a walk pass: every block's forward cache and factors with its
+    input as a variable and its ``(L·d)²`` input Jacobian (:func:`blockhess.block.work_entries`,
+    ``"factors"``; the walk forms one block's factors at a time, so this is more than it holds), the
+    largest block's contraction on top (``"hessian"`` less ``"factors"``); the walk's rows at a level,
+    ``Ψ``, ``Ψ J_x`` and ``K^T`` (``2m + n`` rows of ``m = L·d``, or the output's ``P·n_out`` at the
+    top: each variable's rows are taken down and dropped in turn); one variable's ``J_v^T Ψ`` and
+    its rows one level down with the largest stage's ``M_xθ`` (``m`` times the largest variable, and
+    twice the largest stage's); the rows' way of a sandwich's scratch (``L`` times the largest
+    variable); a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     d = cfg.d_model
     P = 1 if cfg.pool != "none" else L
     m = max(L * d, 0 if _fused(cfg, loss) else P * cfg.n_out)  # the widest level the rows reach
     held = [work_entries(b, 1, L, "factors", wrt_input=True) + (L * d) ** 2 for b in cfg.blocks]
     walk = max(work_entries(b, 1, L, "hessian", wrt_input=True) - work_entries(b, 1, L, "factors", wrt_input=True)
                for b in cfg.blocks)
-    per = sum(held) + walk + (m + n) * m + m * _stage_entries(cfg, largest=True) + 2 * m * _stage_entries(cfg)
+    largest = _stage_entries(cfg, largest=True)
+    per = sum(held) + walk + (2 * m + n) * m + (m + L) * largest + 2 * m * _stage_entries(cfg)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
@@ -270,38 +283,45 @@ def _weight_entries(cfg: ModelConfig, L: int, loss) -> int:
     """Entries one sequence adds to a pass of the blocks' weight pairs (:func:`_weight_pairs`):
     every block's forward cache and factors without its input (:func:`blockhess.block.work_entries`,
     ``"factors"``), the largest block's contraction on top (``"hessian"`` less ``"factors"``), the
-    gradient's rows; a callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
+    gradient's rows, the rows' way of a sandwich's scratch (``L`` times the largest variable); a
+    callable loss's ``(P·n_out)²`` Hessian twice. Derived here, docs/derivations.md §16."""
     P = 1 if cfg.pool != "none" else L
     per = sum(work_entries(b, 1, L, "factors") for b in cfg.blocks)
     per += max(work_entries(b, 1, L, "hessian") - work_entries(b, 1, L, "factors") for b in cfg.blocks)
-    per += 4 * L * max(cfg.d_model, cfg.n_out)
+    per += 4 * L * max(cfg.d_model, cfg.n_out) + L * _stage_entries(cfg, largest=True)
     if callable(loss):
         per += 2 * (P * cfg.n_out) ** 2
     return per
 
 
-def _fixed_entries(cfg: ModelConfig, n: int) -> int:
+def _fixed_entries(cfg: ModelConfig, n: int, e: int) -> int:
     """Entries a pass holds besides its sequences': the summed product of one variable's rows with
-    another's (the largest pair, three times: the product, its layout and the addition)."""
-    return 3 * _stage_entries(cfg, largest=True) ** 2
+    another's (the largest pair, three times: the product, its layout and the addition), and the
+    scratch of the blocks' sandwiches written into the result (:meth:`~blockhess.result.BlockSum.write_sandwich`:
+    ``SCRATCH_BYTES`` of ``e``-byte entries, or a Khatri–Rao block of the largest pair; the rows' way
+    is in :func:`_sequence_entries`)."""
+    largest = _stage_entries(cfg, largest=True)
+    return 4 * largest ** 2 + SCRATCH_BYTES // e
 
 
 def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[list[slice], list[slice]]:
     """The batch's sequences, one slice per pass: ``(walk, pairs)``. The walk's passes take as many
     as fit in ``PASS_BYTES`` or half the dense result, whichever is more (:func:`_sequence_entries`);
     the blocks' weight pairs' as many as fit in what one walk pass may hold (:func:`_weight_entries`),
-    so that they raise no peak."""
-    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n)
+    so that they raise no peak, where that is at least ``PAIRS_GAIN`` times a walk pass's sequences
+    (else ``[]``: the walk's passes add those pairs, in the contraction they make anyway)."""
+    room = max(PASS_BYTES, n * n * e // 2) // e - _fixed_entries(cfg, n, e)
     size = max(1, min(B, int(room // _sequence_entries(cfg, L, n, loss))))
     pairs = max(1, min(B, size * _sequence_entries(cfg, L, n, loss) // _weight_entries(cfg, L, loss)))
     return ([slice(s, min(s + size, B)) for s in range(0, B, size)],
-            [slice(s, min(s + pairs, B)) for s in range(0, B, pairs)])
+            [slice(s, min(s + pairs, B)) for s in range(0, B, pairs)] if pairs >= PAIRS_GAIN * size else [])
 
 
 @serial()
 def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None) -> HessianBlocks:
     """``chunks``: ``(walk, pairs)``, the slices of the walk's passes (:func:`_sequence_entries`) and
-    of the blocks' weight pairs' (:func:`_weight_entries`; the functional part's only)."""
+    of the blocks' weight pairs' (:func:`_weight_entries`; the functional part's only; ``[]``: the
+    walk adds them)."""
     shapes = model_param_shapes(cfg)
     wanted = set(names)
     if cfg.tied and "W_E" in wanted:
@@ -310,7 +330,7 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
     acc = BlockSum(names, shapes, dense=True, dtype=like.dtype, device=like.device)
     fold = _Fold(acc, shapes)
     walk_chunks, pair_chunks = chunks
-    if which in ("full", "functional"):
+    if pair_chunks and which in ("full", "functional"):
         for rows in pair_chunks:
             t = trace(params, inputs[rows], cfg, first=rows.start, wrt_input=False)
             tg = target[rows] if isinstance(target, torch.Tensor) else target
@@ -322,8 +342,9 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         t = trace(params, inputs[rows], cfg, first=rows.start)
         tg = target[rows] if isinstance(target, torch.Tensor) else target
         st, top = stages_of(t, loss, tg, B, rows.start)
-        _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold)
+        _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold, pairs=not pair_chunks)
         del t, st, top  # a pass's trace and stages go before the next pass's are built
+    release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
         if (name, name) in acc.blocks:
             blk = acc.blocks[(name, name)]
@@ -380,7 +401,7 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     L = n_tokens(cfg, inputs)
     chunks = _chunks(cfg, B, L, n, loss, e)
     rows = max(len(range(B)[c]) for c in chunks[0])  # the pairs' passes hold no more than the walk's
-    need = (n * n + _fixed_entries(cfg, n) + rows * _sequence_entries(cfg, L, n, loss)) * e
+    need = (n * n + _fixed_entries(cfg, n, e) + rows * _sequence_entries(cfg, L, n, loss)) * e
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
     check_fits(need, f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
