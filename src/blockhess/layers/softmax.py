@@ -56,7 +56,10 @@ def apply_row_jacobians(A: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     probable entry ``m`` (so the ``m``-th is exact where ``a_m`` is near 1; see the module
     docstring). Kernel: no checks.
     """
-    shape = torch.broadcast_shapes(A.shape + (1,), V.shape)
+    a, v = A.shape + (1,), V.shape
+    k = max(len(a), len(v))
+    a, v = (1,) * (k - len(a)) + tuple(a), (1,) * (k - len(v)) + tuple(v)
+    shape = torch.Size(y if x == 1 else x for x, y in zip(a, v))
     V = V.expand(shape)
     m = A.argmax(-1, keepdim=True)[..., None].expand(*shape[:-2], 1, shape[-1])  # (..., L, 1, k)
     D = V - V.gather(-2, m)
