@@ -9,9 +9,9 @@ together, to every rank holding the result), the time of one ``all_reduce`` of t
 timed alone after it, and each rank's own, with its CPU time. Reports the median throughput
 (images/s) of each ``W``, their ratio, the ratio of the slowest rank's CPU time to one process's (what
 the speed-up would be on free cores, the waits for the messages left out), the all-reduce's share of
-the time, and the load average before and after each run
-(the machine may be shared: a load above its core count makes the ratio meaningless; the JSON says
-so). Writes ``--out`` (default ``benchmarks/results/distributed-<commit>.json``).
+the time, and the load average before and after each run. The machine may be shared: the JSON's
+``summary.meaningful`` is ``false`` when a rank of some run had a core for less than 90 % of its wall
+time (its CPU time over its wall time): the ratio then measures the sharing, not the method. Writes ``--out`` (default ``benchmarks/results/distributed-<commit>.json``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,38 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SRC = os.path.join(ROOT, "src")
+CORE_SHARE = 0.9  # a rank's CPU time over its wall time below which the run measures sharing (summarise)
 sys.path.insert(0, SRC)
+
+
+def summarise(samples: list, procs: list) -> dict:
+    """Medians per process count, the speed-ups, and whether the runs measure the method: every rank
+    of every run had a core for at least ``CORE_SHARE`` of its wall time (its CPU time over its wall
+    time; a rank waiting for a message or for a core shared with other work falls below)."""
+    med = {W: {"images_per_second": statistics.median(s["images_per_second"] for s in samples if s["processes"] == W),
+               "hessian_seconds": statistics.median(s["hessian_seconds"] for s in samples if s["processes"] == W),
+               "all_reduce_seconds": statistics.median(s["all_reduce_seconds"] for s in samples if s["processes"] == W),
+               "all_reduce_share": statistics.median(s["all_reduce_share"] for s in samples if s["processes"] == W),
+               "hessian_cpu_seconds_max": statistics.median(s["hessian_cpu_seconds_max"] for s in samples
+                                                            if s["processes"] == W)}
+           for W in procs}
+    cores = os.cpu_count() or 1
+    loads = [s["load_before"][0] for s in samples]
+    share = min(r["hessian_cpu_seconds"] / r["hessian_seconds"] for s in samples for r in s["per_rank"])
+    summary = {
+        "median": {str(W): v for W, v in med.items()},
+        "speedup": {str(W): med[W]["images_per_second"] / med[procs[0]]["images_per_second"] for W in procs},
+        # the slowest rank's CPU time against one process's: the speed-up on free cores, communication waits left out
+        "cpu_time_speedup": {str(W): med[procs[0]]["hessian_cpu_seconds_max"] / med[W]["hessian_cpu_seconds_max"]
+                             for W in procs},
+        "target_speedup_2": 1.7,
+        "load_before_max": max(loads), "logical_cpus": cores,
+        "core_share_min": share, "meaningful": share >= CORE_SHARE and max(procs) <= cores,
+        "note": (f"every rank had a core for at least {CORE_SHARE:.0%} of its wall time" if share >= CORE_SHARE
+                 else "a rank ran on a core for less than {:.0%} of its wall time: the processes shared cores with other "
+                      "work and the ratio measures that sharing, not the method; rerun on a quiet machine".format(CORE_SHARE)),
+    }
+    return summary
 
 
 def _run(W: int, args, folder: str) -> dict:
@@ -84,28 +115,7 @@ def main(argv=None) -> int:
                 samples.append(s)
                 print(f"W={W} repeat {r}: {s['hessian_seconds']:.2f} s ({s['images_per_second']:.1f} images/s), "
                       f"all-reduce {s['all_reduce_seconds'] * 1e3:.1f} ms, load {s['load_before'][0]:.2f}", flush=True)
-    med = {W: {"images_per_second": statistics.median(s["images_per_second"] for s in samples if s["processes"] == W),
-               "hessian_seconds": statistics.median(s["hessian_seconds"] for s in samples if s["processes"] == W),
-               "all_reduce_seconds": statistics.median(s["all_reduce_seconds"] for s in samples if s["processes"] == W),
-               "all_reduce_share": statistics.median(s["all_reduce_share"] for s in samples if s["processes"] == W),
-               "hessian_cpu_seconds_max": statistics.median(s["hessian_cpu_seconds_max"] for s in samples
-                                                            if s["processes"] == W)}
-           for W in procs}
-    cores = os.cpu_count() or 1
-    loads = [s["load_before"][0] for s in samples]
-    summary = {
-        "median": {str(W): v for W, v in med.items()},
-        "speedup": {str(W): med[W]["images_per_second"] / med[procs[0]]["images_per_second"] for W in procs},
-        # the slowest rank's CPU time against one process's: the speed-up on free cores, communication waits left out
-        "cpu_time_speedup": {str(W): med[procs[0]]["hessian_cpu_seconds_max"] / med[W]["hessian_cpu_seconds_max"]
-                             for W in procs},
-        "target_speedup_2": 1.7,
-        "load_before_max": max(loads), "logical_cpus": cores,
-        "meaningful": max(loads) + max(procs) <= cores,
-        "note": ("the load before a run plus its processes fits the cores" if max(loads) + max(procs) <= cores else
-                 "the load of other processes plus this run's exceeds the cores: the processes share cores with other "
-                 "work and the ratio measures that sharing, not the method; rerun on a quiet machine"),
-    }
+    summary = summarise(samples, procs)
     res = {"what": args.what, "n_images": samples[0]["n_images"], "n": samples[0]["n"], "procs": procs,
            "repeats": args.repeats, "commit": commit, "summary": summary, "samples": samples}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
