@@ -81,8 +81,10 @@ AGREEMENT = 1e-8
 GPT2_BLOCK = BlockConfig(d_model=768, d_ff=3072, d_k=64, n_heads=12, norm="pre", activation="gelu_tanh", bias=True,
                          out_proj=True, ln_affine=True, ln_eps=1e-5, causal=True)
 GPT2_TOKENS = 256
-#: the paper's CIFAR-100-sized ViT: 8 blocks of the digits recipe at d = 128, d_ff = 512; 64 tokens; 100 classes
-CIFAR_BLOCK = BlockConfig(d_model=128, d_ff=512, d_k=128, ln_eps=1e-5)
+#: the paper's CIFAR-100-sized ViT as its code builds it (docs/paper reconstruction §5.1): 8 post-LN blocks at
+#: d = 128, d_ff = 512, one head with W_O, biases, affine LayerNorms, GELU; 64 tokens; 100 classes (1.6M weights)
+CIFAR_BLOCK = BlockConfig(d_model=128, d_ff=512, d_k=128, n_heads=1, norm="post", activation="gelu", bias=True,
+                          out_proj=True, ln_affine=True, ln_eps=1e-5)
 CIFAR_VIT = ModelConfig(blocks=(CIFAR_BLOCK,) * 8, embedding="patch", image=(3, 32, 32), patch=4,
                         positions="sinusoidal", pool="mean", head=100, head_bias=True)
 PRESET_BATCH = {"digits": 128, "gpt2-block": 8, "cifar100-vit": 8}
