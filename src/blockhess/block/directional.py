@@ -18,6 +18,9 @@ The bracketed terms, linear in the cached adjoints ``g``, are the functional par
 :math:`\dot g_Z = 0` (``outer=False``) it is the functional part alone: outer + functional = full
 exactly, as for :func:`blockhess.hessian`. ``k`` directions ride along a leading axis: every
 product is a batched matrix product, memory ``O(k ×`` the forward activations) (:func:`work_entries`).
+A product can be restricted to the rows it needs (``hvp(..., wanted=)``: only those rows are formed,
+and the pass back stops below the lowest of them); :func:`vjp` is the pass back alone, for a block
+with no direction (docs/derivations.md §18, "Restricted products").
 """
 
 from __future__ import annotations
