@@ -28,6 +28,7 @@ import torch
 import blockhess as bh
 from blockhess import losses
 from blockhess.block import Adjoints, adjoints, directional, forward_cache, hvp
+from blockhess.block.directional import vjp
 from blockhess.layers import attention, ffn, layernorm, linear, softmax
 
 from conftest import (EPS64, FLOAT32_FACTOR, ROUND, assert_close, assert_float32_close, fro, make_case,
@@ -349,6 +350,103 @@ def test_hvp_of_some_weights_only(names):
     against_dense(cfg, randomize_vectors(p), X, "ce", make_target("ce", X, g, 4), 2, names=names)
 
 
+ATTENTION_CASE = (dict(kind="attention", n_heads=2, bias=True, out_proj=True, causal=True), (3, 4, 2, 5, 2, 1.0), "mse")
+
+
+@pytest.mark.parametrize("case", OPTION_CASES + [ATTENTION_CASE], ids=OPTION_IDS + ["attention-H2-bias-out_proj"])
+def test_hvp_wanted_rows_are_the_full_products_rows(case):
+    """``wanted``: exactly the wanted names' rows (canonical order, no other key), equal to the
+    unrestricted product's, each weight alone, pairs far apart, none with the input's rows only; with
+    and without input directions, every part."""
+    row, shape, loss = case
+    cfg, p, X, g = make_case(*shape, **row)
+    p = randomize_vectors(p)
+    c = forward_cache(p, X, cfg, plain=True)
+    gl, omega = loss_parts(c, loss, make_target(loss, X, g, cfg.d_model))
+    a = adjoints(c, gl)
+    V, dX = directions(p, 2, 1), randn((2, *c.X.shape), gen(2))
+    names = list(p)
+    sets = [(n,) for n in names] + [(names[0], names[-1]), tuple(names[::-1]), ()]
+    for outer, functional in ((True, True), (True, False), (False, True)):
+        for dXi in (None, dX):
+            full, dg_full = hvp(c, a, V, omega, dX=dXi, outer=outer, functional=functional, input_adjoint=True)
+            whole = math.sqrt(sum(fro(v) ** 2 for v in full.values()))
+            for wanted in sets:
+                for inp in (False, True):
+                    if not wanted and not inp:
+                        continue
+                    HV, dgX = hvp(c, a, V, omega, dX=dXi, outer=outer, functional=functional, input_adjoint=inp,
+                                  wanted=wanted)
+                    what = f"wanted {wanted}, input {inp}, dX {dXi is not None}, outer {outer}, functional {functional}"
+                    assert list(HV) == [n for n in names if n in wanted], what
+                    for n in wanted:
+                        assert_close(HV[n], full[n], scale=whole, tol=TOL_HVP, what=f"{what}: {n}")
+                    if inp:
+                        assert_close(dgX, dg_full, scale=fro(dg_full), tol=TOL_HVP, what=f"{what}: dgX")
+                    else:
+                        assert dgX is None
+
+
+def _calls(monkeypatch, module, name):
+    """Record each call's keyword arguments of ``module.name`` (still run)."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_hvp_restricted_pass_skips_what_is_not_wanted(monkeypatch, norm):
+    """The restriction is real: each weight alone forms one weight's rows (one ``linear.second_adjoint``
+    with ``weight=True``), W_2's and W_1's never reach the attention, W_V's skips the softmax's pass."""
+    cfg, p, X, g = make_case(3, 4, 2, 5, 2, 1.0, n_heads=2, bias=True, out_proj=True, ln_affine=True, norm=norm,
+                             activation="gelu")
+    c = forward_cache(p, X, cfg, plain=True)
+    gl, omega = loss_parts(c, "mse", make_target("mse", X, g, 4))
+    V = directions(p, 2, 3)
+    lin = _calls(monkeypatch, linear, "second_adjoint")
+    att = _calls(monkeypatch, attention, "second_adjoint")
+    soft = _calls(monkeypatch, softmax, "second_adjoint")
+    hvp(c, gl, V, omega)
+    assert sum(kw.get("weight", True) for kw in lin) == 6 and len(att) == 1 and len(soft) == 1  # the six maps
+    for wanted, n_lin, n_att, n_soft in ((("W_2",), 1, 0, 0), (("W_1",), 2, 0, 0), (("W_O",), None, 0, 0),
+                                         (("W_V",), None, 1, 0), (("W_Q",), None, 1, 1), (("W_K",), None, 1, 1)):
+        lin.clear(), att.clear(), soft.clear()
+        hvp(c, gl, V, omega, wanted=wanted)
+        assert sum(kw.get("weight", True) for kw in lin) == 1, wanted
+        assert n_lin is None or len(lin) == n_lin, wanted
+        assert (len(att), len(soft)) == (n_att, n_soft), wanted
+
+
+def test_vjp_against_autograd():
+    """``vjp``: ``J_θᵀ w`` and ``J_Xᵀ w`` for ``k`` output adjoints against autograd's on the plain
+    forward (float64, relative 1e-12), restricted as ``hvp`` (only the wanted keys)."""
+    cfg, p, X, g = make_case(3, 4, 2, 5, 2, 1.0, n_heads=2, bias=True, out_proj=True, ln_affine=True, norm="pre",
+                             activation="gelu", causal=True)
+    p = randomize_vectors(p)
+    c = forward_cache(p, X, cfg, plain=True)
+    W = randn((3, *c.X.shape), gen(5))
+    rows, dgX = vjp(c, W)
+    assert list(rows) == list(p)
+    leaves = {n: v.clone().requires_grad_() for n, v in p.items()}
+    Xl = X.clone().requires_grad_()
+    Z = bh.forward(leaves, Xl, cfg)
+    for i in range(W.shape[0]):
+        ref = torch.autograd.grad(Z, [*leaves.values(), Xl], W[i].reshape(Z.shape), retain_graph=True,
+                                  allow_unused=True)
+        ref = {n: (torch.zeros_like(p[n]) if r is None else r) for n, r in zip([*leaves, "X"], ref)}
+        for n in p:
+            assert_close(rows[n][i], ref[n], scale=fro(ref["X"]), tol=TOL_HVP, what=f"vjp {n}")
+        assert_close(dgX[i].reshape(X.shape), ref["X"], tol=TOL_HVP, what="vjp X")
+    part, none = vjp(c, W, wanted=("W_1", "gamma_1"), input_adjoint=False)
+    assert list(part) == ["gamma_1", "W_1"] and none is None
+    assert torch.equal(part["W_1"], rows["W_1"]) and torch.equal(part["gamma_1"], rows["gamma_1"])
+
+
 def reference_products(p, X, cfg, loss, target, V, dX):
     """``(full, outer)``, each ``(dgX, {name: rows})`` stacked over the ``k`` directions, by torch.func on
     the plain reference forward as a function of ``(X, weights)``: the full product as ``jvp`` of
@@ -542,6 +640,8 @@ def bad_case():
     (lambda c, g, o, V: dict(outer=False, functional=False), "both False"),
     (lambda c, g, o, V: dict(outer=1), "outer must be True or False"),
     (lambda c, g, o, V: dict(input_adjoint="yes"), "input_adjoint must be True or False"),
+    (lambda c, g, o, V: dict(wanted="W_Q"), "wanted must be None or a collection"),
+    (lambda c, g, o, V: dict(wanted=("W_Q", "X")), r"wanted must name weights of the block"),
 ])
 def test_bad_inputs_are_refused_by_name(change, match):
     c, gl, omega, V = bad_case()
@@ -549,6 +649,21 @@ def test_bad_inputs_are_refused_by_name(change, match):
     kw.update(change(c, gl, omega, V))
     with pytest.raises(ValueError, match=match):
         hvp(**kw)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c, W: dict(c=None), "c must be a blockhess.block.Cache"),
+    (lambda c, W: dict(W=W[0]), r"W must have shape \(k, 2, 3, 4\)"),
+    (lambda c, W: dict(W=W.float()), "dtype"),
+    (lambda c, W: dict(wanted=["b_Z"]), "wanted must name weights"),
+    (lambda c, W: dict(input_adjoint=None), "input_adjoint must be True or False"),
+])
+def test_vjp_bad_inputs_are_refused_by_name(change, match):
+    c, _, _, _ = bad_case()
+    kw = dict(c=c, W=torch.zeros(2, *c.X.shape, dtype=DT))
+    kw.update(change(c, kw["W"]))
+    with pytest.raises(ValueError, match=match):
+        vjp(**kw)
 
 
 def test_memory_is_checked_before_any_work(monkeypatch):

@@ -1,6 +1,6 @@
 """``bh.hessian_operator``: the closed-form matrix-free Hessian of a block or a model against the dense
-closed form (itself checked against autograd), its parts, views, ``wrt`` subsets, and the estimators
-and SciPy running on it."""
+closed form (itself checked against autograd), its parts, views (each restricted to what it needs,
+and equal to the full product's rows), ``wrt`` subsets, and the estimators and SciPy running on it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 
 import blockhess as bh
 from blockhess.config import ModelConfig
-from blockhess.operators import lanczos_eigs
+from blockhess.layers import attention
+from blockhess.model import directional as model_directional
+from blockhess.operators import HessianOperator, engines, head_views, lanczos_eigs
 
 from conftest import assert_close, make_model_case
 from settings import MODEL_CASES, MODEL_IDS, OPTION_CASES, OPTION_IDS
@@ -140,3 +142,136 @@ def test_bad_part():
     p, X, T = _block_case(PAPER, "mse")
     with pytest.raises(ValueError, match="part must be one of"):
         bh.hessian_operator(p, X, PAPER, loss="mse", target=T, part="gauss-newton")
+
+
+# ----------------------------------------------------------------------------- restricted views
+
+VIEW_TOL = 1e-12  # a view against the full product's rows and the dense block: float64, a few roundings per entry
+VIEW_BLOCKS = {
+    "pre": (PRE, "ce"),
+    "post-heads": (bh.BlockConfig(d_model=6, d_ff=7, d_k=2, n_heads=3, bias=True, out_proj=True, ln_affine=True,
+                                  ln_eps=1e-5, activation="gelu"), "mse"),
+    "post": (POST, "mse"),
+    "paper": (PAPER, "ce"),
+    "attention": (bh.BlockConfig(d_model=6, d_k=3, n_heads=2, kind="attention", bias=True, out_proj=True,
+                                 causal=True), "mse"),
+}
+
+
+def _variables(A, cfg) -> list:
+    """The operator's parameters and their heads' column groups (``W_Q#h``...)."""
+    return list(A.names) + [v for v, (param, _, _) in head_views(cfg).items() if param in A.names]
+
+
+class _Layout:
+    """A whole operator's vector layout: a variable's entries put into / read from an ``(n, k)`` vector."""
+
+    def __init__(self, A, cfg):
+        self.A, self.split, self.off, off = A, head_views(cfg), {}, 0
+        for n, size in zip(A.names, A.sizes):
+            self.off[n] = off
+            off += size
+
+    def _where(self, var):
+        return self.split[var] if var in self.split else (var, self.A.shapes[var], None)
+
+    def embed(self, var, v):
+        param, ref, idx = self._where(var)
+        block = torch.zeros(*ref, v.shape[1], dtype=v.dtype)
+        if idx is None:
+            block = v.reshape(*ref, -1)
+        else:
+            block[idx] = v.reshape(*block[idx].shape)
+        full = torch.zeros(self.A.shape[1], v.shape[1], dtype=v.dtype)
+        size = block[..., 0].numel()
+        full[self.off[param]:self.off[param] + size] = block.reshape(size, -1)
+        return full
+
+    def rows(self, var, y):
+        param, ref, idx = self._where(var)
+        size = torch.Size(self.A.shapes[param]).numel()
+        block = y[self.off[param]:self.off[param] + size].reshape(*ref, -1)
+        return (block if idx is None else block[idx]).reshape(-1, y.shape[1])
+
+
+def _check_views(A, R, cfg, rows_vars, cols_vars, what, seed=0):
+    """``A[a, b] @ v`` for each ``a`` of ``rows_vars``, ``b`` of ``cols_vars`` against the rows ``a`` of
+    ``A @ w`` (``w``: ``v`` on ``b``'s columns, zero elsewhere) and against the dense ``R[a, b] @ v``; each
+    to its own norm and to the rounding of the whole product ``A @ w`` (a block can be zero)."""
+    lay, gen = _Layout(A, cfg), torch.Generator().manual_seed(seed)
+    for b in cols_vars:
+        v = torch.randn(A[b, b].shape[1], 2, dtype=torch.float64, generator=gen)
+        full = A @ lay.embed(b, v)
+        whole = float(torch.linalg.matrix_norm(full))
+        for a in rows_vars:
+            got = A[a, b] @ v
+            assert_close(got, lay.rows(a, full), scale=whole, tol=VIEW_TOL, what=f"{what} A[{a}, {b}] vs A @ w")
+            assert_close(got, R[a, b] @ v, scale=whole, tol=VIEW_TOL, what=f"{what} A[{a}, {b}] vs dense")
+
+
+@pytest.mark.parametrize("part", ["full", "outer", "functional"])
+@pytest.mark.parametrize("name", list(VIEW_BLOCKS))
+def test_block_views_are_the_full_products_rows(name, part):
+    """Every view ``A[a, b]`` of a block, heads' column groups included, diagonal and off-diagonal,
+    and views over several variables."""
+    cfg, loss = VIEW_BLOCKS[name]
+    p, X, T = _block_case(cfg, loss)
+    H = bh.hessian(p, X, cfg, loss=loss, target=T)
+    R = HessianOperator.from_dense({"full": H, "outer": H.outer, "functional": H.functional}[part])
+    A = bh.hessian_operator(p, X, cfg, loss=loss, target=T, part=part)
+    every = _variables(A, cfg)
+    _check_views(A, R, cfg, every, every, f"{name} {part}")
+    heads = [v for v in every if "#" in v]
+    rows, cols = tuple(every[-1:] + heads[:1]), tuple(every[:2] + heads[-1:])
+    v = torch.randn(A[rows, cols].shape[1], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert_close(A[rows, cols] @ v, R[rows, cols] @ v, tol=VIEW_TOL, what=f"{name} {part} A[{rows}, {cols}]")
+
+
+@pytest.mark.parametrize("part", ["full", "outer", "functional"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_views_are_the_full_products_rows(name, part):
+    """A model's views: every diagonal one, and every variable against a few spread over the stages
+    (the embedding, a head of the first block, the last block's W_2 and b_K, the top variable), both ways."""
+    cfg, p, x, loss, T = _model_case(name)
+    H = bh.hessian(p, x, cfg, loss=loss, target=T)
+    R = HessianOperator.from_dense({"full": H, "outer": H.outer, "functional": H.functional}[part])
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T, part=part)
+    every = _variables(A, cfg)
+    last = f"blocks.{len(cfg.blocks) - 1}."
+    some = [every[0], next((v for v in every if v.startswith("blocks.0.") and "#" in v), "blocks.0.W_Q"),
+            last + "W_2", *([last + "b_K"] if last + "b_K" in every else []), A.names[-1]]
+    for v in every:
+        _check_views(A, R, cfg, [v], [v], f"{name} {part}")
+    _check_views(A, R, cfg, every, some, f"{name} {part}", seed=1)
+    _check_views(A, R, cfg, some, every, f"{name} {part}", seed=2)
+
+
+def _spy(monkeypatch, module, name):
+    """Record each call's keyword arguments of ``module.name`` (still run)."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_model_views_run_only_the_stages_they_need(monkeypatch):
+    """The restriction is real in a model (two blocks): a view runs no block below its lowest
+    direction on the way up, none below its lowest row on the way down, and each block forms only
+    its wanted rows (the attention's pass only where a row or an input adjoint below needs it)."""
+    block_hvp = _spy(monkeypatch, engines, "hvp")
+    cfg, p, x, loss, T = _model_case("gpt")
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    down = _spy(monkeypatch, model_directional, "vjp")
+    att = _spy(monkeypatch, attention, "second_adjoint")
+    for a, b, ups, downs, n_att in (("blocks.1.W_2", "blocks.1.W_2", [({"W_2"}, False)], [], 0),
+                                    ("blocks.0.W_1", "blocks.1.W_2", [(set(), True)], [{"W_1"}], 1),
+                                    ("blocks.1.W_2", "blocks.0.W_1", [(set(), False), ({"W_2"}, False)], [], 0),
+                                    ("blocks.0.W_Q", "blocks.0.W_Q", [({"W_Q"}, False), (set(), True)], [], 2)):
+        block_hvp.clear(), down.clear(), att.clear()
+        A[a, b] @ torch.randn(A[a, b].shape[1], dtype=torch.float64)
+        assert sorted((set(kw["wanted"]), kw["input_adjoint"]) for kw in block_hvp) == sorted(ups), (a, b)
+        assert [set(kw["wanted"]) for kw in down] == downs and len(att) == n_att, (a, b)

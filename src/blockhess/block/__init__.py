@@ -42,19 +42,20 @@ One module per part, composing the layers (:mod:`blockhess.layers`) only through
 * :mod:`.first_order`: Theorem 4, the per-token :class:`Factors`; public :func:`jacobian`, :func:`input_jacobian`;
 * :mod:`.second_order`: Theorem 5, the backward walk (:func:`contract_output`); public :func:`second_derivative`;
 * :mod:`.directional`: the exact Hessian-vector product, matrix-free (:func:`hvp`: a tangent pass forward,
-  a second-order adjoint pass back, each layer's ``tangent`` and ``second_adjoint``; :func:`adjoints`).
+  a second-order adjoint pass back, each layer's ``tangent`` and ``second_adjoint``, restricted to the
+  wanted rows; :func:`vjp`, its pass back alone; :func:`adjoints`).
 
 (The modules are not named after the functions they hold: a submodule ``block.forward`` would be
 shadowed by the function ``block.forward`` this package re-exports.)
 """
 
-from .directional import Adjoints, adjoints, hvp
+from .directional import Adjoints, adjoints, hvp, vjp
 from .first_order import Factors, attention_input_jacobian, input_jacobian, jacobian, jacobian_factors
 from .forward_pass import (FFN_NAMES, Cache, as_batch, check_forward, check_inputs, forward, forward_cache, pre_ln,
                            select_wrt, variable_shapes, work_entries)
 from .second_order import contract_output, dense_second_derivative, second_derivative
 
-__all__ = ["forward", "jacobian", "input_jacobian", "second_derivative", "hvp", "adjoints", "Adjoints",
+__all__ = ["forward", "jacobian", "input_jacobian", "second_derivative", "hvp", "vjp", "adjoints", "Adjoints",
            # the engine the package's other modules share (hessian, convergence, bounds, reference)
            "Cache", "FFN_NAMES", "Factors", "as_batch", "attention_input_jacobian", "check_forward", "check_inputs",
            "contract_output", "dense_second_derivative", "forward_cache", "jacobian_factors", "pre_ln", "select_wrt",

@@ -18,6 +18,9 @@ The bracketed terms, linear in the cached adjoints ``g``, are the functional par
 :math:`\dot g_Z = 0` (``outer=False``) it is the functional part alone: outer + functional = full
 exactly, as for :func:`blockhess.hessian`. ``k`` directions ride along a leading axis: every
 product is a batched matrix product, memory ``O(k ×`` the forward activations) (:func:`work_entries`).
+A product can be restricted to the rows it needs (``hvp(..., wanted=)``: only those rows are formed,
+and the pass back stops below the lowest of them); :func:`vjp` is the pass back alone, for a block
+with no direction (docs/derivations.md §18, "Restricted products").
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ..layers.linear import add
 from ..validation import check_bool, check_fits, check_tensor
 from .forward_pass import Cache, pre_ln
 
-__all__ = ["Adjoints", "adjoints", "hvp", "work_entries"]
+__all__ = ["Adjoints", "adjoints", "hvp", "vjp", "work_entries"]
 
 
 class Adjoints(NamedTuple):
@@ -135,8 +138,174 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
     return {n: V.get(n) for n in shapes}, dX, k
 
 
+#: the block's weights by the layer whose second-order adjoint forms their rows (the pass runs top to bottom)
+_ATTENTION = frozenset(("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"))
+_OUT = frozenset(("W_O", "b_O"))
+_LN1, _LN2 = frozenset(("gamma_1", "beta_1")), frozenset(("gamma_2", "beta_2"))
+_FFN = frozenset(("W_1", "b_1", "W_2", "b_2"))
+
+
+def _wanted(wanted, shapes: dict) -> frozenset:
+    """``wanted`` checked: ``None`` (every weight) or a collection of the block's weight names."""
+    if wanted is None:
+        return frozenset(shapes)
+    if isinstance(wanted, str) or not hasattr(wanted, "__iter__"):
+        raise ValueError(f"wanted must be None or a collection of the block's weight names {list(shapes)}, "
+                         f"got {wanted!r}")
+    wanted = tuple(wanted)
+    bad = [n for n in wanted if n not in shapes]
+    if bad:
+        raise ValueError(f"wanted must name weights of the block {list(shapes)}, got {bad}")
+    return frozenset(wanted)
+
+
+class _Tangents(NamedTuple):
+    """The tangent pass's nodes that the pass back reads (``None`` where zero)."""
+
+    dXa: torch.Tensor | None  # (k, B, L, d) the attention's input (LN_1's output pre-LN; X post-LN)
+    ln1: tuple  # (dy, rho) of LN_1's normalised rows
+    ln2: tuple  # (dy, rho) of LN_2's (post-LN)
+    ta: attention.Tangent
+    tf: ffn.Tangent | None
+    dZ: torch.Tensor | None  # (k, T, d) the output's
+
+
+def _no_tangents(cfg) -> _Tangents:
+    """Every tangent zero: the pass back of :func:`vjp` (no direction in the block)."""
+    tf = None if cfg.kind == "attention" else ffn.Tangent(*(None,) * len(ffn.Tangent._fields))
+    return _Tangents(None, (None, None), (None, None), attention.Tangent(*(None,) * len(attention.Tangent._fields)),
+                     tf, None)
+
+
+def _tangents(c: Cache, dp: dict, dX, k: int) -> _Tangents:
+    """The tangent pass, forward, along the weights' directions ``dp`` and the input's ``dX``
+    ``(k, B, L, d)`` or ``None`` (docs/derivations.md §18, "The block")."""
+    cfg, p = c.cfg, c.params
+    pre = pre_ln(cfg)
+    B, L, d = c.X.shape
+    T = B * L
+
+    def tokens(t):
+        return None if t is None else t.reshape(k, T, d)
+
+    ln1 = ln2 = (None, None)
+    dXa = dX
+    if pre:
+        if dX is not None:
+            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
+        dXa = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
+        dXa = None if dXa is None else dXa.reshape(k, B, L, d)
+    ta = attention.tangent(c.att, p, dp, dXa)
+    dP = ta.dF
+    if cfg.out_proj:
+        dP = linear.tangent(c.att.F, p["W_O"], ta.dF, dp.get("W_O"), dp.get("b_O"))
+    tf = None
+    if cfg.kind == "attention":
+        dZ = tokens(dP)
+    else:
+        dU = tokens(add(dX, dP))
+        if pre:
+            tf = ffn.tangent(c.fc, p, dp, dU)
+            dZ = tf.dS
+        else:
+            if dU is not None:
+                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU)
+            dY = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
+            tf = ffn.tangent(c.fc, p, dp, dY)
+            if tf.dS is not None:
+                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS)
+            dZ = layernorm.affine_tangent(c.ln2[0], ln2[0], p.get("gamma_2"), dp.get("gamma_2"), dp.get("beta_2"))
+    return _Tangents(dXa, ln1, ln2, ta, tf, dZ)
+
+
+def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, want_dgX: bool, second: bool,
+          k: int) -> tuple[dict, torch.Tensor | None]:
+    """The second-order adjoint pass, back from the output adjoint's tangent ``dgZ`` ``(k, B, L, d)``
+    (or ``None``), restricted: each layer forms the rows of the weights in ``want`` only, and the pass
+    stops below the lowest of them unless ``want_dgX``. Returns ``(rows, dgX)``: name → ``(k, *shape)``
+    or ``None`` (zero) for the names of ``want``, and the input's ``(k, B, L, d)`` or ``None``."""
+    cfg, p = c.cfg, c.params
+    pre = pre_ln(cfg)
+    B, L, d = c.X.shape
+    T = B * L
+
+    def tokens(t):
+        return None if t is None else t.reshape(k, T, d)
+
+    def seqs(t):
+        return None if t is None else t.reshape(k, B, L, d)
+
+    def has(group):
+        return bool(want & group)
+
+    def ln_vars(i):
+        return (f"gamma_{i}" in want, f"beta_{i}" in want)
+
+    hv: dict = {}
+
+    def keep(found: dict):
+        hv.update({n: v for n, v in found.items() if n in want})
+
+    ln1, ln2, ta, tf = tg.ln1, tg.ln2, tg.ta, tg.tf
+    att_input = want_dgX or (pre and has(_LN1))  # the attention's input adjoint is read below it
+    go_att = att_input or has(_ATTENTION)  # the pass reaches the attention
+    dgU = None
+    if cfg.kind == "attention":
+        dgP = dgZ
+    else:
+        if pre:  # the FFN (LN_2 inside), then the residual sum R
+            go = go_att or has(_OUT)
+            if go or has(_FFN | _LN2):
+                dgU, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, tokens(dgZ), second, go, want & (_FFN | _LN2))
+                keep(found)
+        else:  # LN_2, the FFN, LN_1
+            go_l1 = go_att or has(_OUT)
+            go_f = go_l1 or has(_LN1)
+            go_l2 = go_f or has(_FFN)
+            dgS = dgY = None
+            if go_l2 or has(_LN2):
+                dgS, hg, hb = layernorm.second_adjoint(c.ln2[0], c.r2, a.gZ, a.gS, tokens(dgZ), ln2[0], ln2[1],
+                                                       p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2))
+                keep({"gamma_2": hg, "beta_2": hb})
+            if go_l2:
+                dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second, go_f, want & _FFN)
+                keep(found)
+            if go_f:
+                dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
+                                                       p.get("gamma_1"), dp.get("gamma_1"), second, go_l1, ln_vars(1))
+                keep({"gamma_1": hg, "beta_1": hb})
+        dgP = seqs(dgU)
+    dgF = dgP
+    if cfg.out_proj and (go_att or has(_OUT)):
+        dgF, hW, hb = linear.second_adjoint(c.att.F, p["W_O"], a.gP, dgP, ta.dF, dp.get("W_O"), second, go_att,
+                                            bias="b_O" in want, weight="W_O" in want)
+        keep({"W_O": hW, "b_O": hb})
+    dgXa = None
+    if go_att:
+        dgXa, found = attention.second_adjoint(c.att, p, dp, a.att, ta, dgF, tg.dXa, second, att_input,
+                                               want & _ATTENTION)
+        keep(found)
+    if pre and att_input:
+        gX = None if a.att.gX is None else a.att.gX.reshape(T, d)
+        dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, gX, a.gX1, tokens(dgXa), ln1[0], ln1[1],
+                                                p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1))
+        keep({"gamma_1": hg, "beta_1": hb})
+        dgXa = seqs(dgX1)
+    dgX = None
+    if want_dgX:
+        dgX = add(seqs(dgU), dgXa)
+        if dgX is None:
+            dgX = c.X.new_zeros(k, B, L, d)
+    return hv, dgX
+
+
+def _rows(c: Cache, hv: dict, names, shapes: dict, k: int) -> dict:
+    """The rows of ``names`` (canonical order), a zero tensor where ``hv`` has ``None`` (an exact zero)."""
+    return {n: hv[n] if hv.get(n) is not None else c.X.new_zeros(k, *shapes[n]) for n in shapes if n in names}
+
+
 def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functional: bool = True,
-        input_adjoint: bool | None = None) -> tuple[dict, torch.Tensor | None]:
+        input_adjoint: bool | None = None, wanted=None) -> tuple[dict, torch.Tensor | None]:
     r"""The exact Hessian-vector products of a block's loss along ``k`` directions at once:
     ``(HV, dgX)``, matrix-free (no ``n × n`` object, no autograd).
 
@@ -149,24 +318,33 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
     zero direction). ``omega``: a callable ``omega(dZ) -> dgZ``, ``(k, B, L, d)`` to ``(k, B, L, d)``,
     applying the loss Hessian w.r.t. the output to the output's tangent (MSE: a scaling; CE: per token
     ``(diag p - p pᵀ) dz`` without forming it; inside a model, the Hessian of the stages above);
-    required with ``outer=True``. ``dX``: the input's directions ``(k, B, L, d)`` (or ``(k, L, d)`` for
-    an unbatched input), optional. ``outer``, ``functional``: which part of the Hessian (both: the full
-    one; ``outer`` alone: Gauss–Newton :math:`J^\top\Omega J V`; ``functional`` alone: :math:`\dot g_Z = 0`).
-    ``input_adjoint``: whether to return ``dgX`` (default: when ``dX`` is given).
+    required with ``outer=True``, and then called once, with a zero tangent where no direction reaches
+    the output (``b_K``'s alone), and also when nothing is wanted back (its value then unread: inside a
+    model it runs the stages above). ``dX``: the input's directions ``(k, B, L, d)`` (or ``(k, L, d)``
+    for an unbatched input), optional. ``outer``, ``functional``: which part of the Hessian (both: the
+    full one; ``outer`` alone: Gauss–Newton :math:`J^\top\Omega J V`; ``functional`` alone:
+    :math:`\dot g_Z = 0`). ``input_adjoint``: whether to return ``dgX`` (default: when ``dX`` is given).
+    ``wanted``: the weights whose rows are wanted, a collection of names (default ``None``: every
+    weight). The pass back forms only those rows (each layer skips the GEMMs of the others) and stops
+    below the lowest of them unless ``input_adjoint``: ``W_2``'s rows are its own two GEMMs, ``W_1``'s
+    the FFN's, and only the attention's weights (and pre-LN ``LN_1``'s) need the pass through the
+    whole block (docs/derivations.md §18, "Restricted products"); the tangent pass always runs from
+    the lowest direction up.
 
-    Returns ``HV``: name → ``(k, *shape)``, the rows of :math:`H\,[V; dX]` of every weight of the
-    block (in canonical order; ``b_K``'s exactly zero), and ``dgX`` ``(k, B, L, d)``: the input's rows
-    (the tangent of the input adjoint, for the stages below in a model), or ``None`` when not asked.
-    dtype and device of ``c.X``. Results hold almost everywhere for ReLU (off its kinks, Lemma 1).
-    Source: each layer's tangent and second-order adjoint (docs/derivations.md §18).
+    Returns ``HV``: name → ``(k, *shape)``, the rows of :math:`H\,[V; dX]` of every weight of ``wanted``
+    (default: of the block), in canonical order, exactly zero where the product is (``b_K``'s always);
+    a weight not wanted has no entry (never a zero stand-in). ``dgX`` ``(k, B, L, d)``: the input's
+    rows (the tangent of the input adjoint, for the stages below in a model), or ``None`` when not
+    asked. dtype and device of ``c.X``. Results hold almost everywhere for ReLU (off its kinks,
+    Lemma 1). Source: each layer's tangent and second-order adjoint (docs/derivations.md §18).
 
     Raises ``ValueError``: ``c`` not a Cache; ``V`` not a dict of weight names (``"X"``: use ``dX``)
     with tensors ``(k, *shape)`` of ``c.X``'s dtype and device, finite, one ``k``; ``dX`` of another
     shape, dtype, device or ``k``; no direction at all; ``g`` not ``(B, L, d)`` (or missing with
     ``functional=True``); ``omega`` missing or not callable with ``outer=True``, or returning another
-    shape, dtype or device, or NaN/Inf; ``outer``, ``functional`` not bools or both ``False``.
-    ``InsufficientMemoryError`` before any work if the products' working set (:func:`work_entries`)
-    would not fit.
+    shape, dtype or device, or NaN/Inf (checked where read); ``outer``, ``functional`` not bools or both
+    ``False``; ``wanted`` not a collection of the block's weight names. ``InsufficientMemoryError``
+    before any work if the products' working set (:func:`work_entries`) would not fit.
     """
     if not isinstance(c, Cache):
         raise ValueError(f"c must be a blockhess.block.Cache (from forward_cache), got {type(c).__name__}")
@@ -176,8 +354,9 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
         raise ValueError("outer and functional are both False: ask for at least one part of the Hessian")
     if input_adjoint is not None:
         check_bool("input_adjoint", input_adjoint)
-    cfg, p = c.cfg, c.params
+    cfg = c.cfg
     shapes = {n: tuple(s) for n, s in param_shapes(cfg).items()}
+    want = _wanted(wanted, shapes)
     dp, dX, k = _directions(c, V, dX, shapes)
     want_dgX = dX is not None if input_adjoint is None else input_adjoint
     B, L, d = c.X.shape
@@ -201,96 +380,52 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
     if not functional:
         a = _none_adjoints()
 
-    # ---- tangents, forward
-    pre = pre_ln(cfg)
-    T = B * L
-
-    def tokens(t):
-        return None if t is None else t.reshape(k, T, d)
-
-    def seqs(t):
-        return None if t is None else t.reshape(k, B, L, d)
-
-    ln1 = ln2 = (None, None)  # (dy, rho) of each LayerNorm's normalised rows
-    dXa = dX
-    if pre:
-        if dX is not None:
-            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
-        dXa = seqs(layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1")))
-    ta = attention.tangent(c.att, p, dp, dXa)
-    dP = ta.dF
-    if cfg.out_proj:
-        dP = linear.tangent(c.att.F, p["W_O"], ta.dF, dp.get("W_O"), dp.get("b_O"))
-    tf = None
-    if cfg.kind == "attention":
-        dZ = dP
-    else:
-        dU = tokens(add(dX, dP))
-        if pre:
-            tf = ffn.tangent(c.fc, p, dp, dU)
-            dZ = tf.dS
-        else:
-            if dU is not None:
-                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU)
-            dY = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
-            tf = ffn.tangent(c.fc, p, dp, dY)
-            if tf.dS is not None:
-                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS)
-            dZ = layernorm.affine_tangent(c.ln2[0], ln2[0], p.get("gamma_2"), dp.get("gamma_2"), dp.get("beta_2"))
-
-    # ---- the output adjoint's tangent
+    tg = _tangents(c, dp, dX, k)
+    back = bool(want) or want_dgX
     dgZ = None
-    if outer and dZ is not None:
-        dgZ = omega(seqs(dZ))
-        if not isinstance(dgZ, torch.Tensor) or tuple(dgZ.shape) != (k, B, L, d):
-            got = tuple(dgZ.shape) if isinstance(dgZ, torch.Tensor) else type(dgZ).__name__
-            raise ValueError(f"omega(dZ) must return a tensor of dZ's shape ({k}, {B}, {L}, {d}), got {got}")
-        check_tensor("omega(dZ)", dgZ, like=c.X)
+    if outer:
+        dZ = c.X.new_zeros(k, B, L, d) if tg.dZ is None else tg.dZ.reshape(k, B, L, d)
+        dgZ = omega(dZ)
+        if back:
+            if not isinstance(dgZ, torch.Tensor) or tuple(dgZ.shape) != (k, B, L, d):
+                got = tuple(dgZ.shape) if isinstance(dgZ, torch.Tensor) else type(dgZ).__name__
+                raise ValueError(f"omega(dZ) must return a tensor of dZ's shape ({k}, {B}, {L}, {d}), got {got}")
+            check_tensor("omega(dZ)", dgZ, like=c.X)
+    if not back:
+        return {}, None
+    hv, dgX = _back(c, a, dp, tg, dgZ, want, want_dgX, functional, k)
+    return _rows(c, hv, want, shapes, k), dgX
 
-    # ---- second-order adjoints, back
-    second = functional
-    hv: dict = {}
 
-    def keep(found: dict):
-        hv.update({n: v for n, v in found.items() if n in shapes})
+def vjp(c: Cache, W: torch.Tensor, wanted=None, input_adjoint: bool = True) -> tuple[dict, torch.Tensor | None]:
+    r"""The vector–Jacobian products of ``k`` output adjoints at once: ``(rows, dgX)`` with
+    :math:`J_\theta^\top w` for the weights of ``wanted`` (default ``None``: every one) and
+    :math:`J_X^\top w` (``input_adjoint``), for ``W`` ``(k, B, L, d)`` at the block's output.
 
-    def ln_vars(i):
-        return (f"gamma_{i}" in shapes, f"beta_{i}" in shapes)
+    The pass back of :func:`hvp` when the block has no direction and no input tangent (every
+    second-order term is then zero): inside a model, the block below every direction, or the
+    gradient's own pass (``k = 1``). ``c`` as for :func:`hvp`; restricted as there (only ``wanted``'s
+    rows, and the pass stops below the lowest of them without ``input_adjoint``). Returns rows
+    name → ``(k, *shape)`` for the names of ``wanted`` (canonical order; absent: not wanted) and
+    ``dgX`` ``(k, B, L, d)`` or ``None``; dtype and device of ``c.X``. Source: each layer's
+    ``second_adjoint`` without its second-order terms (docs/derivations.md §18).
 
-    dgU = None
-    if cfg.kind == "attention":
-        dgP = dgZ
-    else:
-        if pre:
-            dgU, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, tokens(dgZ), second)
-            keep(found)
-        else:
-            dgS, hg, hb = layernorm.second_adjoint(c.ln2[0], c.r2, a.gZ, a.gS, tokens(dgZ), ln2[0], ln2[1],
-                                                   p.get("gamma_2"), dp.get("gamma_2"), second, True, ln_vars(2))
-            keep({"gamma_2": hg, "beta_2": hb})
-            dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second)
-            keep(found)
-            dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
-                                                   p.get("gamma_1"), dp.get("gamma_1"), second, True, ln_vars(1))
-            keep({"gamma_1": hg, "beta_1": hb})
-        dgP = seqs(dgU)
-    dgF = dgP
-    if cfg.out_proj:
-        dgF, hv["W_O"], hb = linear.second_adjoint(c.att.F, p["W_O"], a.gP, dgP, ta.dF, dp.get("W_O"), second,
-                                                   bias="b_O" in shapes)
-        keep({"b_O": hb})
-    dgXa, found = attention.second_adjoint(c.att, p, dp, a.att, ta, dgF, dXa, second, want_dgX or pre)
-    keep(found)
-    dgX = None
-    if pre:
-        dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, None if a.att.gX is None else a.att.gX.reshape(T, d),
-                                                a.gX1, tokens(dgXa), ln1[0], ln1[1], p.get("gamma_1"),
-                                                dp.get("gamma_1"), second, want_dgX, ln_vars(1))
-        keep({"gamma_1": hg, "beta_1": hb})
-        dgXa = seqs(dgX1)
-    if want_dgX:
-        dgX = add(seqs(dgU), dgXa)
-        if dgX is None:
-            dgX = c.X.new_zeros(k, B, L, d)
-    HV = {n: hv[n] if hv.get(n) is not None else c.X.new_zeros(k, *s) for n, s in shapes.items()}
-    return HV, dgX
+    Raises ``ValueError``: ``c`` not a Cache; ``W`` not a finite tensor ``(k, B, L, d)`` (``k >= 1``)
+    of ``c.X``'s dtype and device; ``wanted`` not a collection of the block's weight names;
+    ``input_adjoint`` not a bool. ``InsufficientMemoryError`` as :func:`hvp`.
+    """
+    if not isinstance(c, Cache):
+        raise ValueError(f"c must be a blockhess.block.Cache (from forward_cache), got {type(c).__name__}")
+    check_bool("input_adjoint", input_adjoint)
+    shapes = {n: tuple(s) for n, s in param_shapes(c.cfg).items()}
+    want = _wanted(wanted, shapes)
+    B, L, d = c.X.shape
+    check_tensor("W", W, like=c.X)
+    if W.ndim != 4 or tuple(W.shape[1:]) != (B, L, d) or W.shape[0] < 1:
+        raise ValueError(f"W must have shape (k, {B}, {L}, {d}) (k >= 1 adjoints at the output), got {tuple(W.shape)}")
+    k = W.shape[0]
+    check_fits(work_entries(c.cfg, B, L, k) * c.X.element_size(), f"the vector-Jacobian products of {k} adjoints",
+               c.X.device)
+    hv, dgX = _back(c, _none_adjoints(), {n: None for n in shapes}, _no_tangents(c.cfg), W, want, input_adjoint,
+                    False, k)
+    return _rows(c, hv, want, shapes, k), dgX

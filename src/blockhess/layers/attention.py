@@ -425,12 +425,14 @@ def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False) -> Ad
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
-                   want_input: bool = True) -> tuple:
+                   want_input: bool = True, wanted=None) -> tuple:
     r"""``(dg_X, hv)``: the tangent of the input adjoint ``(k, B, L, d)`` (``None`` with
     ``want_input=False`` or when zero) and the attention weights' rows of the Hessian-vector
-    product, ``hv`` name → ``(k, *shape)`` for each weight of ``p`` (``None`` where zero; ``b_K``'s
-    is exactly zero, shift invariance). Per head, with ``[·]`` the second-order (functional) terms
-    that ``second=False`` drops (the Gauss–Newton product):
+    product, ``hv`` name → ``(k, *shape)`` for each weight of ``p`` in ``wanted`` (default: every
+    one; ``None`` where zero; ``b_K``'s is exactly zero, shift invariance). A weight not wanted is
+    absent and costs nothing; without ``want_input`` only the projections whose rows are wanted are
+    passed through (``W_V``'s rows alone skip ``ġ_A``, ``ġ_T``, ``ġ_Q``, ``ġ_K``). Per head, with ``[·]``
+    the second-order (functional) terms that ``second=False`` drops (the Gauss–Newton product):
 
     .. math::
         \dot g_A = \dot g_O V^\top + [g_O\dot V^\top],\quad
@@ -456,19 +458,32 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     def mT(x):
         return None if x is None else x.mT
 
-    dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
-    dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
-    dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
-    dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
-    dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
-    dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
-    dgV = None if dgV is None else _merge(dgV)
+    want = {n for n in p if n in NAMES + ("b_Q", "b_K", "b_V")} if wanted is None else set(wanted)
+    need = {w: want_input or bool(want & {w, b}) for w, b in (("W_Q", "b_Q"), ("W_K", "b_K"), ("W_V", "b_V"))}
+    need["W_K"] = want_input or "W_K" in want  # b_K's rows are exactly zero: they need no pass
+    dgQ = dgK = dgV = None
+    if need["W_Q"] or need["W_K"]:
+        dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
+        dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
+        if need["W_Q"]:
+            dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
+        if need["W_K"]:
+            dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
+        dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
+    if need["W_V"]:
+        dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
+        dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
     for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
-        x_in, hv[w], hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input, bias=b in p)
+        if not need[w]:
+            continue
+        x_in, hv_w, hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input,
+                                               bias=b in p and b in want, weight=w in want)
         dg_X = add(dg_X, x_in)
-        if b in p:
+        if w in want:
+            hv[w] = hv_w
+        if b in p and b in want:
             hv[b] = hb
-    if "b_K" in p:
+    if "b_K" in p and "b_K" in want:
         hv["b_K"] = None
     return dg_X, hv

@@ -295,12 +295,14 @@ def adjoint(c: Cache, g: torch.Tensor) -> Adjoint:
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, second: bool = True,
-                   want_input: bool = True) -> tuple:
+                   want_input: bool = True, wanted=None) -> tuple:
     r"""``(dg_Y, hv)``: the tangent of the input adjoint ``(k, T, d)`` (``None`` with
     ``want_input=False`` or when zero) and the FFN weights' rows of the Hessian-vector product,
     ``hv`` name → ``(k, *shape)`` for each of ``W_1, b_1, W_2, b_2`` (and pre-LN ``gamma_2, beta_2``)
-    in ``p`` (``None`` where zero). With ``[·]`` the second-order (functional) terms that
-    ``second=False`` drops (the Gauss–Newton product):
+    in ``p`` and in ``wanted`` (default: all of them; ``None`` where zero; a name not wanted is absent
+    and costs nothing: its GEMMs are skipped, and the pass stops below the lowest wanted weight
+    when ``want_input`` is ``False``, e.g. ``W_2``'s rows alone are its two GEMMs). With ``[·]`` the
+    second-order (functional) terms that ``second=False`` drops (the Gauss–Newton product):
 
     .. math::
         \dot g_h = \dot g W_2^\top + [g\dot W_2^\top],\quad
@@ -314,22 +316,32 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, seco
     the input adjoint's tangent of the branch. ``a``: the :func:`adjoint` of the cached output
     adjoint; ``t``: the :func:`tangent` along ``dp`` and the input's direction; ``dg``
     ``(k, T, d)`` the output adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel."""
+    want = {n for n in p if n in NAMES + ("b_1", "b_2", "gamma_2", "beta_2")} if wanted is None else set(wanted)
+    pre = c.n is not None
+    ln2 = pre and bool(want & {"gamma_2", "beta_2"})  # LN_2's rows (pre-LN) need the pass through W_1
+    need_1 = want_input or ln2 or bool(want & {"W_1", "b_1"})  # the pass below W_2
     hv = {}
-    dg_h, hv["W_2"], hb2 = linear.second_adjoint(c.h, c.W_2, a.g, dg, t.dh, dp.get("W_2"), second, bias="b_2" in p)
+    dg_h, hv_W2, hb2 = linear.second_adjoint(c.h, c.W_2, a.g, dg, t.dh, dp.get("W_2"), second, need_1,
+                                             bias="b_2" in p and "b_2" in want, weight="W_2" in want)
+    for name, v in (("W_2", hv_W2), ("b_2", hb2)):
+        if name in p and name in want:
+            hv[name] = v
+    if not need_1:
+        return (dg if want_input else None), hv
     dg_H = None if dg_h is None else dg_h * c.D
     if second and c.D2 is not None and t.dH1 is not None:
         dg_H = add(dg_H, t.dH1 * (c.D2 * a.g_h))
-    pre = c.n is not None
-    dg_Yf, hv["W_1"], hb1 = linear.second_adjoint(_Yf(c), c.W_1, a.g_H, dg_H, t.dYf, dp.get("W_1"), second,
-                                                  want_input or pre, bias="b_1" in p)
-    for name, v in (("b_1", hb1), ("b_2", hb2)):
-        if name in p:
+    dg_Yf, hv_W1, hb1 = linear.second_adjoint(_Yf(c), c.W_1, a.g_H, dg_H, t.dYf, dp.get("W_1"), second,
+                                              want_input or ln2, bias="b_1" in p and "b_1" in want,
+                                              weight="W_1" in want)
+    for name, v in (("W_1", hv_W1), ("b_1", hb1)):
+        if name in p and name in want:
             hv[name] = v
-    if pre:
+    if pre and (want_input or ln2):
+        variables = ("gamma_2" in p and "gamma_2" in want, "beta_2" in p and "beta_2" in want)
         dg_Yf, hg, hb = layernorm.second_adjoint(c.n, c.r, a.g_Yf, a.g_ln, dg_Yf, t.dn, t.rho, c.gamma,
-                                                 dp.get("gamma_2"), second, want_input,
-                                                 ("gamma_2" in p, "beta_2" in p))
-        for name, v in (("gamma_2", hg), ("beta_2", hb)):
-            if name in p:
+                                                 dp.get("gamma_2"), second, want_input, variables)
+        for name, v, on in (("gamma_2", hg, variables[0]), ("beta_2", hb, variables[1])):
+            if on:
                 hv[name] = v
     return (add(dg, dg_Yf) if want_input else None), hv

@@ -61,11 +61,12 @@ def adjoint(W: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, second: bool = True,
-                   want_input: bool = True, bias: bool = False):
+                   want_input: bool = True, bias: bool = False, weight: bool = True):
     r"""``(dg_x, hv_W, hv_b)``: the tangent of the input adjoint :math:`\dot g W^\top + [g\dot W^\top]`
-    ``(k, ..., d_in)`` (``None`` with ``want_input=False`` or when zero), the weight's rows of the
-    product :math:`\sum x^\top\dot g + [\sum\dot x^\top g]` ``(k, d_in, d_out)``, and with ``bias`` the
-    bias's :math:`\sum\dot g` ``(k, d_out)`` (``None`` when zero, or without ``bias``).
+    ``(k, ..., d_in)`` (``None`` with ``want_input=False`` or when zero), with ``weight`` the weight's
+    rows of the product :math:`\sum x^\top\dot g + [\sum\dot x^\top g]` ``(k, d_in, d_out)``, and with
+    ``bias`` the bias's :math:`\sum\dot g` ``(k, d_out)`` (each ``None`` when zero or not asked: a row
+    not asked costs nothing, its GEMMs are skipped).
 
     ``x`` ``(..., d_in)`` the cached input, ``g`` ``(..., d_out)`` the cached first-order adjoint at
     the output (only read with ``second``), ``dg`` ``(k, ..., d_out)`` its tangent or ``None``;
@@ -80,10 +81,11 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
             dg_x = add(dg_x, gW)
     if dg is not None:
         k = dg.shape[0]
-        hv_W = torch.einsum("td,kte->kde", _tokens(x, d_in), dg.reshape(k, -1, d_out))
+        if weight:
+            hv_W = torch.einsum("td,kte->kde", _tokens(x, d_in), dg.reshape(k, -1, d_out))
         if bias:
             hv_b = dg.reshape(k, -1, d_out).sum(1)
-    if second and dx is not None:
+    if weight and second and dx is not None:
         k = dx.shape[0]
         hv_W = add(hv_W, torch.einsum("ktd,te->kde", dx.reshape(k, -1, d_in), _tokens(g, d_out)))
     return dg_x, hv_W, hv_b

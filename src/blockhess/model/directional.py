@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..block.directional import adjoints
+from ..block.directional import adjoints, vjp
 from .stages import TIED_HEAD, BlockStage, SoftmaxHead
 
 __all__ = ["ModelProduct"]
@@ -25,8 +25,14 @@ class ModelProduct:
     """The products of one batch's Hessian: ``stages`` (bottom to top, :func:`~.walk.stages_of`) and
     the loss ``top``; ``block_hvp`` the block's product (:func:`blockhess.block.directional.hvp`).
 
-    ``self(V, outer, functional)`` takes ``{name: (k, *shape)}`` over internal variable names and
-    returns the rows of ``H V`` for ``names`` (a missing direction is zero)."""
+    ``self(V, names, outer, functional)`` takes ``{name: (k, *shape)}`` over internal variable names
+    (a missing direction is zero; at least one present) and returns the rows of ``H V`` for ``names``,
+    exactly those (a name not asked has no entry). Restricted (docs/derivations.md §18, "Restricted
+    products"): the tangent pass starts at the lowest stage ``s0`` holding a direction (below it
+    every tangent is zero, and nothing runs there on the way up), the adjoint pass stops at the lowest
+    stage ``s1`` holding a wanted name, and each block forms only its wanted rows
+    (``block_hvp(..., wanted=...)``); between ``s1`` and ``s0`` the pass back is the stages' plain
+    adjoints (a block's :func:`blockhess.block.directional.vjp`: no tangent, no second-order term)."""
 
     def __init__(self, stages, top, d_model: int, block_hvp):
         self.stages = list(stages) + ([top.head()] if isinstance(top, SoftmaxHead) else [])
@@ -49,28 +55,51 @@ class ModelProduct:
         out: dict = {}
         wanted = set(names)
         k_dirs = next(iter(V.values())).shape[0]
+        n = len(self.stages)
+        s0 = next((k for k, st in enumerate(self.stages) if any(m in V for m in st.names)), None)
+        s1 = next((k for k, st in enumerate(self.stages) if any(m in wanted for m in st.names)), None)
+        if s0 is None or s1 is None:
+            raise ValueError(f"the product needs a direction and a wanted row among the stages' variables; "
+                             f"got directions {sorted(V)} and rows {sorted(wanted)}")
+
+        def local(st, here):
+            p = len(st.prefix)
+            return {m[p:] for m in here}
 
         def run(k: int, dx):
-            if k == len(self.stages):
+            """Stage ``k`` (``k >= s0``) along the input tangent ``dx`` (``None``: zero), the stages above
+            by recursion; returns the adjoint tangent at its input, or ``None`` when no stage below is wanted."""
+            if k == n:
                 return self.top.omega(dx) if outer else torch.zeros_like(dx)
             st = self.stages[k]
-            Vk = {n: V[n] for n in st.names if n in V}
-            here = [n for n in st.names if n in wanted]
+            Vk = {m: V[m] for m in st.names if m in V}
+            here = [m for m in st.names if m in wanted]
+            below = k > s1
             if isinstance(st, BlockStage):
                 p = len(st.prefix)
-                if dx is None and not Vk:  # no direction reaches this block: a zero one
-                    dx = st.c.X.new_zeros(k_dirs, *st.c.X.shape)
-                HV, dg = self.block_hvp(st.c, self.adj[k] if functional else None, {n[p:]: v for n, v in Vk.items()},
+                HV, dg = self.block_hvp(st.c, self.adj[k] if functional else None, {m[p:]: v for m, v in Vk.items()},
                                         omega=lambda dZ: run(k + 1, dZ), dX=dx, outer=True, functional=functional,
-                                        input_adjoint=k > 0)
-                out.update({st.prefix + n: v for n, v in HV.items() if st.prefix + n in wanted})
+                                        input_adjoint=below, wanted=local(st, here))
+                out.update({st.prefix + m: v for m, v in HV.items()})
                 return dg
             dy = st.tangent(dx, Vk, k_dirs)
-            dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, run(k + 1, dy), here, functional)
+            dg_out = run(k + 1, dy)
+            if not (below or here):
+                return None
+            dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, dg_out, here, functional)
             out.update(HV)
-            return dg_in
+            return dg_in if below else None
 
-        run(0, None)
+        dg = run(s0, None)
+        for k in reversed(range(s1, s0)):  # below every direction: the plain adjoints, no tangent
+            st = self.stages[k]
+            here = [m for m in st.names if m in wanted]
+            if isinstance(st, BlockStage):
+                HV, dg = vjp(st.c, dg, wanted=local(st, here), input_adjoint=k > s1)
+                out.update({st.prefix + m: v for m, v in HV.items()})
+            else:
+                dg, HV = st.adjoint2(self.grads[k], None, {}, dg, here, functional)
+                out.update(HV)
         return out
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .. import losses
 from ..block import contract_output, jacobian_factors
-from ..block.directional import hvp
+from ..block.directional import vjp
 from ..config import param_shapes
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
@@ -332,11 +332,9 @@ class BlockStage:
 
     def grad_in(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient at the block's input, :math:`J_x^\top g` ``(B, L, d)``, for ``g`` ``(B, L, d)``
-        at its output: one Gauss–Newton pass of :func:`blockhess.block.directional.hvp` with the
-        output adjoint's tangent set to ``g`` (no Jacobian formed)."""
-        zero = g.new_zeros(1, *g.shape)
-        return hvp(self.c, None, {}, omega=lambda dZ: g[None].expand_as(dZ), dX=zero, outer=True,
-                   functional=False, input_adjoint=True)[1][0]
+        at its output: the block's pass back :func:`blockhess.block.directional.vjp` of one adjoint,
+        no weight's rows (no Jacobian formed)."""
+        return vjp(self.c, g[None], wanted=(), input_adjoint=True)[1][0]
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]

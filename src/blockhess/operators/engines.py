@@ -39,11 +39,9 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
     g, omega = losses.directional(loss, target, c.out)
     a = adjoints(c, g) if functional else None
 
-    def product(V, wanted_out):
-        if not V:
-            return {n: c.X.new_zeros(0) for n in ()}
-        HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional)
-        return {n: HV[n] for n in wanted_out}
+    def product(V, wanted_out):  # V is never empty: a view has columns
+        HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional, wanted=wanted_out)
+        return HV
 
     return product, X.shape[0], X.dtype, X.device
 
@@ -54,13 +52,11 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
     prod = ModelProduct(st, top, cfg.d_model, hvp)
     shapes = param_shapes(cfg)
     internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
-    every = tuple(internal)
     like = params[names[0]]
 
-    def product(V, wanted_out):
-        HV = unfold_tied(prod(fold_tied(V, internal), every, outer=outer, functional=functional))
-        k = next(iter(V.values())).shape[0]
-        return {n: HV[n] if n in HV else like.new_zeros(k, *shapes[n]) for n in wanted_out}
+    def product(V, wanted_out):  # the rows of wanted_out only; W_E's tied second use when W_E's are wanted
+        rows = tuple(wanted_out) + ((TIED_HEAD,) if cfg.tied and "W_E" in wanted_out else ())
+        return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional))
 
     return product, inputs.shape[0], like.dtype, like.device
 
