@@ -166,7 +166,8 @@ def test_the_presets_blocks_and_sizes():
     assert sum(map(lambda s: torch.Size(s).numel(), param_shapes(gpt2).values())) == 7_087_872
     vit = spectrum.CIFAR_VIT
     keys = spectrum.block_keys(None, vit)
-    assert keys[0] == "W_E" and keys[-1] == "W_H" and len(keys) == 8 * 5 + 2
+    assert keys[0] == "W_E" and keys[-1] == "W_H" and len(keys) == 8 * 6 + 2  # W_Q, W_K, W_V, W_O, W_1, W_2 per block
+    assert sum(map(lambda s: torch.Size(s).numel(), param_shapes(vit).values())) == 1_605_348
     assert param_shapes(vit)["W_E"] == (48, 128) and param_shapes(vit)["W_H"] == (128, 100)
     x = torch.rand(1, *vit.image, dtype=torch.float64)
     assert bh.forward(bh.init_params(vit, seed=0), x, vit).shape == (1, 100)
