@@ -61,7 +61,7 @@ class EigResult:
     scale``), ``scale`` the largest ``|Ritz value|`` seen (at most ``‖A‖₂``), ``tol``, ``rel``,
     ``converged`` (every residual within its bound, and the check, if any, found nothing beyond),
     ``matvecs`` (every column multiplied: iterations, residual products, checks), ``iterations`` (block
-    products), ``restarts`` (Krylov–Schur restarts, and runs continued from the Ritz vectors),
+    products of the iteration, the checks' apart), ``restarts`` (Krylov–Schur restarts, and runs continued from the Ritz vectors),
     ``check_matvecs`` (the checks' share of ``matvecs``), ``check_value`` (the last check's most wanted
     Ritz value on the complement of the found vectors; ``None`` without a check), ``which``, ``method``
     (``"lanczos"`` or ``"dense"``), ``ncv`` (the basis size used; ``n`` for the dense path). Each
@@ -279,7 +279,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
     whole basis, twice, and again after normalisation where the block was small against its product) and
     Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv`` vectors (default
-    ``max(3k + 2·block_size, NCV_DEFAULT)``, capped at ``n``; memory ``n · ncv`` of the dtype, checked
+    ``max(3k + 2·block_size, 60)``, capped at ``n``; memory ``n · ncv`` of the dtype, checked
     before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
     (``b`` the block width). ``block_size`` (default 1: the fewest products) vectors are multiplied at once.
     A run stops when the recurrence's residual estimates meet the bounds; one product of the ``k`` Ritz
@@ -287,7 +287,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     iteration continues from the ``k`` Ritz vectors (their true residuals start the next block) until the
     bounds are met or ``max_matvecs`` is spent.
 
-    *The check* (``check`` columns, default ``CHECK_COLUMNS``; 0: none): once the residuals are met,
+    *The check* (``check`` columns, default 10; 0: none): once the residuals are met,
     ``check/block_size`` block Lanczos steps on ``A`` restricted to the orthogonal complement of the ``k``
     found vectors, from a fresh random block. A Ritz value there beyond the ``k``-th found value by more
     than its bound is a Rayleigh quotient of a vector orthogonal to the found ones, so (Cauchy interlacing)
@@ -435,7 +435,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm = _check(A, V, X, c, min(p, c), which, gen)
+        rho, Z, cm = _check(A, V, X, c, min(p, c), gen)
         matvecs += cm
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
@@ -454,7 +454,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     return _finish(result, allow_unconverged, why)
 
 
-def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, which: str, gen):
+def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
     """``c`` columns of block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of
     ``X`` ``(n, k)``, from a random block, in ``V``'s storage: ``(Ritz values, Ritz vectors, products)``."""
     n, k = X.shape
