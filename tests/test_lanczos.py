@@ -220,18 +220,47 @@ def test_a_block_hessian_operator_against_the_dense_hessian(which):
 
 
 @st.composite
-def spectra(draw):
-    """Distinct values at least 0.02 apart in [-1, 1], each 1 to 4 times; ``n`` above the default basis."""
+def spectra(draw, most: int = 4):
+    """Distinct values 0.04 apart in [-2, 2], each 1 to ``most`` times, over a bulk in [-0.3, 0.3] with ``n``
+    above the default basis of 60; and a seed for the eigenvectors."""
     values = draw(st.lists(st.integers(-50, 50), min_size=3, max_size=12, unique=True))
-    mult = draw(st.lists(st.integers(1, 4), min_size=len(values), max_size=len(values)))
+    mult = draw(st.lists(st.integers(1, most), min_size=len(values), max_size=len(values)))
     n = draw(st.integers(70, 140))
-    top = torch.tensor([v / 50 for v, c in zip(values, mult) for _ in range(c)], dtype=DT)
-    bulk = _bulk(n, -0.3, 0.3, draw(st.integers(0, 2**16)))
-    return torch.cat([top * 2, bulk]), draw(st.integers(0, 2**16))
+    top = torch.tensor([v / 25 for v, c in zip(values, mult) for _ in range(c)], dtype=DT)
+    return torch.cat([top, _bulk(n, -0.3, 0.3, draw(st.integers(0, 2**16)))]), draw(st.integers(0, 2**16))
 
 
-@given(spectra(), st.integers(1, 6), st.sampled_from(["LA", "SA", "LM"]), st.integers(1, 3))
-def test_any_spectrum_with_multiplicities(spec, k, which, block_size):
+@given(st.integers(1, 3).flatmap(lambda p: st.tuples(st.just(p), spectra(most=p))), st.integers(1, 6),
+       st.sampled_from(["LA", "SA", "LM"]))
+def test_any_spectrum_with_multiplicities_up_to_the_block_size(case, k, which):
+    """A start block of ``p`` random columns has components along every copy of an eigenvalue of multiplicity
+    at most ``p`` (with probability one): the extreme ``k`` are found."""
+    p, (lam, seed) = case
+    M = _matrix(lam, seed=seed)
+    _assert_extreme(lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=p, seed=seed % 97), M, k, which)
+
+
+def _escape(res, lam: torch.Tensor, k: int, which: str, check: int, p: int) -> float:
+    """The docstring's bound on the chance that the check misses the largest wanted value the result lacks:
+    ``1.648 √n exp(−(2c/p − 1) √g)``, ``g = (λ − θ_k − b_k)/(λ − λ_min)`` ("SA" mirrored)."""
+    sign = 1.0 if which == "LA" else -1.0
+    lam = (sign * lam).sort(descending=True).values
+    found = (sign * res.eigenvalues).sort(descending=True).values
+    slack = float(res.residuals.norm()) + lam.numel() * EPS * float(lam.abs().max())
+    missed = [float(x) for x, y in zip(lam[:k], found) if abs(float(x - y)) > slack]
+    top = max(missed)
+    g = (top - float(found[-1]) - float(res.bounds[-1])) / (top - float(lam[-1]))
+    return 1.648 * math.sqrt(lam.numel()) * math.exp(-(2 * check / p - 1) * math.sqrt(max(g, 0.0)))
+
+
+@given(spectra(), st.integers(1, 6), st.sampled_from(["LA", "SA"]), st.integers(1, 3))
+def test_any_spectrum_a_miss_only_where_the_check_is_allowed_one(spec, k, which, block_size):
+    """Multiplicities up to 4 with blocks of 1 to 3: the extreme ``k`` are found, or the missed value is close
+    enough to the ``k``-th found one that the check's documented escape bound is above 1e-3."""
     lam, seed = spec
     M = _matrix(lam, seed=seed)
-    _assert_extreme(lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=block_size, seed=seed % 97), M, k, which)
+    res = lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=block_size, seed=seed % 97)
+    try:
+        _assert_extreme(res, M, k, which)
+    except AssertionError:
+        assert res.converged and _escape(res, torch.linalg.eigvalsh(M), k, which, 10, block_size) >= 1e-3
