@@ -179,6 +179,17 @@ def test_a_run_whose_true_residuals_miss_goes_on_from_its_ritz_vectors():
 # ----------------------------------------------------------------------------- the budget
 
 
+def test_residuals_that_stop_improving_end_the_run_before_the_budget():
+    """``S + δK`` with ``K`` antisymmetric: no pair of the symmetric method gets its residual below about ``δ‖K‖``
+    (above the bounds ``1e-10 |λ|``); after two residual products without progress the run stops."""
+    n = 80
+    lam = torch.cat([torch.tensor([3.0, 2.0, 1.5], dtype=DT), _bulk(n - 3, -1.0, 1.0, 11)])
+    K = torch.randn(n, n, generator=torch.Generator().manual_seed(12), dtype=DT)
+    with pytest.raises(NotConvergedError, match="stopped improving") as err:
+        lanczos_eigs(_matrix(lam, seed=8) + 1e-9 * (K - K.T), k=3, tol=TOL)
+    assert err.value.result.matvecs < 5000 // 10  # well inside the default budget: the stall, not the budget, ended it
+
+
 def test_too_small_a_budget_raises():
     lam = torch.cat([torch.tensor([3.0, 2.9, 2.8], dtype=DT), _bulk(200, -1.0, 2.7, 10)])
     M = _matrix(lam, seed=7)
