@@ -208,11 +208,12 @@ def _bounds(theta: torch.Tensor, scale: float, tol: float, rel: str) -> torch.Te
 
 def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A) -> torch.Tensor:
     """An orthonormal basis ``(n, b')`` of the residual block ``W`` (already orthogonal to ``B``),
-    ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√n_B · ε · ref``,
-    ``ref`` the norm of the product ``W`` came from), orthogonalised against ``B`` again when a singular
-    value is below ``ref / 2`` (``W ⊥ B`` holds to ``ε · ref``, which dividing by a small singular value
-    magnifies), completed by random vectors orthogonal to everything (an invariant subspace found: the
-    Krylov space continues in the complement, as a fresh start)."""
+    ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√(m+1) · ε · ref``, ``m``
+    the columns of ``B``, ``ref`` the Frobenius norm of the product ``W`` came from), orthogonalised
+    against ``B`` again when a singular value is below ``ref / 2`` (``W ⊥ B`` holds to ``ε · ref``, which
+    dividing by a small singular value magnifies), re-orthonormalised by QR, completed by random vectors
+    orthogonal to everything (an invariant subspace found: the Krylov space continues in the complement,
+    as a fresh start)."""
     width = min(W.shape[1], room)
     if width <= 0:
         return W[:, :0]
