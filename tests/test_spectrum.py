@@ -133,8 +133,9 @@ def test_a_series_of_checkpoints_warm_starts_from_the_previous_vectors(tmp_path,
         for part in ("full", "outer"):
             first, second = ser["blocks"][key][part]
             # 3k: the previous vectors are eigenvectors to their residual (about tol), one or two products more
-            # can be needed to reach tol again (measured: 7 for k = 3)
-            assert second["matvecs_warm"] <= 3 * 3 < second["matvecs_cold"] == first["matvecs_cold"]
+            # can be needed to reach tol again (measured: 7 for k = 3); the check's products come on top
+            assert second["matvecs_warm"] - second["check_matvecs_warm"] <= 3 * 3 < second["matvecs_cold"]
+            assert second["matvecs_cold"] == first["matvecs_cold"]
             assert second["max_abs_diff_warm_cold"] <= second["diff_bound"]
 
 

@@ -7,7 +7,8 @@ Everything runs on :func:`blockhess.hessian_operator` (exact Hessian-vector prod
 each part (``full``, ``outer``, ``functional``):
 
 1. the ``--k`` extreme eigenvalues (``--which``) by :func:`~blockhess.operators.lanczos_eigs` to
-   the relative residual ``--tol`` (each value within its residual of an eigenvalue of the block);
+   the relative residual ``--tol`` of each eigenvalue (each value within its residual of an eigenvalue of
+   the block);
    a block of at most ``--dense-below`` parameters by the dense eigendecomposition of ``A[b, b] @ I``
    (method ``"dense"`` in the output, with the reason);
 2. the spectral density by stochastic Lanczos quadrature (``--density PROBES,ITERATIONS``), with
@@ -120,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--which", choices=WHICH, default="LA",
                    help="LA largest, SA smallest (algebraic), LM largest magnitude (default: LA)")
     p.add_argument("--tol", type=float, default=1e-4, metavar="TOL",
-                   help="Lanczos relative residual ||Av - lv|| <= TOL * ||A||_2 (default: 1e-4)")
+                   help="Lanczos relative residual ||Av - lv|| <= TOL * |l| for each eigenvalue l (TOL * the largest "
+                        "|Ritz value| s where |l| < TOL * s; default: 1e-4)")
     p.add_argument("--max-matvecs", type=int, default=5000, metavar="N",
                    help="products per Lanczos run before it stops unconverged (default: 5000)")
     p.add_argument("--dense-below", type=int, default=128, metavar="N",
@@ -358,10 +360,13 @@ def _eigs(A: HessianOperator, s: Settings, v0=None) -> tuple[dict, torch.Tensor]
         "n": n, "k": k, "method": r.method,
         "method_reason": (f"n = {n} <= --dense-below {s.dense_below}: dense eigendecomposition of A[b,b] @ I "
                           f"({n} products)" if r.method == "dense" else
-                          f"block Lanczos, full reorthogonalisation, Krylov-Schur restarts, to relative residual {s.tol:g}"),
+                          f"block Lanczos, full reorthogonalisation, Krylov-Schur restarts, to relative residual {s.tol:g} "
+                          f"(rel={r.rel!r}: of each |eigenvalue|, or of the scale for one below tol x scale)"),
         "eigenvalues": r.eigenvalues.double().tolist(), "residuals": res.tolist(), "scale": r.scale,
-        "relative_residuals": (res / r.scale).tolist() if r.scale > 0 else res.tolist(),
+        "bounds": r.bounds.double().tolist(), "rel": r.rel,
+        "relative_residuals": (res / (r.bounds.double() / r.tol)).tolist() if r.scale > 0 else res.tolist(),
         "block_residual": float(res.norm()), "converged": r.converged, "matvecs": r.matvecs,
+        "check_matvecs": r.check_matvecs,
         "iterations": r.iterations, "restarts": r.restarts, "seconds": seconds, "warm_start": v0 is not None,
     }
     return rec, r.eigenvectors
@@ -547,7 +552,8 @@ def series(problem: Problem, keys: list[str], s: Settings, quiet: bool) -> dict:
                         warm, vec = _eigs(V, s, v0=prev[key, part])
                         row.update(eigenvalues=warm["eigenvalues"], residuals=warm["residuals"],
                                    converged=warm["converged"] and cold["converged"],
-                                   matvecs_warm=warm["matvecs"], seconds_warm=warm["seconds"],
+                                   matvecs_warm=warm["matvecs"], check_matvecs_warm=warm["check_matvecs"],
+                                   seconds_warm=warm["seconds"],
                                    eigenvalues_cold=cold["eigenvalues"],
                                    max_abs_diff_warm_cold=max(abs(a - b) for a, b in zip(warm["eigenvalues"],
                                                                                          cold["eigenvalues"])),

@@ -36,6 +36,9 @@ __all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_e
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
 
 WHICH = ("LA", "SA", "LM")
+RELS = ("each", "scale")
+NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
+CHECK_COLUMNS = 10  # lanczos_eigs's default check: Lanczos columns on the complement of the found vectors
 IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
 
 
@@ -53,23 +56,33 @@ class EigResult:
     """Eigenpairs of a symmetric operator (:func:`lanczos_eigs`), most wanted first.
 
     ``eigenvalues`` ``(k,)``, ``eigenvectors`` ``(n, k)`` (orthonormal columns), ``residuals`` ``(k,)`` the
-    true ``‖A v − λ v‖₂`` of each pair (from a final product, not the recurrence), ``scale`` the largest
-    ``|Ritz value|`` seen (at most ``‖A‖₂``), ``tol``, ``converged`` (every residual ``<= tol · scale``),
-    ``matvecs`` (columns multiplied, the final check's ``k`` included), ``iterations`` (block products),
-    ``restarts``, ``which``, ``method`` (``"lanczos"`` or ``"dense"``). Each eigenvalue lies within its
-    residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
+    true ``‖A v − λ v‖₂`` of each pair (from a product, not the recurrence), ``bounds`` ``(k,)`` what each
+    residual had to reach (``tol · |λ_i|``, or ``tol · scale`` for ``rel="scale"`` and for ``|λ_i| < tol ·
+    scale``), ``scale`` the largest ``|Ritz value|`` seen (at most ``‖A‖₂``), ``tol``, ``rel``,
+    ``converged`` (every residual within its bound, and the check, if any, found nothing beyond),
+    ``matvecs`` (every column multiplied: iterations, residual products, checks), ``iterations`` (block
+    products of the iteration, the checks' apart), ``restarts`` (Krylov–Schur restarts, and runs continued from the Ritz vectors),
+    ``check_matvecs`` (the checks' share of ``matvecs``), ``check_value`` (the last check's most wanted
+    Ritz value on the complement of the found vectors; ``None`` without a check), ``which``, ``method``
+    (``"lanczos"`` or ``"dense"``), ``ncv`` (the basis size used; ``n`` for the dense path). Each
+    eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
 
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
     residuals: torch.Tensor
+    bounds: torch.Tensor
     scale: float
     tol: float
+    rel: str
     converged: bool
     matvecs: int
     iterations: int
     restarts: int
+    check_matvecs: int
+    check_value: float | None
     which: str
     method: str
+    ncv: int
 
 
 @dataclass(frozen=True)
@@ -183,30 +196,49 @@ def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- eigenpairs
 
 
-def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, scale: float, gen, A) -> torch.Tensor:
+def _bounds(theta: torch.Tensor, scale: float, tol: float, rel: str) -> torch.Tensor:
+    """The residual each Ritz value ``theta`` must reach: ``tol · |θ_i|`` (``rel="each"``), or ``tol · s`` where
+    ``|θ_i| < tol · s`` (zero to within the scale's accuracy) and always for ``rel="scale"``."""
+    floor = tol * scale
+    if rel == "scale":
+        return torch.full_like(theta, floor)
+    a = theta.abs()
+    return torch.where(a >= floor, tol * a, torch.full_like(a, floor))
+
+
+def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A) -> torch.Tensor:
     """An orthonormal basis ``(n, b')`` of the residual block ``W`` (already orthogonal to ``B``),
-    ``b' = min(W's columns, room)``: its left singular vectors above rounding, completed by random
-    vectors orthogonal to everything (an invariant subspace found: the Krylov space continues in the
-    complement, as a fresh start)."""
+    ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√(m+1) · ε · ref``, ``m``
+    the columns of ``B``, ``ref`` the Frobenius norm of the product ``W`` came from), orthogonalised
+    against ``B`` again when a singular value is below ``ref / 2`` (``W ⊥ B`` holds to ``ε · ref``, which
+    dividing by a small singular value magnifies), re-orthonormalised by QR, completed by random vectors
+    orthogonal to everything (an invariant subspace found: the Krylov space continues in the complement,
+    as a fresh start)."""
     width = min(W.shape[1], room)
     if width <= 0:
         return W[:, :0]
+    eps = torch.finfo(W.dtype).eps
     U, S, _ = torch.linalg.svd(W, full_matrices=False)
-    floor = math.sqrt(W.shape[0]) * torch.finfo(W.dtype).eps * max(scale, float(S.max()) if S.numel() else 0.0)
-    U = U[:, : int((S[:width] > floor).sum())]
+    good = S[:width] > math.sqrt(B.shape[1] + 1) * eps * max(ref, float(S.max()) if S.numel() else 0.0)
+    U = U[:, : int(good.sum())]
+    if U.shape[1]:
+        if B.shape[1] and float(S[U.shape[1] - 1]) < 0.5 * ref:
+            U, _ = _project_out(B, U)
+        Q, R = torch.linalg.qr(U)
+        U = Q[:, R.diagonal().abs() > 0.5]  # a column that kept half its norm is orthogonal to rounding
     while U.shape[1] < width:
         R = _gaussian(gen, (W.shape[0], width - U.shape[1]), A)
         R, _ = _project_out(torch.cat([B, U], 1), R)
         R, _ = _project_out(torch.cat([B, U], 1), R)
         Qr, Rr = torch.linalg.qr(R)
-        good = Rr.diagonal().abs() > math.sqrt(W.shape[0]) * torch.finfo(W.dtype).eps * max(float(R.norm()), 1e-300)
+        good = Rr.diagonal().abs() > math.sqrt(W.shape[0]) * eps * max(float(R.norm()), 1e-300)
         if not bool(good.any()):
             break  # no room left in the space
         U = torch.cat([U, Qr[:, good]], 1)
     return U
 
 
-def _dense_eigs(A, n: int, k: int, which: str, tol: float) -> EigResult:
+def _dense_eigs(A, n: int, k: int, which: str, tol: float, rel: str) -> EigResult:
     bytes_ = torch.finfo(A.dtype).bits // 8
     check_fits(n * n * bytes_ * 2, f"the dense {n}x{n} matrix of A (dense_below)", A.device)
     M = torch.empty(n, n, dtype=A.dtype, device=A.device)
@@ -218,38 +250,78 @@ def _dense_eigs(A, n: int, k: int, which: str, tol: float) -> EigResult:
     idx = _order(lam, which)[:k]
     X, lam = U[:, idx].contiguous(), lam[idx]
     res = (_mm(A, X) - X * lam).norm(dim=0)
-    return EigResult(lam, X, res, scale, tol, bool((res <= tol * scale).all()), n + k, 1, 0, which, "dense")
+    bounds = _bounds(lam, scale, tol, rel)
+    return EigResult(lam, X, res, bounds, scale, tol, rel, bool((res <= bounds).all()), n + k, 1, 0, 0, None,
+                     which, "dense", n)
 
 
-def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, max_matvecs: int = 5000,
-                 ncv: int | None = None, block_size: int | None = None, seed: int = 0, v0: torch.Tensor | None = None,
-                 allow_unconverged: bool = False, dense_below: int = 0) -> EigResult:
-    r"""The ``k`` extreme eigenpairs of a symmetric operator ``A`` ``(n, n)``, each to a residual
-    :math:`\|A v - \lambda v\|_2 \le \mathrm{tol}\cdot s` with :math:`s` the largest :math:`|\theta|` over
-    the Ritz values seen (:math:`s \le \|A\|_2`): an :class:`EigResult`.
+def _beats(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
+    """Which check Ritz values ``rho`` lie beyond the ``k``-th found eigenvalue by more than its tolerance."""
+    if which == "LA":
+        return rho > theta_k + bound_k
+    if which == "SA":
+        return rho < theta_k - bound_k
+    return rho.abs() > abs(theta_k) + bound_k
+
+
+def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: str = "each", max_matvecs: int = 5000,
+                 ncv: int | None = None, block_size: int | None = None, check: int = CHECK_COLUMNS, seed: int = 0,
+                 v0: torch.Tensor | None = None, allow_unconverged: bool = False, dense_below: int = 0) -> EigResult:
+    r"""The ``k`` extreme eigenpairs of a symmetric operator ``A`` ``(n, n)``, each to a stated residual
+    :math:`\|A v_i - \lambda_i v_i\|_2 \le b_i`: an :class:`EigResult`.
+
+    ``rel="each"`` (default): :math:`b_i = \mathrm{tol}\cdot|\lambda_i|`, except where :math:`|\lambda_i| <
+    \mathrm{tol}\cdot s` (a value zero to within ``tol`` of the scale, where a criterion relative to
+    :math:`|\lambda_i|` could never be met): there :math:`b_i = \mathrm{tol}\cdot s`. ``rel="scale"``:
+    :math:`b_i = \mathrm{tol}\cdot s` for every ``i``. :math:`s` is the largest :math:`|\theta|` over the Ritz
+    values seen (:math:`s \le \|A\|_2`). Each eigenvalue lies within its residual of an eigenvalue of ``A``.
 
     ``which``: ``"LA"`` largest algebraic (descending), ``"SA"`` smallest (ascending), ``"LM"`` largest
     magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
-    whole basis, twice) and Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv``
-    vectors (default ``max(3k + 2·block_size, 30)``, capped at ``n``); at a restart the ``k + (ncv −
-    block_size − k)//2`` most wanted Ritz vectors are kept. ``block_size`` (default 1: the fewest products)
-    vectors are multiplied at once; an eigenvalue of multiplicity above it may be missed, as by any
-    Krylov method (a larger block also batches the engine's products). Convergence is judged on the recurrence's residual estimates and confirmed by one
-    product of the ``k`` Ritz vectors (the reported ``residuals``). ``v0`` ``(n,)`` or ``(n, j)``: a warm
-    start (e.g. the eigenvectors of a nearby operator); with ``j >= block_size`` the start block is
-    ``j`` random combinations of its columns, else its columns plus random ones. Residuals certify
-    eigenpairs; that they are the extreme ones holds with probability one for a random start (a start
-    orthogonal to an eigenvector never sees it). ``dense_below``: for ``n <= dense_below``, the exact
-    dense eigendecomposition of ``A @ I`` (:func:`blockhess.linalg.eigh`, method ``"dense"``).
+    whole basis, twice, and again after normalisation where the block was small against its product) and
+    Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv`` vectors (default
+    ``max(3k + 2·block_size, 60)``, capped at ``n``; memory ``n · ncv`` of the dtype, checked
+    before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
+    (``b`` the block width). ``block_size`` (default 1: the fewest products) vectors are multiplied at once.
+    A run stops when the recurrence's residual estimates meet the bounds; one product of the ``k`` Ritz
+    vectors then gives the true residuals (the reported ``residuals``). If one misses its bound, the
+    iteration continues from the ``k`` Ritz vectors (their true residuals start the next block) until the
+    bounds are met or ``max_matvecs`` is spent.
 
-    ``max_matvecs`` bounds the columns multiplied by the iteration (the final check adds ``k``). Raises
-    :class:`NotConvergedError` (``.result`` the unconverged result) when a residual is above the
-    tolerance at the end, unless ``allow_unconverged=True`` (then the result says ``converged=False``);
-    ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``, ``tol`` not in
-    ``(ε, 1)`` of the dtype, a bad ``ncv`` (``< k + 2·block_size`` below ``n``), ``block_size``,
-    ``max_matvecs``, ``seed`` or ``v0``; ``InsufficientMemoryError`` when the basis
-    ``n × ncv`` does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3
-    (block Lanczos); G. W. Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur).
+    *The check* (``check`` columns, default 10; 0: none): once the residuals are met,
+    ``check/block_size`` block Lanczos steps on ``A`` restricted to the orthogonal complement of the ``k``
+    found vectors, from a fresh random block. A Ritz value there beyond the ``k``-th found value by more
+    than its bound is a Rayleigh quotient of a vector orthogonal to the found ones, so (Cauchy interlacing)
+    the found ``k`` are not the extreme ``k`` — e.g. a multiplicity above the block size, which a Krylov
+    space of ``block_size`` starts cannot resolve. Those Ritz vectors are then taken in: the iteration
+    restarts from the found vectors and them (a block that wide), converges, and checks again. The
+    check's silence is not a proof: for a random start it misses an eigenvalue :math:`\lambda` beyond
+    :math:`\theta_k + b_k` of the complement with probability at most :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}`
+    in exact arithmetic, ``c = check/block_size`` steps, :math:`g = (\lambda - \theta_k - b_k)/(\lambda -
+    \lambda_{\min})` for ``"LA"`` (Kuczyński & Woźniakowski 1992 on the shifted operator; mirrored for
+    ``"SA"``): small for a gap large against the spectrum's spread (a missed copy of a multiple
+    eigenvalue), no assurance for one just beyond :math:`\theta_k`. The products it cost are in
+    ``matvecs`` and ``check_matvecs``; the check's most wanted Ritz value is ``check_value``.
+
+    ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
+    block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
+    plus random ones. Residuals certify eigenpairs; that they are the extreme ones holds with probability
+    one for a random start (a start orthogonal to an eigenvector never sees it), the check above guarding
+    against multiplicities. ``dense_below``: for ``n <= dense_below``, the exact dense eigendecomposition
+    of ``A @ I`` (:func:`blockhess.linalg.eigh`, method ``"dense"``, no check).
+
+    ``max_matvecs`` bounds every column multiplied (iterations, the true-residual products and the
+    checks; the first block and its residual product are always multiplied). Raises
+    :class:`NotConvergedError` (``.result`` the unconverged result) when a residual is above its bound at
+    the end, when the residuals stopped improving between two of their products (the dtype's rounding),
+    or when the budget left no room for the check, unless ``allow_unconverged=True`` (then the result says
+    ``converged=False``); ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``,
+    ``tol`` not in ``(ε, 1)`` of the dtype, ``rel`` not ``"each"`` or ``"scale"``, a bad ``ncv`` (``< k +
+    2·block_size`` below ``n``), ``block_size``, ``check``, ``max_matvecs``, ``seed`` or ``v0``;
+    ``InsufficientMemoryError`` when the basis ``n × ncv`` (and the ``2k`` vectors of the residual
+    product) does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3 (block Lanczos); G. W.
+    Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); J. Kuczyński & H. Woźniakowski, SIAM J.
+    Matrix Anal. Appl. 13 (1992) (the random-start bound).
     """
     n, _ = _check_operator(A)
     k = check_int("k", k, 1)
@@ -261,21 +333,24 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, max_mat
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (eps < tol < 1):
         raise ValueError(f"tol must be a float in ({eps:.3g}, 1) for {A.dtype}, got {tol!r}")
     tol = float(tol)
+    if rel not in RELS:
+        raise ValueError(f"rel must be one of {RELS}, got {rel!r}")
     max_matvecs = check_int("max_matvecs", max_matvecs, 1)
+    check = check_int("check", check, 0)
     if n <= check_int("dense_below", dense_below, 0):
-        result = _dense_eigs(A, n, k, which, tol)
-        return _finish(result, allow_unconverged)
+        return _finish(_dense_eigs(A, n, k, which, tol, rel), allow_unconverged)
     p = 1 if block_size is None else check_int("block_size", block_size, 1)
     p = min(p, n)
     if ncv is None:
-        ncv = max(3 * k + 2 * p, 30)
+        ncv = max(3 * k + 2 * p, NCV_DEFAULT)
     else:
         ncv = check_int("ncv", ncv, 1)
         if ncv < k + 2 * p and ncv < n:
             raise ValueError(f"ncv must be at least k + 2*block_size = {k + 2 * p} (or >= n = {n}), got {ncv}")
     ncv = min(ncv, n)
     gen = _generator(seed)
-    check_fits(n * ncv * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {ncv})", A.device)
+    check_fits(n * (ncv + 2 * k) * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {ncv} + 2 x {k})",
+               A.device)
 
     # the start block
     if v0 is None:
@@ -293,57 +368,135 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, max_mat
         X0 = v0 @ _gaussian(gen, (j, p), A) if j >= p else torch.cat([v0, _gaussian(gen, (n, p - j), A)], 1)
     V = torch.zeros(n, ncv, dtype=A.dtype, device=A.device)
     T = torch.zeros(ncv, ncv, dtype=A.dtype, device=A.device)
-    U0 = _new_block(X0, V[:, :0], n, 0.0, gen, A)
-    m, q = 0, U0.shape[1]
-    V[:, :q] = U0
-    matvecs = iterations = restarts = 0
-    scale = 0.0
-    keep = min(k + max(0, (ncv - p - k) // 2), ncv - p) if ncv < n else ncv
+    start, known = _new_block(X0, V[:, :0], n, 0.0, gen, A), None  # a run's start block; its known product
+    wmax = max(p, (ncv - k) // 2)  # the widest block a restart leaves room for (k Ritz vectors kept)
+    matvecs = iterations = restarts = check_mv = 0
+    scale, worst_before, check_value, why = 0.0, math.inf, None, None
+    while True:  # a Krylov–Schur run from `start`, its residual product, the check
+        m, q = 0, start.shape[1]
+        V[:, :q] = start
+        T.zero_()
+        while True:
+            b = q - m
+            if known is not None:  # the start's first columns' product is known (the last residual product)
+                AB = torch.cat([known, _mm(A, V[:, known.shape[1] : q])], 1) if q > known.shape[1] else known
+                matvecs += q - known.shape[1]
+                known = None
+            else:
+                AB = _mm(A, V[:, m:q])
+                matvecs += b
+            iterations += 1
+            W, C = _project_out(V[:, :q], AB)
+            T[:q, m:q] = C
+            T[m:q, :q] = C.T
+            T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
+            m = q
+            theta, Y = linalg.eigh(T[:m, :m])
+            scale = max(scale, float(theta.abs().max()))
+            idx = _order(theta, which)[: min(k, m)]
+            est = (W @ Y[m - b : m, idx]).norm(dim=0)  # A V y - θ V y = W (last rows of y): the residuals
+            if idx.numel() == k and bool((est <= _bounds(theta[idx], scale, tol, rel)).all()):
+                break
+            U = _new_block(W, V[:, :m], min(n - m, wmax), float(AB.norm()), gen, A)
+            if U.shape[1] == 0 or matvecs + U.shape[1] + k > max_matvecs:
+                break
+            if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
+                w = U.shape[1]
+                kept = _order(theta, which)[: min(k + max(0, (ncv - w - k) // 2), ncv - w, m - 1)]
+                V[:, : kept.numel()] = V[:, :m] @ Y[:, kept]
+                m = kept.numel()
+                T.zero_()
+                T[:m, :m] = torch.diag(theta[kept])
+                restarts += 1
+            V[:, m : m + U.shape[1]] = U
+            q = m + U.shape[1]
+        X = V[:, :m] @ Y[:, idx]
+        lam = theta[idx]
+        AX = _mm(A, X)
+        matvecs += X.shape[1]
+        res = (AX - X * lam).norm(dim=0)
+        bounds = _bounds(lam, scale, tol, rel)
+        met = idx.numel() == k and bool((res <= bounds).all())
+        if not met:
+            worst = float((res / bounds).max()) if idx.numel() == k else math.inf
+            why = f"largest residual / bound {worst:.3g} > 1"
+            if worst >= 0.9 * worst_before:
+                why += "; the residuals stopped improving between two residual products (the dtype's rounding?)"
+                break
+            if idx.numel() < k or matvecs + 2 * k > max_matvecs:
+                break
+            worst_before = worst  # go on from the Ritz vectors: their true residuals start the next block
+            start, known = X, AX
+            restarts += 1
+            continue
+        worst_before, why = math.inf, None
+        c = min(check, n - k, ncv - k)
+        if c <= 0:
+            break
+        if matvecs + c > max_matvecs:
+            met, why = False, f"the budget left no room for the check ({c} products)"
+            break
+        rho, Z, cm = _check(A, V, X, c, min(p, c), gen)
+        matvecs += cm
+        check_mv += cm
+        scale = max(scale, float(rho.abs().max()))
+        check_value = float(rho[_order(rho, which)[0]])
+        beat = _beats(rho, float(lam[-1]), float(bounds[-1]), which)
+        if not bool(beat.any()):
+            break
+        if matvecs + k + int(beat.sum()) > max_matvecs:
+            met, why = False, (f"the check found {check_value:.6g}, beyond the k-th value {float(lam[-1]):.6g}, and "
+                               "the budget left no room to take it in")
+            break
+        start, known = torch.cat([X, Z[:, beat][:, : max(1, wmax - k)]], 1), AX  # take them in, go on
+        restarts += 1
+    result = EigResult(lam, X, res, bounds, scale, tol, rel, met, matvecs, iterations, restarts, check_mv,
+                       check_value, which, "lanczos", ncv)
+    return _finish(result, allow_unconverged, why)
+
+
+def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
+    """``c`` columns of block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of
+    ``X`` ``(n, k)``, from a random block, in ``V``'s storage: ``(Ritz values, Ritz vectors, products)``."""
+    n, k = X.shape
+    V[:, :k] = X
+    T = torch.zeros(c, c, dtype=V.dtype, device=V.device)
+    G = _gaussian(gen, (n, p), A)
+    U = _new_block(_project_out(V[:, :k], G)[0], V[:, :k], min(p, c), float(G.norm()), gen, A)
+    m, q = 0, U.shape[1]
+    V[:, k : k + q] = U
+    products = 0
     while True:
-        b = q - m
-        W = _mm(A, V[:, m:q])
-        matvecs += b
-        iterations += 1
-        W, C = _project_out(V[:, :q], W)
+        AB = _mm(A, V[:, k + m : k + q])
+        products += q - m
+        W, C = _project_out(V[:, : k + q], AB)
+        C = C[k:]  # the coefficients along X are the found pairs' residuals: not part of the restriction
         T[:q, m:q] = C
         T[m:q, :q] = C.T
         T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
         m = q
-        theta, Y = linalg.eigh(T[:m, :m])
-        scale = max(scale, float(theta.abs().max()))
-        idx = _order(theta, which)[: min(k, m)]
-        est = (W @ Y[m - b : m, idx]).norm(dim=0)  # A V y - θ V y = W (last rows of y): the residuals
-        if idx.numel() == k and bool((est <= tol * scale).all()):
+        if m >= c:
             break
-        U = _new_block(W, V[:, :m], n - m, scale, gen, A)
-        if U.shape[1] == 0 or matvecs + U.shape[1] > max_matvecs:
+        U = _new_block(W, V[:, : k + m], min(p, c - m), float(AB.norm()), gen, A)
+        if U.shape[1] == 0:
             break
-        if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
-            kept = _order(theta, which)[: min(keep, m - 1)]
-            V[:, : kept.numel()] = V[:, :m] @ Y[:, kept]
-            m = kept.numel()
-            T.zero_()
-            T[:m, :m] = torch.diag(theta[kept])
-            restarts += 1
-        V[:, m : m + U.shape[1]] = U
+        V[:, k + m : k + m + U.shape[1]] = U
         q = m + U.shape[1]
-    X = V[:, :m] @ Y[:, idx]
-    lam = theta[idx]
-    res = (_mm(A, X) - X * lam).norm(dim=0)
-    matvecs += X.shape[1]
-    converged = idx.numel() == k and bool((res <= tol * scale).all())
-    return _finish(EigResult(lam, X, res, scale, tol, converged, matvecs, iterations, restarts, which, "lanczos"),
-                   allow_unconverged)
+    rho, Y = linalg.eigh(T[:m, :m])
+    return rho, V[:, k : k + m] @ Y, products
 
 
-def _finish(result: EigResult, allow_unconverged: bool) -> EigResult:
+def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:
     if result.converged or allow_unconverged:
         return result
-    worst = float((result.residuals / max(result.scale, torch.finfo(result.residuals.dtype).tiny)).max())
+    if why is None:
+        worst = float((result.residuals / result.bounds.clamp_min(torch.finfo(result.residuals.dtype).tiny)).max())
+        why = f"largest residual / bound {worst:.3g} > 1"
     raise NotConvergedError(
-        f"lanczos_eigs did not converge: largest relative residual {worst:.3g} > tol={result.tol:g} after "
-        f"{result.matvecs} products ({result.restarts} restarts); raise max_matvecs or ncv, or loosen tol "
-        f"(residuals below about eps·n·||A|| are not reachable in {result.eigenvalues.dtype})", result)
+        f"lanczos_eigs did not converge: {why} (tol={result.tol:g}, rel={result.rel!r}) after {result.matvecs} "
+        f"products ({result.restarts} restarts); raise max_matvecs or ncv, or loosen tol (residuals below about "
+        f"eps·n·||A|| are not reachable in {result.eigenvalues.dtype}; rel='scale' judges them against the scale)",
+        result)
 
 
 # ----------------------------------------------------------------------------- spectral density

@@ -1,0 +1,277 @@
+"""``lanczos_eigs`` against the dense eigendecomposition (``torch.linalg.eigvalsh``, float64) of symmetric
+matrices of chosen spectrum, wrapped as operators, and of a real block's Hessian operator.
+
+The rule for eigenvalues: for orthonormal ``X`` (``n × k``) and ``Θ = XᵀAX``, the eigenvalues of ``Θ``
+lie within ``‖AX − XΘ‖₂ <= ‖R‖_F`` of ``k`` eigenvalues of ``A`` (Kahan; Parlett, *The Symmetric
+Eigenvalue Problem*, Thm 11.5.1); the dense eigendecomposition adds its own rounding, ``n ε ‖A‖₂``.
+So the ``k`` wanted eigenvalues, in order, must match the returned ones to ``‖R‖_F + n ε ‖A‖₂``;
+a wrong set (a missed copy of a multiple eigenvalue) is off by a gap and fails. With ``tol = 1e-10``
+that is within ``1e-8 |λ|`` for every value here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import blockhess as bh
+from blockhess.operators import HessianOperator, NotConvergedError, lanczos_eigs
+
+DT = torch.float64
+EPS = torch.finfo(DT).eps
+TOL = 1e-10
+
+
+def _matrix(lam: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A symmetric matrix with eigenvalues ``lam`` and random (Haar) eigenvectors."""
+    n = lam.numel()
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=DT))
+    M = (Q * lam.to(DT)) @ Q.T
+    return (M + M.T) / 2
+
+
+def _wanted(lam: torch.Tensor, k: int, which: str) -> torch.Tensor:
+    lam = lam.sort().values
+    return {"LA": lam.flip(0)[:k], "SA": lam[:k], "LM": lam[lam.abs().argsort(descending=True, stable=True)][:k]}[which]
+
+
+def _assert_extreme(res, M: torch.Tensor, k: int, which: str, tol: float = TOL):
+    """``res`` holds the ``k`` wanted eigenpairs of ``M``, each residual within its bound (the rule above)."""
+    lam = torch.linalg.eigvalsh(M)
+    norm = float(lam.abs().max())
+    assert res.converged and res.eigenvalues.shape == (k,) and res.eigenvectors.shape == (M.shape[0], k)
+    assert bool((res.residuals <= res.bounds).all())
+    s = res.scale
+    assert s <= norm * (1 + 1e-12)  # a Ritz value never exceeds ‖A‖₂
+    a = res.eigenvalues.abs()
+    want_bounds = torch.where(a >= tol * s, tol * a, torch.full_like(a, tol * s)) if res.rel == "each" else \
+        torch.full_like(a, tol * s)
+    assert torch.equal(res.bounds, want_bounds)
+    slack = float(res.residuals.norm()) + M.shape[0] * EPS * norm
+    want = _wanted(lam, k, which)
+    got = res.eigenvalues
+    if which == "LM":  # ties of magnitude between signs: either is an answer
+        got, want = got.abs(), want.abs()
+    assert float((got.sort().values - want.sort().values).abs().max()) <= slack
+    if tol <= TOL:  # the brief's figure for these spectra: eigenvalues to 1e-8
+        assert float((got.sort().values - want.sort().values).abs().max()) <= 1e-8 * norm
+    X = res.eigenvectors
+    assert float((X.T @ X - torch.eye(k, dtype=DT)).abs().max()) <= 1e-10
+
+
+def _bulk(n: int, lo: float, hi: float, seed: int) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+# ----------------------------------------------------------------------------- which, clusters, ties
+
+
+@pytest.mark.parametrize("which", ["LA", "SA", "LM"])
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_the_extreme_eigenpairs_of_a_clustered_spectrum(which, block_size):
+    """Five values within 4e-4 of each other at each end, above a bulk reaching 0.95 of them."""
+    top = 1 - 1e-4 * torch.arange(5, dtype=DT)
+    lam = torch.cat([top, -0.9 * top, _bulk(250, -0.85, 0.95, 1)])
+    M = _matrix(lam)
+    res = lanczos_eigs(M, k=5, which=which, tol=TOL, block_size=block_size)
+    _assert_extreme(res, M, 5, which)
+
+
+@pytest.mark.parametrize("which, top, k", [("LM", (5.0, -5.0, 4.0, -4.0, 3.5), 3), ("LA", (5.0, 4.0, 4.0, 3.0), 2),
+                                           ("SA", (-5.0, -4.0, -4.0, -3.0), 3)])
+def test_ties_at_the_kth_value(which, top, k):
+    lam = torch.cat([torch.tensor(top, dtype=DT), _bulk(150, -2.0, 2.0, 2)])
+    M = _matrix(lam, seed=1)
+    _assert_extreme(lanczos_eigs(M, k=k, which=which, tol=TOL), M, k, which)
+
+
+def test_the_old_criterion_stays_available():
+    lam = torch.cat([torch.tensor([3.0, 2.0, 0.5], dtype=DT), _bulk(150, -0.1, 0.1, 3)])
+    M = _matrix(lam, seed=2)
+    res = lanczos_eigs(M, k=3, tol=1e-8, rel="scale")
+    assert res.rel == "scale" and bool((res.residuals <= 1e-8 * res.scale).all())
+    _assert_extreme(res, M, 3, "LA", tol=1e-8)
+    each = lanczos_eigs(M, k=3, tol=1e-8)  # the third bound is 1e-8 · 0.5, six times tighter
+    assert each.rel == "each" and float(each.residuals[2]) <= 1e-8 * float(each.eigenvalues[2])
+
+
+def test_eigenvalues_at_zero_fall_back_to_the_scale():
+    """The bottom of a PSD matrix: two exact zeros and 1e-13, where ``tol · |λ|`` could never be met;
+    their bounds are ``tol · s``, the next value's its own."""
+    lam = torch.cat([torch.tensor([0.0, 0.0, 1e-13, 0.5], dtype=DT), _bulk(150, 1.0, 2.0, 4)])
+    M = _matrix(lam, seed=3)
+    res = lanczos_eigs(M, k=4, which="SA", tol=1e-8)
+    _assert_extreme(res, M, 4, "SA", tol=1e-8)
+    assert torch.equal(res.bounds[:3], torch.full((3,), 1e-8 * res.scale, dtype=DT))
+    assert float(res.bounds[3]) == 1e-8 * abs(float(res.eigenvalues[3]))
+
+
+# ----------------------------------------------------------------------------- multiplicity
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_multiplicity_above_the_block_size(block_size):
+    """``(hᵀh/t) ⊗ I_8``, as W_2's block under MSE: every eigenvalue 8 times; the top 5 are one value."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(12, 10, generator=g, dtype=DT)
+    M = torch.kron(h.T @ h / 12, torch.eye(8, dtype=DT))
+    res = lanczos_eigs(M, k=5, tol=TOL, block_size=block_size)
+    _assert_extreme(res, M, 5, "LA")
+    assert res.check_matvecs > 0 and res.check_value is not None
+
+
+def test_the_check_finds_what_the_krylov_space_cannot_see():
+    """``diag(G, G)`` from a start supported on the first half: every product keeps the second half exactly
+    zero, so the iteration alone finds the top 5 of ``G`` (one copy each), a set of eigenpairs with
+    small residuals that is not the top 5 of ``diag(G, G)``. The check, from a fresh random block, sees
+    the second copies and takes them in."""
+    G = _matrix(torch.cat([torch.tensor([4.0, 3.5, 3.0, 2.8, 2.6], dtype=DT), _bulk(95, -1.0, 1.0, 5)]), seed=4)
+    n = G.shape[0]
+    M = torch.block_diag(G, G)
+    v0 = torch.cat([torch.randn(n, generator=torch.Generator().manual_seed(6), dtype=DT), torch.zeros(n, dtype=DT)])
+    blind = lanczos_eigs(M, k=5, tol=TOL, v0=v0, check=0)
+    assert blind.converged and torch.allclose(blind.eigenvalues, torch.tensor([4.0, 3.5, 3.0, 2.8, 2.6], dtype=DT))
+    res = lanczos_eigs(M, k=5, tol=TOL, v0=v0)
+    _assert_extreme(res, M, 5, "LA")  # 4, 4, 3.5, 3.5, 3
+    assert res.check_matvecs >= 2 * 10  # one check that found the copies, one that found nothing beyond
+
+
+# ----------------------------------------------------------------------------- warm starts, the true residuals
+
+
+def test_a_warm_start_from_near_eigenvectors_at_a_tighter_tolerance():
+    """The eigenvectors at ``tol = 1e-4`` as the start of a run at ``7.8e-5`` with a block of 5."""
+    top = 1 - 1e-3 * torch.arange(5, dtype=DT)
+    M = _matrix(torch.cat([top, _bulk(300, -0.2, 0.97, 7)]), seed=5)
+    first = lanczos_eigs(M, k=5, tol=1e-4)
+    warm = lanczos_eigs(M, k=5, block_size=5, tol=7.8e-5, v0=first.eigenvectors)
+    _assert_extreme(warm, M, 5, "LA", tol=7.8e-5)
+    _assert_extreme(lanczos_eigs(M, k=5, block_size=5, tol=TOL, v0=first.eigenvectors), M, 5, "LA")
+
+
+class _Drifting:
+    """``M + E`` until the first product of ``k`` columns (the first true-residual product), ``M`` from then
+    on: the first run converges on ``M + E``, and its residuals against ``M`` miss the bounds."""
+
+    def __init__(self, M, E, k):
+        self.M, self.E, self.k, self.exact = M, E, k, False
+        self.shape, self.dtype, self.device = M.shape, M.dtype, M.device
+
+    def __matmul__(self, X):
+        self.exact = self.exact or X.shape[1] == self.k
+        return (self.M if self.exact else self.M + self.E) @ X
+
+
+def test_a_run_whose_true_residuals_miss_goes_on_from_its_ritz_vectors():
+    lam = torch.cat([torch.tensor([3.0, 2.0, 1.5], dtype=DT), _bulk(200, -1.0, 1.0, 8)])
+    M = _matrix(lam, seed=6)
+    E = torch.randn(M.shape, generator=torch.Generator().manual_seed(9), dtype=DT)
+    op = _Drifting(M, 1e-6 * (E + E.T), k=3)
+    res = lanczos_eigs(op, k=3, tol=TOL)
+    assert op.exact and res.restarts >= 1  # the first run's residual product (k columns) found the miss
+    _assert_extreme(res, M, 3, "LA")
+
+
+# ----------------------------------------------------------------------------- the budget
+
+
+def test_residuals_that_stop_improving_end_the_run_before_the_budget():
+    """``S + δK`` with ``K`` antisymmetric: no pair of the symmetric method gets its residual below about ``δ‖K‖``
+    (above the bounds ``1e-10 |λ|``); after two residual products without progress the run stops."""
+    n = 80
+    lam = torch.cat([torch.tensor([3.0, 2.0, 1.5], dtype=DT), _bulk(n - 3, -1.0, 1.0, 11)])
+    K = torch.randn(n, n, generator=torch.Generator().manual_seed(12), dtype=DT)
+    with pytest.raises(NotConvergedError, match="stopped improving") as err:
+        lanczos_eigs(_matrix(lam, seed=8) + 1e-9 * (K - K.T), k=3, tol=TOL)
+    assert err.value.result.matvecs < 5000 // 10  # well inside the default budget: the stall, not the budget, ended it
+
+
+def test_too_small_a_budget_raises():
+    lam = torch.cat([torch.tensor([3.0, 2.9, 2.8], dtype=DT), _bulk(200, -1.0, 2.7, 10)])
+    M = _matrix(lam, seed=7)
+    with pytest.raises(NotConvergedError, match="residual / bound") as err:
+        lanczos_eigs(M, k=3, tol=TOL, max_matvecs=25)
+    assert not err.value.result.converged and err.value.result.matvecs <= 25
+    full = lanczos_eigs(M, k=3, tol=TOL)
+    with pytest.raises(NotConvergedError, match="no room for the check") as err:
+        lanczos_eigs(M, k=3, tol=TOL, max_matvecs=full.matvecs - full.check_matvecs)
+    assert bool((err.value.result.residuals <= err.value.result.bounds).all())  # met, but unchecked: not converged
+    res = lanczos_eigs(M, k=3, tol=TOL, max_matvecs=25, allow_unconverged=True)
+    assert not res.converged and bool((res.residuals > res.bounds).any())
+
+
+@pytest.mark.parametrize("kwargs, match", [({"rel": "max"}, "rel"), ({"check": -1}, "check")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lanczos_eigs(torch.eye(40, dtype=DT), k=2, **kwargs)
+
+
+# ----------------------------------------------------------------------------- a block's Hessian operator
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_a_block_hessian_operator_against_the_dense_hessian(which):
+    """``bh.hessian_operator``'s matrix-free products against the dense closed form ``bh.hessian``."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, bias=True, ln_affine=True, ln_eps=1e-5)
+    g = torch.Generator().manual_seed(1)
+    params = bh.init_params(cfg, seed=1)
+    X = torch.randn(2, 5, 4, generator=g, dtype=DT)
+    T = torch.randn(2, 5, 4, generator=g, dtype=DT)
+    A = bh.hessian_operator(params, X, cfg, loss="mse", target=T)
+    dense = HessianOperator.from_dense(bh.hessian(params, X, cfg, loss="mse", target=T))
+    _assert_extreme(lanczos_eigs(A, k=4, which=which, tol=TOL), dense.dense(), 4, which)
+    _assert_extreme(lanczos_eigs(A["W_1", "W_1"], k=3, which=which, tol=TOL), dense["W_1", "W_1"].dense(), 3, which)
+
+
+# ----------------------------------------------------------------------------- any spectrum
+
+
+@st.composite
+def spectra(draw, most: int = 4):
+    """Distinct values 0.04 apart in [-2, 2], each 1 to ``most`` times, over a bulk in [-0.3, 0.3] with ``n``
+    above the default basis of 60; and a seed for the eigenvectors."""
+    values = draw(st.lists(st.integers(-50, 50), min_size=3, max_size=12, unique=True))
+    mult = draw(st.lists(st.integers(1, most), min_size=len(values), max_size=len(values)))
+    n = draw(st.integers(70, 140))
+    top = torch.tensor([v / 25 for v, c in zip(values, mult) for _ in range(c)], dtype=DT)
+    return torch.cat([top, _bulk(n, -0.3, 0.3, draw(st.integers(0, 2**16)))]), draw(st.integers(0, 2**16))
+
+
+@given(st.integers(1, 3).flatmap(lambda p: st.tuples(st.just(p), spectra(most=p))), st.integers(1, 6),
+       st.sampled_from(["LA", "SA", "LM"]))
+def test_any_spectrum_with_multiplicities_up_to_the_block_size(case, k, which):
+    """A start block of ``p`` random columns has components along every copy of an eigenvalue of multiplicity
+    at most ``p`` (with probability one): the extreme ``k`` are found."""
+    p, (lam, seed) = case
+    M = _matrix(lam, seed=seed)
+    _assert_extreme(lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=p, seed=seed % 97), M, k, which)
+
+
+def _escape(res, lam: torch.Tensor, k: int, which: str, check: int, p: int) -> float:
+    """The docstring's bound on the chance that the check misses the largest wanted value the result lacks:
+    ``1.648 √n exp(−(2c/p − 1) √g)``, ``g = (λ − θ_k − b_k)/(λ − λ_min)`` ("SA" mirrored)."""
+    sign = 1.0 if which == "LA" else -1.0
+    lam = (sign * lam).sort(descending=True).values
+    found = (sign * res.eigenvalues).sort(descending=True).values
+    slack = float(res.residuals.norm()) + lam.numel() * EPS * float(lam.abs().max())
+    missed = [float(x) for x, y in zip(lam[:k], found) if abs(float(x - y)) > slack]
+    top = max(missed)
+    g = (top - float(found[-1]) - float(res.bounds[-1])) / (top - float(lam[-1]))
+    return 1.648 * math.sqrt(lam.numel()) * math.exp(-(2 * check / p - 1) * math.sqrt(max(g, 0.0)))
+
+
+@given(spectra(), st.integers(1, 6), st.sampled_from(["LA", "SA"]), st.integers(1, 3))
+def test_any_spectrum_a_miss_only_where_the_check_is_allowed_one(spec, k, which, block_size):
+    """Multiplicities up to 4 with blocks of 1 to 3: the extreme ``k`` are found, or the missed value is close
+    enough to the ``k``-th found one that the check's documented escape bound is above 1e-3."""
+    lam, seed = spec
+    M = _matrix(lam, seed=seed)
+    res = lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=block_size, seed=seed % 97)
+    try:
+        _assert_extreme(res, M, k, which)
+    except AssertionError:
+        assert res.converged and _escape(res, torch.linalg.eigvalsh(M), k, which, 10, block_size) >= 1e-3
