@@ -150,6 +150,9 @@ def test_a_series_of_checkpoints_warm_starts_from_the_previous_vectors(tmp_path,
     (["--tol", "1e-17"], "--tol must be above the dtype's epsilon"),
     (["--preset", "gpt2-block", "--series"], "--series and --checkpoint are for the digits preset"),
     (["--batch", "2000"], "--batch 2000 is larger than the"),
+    (["--density-blocks", "W_E,,W_H"], "--density-blocks must be a comma-separated list without empty entries"),
+    (["--density", "0", "--density-blocks", "all"], "--density-blocks chooses the blocks given a density; with --density 0"),
+    (["--blocks", "W_E", "--density-blocks", "all"], "--density-blocks: 'all' is not among the blocks of --blocks (W_E)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, msg, tmp_path, checkpoint, capsys):
     out = tmp_path / "sp"
@@ -173,6 +176,9 @@ def test_the_presets_blocks_and_sizes():
     x = torch.rand(1, *vit.image, dtype=torch.float64)
     assert bh.forward(bh.init_params(vit, seed=0), x, vit).shape == (1, 100)
     assert spectrum.block_keys("W_Q#3,W_O+W_1,all", gpt2) == ["W_Q#3", "W_O+W_1", "all"]
+    assert spectrum.block_keys("weights", vit) == keys
+    assert spectrum.block_keys("weights,all", gpt2) == ["W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "all"]
+    assert spectrum.block_keys("W_O,weights", gpt2) == ["W_O", "W_Q", "W_K", "W_V", "W_1", "W_2"]  # each once
     for bad in ("W_Q+W_Q#1", "W_Q#1+W_Q#1", "W_Q#12"):  # 12 heads: #0 .. #11
         with pytest.raises(ValueError, match="--blocks: "):
             spectrum.block_keys(bad, gpt2)
@@ -195,3 +201,17 @@ def test_heads_and_joined_blocks_are_checked_like_parameters():
     assert {k: res["blocks"][k]["full"]["n"] for k in keys} == {keys[0]: 8 * 4, keys[1]: 8 * 4 + 8 * 8}  # W_Q, W_K (8, 2·4), W_V (8, 8)
     v = spectrum.validate(problem, keys, res["blocks"], s, torch.float64, quiet=True)
     assert v["passed"] is True and set(v["blocks"]) == set(keys) and v["max_rel_diff"] <= spectrum.AGREEMENT
+
+
+def test_density_of_chosen_blocks_only(tmp_path, checkpoint):
+    """``--density-blocks all`` with ``--blocks weights,all``: every weight matrix's eigenvalues, and the
+    density of the whole model's Hessian alone."""
+    out = tmp_path / "sp"
+    assert _spectrum(out, checkpoint, "--blocks", "weights,all", "--density-blocks", "all", "--parts", "full",
+                     "--density", "4,8", "--trace", "0", "--k", "2") == 0
+    rep = json.loads((out / "spectrum.json").read_text())
+    blocks = rep["spectra"]["blocks"]
+    assert list(blocks) == [*spectrum.block_keys(None, V.model_config(TINY)), "all"]
+    assert [k for k, r in blocks.items() if "density" in r["full"]] == ["all"]
+    assert rep["settings"]["density_blocks"] == ["all"] and "density.png" in rep["figures"]
+    assert "steps, of all." in (out / "spectrum.md").read_text()

@@ -12,7 +12,8 @@ each part (``full``, ``outer``, ``functional``):
    a block of at most ``--dense-below`` parameters by the dense eigendecomposition of ``A[b, b] @ I``
    (method ``"dense"`` in the output, with the reason);
 2. the spectral density by stochastic Lanczos quadrature (``--density PROBES,ITERATIONS``), with
-   its sampling and quadrature errors;
+   its sampling and quadrature errors, of every block or of those of ``--density-blocks`` (e.g. only
+   ``all``, the whole model's: ``--blocks weights,all --density-blocks all``);
 3. the trace by Hutch++ (``--trace PRODUCTS``), with its standard error (exact from the columns
    when the block has at most that many parameters);
 4. the check: for every block of at most ``--validate-below`` parameters, the eigenvalues against
@@ -32,8 +33,9 @@ Presets (``--preset``): ``digits`` (default): the trained digits ViT of ``make r
 batch of training images; ``gpt2-block``: one GPT-2-small-sized block (pre-LN, d = 768, 12 heads,
 d_ff = 3072, GELU-tanh, biases, ``W_O``, affine LayerNorm, causal) with random weights on random
 inputs, L = 256, MSE against a random target; ``cifar100-vit``: the paper's CIFAR-100-sized ViT
-(8 post-LN blocks of the digits recipe, d = 128, d_ff = 512, 4×4 patches of a 3×32×32 image:
-64 tokens, 100 classes), random weights on random images and labels, cross-entropy.
+as the paper's code builds it (8 post-LN blocks, d = 128, d_ff = 512, one head with ``W_O``, biases,
+affine LayerNorms, GELU; 4×4 patches of a 3×32×32 image: 64 tokens, 100 classes; 1.6M weights),
+random weights on random images and labels, cross-entropy.
 
 Writes ``spectrum.json`` (every eigenvalue, residual, products count, method and time; the density
 with its errors; the trace with its error; the check; the series), ``spectrum.md`` and the figures
@@ -73,6 +75,8 @@ WHICH = ("LA", "SA", "LM")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 #: the block name of the whole operator (every parameter)
 ALL = "all"
+#: the ``--blocks`` entry that stands for the default blocks, every 2-d parameter
+WEIGHTS = "weights"
 #: points of the density grid stored in the JSON
 GRID = 200
 #: the agreement with dense eigh the issue asks for (float64), reported beside the check's own bound
@@ -113,8 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 1)")
     p.add_argument("--blocks", default=None, metavar="LIST",
                    help="comma-separated parameter blocks: parameter names (blocks.0.W_Q), heads (blocks.0.W_Q#1), "
-                        "several joined by + as one block (W_E+b_E), or all (every parameter) (default: every weight "
-                        "matrix, the blocks' W_* with the embedding W_E and the head W_H)")
+                        "several joined by + as one block (W_E+b_E), all (every parameter), or weights (every weight "
+                        "matrix, the blocks' W_* with the embedding W_E and the head W_H) (default: weights)")
     p.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
                    help="comma-separated parts of the Hessian among full, outer, functional (default: all three)")
     p.add_argument("--k", type=int, default=5, metavar="K", help="eigenvalues per block (default: 5)")
@@ -130,6 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of Lanczos (default: 128)")
     p.add_argument("--density", default="8,32", metavar="P,M",
                    help="spectral density by SLQ with P probes of M Lanczos steps each, or 0 for none (default: 8,32)")
+    p.add_argument("--density-blocks", default=None, metavar="LIST",
+                   help="comma-separated entries of --blocks whose density is computed (e.g. all: the whole model's "
+                        "alone, with --blocks weights,all) (default: every block)")
     p.add_argument("--trace", type=int, default=30, metavar="N",
                    help="trace by Hutch++ with N products (>= 4), or 0 for none (default: 30)")
     p.add_argument("--validate-below", type=int, default=1024, metavar="N",
@@ -162,6 +169,7 @@ class Settings:
     trace: int
     validate_below: int
     seed: int
+    density_blocks: tuple[str, ...] | None = None  # the blocks given a density (None: every block)
 
 
 def _names_list(option: str, text: str) -> list[str]:
@@ -208,8 +216,13 @@ def settings(args: argparse.Namespace) -> Settings:
     if args.series and args.checkpoint and len(args.checkpoint) > 1:
         raise ValueError("--series is the series over one checkpoint's training snapshots; several --checkpoint paths "
                          "are a series over them: give one or the other")
+    density_blocks = None
+    if args.density_blocks is not None:
+        if density is None:
+            raise ValueError("--density-blocks chooses the blocks given a density; with --density 0 there is none")
+        density_blocks = tuple(_names_list("--density-blocks", args.density_blocks))
     return Settings(tuple(parts), args.k, args.which, float(args.tol), args.max_matvecs, args.dense_below, density,
-                    args.trace, args.validate_below, args.seed)
+                    args.trace, args.validate_below, args.seed, density_blocks)
 
 
 # ----------------------------------------------------------------------------- the problem
@@ -297,14 +310,19 @@ def _random(args, dtype) -> Problem:
 
 def block_keys(spec: str | None, cfg) -> list[str]:
     """The blocks of ``--blocks`` (default: every 2-d parameter of ``cfg``, canonical order), each a
-    variable name, a head's ``W_Q#h``, names joined by ``+``, or :data:`ALL`. Raises ``ValueError``
+    variable name, a head's ``W_Q#h``, names joined by ``+``, :data:`ALL`, or :data:`WEIGHTS` (the default
+    blocks, in place). Raises ``ValueError``
     (one line) naming an unknown or overlapping name and the known ones."""
     shapes = param_shapes(cfg)
+    weights = [n for n, s in shapes.items() if len(s) == 2]
     if spec is None:
-        return [n for n, s in shapes.items() if len(s) == 2]
+        return weights
     split = head_views(cfg)
     known = set(shapes) | {v for v, (p, _, _) in split.items() if p in shapes}
     keys = _names_list("--blocks", spec)
+    if WEIGHTS in keys:
+        i = keys.index(WEIGHTS)
+        keys = keys[:i] + [n for n in weights if n not in keys] + keys[i + 1:]
     for key in keys:
         if key == ALL:
             continue
@@ -312,7 +330,8 @@ def block_keys(spec: str | None, cfg) -> list[str]:
         for m in members:
             if m not in known:
                 heads = " and heads such as " + next(iter(split)) if split else ""
-                raise ValueError(f"--blocks: unknown block {m!r}; this model has {', '.join(shapes)}{heads} (or {ALL})")
+                raise ValueError(f"--blocks: unknown block {m!r}; this model has {', '.join(shapes)}{heads} "
+                                 f"(or {ALL}, {WEIGHTS})")
         owners = [split[m][0] if m in split else m for m in members]
         if len(set(members)) != len(members) or any(m in shapes and owners.count(m) > 1 for m in members):
             raise ValueError(f"--blocks: {key!r} joins overlapping variables")
@@ -435,7 +454,7 @@ def spectra(problem: Problem, keys: list[str], s: Settings, quiet: bool) -> dict
                 bar.set_postfix_str(f"{part} {key}")
                 V = _view(A, key)
                 rec, _ = _eigs(V, s)
-                if s.density is not None:
+                if s.density is not None and (s.density_blocks is None or key in s.density_blocks):
                     rec["_slq"] = _density(V, s)
                 if s.trace:
                     rec["trace"] = _trace(V, s)
@@ -595,8 +614,9 @@ def figures(tmp: Path, problem: Problem, res: dict, ser: dict | None, s: Setting
     out.append("eigenvalues.png")
     if s.density is not None:
         dens = {labels[k]: {part: (r[part]["density"]["grid"], r[part]["density"]["density"], r[part]["density"]["stderr"])
-                            for part in s.parts} for k, r in res["blocks"].items()}
-        plots.densities(tmp / "density.png", dens, f"{title}: spectral density per block (SLQ, {s.density[0]} probes "
+                            for part in s.parts} for k, r in res["blocks"].items() if "density" in r[s.parts[0]]}
+    if s.density is not None and dens:
+        plots.densities(tmp / "density.png", dens, f"{title}: spectral density (SLQ, {s.density[0]} probes "
                                                    f"x {s.density[1]} steps; band: ±1 standard error)")
         out.append("density.png")
     if s.trace:
@@ -634,7 +654,9 @@ def markdown(rep: dict) -> str:
              f"{rep['batch']}), {rep['n_params']:,} parameters, products in {rep['dtype']}.", "",
              f"Top {s['k']} eigenvalues ({s['which']}) per block: Lanczos to relative residual {s['tol']:g}; blocks of "
              f"at most {s['dense_below']} parameters by dense eigh of A[b,b] @ I (method `dense`). Density: "
-             + (f"SLQ, {s['density'][0]} probes x {s['density'][1]} steps" if s["density"] else "none")
+             + (f"SLQ, {s['density'][0]} probes x {s['density'][1]} steps"
+                + ("" if s["density_blocks"] == s["blocks"] else f", of {', '.join(s['density_blocks'])}")
+                if s["density"] else "none")
              + ". Trace: " + (f"Hutch++, {s['trace']} products" if s["trace"] else "none") + ".", ""]
     for part in s["parts"]:
         lines += [f"## {part}", "", "| block | n | method | top eigenvalues | max rel. residual | products | s | trace ± se |",
@@ -698,6 +720,9 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         env = environment()
         problem = _digits(args, dtype, quiet) if args.preset == "digits" else _random(args, dtype)
         keys = block_keys(args.blocks, problem.cfg)
+        extra = [b for b in s.density_blocks or () if b not in keys]
+        if extra:
+            raise ValueError(f"--density-blocks: {extra[0]!r} is not among the blocks of --blocks ({', '.join(keys)})")
         res = spectra(problem, keys, s, quiet)
         val = validate(problem, keys, res["blocks"], s, dtype, quiet)
         ser = series(problem, keys, s, quiet) if problem.series else None
@@ -715,7 +740,8 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
             "sizes": {n: math.prod(v.shape) for n, v in problem.params.items()},
             "settings": {"parts": list(s.parts), "blocks": keys, "k": s.k, "which": s.which, "tol": s.tol,
                          "max_matvecs": s.max_matvecs, "dense_below": s.dense_below,
-                         "density": list(s.density) if s.density else None, "density_grid": GRID, "trace": s.trace,
+                         "density": list(s.density) if s.density else None, "density_grid": GRID,
+                         "density_blocks": list(s.density_blocks or keys) if s.density else [], "trace": s.trace,
                          "validate_below": s.validate_below, "seed": s.seed},
             "spectra": res, "validation": val, "series": ser, "converged": converged,
             "environment": env, "figures": figs,
