@@ -33,13 +33,14 @@ from typing import Callable
 
 import torch
 
+from .. import losses
 from ..config import param_shapes
 from ..layers import layernorm
 from ..layers.linear import add
 from ..validation import check_bool, check_fits
 from .forward_pass import Cache, pre_ln
 
-__all__ = ["diagonal", "work_entries"]
+__all__ = ["block_diagonal", "diagonal", "work_entries"]
 
 #: the tokens of one chunk hold at most this many bytes of per-token matrices (or one token's worth)
 CHUNK_BYTES = 512 << 20
@@ -345,3 +346,23 @@ def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = 
             if needs_attn:
                 _attention_stage(c, a, acc, b, t, M, fun)
     return acc.out
+
+
+def block_diagonal(c: Cache, a, loss, target, wanted, outer: bool = True, functional: bool = True) -> dict:
+    """:func:`diagonal` with the loss Hessian of ``loss`` (``"mse"``: a float, the per-token ``c·I``;
+    ``"ce"``: each sequence's per-token blocks, :func:`blockhess.losses.derivatives` of that sequence
+    with the batch mean) at the output ``c.out``; ``target`` as :func:`blockhess.losses.check` returns
+    it, with the batch axis. Raises ``NotImplementedError`` for a callable loss (its Hessian may couple
+    tokens, so the per-token walk does not hold), and as :func:`diagonal`."""
+    B = c.X.shape[0]
+    if not isinstance(loss, str):
+        raise NotImplementedError("the exact diagonal needs a loss that is a sum over tokens ('mse' or 'ce'); a "
+                                  "callable loss's Hessian may couple tokens: "
+                                  "blockhess.operators.hutchinson_diagonal estimates it by sampling")
+    omega = None
+    if outer and loss == "mse":
+        omega = float(losses.derivatives(loss, target[:1], c.out[:1], batch=B).hess[0, 0, 0])
+    elif outer:
+        def omega(b):
+            return losses.derivatives(loss, target[b : b + 1], c.out[b : b + 1], batch=B).hess
+    return diagonal(c, a, omega, wanted, outer, functional)
