@@ -84,17 +84,42 @@ def _ln_left(y: torch.Tensor, r: torch.Tensor, gamma, X: torch.Tensor) -> torch.
     r"""``J^T X`` for LayerNorm's per-token Jacobian :math:`J = \mathrm{diag}(\gamma)\,r\,(C - y y^\top/d)`
     (``y`` ``(n, d)`` the normalised rows, ``r`` ``(n, 1)``), ``X`` ``(n, d, m)``, without forming ``J``:
     :math:`C - yy^\top/d` is symmetric, so :math:`J^\top X = r\,(X' - \mathbf 1\bar x'^\top - y (y^\top X')/d)`
-    with :math:`X' = \mathrm{diag}(\gamma) X` (``Σ y = 0``)."""
+    with :math:`X' = \mathrm{diag}(\gamma) X` (``Σ y = 0``). A new tensor."""
     d = y.shape[-1]
-    Xg = X if gamma is None else gamma[:, None] * X
-    P = Xg - Xg.mean(-2, keepdim=True) - y[:, :, None] * (y[:, None, :] @ Xg) / d
-    return P * r[:, :, None]
+    P = gamma[:, None] * X if gamma is not None else X.clone()
+    P.sub_(P.mean(-2, keepdim=True))
+    P.baddbmm_(y[:, :, None], y[:, None, :] @ P, alpha=-1.0 / d)
+    return P.mul_(r[:, :, None])
 
 
 def _ln_sandwich(y, r, gamma, M):
     """``J^T M J`` for LayerNorm's per-token Jacobian (:func:`_ln_left`) and symmetric ``M`` ``(n, d, d)``."""
     left = _ln_left(y, r, gamma, M)
     return _ln_left(y, r, gamma, left.transpose(1, 2)).transpose(1, 2)
+
+
+#: row blocks of a symmetric product computed (its lower block triangle, mirrored): (1 + 1/SYM_BLOCKS)/2 of the work
+SYM_BLOCKS = 4
+
+
+def _sym(left, right) -> torch.Tensor:
+    """``left @ right`` for ``left`` ``(n, d, m)`` (a tensor, or a callable ``rows -> left[:, rows]``,
+    contiguous) and ``right`` ``(m, d)`` or ``(n, m, d)`` whose product is known to be symmetric: the
+    row blocks' products with the columns up to the block's end, the rest mirrored."""
+    rows = left if callable(left) else (lambda sl: left[:, sl])
+    d = right.shape[-1]
+    edges = [round(i * d / SYM_BLOCKS) for i in range(SYM_BLOCKS + 1)]
+    out = None
+    for i in range(SYM_BLOCKS):
+        r0, r1 = edges[i], edges[i + 1]
+        if r1 == r0:
+            continue
+        blk = rows(slice(r0, r1)) @ right[..., :r1]
+        if out is None:
+            out = blk.new_empty(blk.shape[0], d, d)
+        out[:, r0:r1, :r1] = blk
+        out[:, :r0, r0:r1] = blk[:, :, :r0].transpose(1, 2)
+    return out
 
 
 class _Acc:
@@ -148,9 +173,10 @@ def _ffn_stage(c: Cache, a, acc: _Acc, s: slice, M_S, fun: bool, eps: float, bel
     # the curvature at the FFN input: J_SY = I + G^T J_f, G = W_1 diag(a') W_2 (J_f = LN_2's, pre-LN; I post-LN)
     G = ((W_1[None] * D[:, None, :]).reshape(n * d, -1) @ W_2).reshape(n, d, d) if M_S is not None else None
     GM = None if G is None else (G * M_S if isinstance(M_S, float) else G @ M_S)
-    M_Yf = None if GM is None else GM @ G.transpose(1, 2)
-    if psi is not None:
-        M_Yf = add(M_Yf, (W_1[None] * psi[:, None, :]) @ W_1.T)  # the activation's curvature W_1 diag(ψ) W_1^T
+    M_Yf = None if GM is None else _sym(GM, G.transpose(1, 2))
+    if psi is not None:  # the activation's curvature W_1 diag(ψ) W_1^T
+        gW = _sym(lambda rows: W_1[None, rows] * psi[:, None, :], W_1.T)
+        M_Yf = gW if M_Yf is None else M_Yf.add_(gW)
     if pre:
         n2, r2, g2 = fc.n[s], fc.r[s], p.get("gamma_2")
         _ln_weights(acc, 2, n2, M_Yf)
@@ -159,7 +185,13 @@ def _ffn_stage(c: Cache, a, acc: _Acc, s: slice, M_S, fun: bool, eps: float, bel
         gam = layernorm.contract_hessian_unchecked(fc.Y[s], a.fc.g_Yf[s], eps, g2) if fun else None
     else:
         cross, inner, gam = GM, M_Yf, None
-    M_Y = add(_dense(M_S, n, d, like), cross, None if cross is None else cross.transpose(1, 2), inner, gam)
+    M_Y = add(inner, gam)  # formed here (inner, gam: new tensors): the rest added in place
+    if cross is not None:
+        M_Y = cross + cross.transpose(1, 2) if M_Y is None else M_Y.add_(cross).add_(cross.transpose(1, 2))
+    if isinstance(M_S, float):
+        M_Y.diagonal(dim1=1, dim2=2).add_(M_S)
+    else:
+        M_Y = add(M_Y, M_S)
     return M_Y
 
 
@@ -188,22 +220,24 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
     M_O = M_P
     if cfg.out_proj and M_P is not None:
         W_O = p["W_O"]
-        M_O = W_O @ M_P @ W_O.T
+        M_O = _sym((M_P @ W_O.T).transpose(1, 2), W_O.T)  # W_O M_P W_O^T
     pre = pre_ln(cfg)
     want_ln = pre and acc.wants("gamma_1", "beta_1")
     want_qk = acc.wants("W_Q", "b_Q", "W_K") or want_ln
     Xa = att.X[b]  # (L, d): the attention's input
     A4 = att.A if att.A.ndim == 4 else att.A[:, None]
     n1 = c.ln1[0].reshape(c.X.shape)[b] if want_ln else None
+    kv = slice(0, t.stop) if cfg.causal else slice(None)  # the keys the queries t see
+    Xk, n1k = Xa[kv], None if n1 is None else n1[kv]
     Jg = Jb = None
     if want_ln and M_O is not None:
         Jg, Jb = like.new_zeros(n, d, d), like.new_zeros(n, d, d)
     for h in range(H):
         qk, cols = slice(h * dk, (h + 1) * dk), slice(h * dv, (h + 1) * dv)
-        A = A4[b, h, t]  # (n, L)
-        Q, K, V = att.Q[b, :, qk], att.K[b, :, qk], att.V[b, :, cols]
+        A = A4[b, h, t, kv]  # (n, keys)
+        Q, K, V = att.Q[b, :, qk], att.K[b, kv, qk], att.V[b, kv, cols]
         O = F[:, cols]
-        AX = A @ Xa
+        AX = A @ Xk
         Moh = None if M_O is None else M_O[:, cols, cols]
         dMo = None if Moh is None else torch.diagonal(Moh, dim1=-2, dim2=-1)
         if dMo is not None:
@@ -211,8 +245,8 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
             acc.add("b_V", dMo.sum(0), cols)
         if not want_qk:
             continue
-        L = K.shape[0]
-        w = a.att.gT[b, h, t] if fun else None  # the scores' adjoint A ⊙ (g_A - rowmean): (n, L)
+        L = K.shape[0]  # the keys seen
+        w = a.att.gT[b, h, t, kv] if fun else None  # the scores' adjoint A ⊙ (g_A - rowmean): (n, L)
         Ct = None
         eQ = None
         if Moh is not None:  # C_t = s V^T S_t K, (n, d_v, d_k)
@@ -227,14 +261,14 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
             acc.add("b_Q", eQ.sum(0), qk)
         Nn = None
         eK = None
-        Xn = n1 if want_ln else Xa  # pre-LN: V^T S_t n_1, and Xa = γ ⊙ n_1 + β gives V^T S_t Xa = (V^T S_t n_1) diag(γ)
+        Xn = n1k if want_ln else Xk  # pre-LN: V^T S_t n_1, and Xa = γ ⊙ n_1 + β gives V^T S_t Xa = (V^T S_t n_1) diag(γ)
         if Moh is not None and (acc.wants("W_K") or want_ln):
             Nn = ((A @ (V[:, :, None] * Xn[:, None, :]).reshape(L, dv * d)).reshape(n, dv, d)
                   - O[:, :, None] * (A @ Xn)[:, None, :])
             N = Nn if not want_ln or "gamma_1" not in p else Nn * p["gamma_1"]
             eK = ((Moh @ N) * N).sum(-2)
         if w is not None and acc.wants("W_K"):
-            eK = add(eK, w @ (Xa * Xa) - 2 * AX * (w @ Xa))
+            eK = add(eK, w @ (Xk * Xk) - 2 * AX * (w @ Xk))
         if eK is not None:
             acc.add("W_K", eK.T @ (Q[t] * Q[t] * (s * s)), (slice(None), qk))
         if not want_ln:
@@ -242,21 +276,21 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
         WQ, WK, WV = p["W_Q"][:, qk], p["W_K"][:, qk], p["W_V"][:, cols]
         beta_t = (Q[t] @ WK.T) * s  # (n, d): q_t · W_K[i] / sqrt(d_k)
         nc = n1[t]
-        An = A @ n1
+        An = A @ n1k
         if Jg is not None:
             CW = Ct @ WQ.T  # (n, d_v, d)
             Jg[:, cols] = nc[:, None, :] * CW + Nn * beta_t[:, None, :] + An[:, None, :] * WV.T[None]
             Jb[:, cols] = CW + WV.T[None]
         if w is not None:  # the attention's own second derivative along gamma_1[i], beta_1[i]
             alpha = (K @ WQ.T) * s  # (L, d): k_s · W_Q[i] / sqrt(d_k)
-            wa, wn = w @ alpha, w @ n1
+            wa, wn = w @ alpha, w @ n1k
             Aa = A @ alpha
             m = nc * Aa + beta_t * An
-            sum_wdz2 = nc * nc * (w @ (alpha * alpha)) + 2 * nc * beta_t * (w @ (alpha * n1)) + beta_t * beta_t * (w @ (n1 * n1))
+            sum_wdz2 = nc * nc * (w @ (alpha * alpha)) + 2 * nc * beta_t * (w @ (alpha * n1k)) + beta_t * beta_t * (w @ (n1k * n1k))
             sum_wdz = nc * wa + beta_t * wn
             t1 = 2 * s * (WQ * WK).sum(1) * nc * wn
             gOW = a.att.gO[b, h, t] @ WV.T
-            t3 = 2 * gOW * (nc * (A @ (alpha * n1)) + beta_t * (A @ (n1 * n1)) - m * An)
+            t3 = 2 * gOW * (nc * (A @ (alpha * n1k)) + beta_t * (A @ (n1k * n1k)) - m * An)
             acc.add("gamma_1", (t1 + sum_wdz2 - 2 * m * sum_wdz + t3).sum(0))
             acc.add("beta_1", (w @ (alpha * alpha) - 2 * Aa * wa).sum(0))
     if Jg is not None:
