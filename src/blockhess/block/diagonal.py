@@ -43,7 +43,7 @@ from .forward_pass import Cache, pre_ln
 __all__ = ["block_diagonal", "diagonal", "work_entries"]
 
 #: the tokens of one chunk hold at most this many bytes of per-token matrices (or one token's worth)
-CHUNK_BYTES = 512 << 20
+CHUNK_BYTES = 256 << 20
 
 _ATTN = ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O")
 
@@ -99,7 +99,7 @@ def _ln_sandwich(y, r, gamma, M):
 
 
 #: row blocks of a symmetric product computed (its lower block triangle, mirrored): (1 + 1/SYM_BLOCKS)/2 of the work
-SYM_BLOCKS = 4
+SYM_BLOCKS = 8
 
 
 def _sym(left, right) -> torch.Tensor:
@@ -127,9 +127,27 @@ class _Acc:
 
     def __init__(self, shapes: dict, wanted: tuple, like: torch.Tensor):
         self.out = {n: like.new_zeros(shapes[n]) for n in wanted}
+        self.sums = None
 
     def wants(self, *names) -> bool:
         return any(n in self.out for n in names)
+
+    def beta_sums(self, S0, S1, S2):
+        """Add to the sums over tokens of ``M^O_t``, ``M^O_t C_t`` and ``C_tᵀ M^O_t C_t`` (``C_t`` the heads'
+        ``s Vᵀ S_t K`` block-diagonal): pre-LN ``beta_1``'s outer-like part, finished by :meth:`finish`."""
+        if self.sums is None:
+            self.sums = [S0, S1, S2]
+        else:
+            for acc, v in zip(self.sums, (S0, S1, S2)):
+                acc += v
+
+    def finish(self, p: dict) -> dict:
+        r"""The diagonals, ``beta_1``'s with :math:`\mathrm{diag}(W_V S_0 W_V^\top + 2 W_V S_1 W_Q^\top + W_Q S_2 W_Q^\top)`."""
+        if self.sums is not None:
+            S0, S1, S2 = self.sums
+            W_Q, W_V = p["W_Q"], p["W_V"]
+            self.out["beta_1"] += ((W_V @ S0) * W_V).sum(1) + 2 * ((W_V @ S1) * W_Q).sum(1) + ((W_Q @ S2) * W_Q).sum(1)
+        return self.out
 
     def add(self, name: str, value, index=None):
         if value is None or name not in self.out:
@@ -229,9 +247,12 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
     n1 = c.ln1[0].reshape(c.X.shape)[b] if want_ln else None
     kv = slice(0, t.stop) if cfg.causal else slice(None)  # the keys the queries t see
     Xk, n1k = Xa[kv], None if n1 is None else n1[kv]
-    Jg = Jb = None
+    Jg = MC = None
     if want_ln and M_O is not None:
-        Jg, Jb = like.new_zeros(n, d, d), like.new_zeros(n, d, d)
+        if "gamma_1" in acc.out:
+            Jg = like.new_empty(n, d, d)
+        if "beta_1" in acc.out:
+            MC, Cs = like.new_empty(n, d, H * dk), []  # M_O C (heads' blocks side by side), each head's C_t
     for h in range(H):
         qk, cols = slice(h * dk, (h + 1) * dk), slice(h * dv, (h + 1) * dv)
         A = A4[b, h, t, kv]  # (n, keys)
@@ -280,7 +301,9 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
         if Jg is not None:
             CW = Ct @ WQ.T  # (n, d_v, d)
             Jg[:, cols] = nc[:, None, :] * CW + Nn * beta_t[:, None, :] + An[:, None, :] * WV.T[None]
-            Jb[:, cols] = CW + WV.T[None]
+        if MC is not None:
+            MC[:, :, qk] = M_O[:, :, cols] @ Ct
+            Cs.append(Ct)
         if w is not None:  # the attention's own second derivative along gamma_1[i], beta_1[i]
             alpha = (K @ WQ.T) * s  # (L, d): k_s · W_Q[i] / sqrt(d_k)
             wa, wn = w @ alpha, w @ n1k
@@ -295,7 +318,9 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
             acc.add("beta_1", (w @ (alpha * alpha) - 2 * Aa * wa).sum(0))
     if Jg is not None:
         acc.add("gamma_1", ((M_O @ Jg) * Jg).sum((0, 1)))
-        acc.add("beta_1", ((M_O @ Jb) * Jb).sum((0, 1)))
+    if MC is not None:  # beta_1: J_t = C_bd,t W_Q^T + W_V^T with fixed outer factors, so the sums over tokens go inside
+        acc.beta_sums(M_O.sum(0), MC.sum(0),
+                      torch.cat([(Cs[h].transpose(1, 2) @ MC[:, h * dv:(h + 1) * dv]).sum(0) for h in range(H)]))
 
 
 def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = True) -> dict:
@@ -379,7 +404,7 @@ def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = 
                             if fun else None)
             if needs_attn:
                 _attention_stage(c, a, acc, b, t, M, fun)
-    return acc.out
+    return acc.finish(c.params)
 
 
 def block_diagonal(c: Cache, a, loss, target, wanted, outer: bool = True, functional: bool = True) -> dict:
