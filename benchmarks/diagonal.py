@@ -3,9 +3,10 @@ r"""The exact diagonal of a GPT-2 block's Hessian (``A.diagonal()`` of ``bh.hess
 
 The block is the one of ``benchmarks/operators.py`` (a Hugging Face ``GPT2Block`` read by ``bh.from_torch``,
 its own initialisation, random inputs and target) at one of its sizes. In one process: the operator is
-built (forward cache and adjoints, timed apart), one product warms up, then ``--products`` products are
-timed one by one and the diagonal ``--rounds`` times; reported: the products' median and total, the
-diagonal's median, their ratio to 100 products, the diagonal's float32 error against the float64
+built (forward cache and adjoints, timed apart), one product warms up, then half of ``--products``
+products are timed one by one, the diagonal ``--rounds`` times, and the other half of the products (the
+load of a shared machine drifts); reported, in wall-clock and in the process's CPU time: the products'
+median, the diagonal's median, their ratio to 100 products, the diagonal's float32 error against the float64
 diagonal on the same inputs (``--check``), the load average, and the FLOP count of the diagonal
 (:func:`diagonal_flops`, docs/derivations.md §19). Notes in ``benchmarks/README.md``.
 
@@ -79,22 +80,32 @@ def main(argv=None) -> int:
     A = bh.hessian_operator(P.params, P.X, P.cfg, loss="mse", target=P.Y)
     out["setup_s"] = time.perf_counter() - t
     A @ P.v
-    times = []
-    for _ in range(args.products):
-        t = time.perf_counter()
-        A @ P.v
-        times.append(time.perf_counter() - t)
-    diag = []
+    times, cpu, diag, diag_cpu = [], [], [], []
+
+    def products(k):
+        for _ in range(k):
+            t, c = time.perf_counter(), time.process_time()
+            A @ P.v
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+
+    products(args.products - args.products // 2)  # half the products before the diagonals, half after: drift of the load
     for _ in range(args.rounds):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         D = A.diagonal()
         diag.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    out.update(product_median_s=med, products_timed=args.products, products_total_s=sum(times),
-               hundred_products_s=100 * med, diagonal_s=diag, diagonal_median_s=statistics.median(diag),
-               ratio_to_100_products=statistics.median(diag) / (100 * med), load_end=load_average(),
+        diag_cpu.append(time.process_time() - c)
+    products(args.products // 2)
+    med, med_cpu = statistics.median(times), statistics.median(cpu)
+    out.update(product_median_s=med, product_median_cpu_s=med_cpu, products_timed=args.products,
+               products_total_s=sum(times), hundred_products_s=100 * med, hundred_products_cpu_s=100 * med_cpu,
+               diagonal_s=diag, diagonal_cpu_s=diag_cpu, diagonal_median_s=statistics.median(diag),
+               diagonal_median_cpu_s=statistics.median(diag_cpu),
+               ratio_to_100_products=statistics.median(diag) / (100 * med),
+               ratio_to_100_products_cpu=statistics.median(diag_cpu) / (100 * med_cpu), load_end=load_average(),
                flops=diagonal_flops(P.cfg, B, L))
     out["diagonal_gflop_per_s"] = out["flops"]["total"] / out["diagonal_median_s"] / 1e9
+    out["diagonal_gflop_per_cpu_s"] = out["flops"]["total"] / out["diagonal_median_cpu_s"] / 1e9
     if args.check:
         p64 = {k: v.double() for k, v in P.params.items()}
         A64 = bh.hessian_operator(p64, P.X.double(), P.cfg, loss="mse", target=P.Y.double())

@@ -80,26 +80,47 @@ def _dense(M, n: int, d: int, like: torch.Tensor):
     return torch.diag_embed(like.new_full((n, d), M))
 
 
-def _ln_left(y: torch.Tensor, r: torch.Tensor, gamma, X: torch.Tensor) -> torch.Tensor:
+def _ln_left(y: torch.Tensor, r: torch.Tensor, gamma, X: torch.Tensor, scale: float = 1.0,
+             inplace: bool = False) -> torch.Tensor:
     r"""``J^T X`` for LayerNorm's per-token Jacobian :math:`J = \mathrm{diag}(\gamma)\,r\,(C - y y^\top/d)`
     (``y`` ``(n, d)`` the normalised rows, ``r`` ``(n, 1)``), ``X`` ``(n, d, m)``, without forming ``J``:
     :math:`C - yy^\top/d` is symmetric, so :math:`J^\top X = r\,(X' - \mathbf 1\bar x'^\top - y (y^\top X')/d)`
-    with :math:`X' = \mathrm{diag}(\gamma) X` (``Σ y = 0``). A new tensor."""
+    with :math:`X' = \mathrm{diag}(\gamma) X` (``Σ y = 0``), times ``scale``. A new tensor, or ``X``
+    overwritten with ``inplace``."""
     d = y.shape[-1]
-    P = gamma[:, None] * X if gamma is not None else X.clone()
+    if inplace:
+        P = X if gamma is None else X.mul_(gamma[:, None])
+    else:
+        P = gamma[:, None] * X if gamma is not None else X.clone()
     P.sub_(P.mean(-2, keepdim=True))
     P.baddbmm_(y[:, :, None], y[:, None, :] @ P, alpha=-1.0 / d)
-    return P.mul_(r[:, :, None])
+    return P.mul_(r[:, :, None] * scale)
 
 
-def _ln_sandwich(y, r, gamma, M):
-    """``J^T M J`` for LayerNorm's per-token Jacobian (:func:`_ln_left`) and symmetric ``M`` ``(n, d, d)``."""
-    left = _ln_left(y, r, gamma, M)
-    return _ln_left(y, r, gamma, left.transpose(1, 2)).transpose(1, 2)
+def _ln_sandwich(y, r, gamma, M, inplace: bool = False):
+    """``J^T M J`` for LayerNorm's per-token Jacobian (:func:`_ln_left`) and symmetric ``M`` ``(n, d, d)``
+    (overwritten with ``inplace``)."""
+    left = _ln_left(y, r, gamma, M, inplace=inplace)
+    return _ln_left(y, r, gamma, left.transpose(1, 2), inplace=True).transpose(1, 2)
 
 
 #: row blocks of a symmetric product computed (its lower block triangle, mirrored): (1 + 1/SYM_BLOCKS)/2 of the work
 SYM_BLOCKS = 8
+
+
+def _rows_product(left, right) -> torch.Tensor:
+    """``left @ right`` for ``left`` ``(n, d, m)`` given as a callable ``rows -> left[:, rows]`` (formed
+    block by block, in cache) and ``right`` ``(m, d)``, in the row blocks of :func:`_sym`."""
+    d = right.shape[-1]
+    edges = [round(i * d / SYM_BLOCKS) for i in range(SYM_BLOCKS + 1)]
+    out = None
+    for r0, r1 in zip(edges, edges[1:]):
+        if r1 > r0:
+            blk = left(slice(r0, r1)) @ right
+            if out is None:
+                out = blk.new_empty(blk.shape[0], d, d)
+            out[:, r0:r1] = blk
+    return out
 
 
 def _sym(left, right) -> torch.Tensor:
@@ -189,20 +210,25 @@ def _ffn_stage(c: Cache, a, acc: _Acc, s: slice, M_S, fun: bool, eps: float, bel
     if not below:
         return None
     # the curvature at the FFN input: J_SY = I + G^T J_f, G = W_1 diag(a') W_2 (J_f = LN_2's, pre-LN; I post-LN)
-    G = ((W_1[None] * D[:, None, :]).reshape(n * d, -1) @ W_2).reshape(n, d, d) if M_S is not None else None
-    GM = None if G is None else (G * M_S if isinstance(M_S, float) else G @ M_S)
-    M_Yf = None if GM is None else _sym(GM, G.transpose(1, 2))
+    G = GM = M_Yf = None
+    scalar = isinstance(M_S, float)
+    if M_S is not None:
+        G = _rows_product(lambda rows: W_1[None, rows] * D[:, None, :], W_2)
+        GM = G if scalar else G @ M_S  # times M_S (a float: applied below)
+        M_Yf = _sym(GM, G.transpose(1, 2))
+        if scalar:
+            M_Yf.mul_(M_S)
     if psi is not None:  # the activation's curvature W_1 diag(ψ) W_1^T
         gW = _sym(lambda rows: W_1[None, rows] * psi[:, None, :], W_1.T)
         M_Yf = gW if M_Yf is None else M_Yf.add_(gW)
     if pre:
         n2, r2, g2 = fc.n[s], fc.r[s], p.get("gamma_2")
         _ln_weights(acc, 2, n2, M_Yf)
-        cross = None if GM is None else _ln_left(n2, r2, g2, GM)
-        inner = None if M_Yf is None else _ln_sandwich(n2, r2, g2, M_Yf)
+        cross = None if GM is None else _ln_left(n2, r2, g2, GM, M_S if scalar else 1.0, inplace=True)
+        inner = None if M_Yf is None else _ln_sandwich(n2, r2, g2, M_Yf, inplace=True)
         gam = layernorm.contract_hessian_unchecked(fc.Y[s], a.fc.g_Yf[s], eps, g2) if fun else None
     else:
-        cross, inner, gam = GM, M_Yf, None
+        cross, inner, gam = (GM.mul_(M_S) if scalar else GM) if GM is not None else None, M_Yf, None
     M_Y = add(inner, gam)  # formed here (inner, gam: new tensors): the rest added in place
     if cross is not None:
         M_Y = cross + cross.transpose(1, 2) if M_Y is None else M_Y.add_(cross).add_(cross.transpose(1, 2))
