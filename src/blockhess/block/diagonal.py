@@ -75,6 +75,7 @@ def _diag(M, n: int, d: int, like: torch.Tensor):
 
 
 def _dense(M, n: int, d: int, like: torch.Tensor):
+    """Per-token curvatures ``M`` as ``(n, d, d)`` (a float ``M·I`` formed; ``None`` and tensors as they are)."""
     if M is None or not isinstance(M, float):
         return M
     return torch.diag_embed(like.new_full((n, d), M))
@@ -229,7 +230,7 @@ def _ffn_stage(c: Cache, a, acc: _Acc, s: slice, M_S, fun: bool, eps: float, bel
         gam = layernorm.contract_hessian_unchecked(fc.Y[s], a.fc.g_Yf[s], eps, g2) if fun else None
     else:
         cross, inner, gam = (GM.mul_(M_S) if scalar else GM) if GM is not None else None, M_Yf, None
-    M_Y = add(inner, gam)  # formed here (inner, gam: new tensors): the rest added in place
+    M_Y = gam if inner is None else (inner if gam is None else inner.add_(gam))  # new tensors: the rest added in place
     if cross is not None:
         M_Y = cross + cross.transpose(1, 2) if M_Y is None else M_Y.add_(cross).add_(cross.transpose(1, 2))
     if isinstance(M_S, float):
@@ -368,7 +369,7 @@ def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = 
     Raises ``ValueError`` for a name not of the block, ``outer`` and ``functional`` not bools or both
     ``False``, ``a`` missing with ``functional=True``, ``omega`` neither a float nor callable with
     ``outer=True``; ``InsufficientMemoryError`` before any work if one chunk of tokens (a single token
-    at least, :func:`work_entries`) would not fit.
+    at least, :func:`work_entries`), with a sequence's ``omega(b)``, would not fit.
     """
     check_bool("outer", outer)
     check_bool("functional", functional)
@@ -389,8 +390,9 @@ def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = 
     e = c.X.element_size()
     per = work_entries(cfg, L, 1) - work_entries(cfg, L, 0)
     n_chunk = max(1, min(L, CHUNK_BYTES // max(1, per * e)))
-    check_fits(work_entries(cfg, L, n_chunk) * e, f"the exact diagonal's per-token matrices for {n_chunk} tokens at a "
-               "time", c.X.device)
+    seq_omega = L * d * d if outer and callable(omega) else 0  # a sequence's per-token loss Hessians (CE)
+    check_fits((work_entries(cfg, L, n_chunk) + seq_omega) * e, f"the exact diagonal's per-token matrices for {n_chunk} "
+               "tokens at a time", c.X.device)
     acc = _Acc(shapes, wanted, c.X)
     fun, eps = functional, cfg.ln_eps
     block = cfg.kind == "block"
