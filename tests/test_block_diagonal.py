@@ -172,3 +172,12 @@ def test_memory_is_checked_before_any_work(monkeypatch):
     monkeypatch.setattr(validation, "SMALL_BYTES", 0)  # a request this small is otherwise not checked
     with pytest.raises(bh.InsufficientMemoryError, match="the exact diagonal's per-token matrices"):
         diag_mod.diagonal(c, a, 1.0, ("W_Q",))
+
+
+def test_mean_over_batches_has_the_exact_diagonal():
+    """``mean_operator`` of block operators takes their closed-form diagonals: the diagonal of the
+    whole batch's operator."""
+    cfg, p, X, T = _case(NAMED_CONFIGS["pre, all options"], (3, 6, 3, 5, 3, 1.0), "mse", seed=2)
+    whole = bh.hessian_operator(p, X, cfg, loss="mse", target=T).diagonal()
+    parts = [bh.hessian_operator(p, X[i:i + 1], cfg, loss="mse", target=T[i:i + 1]) for i in range(3)]
+    assert_close(bh.operators.mean_operator(parts).diagonal(), whole, what="mean of batches")
