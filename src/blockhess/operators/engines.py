@@ -14,6 +14,7 @@ import torch
 
 from .. import losses
 from ..block import check_forward, check_inputs, forward_cache, select_wrt
+from ..block.diagonal import block_diagonal
 from ..block.directional import adjoints, hvp
 from ..config import ModelConfig, param_shapes
 from ..model.directional import ModelProduct, fold_tied, unfold_tied
@@ -43,7 +44,10 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
         HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional, wanted=wanted_out)
         return HV
 
-    return product, X.shape[0], X.dtype, X.device
+    def diagonal(wanted):
+        return block_diagonal(c, a, loss, target, wanted, outer, functional)
+
+    return product, X.shape[0], X.dtype, X.device, diagonal
 
 
 def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
@@ -58,7 +62,7 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
         rows = tuple(wanted_out) + ((TIED_HEAD,) if cfg.tied and "W_E" in wanted_out else ())
         return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional))
 
-    return product, inputs.shape[0], like.dtype, like.device
+    return product, inputs.shape[0], like.dtype, like.device, None
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
@@ -70,7 +74,9 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     ``params``, ``inputs``, ``cfg``, ``loss``, ``target``, ``wrt`` as :func:`blockhess.hessian` for a block
     (``cfg`` a :class:`~blockhess.BlockConfig`, ``inputs`` ``X``) or a model (a
     :class:`~blockhess.config.ModelConfig`). ``part``: ``"full"``, ``"outer"`` (Gauss–Newton) or
-    ``"functional"``. The batch's loss is the mean over its sequences (``A.count`` of them; a dataset:
+    ``"functional"``. ``A.diagonal()`` is exact in closed form for a block with ``"mse"`` or ``"ce"``
+    (:func:`blockhess.block.diagonal.block_diagonal`); a model's operator and a callable loss raise
+    ``NotImplementedError`` there. The batch's loss is the mean over its sequences (``A.count`` of them; a dataset:
     :func:`~.operator.mean_operator` of per-batch operators). dtype and device of the parameters.
     Exact almost everywhere (ReLU kinks, Lemma 1).
 
@@ -83,11 +89,11 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     outer, functional = part in ("full", "outer"), part in ("full", "functional")
     names = select_wrt(tuple(param_shapes(cfg)), wrt)
     engine = _model_engine if isinstance(cfg, ModelConfig) else _block_engine
-    product, count, dtype, device = engine(params, inputs, cfg, loss, target, names, outer, functional)
+    product, count, dtype, device, diagonal = engine(params, inputs, cfg, loss, target, names, outer, functional)
     shapes = param_shapes(cfg)
 
     def restricted(V, wanted_out):  # the operator over names: other parameters have zero directions
         return product({n: v for n, v in V.items() if n in names}, wanted_out)
 
-    return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, split=head_views(cfg),
-                           count=count)
+    return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
+                           split=head_views(cfg), count=count)
