@@ -103,7 +103,13 @@ def _main(rank: int) -> dict:
             V = torch.randn(A.shape[0], 3, generator=torch.Generator().manual_seed(11), dtype=DT)
             out[which] = A @ V
         out["V"] = V
-        out["top"] = lanczos_eigs(bhd.hessian_operator(*args(c), **kw(c)), 2, tol=1e-10, seed=0).eigenvalues
+        A = bhd.hessian_operator(*args(c), **kw(c))
+        out["top"] = lanczos_eigs(A, 2, tol=1e-10, seed=0).eigenvalues
+        try:  # the exact diagonal: the block's closed form; a model's engine has none (on every rank)
+            out["diagonal"] = A.diagonal()
+            out["view_diagonal"] = A["W_V", "W_V"].diagonal()
+        except NotImplementedError as exc:
+            out["diagonal"] = f"NotImplementedError: {exc}"
         return out
 
     for name in ("block", "model"):

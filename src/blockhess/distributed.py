@@ -589,7 +589,9 @@ def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, pa
     seed on every rank does: the sums are the same bits on every rank, so are its next vectors). A
     product that raises on one rank makes every rank raise :class:`DistributedError` (an error flag
     rides in the same ``all_reduce``); a rank that exits, :class:`CollectiveError`. Views ``A[a, b]``
-    are collective the same way.
+    are collective the same way, and so is the exact diagonal ``A.diagonal()`` (each rank's closed-form
+    diagonal, :mod:`blockhess.block.diagonal`, scaled by its share and all-reduced; ``NotImplementedError``
+    on every rank where the engine has none: a model, a callable loss).
 
     Raises as :func:`hessian` (before any product).
     """
@@ -611,8 +613,9 @@ def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, pa
         mine = None
         if op is not None:
             try:
-                cols = torch.cat([V[a].reshape(k, -1) if a in V else like.new_zeros(k, sizes[a]) for a in sh.names], 1)
-                rows = op[tuple(wanted_out), tuple(sh.names)] @ cols.T.contiguous()  # (n_out, k)
+                cols_of = tuple(a for a in sh.names if a in V)  # the view's columns: the product skips the rest
+                cols = torch.cat([V[a].reshape(k, -1) for a in cols_of], 1)
+                rows = op[tuple(wanted_out), cols_of] @ cols.T.contiguous()  # (n_out, k)
                 buf[:-1] = (rows * (sh.count / total)).reshape(-1)
             except Exception as exc:  # noqa: BLE001 — every rank must hear of it
                 mine = exc
@@ -630,5 +633,35 @@ def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, pa
             off += sizes[a]
         return out
 
+    def diagonal(wanted: tuple) -> dict:
+        n_out = sum(sizes[a] for a in wanted)
+        buf = like.new_zeros(n_out + 2)  # the diagonal, then the error flag and the ranks without a closed form
+        mine = None
+        if op is not None:
+            try:
+                buf[:-2] = op[tuple(wanted), tuple(wanted)].diagonal() * (sh.count / total)
+            except NotImplementedError as exc:  # the engine has no closed-form diagonal: the same on every rank
+                mine = exc
+                buf.zero_()
+                buf[-1] = 1
+            except Exception as exc:  # noqa: BLE001 — every rank must hear of it
+                mine = exc
+                buf.zero_()
+                buf[-2] = 1
+        g.all_reduce(buf, "the all-reduce of the exact diagonal")
+        if float(buf[-2]) > 0:
+            raise DistributedError(f"blockhess.distributed.hessian_operator: the diagonal failed on "
+                                   f"{int(buf[-2])} rank(s)" + (f"; on rank {g.rank}: {_first_line(mine)}" if mine else ""),
+                                   {g.rank: _sendable(mine)} if mine else {}) from mine
+        if float(buf[-1]) > 0:
+            raise NotImplementedError(f"blockhess.distributed.hessian_operator: {_first_line(mine)}" if mine else
+                                      "blockhess.distributed.hessian_operator: this operator's engine offers no "
+                                      "closed-form diagonal")
+        out, off = {}, 0
+        for a in wanted:
+            out[a] = buf[off:off + sizes[a]].reshape(sh.shapes[a])
+            off += sizes[a]
+        return out
+
     return HessianOperator(product, sh.names, {k: sh.shapes[k] for k in sh.names}, like.dtype, like.device,
-                           split=head_views(cfg), count=total)
+                           diagonal=diagonal, split=head_views(cfg), count=total)
