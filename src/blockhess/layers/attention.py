@@ -362,6 +362,7 @@ class Adjoint(NamedTuple):
     gK: torch.Tensor  # (B, L, H·d_k)
     gV: torch.Tensor  # (B, L, d)
     gX: torch.Tensor | None  # (B, L, d) the input's, or None (not asked)
+    moments: dict | None = None  # W_Q, W_K, W_V -> linear.moments(n, g_Q) etc., for a Scaled input n (or None)
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -392,7 +393,8 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
 
     ``b_K``'s direction is dropped: it moves every score of a row by one number, which softmax
     ignores (exactly zero). A causal mask needs nothing: ``\dot A`` is zero where ``A`` is.
-    Returns the :class:`Tangent`. Kernel: no checks."""
+    ``dX`` may be a :class:`~blockhess.layers.linear.Scaled` (the input a LayerNorm's output with
+    nothing moving below it). Returns the :class:`Tangent`. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     dQ = linear.tangent(c.X, p["W_Q"], dX, dp.get("W_Q"), dp.get("b_Q"))
@@ -406,11 +408,14 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
     return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO))
 
 
-def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False) -> Adjoint:
+def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=None) -> Adjoint:
     r"""The first-order adjoints of the output adjoint ``gF`` ``(B, L, d)`` (the back-propagated
     gradient at ``O``): :math:`g_A = g_O V^\top`, :math:`g_T = S g_A`, :math:`g_V = A^\top g_O`,
     :math:`g_Q = s\,g_T K`, :math:`g_K = s\,g_T^\top Q` per head, and with ``want_input`` the input's
-    :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. Returns the :class:`Adjoint`. Kernel."""
+    :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. With ``n`` ``(B·L, d)``, the normalised
+    rows of a LayerNorm whose output is the input (``c.X = n ⊙ γ + β``), the projections'
+    :func:`~blockhess.layers.linear.moments` for a :class:`~blockhess.layers.linear.Scaled` input
+    direction. Returns the :class:`Adjoint`. Kernel."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     gO = _heads(gF, H)
@@ -421,7 +426,8 @@ def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False) -> Ad
     gX = None
     if want_input:
         gX = linear.adjoint(p["W_Q"], gQ) + linear.adjoint(p["W_K"], gK) + linear.adjoint(p["W_V"], gV)
-    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX)
+    mom = None if n is None else {w: linear.moments(n, g) for w, g in (("W_Q", gQ), ("W_K", gK), ("W_V", gV))}
+    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX, moments=mom)
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
@@ -444,7 +450,10 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     then each projection's :func:`~blockhess.layers.linear.second_adjoint`. ``c``, ``p`` as for
     :func:`tangent`, ``a`` the :func:`adjoint` of the cached output adjoint, ``t`` the
     :func:`tangent` along the same directions ``dp``, ``dX``; ``dgF`` ``(k, B, L, d)`` the output
-    adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel: no checks."""
+    adjoint's tangent or ``None``. With a :class:`~blockhess.layers.linear.Scaled` ``dX`` (``a`` then
+    from :func:`adjoint` with ``n``), ``dg_X`` is the pair :math:`(\sum\dot g_X\odot n, \sum\dot g_X)`
+    ``(k, d)`` each, the LayerNorm's rows, instead of :math:`\dot g_X`. Derived in docs/derivations.md
+    §18. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
@@ -474,12 +483,17 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
         dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
         dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
+    scaled = isinstance(dX, linear.Scaled)
     for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
         if not need[w]:
             continue
+        mom = None if not (scaled and second) or a.moments is None else a.moments[w]
         x_in, hv_w, hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input,
-                                               bias=b in p and b in want, weight=w in want)
-        dg_X = add(dg_X, x_in)
+                                               bias=b in p and b in want, weight=w in want, moments=mom)
+        if scaled:  # the pair (Σ ġ_X ⊙ n, Σ ġ_X), summed over the projections
+            dg_X = x_in if dg_X is None else (dg_X if x_in is None else tuple(map(add, dg_X, x_in)))
+        else:
+            dg_X = add(dg_X, x_in)
         if w in want:
             hv[w] = hv_w
         if b in p and b in want:
