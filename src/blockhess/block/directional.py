@@ -178,12 +178,13 @@ def _no_tangents(cfg) -> _Tangents:
                      tf, None)
 
 
-def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool) -> _Tangents:
+def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents:
     """The tangent pass, forward, along the weights' directions ``dp`` and the input's ``dX``
     ``(k, B, L, d)`` or ``None`` (docs/derivations.md §18, "The block"). ``scaled``: pre-LN with ``dX``
     ``None``, the attention's input direction as a :class:`~blockhess.layers.linear.Scaled` (for a
     pass back that needs no input adjoint; docs/derivations.md §18, "A LayerNorm below nothing that
-    moves")."""
+    moves"). ``m``: the softmax's peaks (the attention's :class:`~blockhess.layers.attention.Adjoint`'s)
+    or ``None``."""
     cfg, p = c.cfg, c.params
     pre = pre_ln(cfg)
     B, L, d = c.X.shape
@@ -201,7 +202,7 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool) -> _Tangents:
             ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
         dXa = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
         dXa = None if dXa is None else dXa.reshape(k, B, L, d)
-    ta = attention.tangent(c.att, p, dp, dXa)
+    ta = attention.tangent(c.att, p, dp, dXa, m)
     dP = ta.dF
     if cfg.out_proj:
         dP = linear.tangent(c.att.F, p["W_O"], ta.dF, dp.get("W_O"), dp.get("b_O"))
@@ -390,7 +391,7 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
     if not functional:
         a = _none_adjoints()
 
-    tg = _tangents(c, dp, dX, k, scaled=not want_dgX)
+    tg = _tangents(c, dp, dX, k, scaled=not want_dgX, m=a.att.m)
     back = bool(want) or want_dgX
     dgZ = None
     if outer:

@@ -349,6 +349,7 @@ class Tangent(NamedTuple):
     dV: torch.Tensor | None  # (k, B, H, L, d_v)
     dA: torch.Tensor | None  # (k, B, H, L, L), the attention weights' tangent
     dF: torch.Tensor | None  # (k, B, L, d), the concatenated output's tangent
+    m: torch.Tensor | None = None  # (B, H, L, 1) softmax.peaks(A), the shift the softmax's products use
 
 
 class Adjoint(NamedTuple):
@@ -363,6 +364,7 @@ class Adjoint(NamedTuple):
     gV: torch.Tensor  # (B, L, d)
     gX: torch.Tensor | None  # (B, L, d) the input's, or None (not asked)
     moments: dict | None = None  # W_Q, W_K, W_V -> linear.moments(n, g_Q) etc., for a Scaled input n (or None)
+    m: torch.Tensor | None = None  # (B, H, L, 1) softmax.peaks(A), for the products' tangents
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -381,7 +383,27 @@ def _weights(c: Cache) -> torch.Tensor:
     return c.A if c.A.ndim == 4 else c.A[:, None]
 
 
-def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
+def _products(pairs, alpha: float = 1.0):
+    """``alpha · Σ x @ y`` over the pairs ``(x, y)`` whose factors are both given (``None``: zero), one
+    factor of each pair with the directions' axis ``(k, B, H, m, p)``, the other without it (broadcast
+    over ``k``): one batched product per pair, the sum and the scaling done by the GEMMs themselves
+    (``baddbmm``), ``(k, B, H, m, q)``; ``None`` when no pair has both factors."""
+    out = shape = None
+    for x, y in pairs:
+        if x is None or y is None:
+            continue
+        lead = (x if x.ndim == 5 else y).shape[:3]
+        x3 = x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+        y3 = y.expand(*lead, *y.shape[-2:]).reshape(-1, *y.shape[-2:])
+        if out is None:
+            shape = (*lead, x.shape[-2], y.shape[-1])
+            out = torch.bmm(x3, y3) if alpha == 1 else torch.baddbmm(x3.new_zeros(()), x3, y3, beta=0, alpha=alpha)
+        else:
+            out.baddbmm_(x3, y3, alpha=alpha)
+    return None if out is None else out.reshape(shape)
+
+
+def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
     r"""The tangents of the attention along ``k`` directions of its input ``dX`` ``(k, B, L, d)`` and
     weights ``dp`` (name → ``(k, *shape)``, absent or ``None``: zero), at the cached point ``c`` with
     weights ``p`` (``W_Q, W_K, W_V``, biases if present). Per head:
@@ -394,7 +416,8 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
     ``b_K``'s direction is dropped: it moves every score of a row by one number, which softmax
     ignores (exactly zero). A causal mask needs nothing: ``\dot A`` is zero where ``A`` is.
     ``dX`` may be a :class:`~blockhess.layers.linear.Scaled` (the input a LayerNorm's output with
-    nothing moving below it). Returns the :class:`Tangent`. Kernel: no checks."""
+    nothing moving below it). ``m``: :func:`~blockhess.layers.softmax.peaks` of ``A`` (the
+    :class:`Adjoint`'s; computed here when ``None``). Returns the :class:`Tangent`. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     dQ = linear.tangent(c.X, p["W_Q"], dX, dp.get("W_Q"), dp.get("b_Q"))
@@ -402,10 +425,13 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
     dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
     dQ, dK, dV = (None if t is None else _heads(t, H) for t in (dQ, dK, dV))
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
-    dT = add(None if dQ is None else dQ @ Kh.transpose(-1, -2), None if dK is None else Qh @ dK.transpose(-1, -2))
-    dA = None if dT is None else softmax.tangent(A, dT * s)
-    dO = add(None if dA is None else dA @ Vh, None if dV is None else A @ dV)
-    return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO))
+    dT = _products([(dQ, Kh.mT), (Qh, None if dK is None else dK.mT)], alpha=s)
+    dA = None
+    if dT is not None:
+        m = softmax.peaks(A) if m is None else m
+        dA = softmax.tangent(A, dT, m)
+    dO = _products([(dA, Vh), (A, dV)])
+    return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO), m=m)
 
 
 def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=None) -> Adjoint:
@@ -420,14 +446,15 @@ def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=Non
     A = _weights(c)
     gO = _heads(gF, H)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
-    u = softmax.centred(A, gO @ Vh.transpose(-1, -2))
+    m = softmax.peaks(A)
+    u = softmax.centred(A, gO @ Vh.transpose(-1, -2), m)
     gT = A * u
     gQ, gK, gV = _merge(gT @ Kh) * s, _merge(gT.transpose(-1, -2) @ Qh) * s, _merge(A.transpose(-1, -2) @ gO)
     gX = None
     if want_input:
         gX = linear.adjoint(p["W_Q"], gQ) + linear.adjoint(p["W_K"], gK) + linear.adjoint(p["W_V"], gV)
     mom = None if n is None else {w: linear.moments(n, g) for w, g in (("W_Q", gQ), ("W_K", gK), ("W_V", gV))}
-    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX, moments=mom)
+    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX, moments=mom, m=m)
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
@@ -458,11 +485,9 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     A = _weights(c)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
     dgO = None if dgF is None else _heads(dgF, H)
+    m = a.m if a.m is not None else t.m
     if not second:
         t = Tangent(None, None, None, None, t.dF)
-
-    def mm(x, y):  # a product with a zero (None) direction is zero
-        return None if x is None or y is None else x @ y
 
     def mT(x):
         return None if x is None else x.mT
@@ -472,15 +497,15 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     need["W_K"] = want_input or "W_K" in want  # b_K's rows are exactly zero: they need no pass
     dgQ = dgK = dgV = None
     if need["W_Q"] or need["W_K"]:
-        dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
-        dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
+        dgA = _products([(dgO, Vh.mT), (a.gO, mT(t.dV))])
+        dgT = softmax.second_adjoint(A, t.dA, a.u, dgA, m)
         if need["W_Q"]:
-            dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
+            dgQ = _products([(dgT, Kh), (a.gT, t.dK)], alpha=s)
         if need["W_K"]:
-            dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
-        dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
+            dgK = _products([(mT(dgT), Qh), (mT(a.gT), t.dQ)], alpha=s)
+        dgQ, dgK = (None if v is None else _merge(v) for v in (dgQ, dgK))
     if need["W_V"]:
-        dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
+        dgV = _products([(A.mT, dgO), (mT(t.dA), a.gO)])
         dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
     scaled = isinstance(dX, linear.Scaled)
