@@ -385,22 +385,26 @@ def _weights(c: Cache) -> torch.Tensor:
 
 def _products(pairs, alpha: float = 1.0):
     """``alpha · Σ x @ y`` over the pairs ``(x, y)`` whose factors are both given (``None``: zero), one
-    factor of each pair with the directions' axis ``(k, B, H, m, p)``, the other without it (broadcast
-    over ``k``): one batched product per pair, the sum and the scaling done by the GEMMs themselves
-    (``baddbmm``), ``(k, B, H, m, q)``; ``None`` when no pair has both factors."""
-    out = shape = None
+    factor of each pair with the directions' axis ``(k, B, H, m, p)``, the other without it (shared by
+    the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
+    own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
+    never copied per direction. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    out = None
     for x, y in pairs:
         if x is None or y is None:
             continue
         lead = (x if x.ndim == 5 else y).shape[:3]
-        x3 = x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
-        y3 = y.expand(*lead, *y.shape[-2:]).reshape(-1, *y.shape[-2:])
-        if out is None:
-            shape = (*lead, x.shape[-2], y.shape[-1])
-            out = torch.bmm(x3, y3) if alpha == 1 else torch.baddbmm(x3.new_zeros(()), x3, y3, beta=0, alpha=alpha)
-        else:
-            out.baddbmm_(x3, y3, alpha=alpha)
-    return None if out is None else out.reshape(shape)
+        k = lead[0]
+        (m, p), q = x.shape[-2:], y.shape[-1]
+        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, -1, m, p)
+        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, -1, p, q)
+        first = out is None
+        if first:
+            out = x.new_empty(k, lead[1] * lead[2], m, q)
+        for i in range(k):
+            xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
+            out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
+    return None if out is None else out.reshape(*lead, *out.shape[-2:])
 
 
 def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:

@@ -108,15 +108,19 @@ def tangent(x: torch.Tensor, W: torch.Tensor, dx=None, dW=None, db=None):
     d_in, d_out = W.shape
     if isinstance(dx, Scaled):
         return _scaled_tangent(dx, W, tuple(x.shape[:-1]), dW, db)
-    out = None if dx is None else dx @ W
-    if dW is not None:
-        k = dW.shape[0]
-        acc = None if out is None else out.reshape(k, -1, d_out)
-        out = _mm_into(acc, _tokens(x, d_in), dW).reshape(k, *x.shape[:-1], d_out)
-    if db is not None:
-        out = add(out, db.reshape(db.shape[0], *([1] * (x.ndim - 1)), d_out))
-        out = out.expand(db.shape[0], *x.shape[:-1], d_out)  # a bias alone: the same row for every token
-    return out
+    if dx is None and dW is None:
+        if db is None:
+            return None
+        return db.reshape(db.shape[0], *([1] * (x.ndim - 1)), d_out).expand(db.shape[0], *x.shape[:-1], d_out)
+    k = (dx if dx is not None else dW).shape[0]
+    out, owned = (None if db is None else db[:, None, :]), False  # ḃ: the first product adds it into a new tensor
+    for a, b in ((None if dx is None else dx.reshape(k, -1, d_in), W), (_tokens(x, d_in), dW)):
+        if a is None or b is None:
+            continue
+        a3, b3 = (a if a.ndim == 3 else a.expand(k, -1, -1)), (b if b.ndim == 3 else b.expand(k, -1, -1))
+        out = torch.bmm(a3, b3) if out is None else (out.baddbmm_(a3, b3) if owned else torch.baddbmm(out, a3, b3))
+        owned = True
+    return out.reshape(k, *x.shape[:-1], d_out)
 
 
 def adjoint(W: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
