@@ -11,7 +11,9 @@ Sections (``--sections``, default all):
     ``--k`` columns, per column); double backward recomputing the forward; double backward on a graph
     kept from one ``create_graph=True`` gradient; ``torch.func.jvp(torch.func.grad(f))``; curvlinops
     ``HessianLinearOperator @ v``; PyHessian's product (its ``hessian_vector_product`` on the gradient it
-    keeps); hessian-eigenthings ``HessianOperator.matvec``. Baselines run on the module itself
+    keeps); hessian-eigenthings ``HessianOperator.matvec``; with ``--base COMMIT``, method ``ours_base``:
+    our product by the package at ``COMMIT`` (a ``git archive`` of ``src/blockhess`` imported beside this
+    checkout's), timed in the same rounds. Baselines run on the module itself
     (``sdpa`` under the math kernel: the CPU flash kernel has no second derivative).
 ``memory``
     The same methods, each in a fresh worker process (``--worker METHOD``): the kernel's peak resident
@@ -74,11 +76,12 @@ HF = (
 # our block -> (the module's parameter holding it, its columns there or None for the whole parameter)
 BLOCK_IN_HF = {"W_O": ("attn.c_proj.weight", None), "W_1": ("mlp.c_fc.weight", None),
                "W_2": ("mlp.c_proj.weight", None)}
-METHODS = ("gradient", "ours", "ours_k", "double_backward", "retained", "jvp_grad", "curvlinops", "pyhessian",
+METHODS = ("gradient", "ours", "ours_base", "ours_k", "double_backward", "retained", "jvp_grad", "curvlinops", "pyhessian",
            "eigenthings")
 LABEL = {
     "gradient": "gradient alone (autograd, forward + backward)",
     "ours": "ours: A @ v (k = 1)",
+    "ours_base": "ours at --base: A @ v (k = 1)",
     "ours_k": "ours: A @ V (k columns), per column",
     "double_backward": "double backward, forward recomputed",
     "retained": "double backward on a retained graph",
@@ -137,6 +140,7 @@ class Problem:
         self.V = torch.randn(self.n, k, generator=gen, dtype=torch.float64).to(dtype)
         self.V[:, 0] = self.v
         self.v_hf = self.to_hf(self.v)
+        self.base = None  # the package at --base (method ours_base), set by main
 
     # layouts: our flat vector (canonical order, vec_r) <-> the module's parameter list
     def unflatten(self, flat: torch.Tensor) -> dict:
@@ -181,6 +185,17 @@ def setup_gradient(P):
 
 def setup_ours(P):
     A = P.operator()
+    return lambda: A @ P.v
+
+
+def setup_ours_base(P):
+    """Our product by the package at ``--base`` (a ``git archive`` imported as ``blockhess_base``)."""
+    if P.base is None:
+        raise Skip("no --base commit given")
+    import dataclasses
+
+    cfg = P.base.BlockConfig(**dataclasses.asdict(P.cfg))
+    A = P.base.hessian_operator(P.params, P.X, cfg, loss="mse", target=P.Y)
     return lambda: A @ P.v
 
 
@@ -363,6 +378,14 @@ def section_products(P, args, log) -> dict:
 def worker(args) -> int:
     torch.set_num_threads(args.threads)
     P = Problem(args.size, args.seed, k=args.k)
+    if args.base:
+        sys.path.insert(0, HERE)
+        from threads import base_package
+
+        sys.path.insert(0, base_package(args.base))
+        import blockhess_base
+
+        P.base = blockhess_base
     gc.collect()
     res = {"method": args.worker, "rss_built_bytes": rss_bytes()}
     reset_peak()
@@ -392,7 +415,7 @@ def section_memory(P, args, log) -> dict:
     out = {}
     for m in args.methods:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", m, "--size", args.size, "--seed", str(args.seed),
-               "--k", str(args.k), "--threads", str(args.threads)]
+               "--k", str(args.k), "--threads", str(args.threads)] + (["--base", args.base] if args.base else [])
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         out[m] = json.loads(line[-1][7:]) if line else {"error": (p.stderr or "no output")[-300:]}
@@ -704,7 +727,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8, help="columns of the batched product")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--methods", default=",".join(METHODS), help="products: the methods to run")
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if m != "ours_base"),
+                    help="products: the methods to run (ours_base: with --base)")
+    ap.add_argument("--base", default=None, help="products: the commit whose package method ours_base runs")
     ap.add_argument("--block-size", type=int, default=1, help="eigs: lanczos_eigs's block_size")
     ap.add_argument("--ncv", type=int, default=None, help="eigs: lanczos_eigs's ncv (default its own)")
     ap.add_argument("--eig-blocks", default=",".join(SIX), help="eigs: the blocks")
@@ -734,6 +759,14 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     P = Problem(args.size, args.seed, k=args.k)
+    if args.base:
+        sys.path.insert(0, HERE)
+        from threads import base_package
+
+        sys.path.insert(0, base_package(args.base))
+        import blockhess_base
+
+        P.base = blockhess_base
     B, L, d, H, d_ff = P.dims
     result = {"size": dict(name=args.size, B=B, L=L, d=d, heads=H, d_ff=d_ff, n=P.n), "loss": "mse", "dtype": "float32",
               "args": {k: v for k, v in vars(args).items() if k not in ("worker", "partial")},

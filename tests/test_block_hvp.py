@@ -115,6 +115,51 @@ def test_linear_tangent_and_second_adjoint(k, bias):
 
 
 @pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dirs", ["all", "map", "norm"])
+def test_linear_scaled_input(k, affine, dirs):
+    """A ``Scaled`` input ``x = n ⊙ γ + β`` moving along ``(γ̇, β̇)`` only: the tangent, the weight's and
+    bias's rows and the pair ``(Σ ġ_x ⊙ n, Σ ġ_x)`` against ``torch.func`` on ``(n ⊙ γ + β) W + b`` as a
+    function of ``(γ, β, W, b)`` (whose adjoint's tangent in ``γ, β`` is that pair)."""
+    g = gen(1)
+    n, W, b = randn((6, 4), g), randn((4, 5), g), randn((5,), g)
+    gam, bet = (randn((4,), g), randn((4,), g)) if affine else (torch.ones(4, dtype=DT), torch.zeros(4, dtype=DT))
+    gy, dg = randn((6, 5), g), randn((k, 6, 5), g)
+    dgam, dbet, dW, db = randn((k, 4), g), randn((k, 4), g), randn((k, 4, 5), g), randn((k, 5), g)
+    zero = torch.zeros_like
+    if dirs == "map":
+        dgam, dbet = zero(dgam), zero(dbet)
+    if dirs == "norm":
+        dW, db = zero(dW), zero(db)
+
+    def f(gam, bet, W, b):
+        return (n * gam + bet) @ W + b
+
+    prim = (gam, bet, W, b)
+    ref = [jvp_of_vjp(f, prim, (dgam[i], dbet[i], dW[i], db[i]), gy, dg[i]) for i in range(k)]
+    first = per_vector(lambda i: torch.func.vjp(f, *prim)[1](dg[i]), k)
+    full = [torch.stack([r[1][j] for r in ref]) for j in range(4)]
+    second_only = [a - c for a, c in zip(full, first)]
+
+    def opt(t):  # a zero direction passed as None, as the block does
+        return None if not bool(t.any()) else t
+
+    s = linear.Scaled(n, gam if affine else None, bet if affine else None, opt(dgam), opt(dbet))
+    x = n * gam + bet
+    dy = linear.tangent(x, W, s, opt(dW), opt(db))
+    assert_close(dy, torch.stack([r[0] for r in ref]), tol=TOL_HVP, what="dy")
+    mom = linear.moments(n, gy)
+
+    def ours(second, with_dg):
+        rows, hW, hb = linear.second_adjoint(x, W, None, dg if with_dg else None, s, opt(dW), second, bias=True,
+                                             moments=mom)
+        r_n, r_1 = (None, None) if rows is None else rows
+        return tuple(zero(full[j]) if t is None else t for j, t in enumerate((r_n, r_1, hW, hb)))
+
+    check_three_ways(ours, full, first, second_only, f"linear, Scaled input ({dirs})")
+
+
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=[f"{a}x{b}" for a, b in SOFTMAX_SHAPES])
 def test_softmax_tangent_and_second_adjoint(shape, causal, k):

@@ -81,7 +81,7 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
         gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"))
         gP = gU.reshape(B, L, d)
     gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
-    att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg))
+    att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg), n=c.ln1[0] if pre_ln(cfg) else None)
     if pre_ln(cfg):
         gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"))
     return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
@@ -162,7 +162,8 @@ def _wanted(wanted, shapes: dict) -> frozenset:
 class _Tangents(NamedTuple):
     """The tangent pass's nodes that the pass back reads (``None`` where zero)."""
 
-    dXa: torch.Tensor | None  # (k, B, L, d) the attention's input (LN_1's output pre-LN; X post-LN)
+    dXa: torch.Tensor | linear.Scaled | None  # (k, B, L, d) the attention's input (LN_1's output pre-LN; X
+    # post-LN); pre-LN without dX or dgX: linear.Scaled (LN_1's rows n_1 fixed, γ̇_1, β̇_1)
     ln1: tuple  # (dy, rho) of LN_1's normalised rows
     ln2: tuple  # (dy, rho) of LN_2's (post-LN)
     ta: attention.Tangent
@@ -177,9 +178,13 @@ def _no_tangents(cfg) -> _Tangents:
                      tf, None)
 
 
-def _tangents(c: Cache, dp: dict, dX, k: int) -> _Tangents:
+def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents:
     """The tangent pass, forward, along the weights' directions ``dp`` and the input's ``dX``
-    ``(k, B, L, d)`` or ``None`` (docs/derivations.md §18, "The block")."""
+    ``(k, B, L, d)`` or ``None`` (docs/derivations.md §18, "The block"). ``scaled``: pre-LN with ``dX``
+    ``None``, the attention's input direction as a :class:`~blockhess.layers.linear.Scaled` (for a
+    pass back that needs no input adjoint; docs/derivations.md §18, "A LayerNorm below nothing that
+    moves"). ``m``: the softmax's peaks (the attention's :class:`~blockhess.layers.attention.Adjoint`'s)
+    or ``None``."""
     cfg, p = c.cfg, c.params
     pre = pre_ln(cfg)
     B, L, d = c.X.shape
@@ -190,12 +195,14 @@ def _tangents(c: Cache, dp: dict, dX, k: int) -> _Tangents:
 
     ln1 = ln2 = (None, None)
     dXa = dX
-    if pre:
+    if pre and dX is None and scaled:
+        dXa = linear.Scaled(c.ln1[0], p.get("gamma_1"), p.get("beta_1"), dp.get("gamma_1"), dp.get("beta_1"))
+    elif pre:
         if dX is not None:
             ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
         dXa = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
         dXa = None if dXa is None else dXa.reshape(k, B, L, d)
-    ta = attention.tangent(c.att, p, dp, dXa)
+    ta = attention.tangent(c.att, p, dp, dXa, m)
     dP = ta.dF
     if cfg.out_proj:
         dP = linear.tangent(c.att.F, p["W_O"], ta.dF, dp.get("W_O"), dp.get("b_O"))
@@ -285,7 +292,11 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
         dgXa, found = attention.second_adjoint(c.att, p, dp, a.att, ta, dgF, tg.dXa, second, att_input,
                                                want & _ATTENTION)
         keep(found)
-    if pre and att_input:
+    if pre and att_input and isinstance(tg.dXa, linear.Scaled):  # LN_1's rows Σ ġ ⊙ n_1, Σ ġ (ṅ_1 = 0)
+        hg, hb = (None, None) if dgXa is None else dgXa
+        keep({"gamma_1": hg, "beta_1": hb})
+        dgXa = None
+    elif pre and att_input:
         gX = None if a.att.gX is None else a.att.gX.reshape(T, d)
         dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, gX, a.gX1, tokens(dgXa), ln1[0], ln1[1],
                                                 p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1))
@@ -380,7 +391,7 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
     if not functional:
         a = _none_adjoints()
 
-    tg = _tangents(c, dp, dX, k)
+    tg = _tangents(c, dp, dX, k, scaled=not want_dgX, m=a.att.m)
     back = bool(want) or want_dgX
     dgZ = None
     if outer:

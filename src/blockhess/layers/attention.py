@@ -349,6 +349,7 @@ class Tangent(NamedTuple):
     dV: torch.Tensor | None  # (k, B, H, L, d_v)
     dA: torch.Tensor | None  # (k, B, H, L, L), the attention weights' tangent
     dF: torch.Tensor | None  # (k, B, L, d), the concatenated output's tangent
+    m: torch.Tensor | None = None  # (B, H, L, 1) softmax.peaks(A), the shift the softmax's products use
 
 
 class Adjoint(NamedTuple):
@@ -362,6 +363,8 @@ class Adjoint(NamedTuple):
     gK: torch.Tensor  # (B, L, H·d_k)
     gV: torch.Tensor  # (B, L, d)
     gX: torch.Tensor | None  # (B, L, d) the input's, or None (not asked)
+    moments: dict | None = None  # W_Q, W_K, W_V -> linear.moments(n, g_Q) etc., for a Scaled input n (or None)
+    m: torch.Tensor | None = None  # (B, H, L, 1) softmax.peaks(A), for the products' tangents
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -380,7 +383,31 @@ def _weights(c: Cache) -> torch.Tensor:
     return c.A if c.A.ndim == 4 else c.A[:, None]
 
 
-def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
+def _products(pairs, alpha: float = 1.0):
+    """``alpha · Σ x @ y`` over the pairs ``(x, y)`` whose factors are both given (``None``: zero), one
+    factor of each pair with the directions' axis ``(k, B, H, m, p)``, the other without it (shared by
+    the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
+    own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
+    never copied per direction. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    out = None
+    for x, y in pairs:
+        if x is None or y is None:
+            continue
+        lead = (x if x.ndim == 5 else y).shape[:3]
+        k = lead[0]
+        (m, p), q = x.shape[-2:], y.shape[-1]
+        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, -1, m, p)
+        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, -1, p, q)
+        first = out is None
+        if first:
+            out = x.new_empty(k, lead[1] * lead[2], m, q)
+        for i in range(k):
+            xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
+            out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
+    return None if out is None else out.reshape(*lead, *out.shape[-2:])
+
+
+def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
     r"""The tangents of the attention along ``k`` directions of its input ``dX`` ``(k, B, L, d)`` and
     weights ``dp`` (name → ``(k, *shape)``, absent or ``None``: zero), at the cached point ``c`` with
     weights ``p`` (``W_Q, W_K, W_V``, biases if present). Per head:
@@ -392,7 +419,9 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
 
     ``b_K``'s direction is dropped: it moves every score of a row by one number, which softmax
     ignores (exactly zero). A causal mask needs nothing: ``\dot A`` is zero where ``A`` is.
-    Returns the :class:`Tangent`. Kernel: no checks."""
+    ``dX`` may be a :class:`~blockhess.layers.linear.Scaled` (the input a LayerNorm's output with
+    nothing moving below it). ``m``: :func:`~blockhess.layers.softmax.peaks` of ``A`` (the
+    :class:`Adjoint`'s; computed here when ``None``). Returns the :class:`Tangent`. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     dQ = linear.tangent(c.X, p["W_Q"], dX, dp.get("W_Q"), dp.get("b_Q"))
@@ -400,28 +429,36 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None) -> Tangent:
     dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
     dQ, dK, dV = (None if t is None else _heads(t, H) for t in (dQ, dK, dV))
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
-    dT = add(None if dQ is None else dQ @ Kh.transpose(-1, -2), None if dK is None else Qh @ dK.transpose(-1, -2))
-    dA = None if dT is None else softmax.tangent(A, dT * s)
-    dO = add(None if dA is None else dA @ Vh, None if dV is None else A @ dV)
-    return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO))
+    dT = _products([(dQ, Kh.mT), (Qh, None if dK is None else dK.mT)], alpha=s)
+    dA = None
+    if dT is not None:
+        m = softmax.peaks(A) if m is None else m
+        dA = softmax.tangent(A, dT, m)
+    dO = _products([(dA, Vh), (A, dV)])
+    return Tangent(dQ=dQ, dK=dK, dV=dV, dA=dA, dF=None if dO is None else _merge(dO), m=m)
 
 
-def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False) -> Adjoint:
+def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=None) -> Adjoint:
     r"""The first-order adjoints of the output adjoint ``gF`` ``(B, L, d)`` (the back-propagated
     gradient at ``O``): :math:`g_A = g_O V^\top`, :math:`g_T = S g_A`, :math:`g_V = A^\top g_O`,
     :math:`g_Q = s\,g_T K`, :math:`g_K = s\,g_T^\top Q` per head, and with ``want_input`` the input's
-    :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. Returns the :class:`Adjoint`. Kernel."""
+    :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. With ``n`` ``(B·L, d)``, the normalised
+    rows of a LayerNorm whose output is the input (``c.X = n ⊙ γ + β``), the projections'
+    :func:`~blockhess.layers.linear.moments` for a :class:`~blockhess.layers.linear.Scaled` input
+    direction. Returns the :class:`Adjoint`. Kernel."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     gO = _heads(gF, H)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
-    u = softmax.centred(A, gO @ Vh.transpose(-1, -2))
+    m = softmax.peaks(A)
+    u = softmax.centred(A, gO @ Vh.transpose(-1, -2), m)
     gT = A * u
     gQ, gK, gV = _merge(gT @ Kh) * s, _merge(gT.transpose(-1, -2) @ Qh) * s, _merge(A.transpose(-1, -2) @ gO)
     gX = None
     if want_input:
         gX = linear.adjoint(p["W_Q"], gQ) + linear.adjoint(p["W_K"], gK) + linear.adjoint(p["W_V"], gV)
-    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX)
+    mom = None if n is None else {w: linear.moments(n, g) for w, g in (("W_Q", gQ), ("W_K", gK), ("W_V", gV))}
+    return Adjoint(gO=gO, u=u, gT=gT, gQ=gQ, gK=gK, gV=gV, gX=gX, moments=mom, m=m)
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
@@ -444,16 +481,17 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     then each projection's :func:`~blockhess.layers.linear.second_adjoint`. ``c``, ``p`` as for
     :func:`tangent`, ``a`` the :func:`adjoint` of the cached output adjoint, ``t`` the
     :func:`tangent` along the same directions ``dp``, ``dX``; ``dgF`` ``(k, B, L, d)`` the output
-    adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel: no checks."""
+    adjoint's tangent or ``None``. With a :class:`~blockhess.layers.linear.Scaled` ``dX`` (``a`` then
+    from :func:`adjoint` with ``n``), ``dg_X`` is the pair :math:`(\sum\dot g_X\odot n, \sum\dot g_X)`
+    ``(k, d)`` each, the LayerNorm's rows, instead of :math:`\dot g_X`. Derived in docs/derivations.md
+    §18. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
     dgO = None if dgF is None else _heads(dgF, H)
+    m = a.m if a.m is not None else t.m
     if not second:
         t = Tangent(None, None, None, None, t.dF)
-
-    def mm(x, y):  # a product with a zero (None) direction is zero
-        return None if x is None or y is None else x @ y
 
     def mT(x):
         return None if x is None else x.mT
@@ -463,23 +501,28 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     need["W_K"] = want_input or "W_K" in want  # b_K's rows are exactly zero: they need no pass
     dgQ = dgK = dgV = None
     if need["W_Q"] or need["W_K"]:
-        dgA = add(mm(dgO, Vh.mT), mm(a.gO, mT(t.dV)))
-        dgT = softmax.second_adjoint(A, t.dA, a.u, dgA)
+        dgA = _products([(dgO, Vh.mT), (a.gO, mT(t.dV))])
+        dgT = softmax.second_adjoint(A, t.dA, a.u, dgA, m)
         if need["W_Q"]:
-            dgQ = add(mm(dgT, Kh), mm(a.gT, t.dK))
+            dgQ = _products([(dgT, Kh), (a.gT, t.dK)], alpha=s)
         if need["W_K"]:
-            dgK = add(mm(mT(dgT), Qh), mm(mT(a.gT), t.dQ))
-        dgQ, dgK = (None if v is None else _merge(v) * s for v in (dgQ, dgK))
+            dgK = _products([(mT(dgT), Qh), (mT(a.gT), t.dQ)], alpha=s)
+        dgQ, dgK = (None if v is None else _merge(v) for v in (dgQ, dgK))
     if need["W_V"]:
-        dgV = add(mm(A.mT, dgO), mm(mT(t.dA), a.gO))
+        dgV = _products([(A.mT, dgO), (mT(t.dA), a.gO)])
         dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
+    scaled = isinstance(dX, linear.Scaled)
     for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
         if not need[w]:
             continue
+        mom = None if not (scaled and second) or a.moments is None else a.moments[w]
         x_in, hv_w, hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input,
-                                               bias=b in p and b in want, weight=w in want)
-        dg_X = add(dg_X, x_in)
+                                               bias=b in p and b in want, weight=w in want, moments=mom)
+        if scaled:  # the pair (Σ ġ_X ⊙ n, Σ ġ_X), summed over the projections
+            dg_X = x_in if dg_X is None else (dg_X if x_in is None else tuple(map(add, dg_X, x_in)))
+        else:
+            dg_X = add(dg_X, x_in)
         if w in want:
             hv[w] = hv_w
         if b in p and b in want:

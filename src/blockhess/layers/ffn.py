@@ -253,6 +253,7 @@ class Adjoint(NamedTuple):
     g_Yf: torch.Tensor  # (T, d) at the FFN input Y_f: g_H W_1^T
     g_ln: torch.Tensor | None  # (T, d) pre-LN: LN_2's input adjoint of g_Yf
     g_Y: torch.Tensor  # (T, d) at Y: g + g_Yf (post-LN), g + g_ln (pre-LN)
+    psi: torch.Tensor | None = None  # (T, d_ff) act'' ⊙ g_h, the activation's curvature weight; None for ReLU
 
 
 def _Yf(c: Cache) -> torch.Tensor:
@@ -286,12 +287,14 @@ def adjoint(c: Cache, g: torch.Tensor) -> Adjoint:
     r"""The first-order adjoints of the output adjoint ``g`` ``(T, d)``: :math:`g_h = gW_2^\top`,
     :math:`g_H = a'\odot g_h`, :math:`g_{Y_f} = g_H W_1^\top`, pre-LN LN_2's
     :math:`g_{ln} = J_n(\gamma_2\odot g_{Y_f})`, and :math:`g_Y = g + g_{Y_f}` (post-LN) or
-    :math:`g + g_{ln}` (pre-LN). Returns the :class:`Adjoint`. Kernel: no checks."""
+    :math:`g + g_{ln}` (pre-LN), and :math:`\psi = a''\odot g_h` (the activation's curvature weight that
+    :func:`second_adjoint` reads). Returns the :class:`Adjoint`. Kernel: no checks."""
     g_h = linear.adjoint(c.W_2, g)
     g_H = g_h * c.D
     g_Yf = linear.adjoint(c.W_1, g_H)
     g_ln = None if c.n is None else layernorm.adjoint(c.n, c.r, g_Yf, c.gamma)
-    return Adjoint(g=g, g_h=g_h, g_H=g_H, g_Yf=g_Yf, g_ln=g_ln, g_Y=g + (g_Yf if g_ln is None else g_ln))
+    psi = None if c.D2 is None else c.D2 * g_h
+    return Adjoint(g=g, g_h=g_h, g_H=g_H, g_Yf=g_Yf, g_ln=g_ln, g_Y=g + (g_Yf if g_ln is None else g_ln), psi=psi)
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, second: bool = True,
@@ -330,7 +333,8 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, seco
         return (dg if want_input else None), hv
     dg_H = None if dg_h is None else dg_h * c.D
     if second and c.D2 is not None and t.dH1 is not None:
-        dg_H = add(dg_H, t.dH1 * (c.D2 * a.g_h))
+        psi = c.D2 * a.g_h if a.psi is None else a.psi
+        dg_H = t.dH1 * psi if dg_H is None else dg_H.addcmul_(t.dH1, psi)
     dg_Yf, hv_W1, hb1 = linear.second_adjoint(_Yf(c), c.W_1, a.g_H, dg_H, t.dYf, dp.get("W_1"), second,
                                               want_input or ln2, bias="b_1" in p and "b_1" in want,
                                               weight="W_1" in want)

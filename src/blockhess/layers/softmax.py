@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 
 from ..validation import check_fits, check_tensor
+from .linear import add
 
 __all__ = ["forward", "jacobian", "hessian", "contract_hessian",
            # kernels without checks, for the attention (blockhess.layers.attention)
            "row_jacobians", "apply_row_jacobians", "contract_hessian_unchecked",
            # directional derivatives, for a matrix-free product (docs/derivations.md §18)
-           "tangent", "centred", "second_adjoint"]
+           "peaks", "tangent", "centred", "second_adjoint"]
 
 
 def _check(A: torch.Tensor, name: str = "A") -> None:
@@ -161,36 +162,56 @@ def contract_hessian(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return contract_hessian_unchecked(A, B)
 
 
-def tangent(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
+def peaks(A: torch.Tensor) -> torch.Tensor:
+    """Each row's most probable entry ``m`` of ``A`` ``(..., L, L')``: indices ``(..., L, 1)``, the shift of
+    :func:`tangent`, :func:`centred` and :func:`second_adjoint` (computed once per operator). Kernel."""
+    return A.argmax(-1, keepdim=True)
+
+
+def _shifted(X: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``X - X[..., m]`` per row, ``X`` ``(k, ..., L, L')`` or ``m``'s leading axes, ``m`` ``(..., L, 1)``."""
+    return X - X.gather(-1, m.expand(*X.shape[:-1], 1))
+
+
+def tangent(A: torch.Tensor, dT: torch.Tensor, m=None) -> torch.Tensor:
     r"""The tangent :math:`\dot A_i = S_i \dot T_i = a_i \odot (\dot t_i - a_i^\top \dot t_i)` of every row
     along the scores' tangent ``dT`` (``(k, ..., L, L')``, broadcast against ``A`` ``(..., L, L')``):
     ``(k, ..., L, L')``. ``S_i`` is symmetric, so this is also the adjoint :math:`g_T = S_i g_{A,i}` of an
-    output adjoint. Deviations taken from the row's most probable entry (:func:`apply_row_jacobians`);
-    masked entries (``a = 0``) get 0 whatever ``dT`` holds there. Kernel: no checks."""
-    return apply_row_jacobians(A, dT[..., None])[..., 0]
+    output adjoint. Deviations taken from the row's most probable entry ``m`` (:func:`peaks`, computed
+    here when ``None``), as in :func:`apply_row_jacobians`: :math:`a\odot D - a\,(a^\top D)`,
+    :math:`D = \dot t - \dot t_m`; masked entries (``a = 0``) get 0 whatever ``dT`` holds there. Kernel:
+    no checks."""
+    D = _shifted(dT, peaks(A) if m is None else m)
+    out = A * D
+    return out.addcmul_(A, out.sum(-1, keepdim=True), value=-1)
 
 
-def centred(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+def centred(A: torch.Tensor, G: torch.Tensor, m=None) -> torch.Tensor:
     r"""``u_i = g_i - a_i^\top g_i`` per row of the output adjoint ``G`` (``A``'s shape ``(..., L, L')``),
-    evaluated as :math:`(g - g_m) - a^\top(g - g_m)`, ``m`` the row's most probable entry (exact near
-    saturation, docs/derivations.md §2): the first-order adjoint is :math:`g_T = a \odot u`, and ``u``
-    enters :func:`second_adjoint`. Kernel: no checks."""
-    m = A.argmax(-1, keepdim=True)
-    D = G - G.gather(-1, m)
+    evaluated as :math:`(g - g_m) - a^\top(g - g_m)`, ``m`` the row's most probable entry (:func:`peaks`;
+    computed here when ``None``; exact near saturation, docs/derivations.md §2): the first-order adjoint
+    is :math:`g_T = a \odot u`, and ``u`` enters :func:`second_adjoint`. Kernel: no checks."""
+    D = _shifted(G, peaks(A) if m is None else m)
     return D - (A * D).sum(-1, keepdim=True)
 
 
-def second_adjoint(A: torch.Tensor, dA, u: torch.Tensor, dG) -> torch.Tensor | None:
+def second_adjoint(A: torch.Tensor, dA, u: torch.Tensor, dG, m=None) -> torch.Tensor | None:
     r"""The tangent of the score adjoint :math:`g_T = S(A)\,g_A` along ``(dA, dG)``:
     :math:`\dot g_{T,i} = S_i \dot g_{A,i} + [\dot a_i \odot u_i - a_i\,(\dot a_i^\top u_i)]`, ``(k, ..., L, L')``.
 
     ``A`` ``(..., L, L')`` the softmax output, ``u`` :func:`centred` of the cached output adjoint,
     ``dG`` ``(k, ..., L, L')`` the output adjoint's tangent, ``dA`` the output's tangent
     (:func:`tangent`); ``None`` for either drops its term (``dA=None``: the Gauss–Newton product, no
-    second-order term). The bracket is :func:`contract_hessian`'s :math:`\Psi_i \dot t_i` without
-    forming :math:`\Psi_i`. ``None`` when both are ``None``. Kernel: no checks."""
-    out = None if dG is None else tangent(A, dG)
+    second-order term); ``m`` as for :func:`tangent`. Evaluated as
+    :math:`a\odot D + \dot a\odot u - a\,(a^\top D + \dot a^\top u)`, :math:`D = \dot g_A - \dot g_{A,m}`.
+    The bracket is :func:`contract_hessian`'s :math:`\Psi_i \dot t_i` without forming :math:`\Psi_i`.
+    ``None`` when both are ``None``. Kernel: no checks."""
+    out = r = None
+    if dG is not None:
+        out = A * _shifted(dG, peaks(A) if m is None else m)
+        r = out.sum(-1, keepdim=True)
     if dA is not None:
-        curv = dA * u - A * (dA * u).sum(-1, keepdim=True)
-        out = curv if out is None else out + curv
-    return out
+        curv = dA * u
+        r = add(r, curv.sum(-1, keepdim=True))
+        out = curv if out is None else out.add_(curv)
+    return None if out is None else out.addcmul_(A, r, value=-1)
