@@ -533,7 +533,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     stated in the result) on ``grid`` (a number of points over the nodes' range ``± 5σ``, or a tensor).
     Errors stated: ``stderr`` (the sampling error, over probes) and ``quadrature_error`` (the ``m``- vs
     ``(m−1)``-node rule). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
-    basis, twice; memory ``n_probes · n_iter · n``) or ``"none"`` (the three-term recurrence only,
+    basis, again where the first pass cancelled more than 1/√2 of its norm (DGKS); memory
+    ``n_probes · n_iter · n``) or ``"none"`` (the three-term recurrence only,
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
     Greenbaum 1989, with spurious copies of converged nodes).
 
@@ -554,7 +555,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     eps = torch.finfo(A.dtype).eps
     q = _rademacher(gen, (n, P), A) / math.sqrt(n)
     q_prev = torch.zeros_like(q)
-    basis = torch.zeros(m, n, P, dtype=A.dtype, device=A.device) if reorth == "full" else None
+    # each probe's basis contiguous, (P, m, n): its projections are batched matrix-vector products, no copy
+    basis = torch.zeros(P, m, n, dtype=A.dtype, device=A.device) if reorth == "full" else None
     alpha = torch.zeros(P, m, dtype=A.dtype, device=A.device)
     beta = torch.zeros(P, m, dtype=A.dtype, device=A.device)
     length = torch.full((P,), m, dtype=torch.long)
@@ -571,9 +573,13 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         a = (q * W).sum(0)
         W = W - q * a - q_prev * (beta[:, j - 1] if j else 0.0)
         if basis is not None:
-            basis[j] = q
-            for _ in range(2):  # twice is enough (Kahan)
-                W = W - torch.einsum("jnp,jp->np", basis[: j + 1], torch.einsum("jnp,np->jp", basis[: j + 1], W))
+            basis[:, j] = q.T
+            Q, Wt = basis[:, : j + 1], W.T.contiguous()[:, :, None]  # (P, j+1, n), (P, n, 1)
+            before = Wt.norm(dim=1)
+            Wt = Wt - torch.bmm(Q.transpose(1, 2), torch.bmm(Q, Wt))
+            if bool((Wt.norm(dim=1) < before / math.sqrt(2)).any()):  # a second pass where the first cancelled
+                Wt = Wt - torch.bmm(Q.transpose(1, 2), torch.bmm(Q, Wt))  # (DGKS: "twice is enough", Kahan)
+            W = Wt[:, :, 0].T
         bn = W.norm(dim=0)
         alpha[:, j] = a * alive
         scale = max(scale, float(a.abs().max()), float(bn.max()))
