@@ -202,23 +202,28 @@ class ZeroKron:
         return w.new_zeros(*((w.shape[1],) if summed else w.shape[:2]), self.numel)
 
 
-def _leaves(F, out: torch.Tensor) -> list:
-    """``(TokenKron, out view)`` for each Kronecker factor of ``F`` (a :class:`SplitKron`'s heads into
-    their column groups of ``out``, ``lead + F.shape``); a :class:`ZeroKron` zeroes ``out`` and has none."""
+def _leaves(F, out: torch.Tensor, add: bool) -> list:
+    """``(TokenKron, out view, add)`` for each Kronecker factor of ``F`` (a :class:`SplitKron`'s heads
+    into their column groups of ``out``, ``lead + F.shape``); a :class:`ZeroKron` has none (and
+    zeroes ``out`` unless adding)."""
     if isinstance(F, SplitKron):
         c = F.shape[-1] // len(F.parts)
-        return [(p, out[..., h * c : (h + 1) * c]) for h, p in enumerate(F.parts)]
+        return [(p, out[..., h * c : (h + 1) * c], add) for h, p in enumerate(F.parts)]
     if isinstance(F, ZeroKron):
-        out.zero_()
+        if not add:
+            out.zero_()
         return []
-    return [(F, out)]
+    return [(F, out, add)]
 
 
-def vjp_rows(factors, wt: torch.Tensor, B: int, summed: bool = False) -> list[torch.Tensor]:
+def vjp_rows(factors, wt: torch.Tensor, B: int, summed: bool = False, outs=None) -> list[torch.Tensor]:
     r""":meth:`TokenKron.vjp` of many rows through several factors (:class:`TokenKron`,
     :class:`SplitKron`, :class:`ZeroKron`), in place: ``wt`` the rows token-major, ``(T, K, r)``
     (:func:`token_rows`; any strides with a unit last one), ``T = B·L``. Returns one tensor per
-    factor, ``(K, numel)`` with ``summed`` (over every token), else ``(B, K, numel)``.
+    factor, ``(K, numel)`` with ``summed`` (over every token), else ``(B, K, numel)``; ``outs``: for
+    each factor ``None`` (a fresh tensor) or ``(out, add)``, a view of that shape (or ``lead +
+    F.shape``; any strides with unit ones within a row: a block of the dense Hessian) that the
+    products are written into, or with ``add`` added to (then returned as given).
 
     The rows go in chunks whose :math:`w_t N_t` (``(T, k, x)``) holds about ``ROWS_CHUNK_ENTRIES``
     entries, so that each chunk's work stays in cache, and factors that share their per-token
@@ -229,18 +234,19 @@ def vjp_rows(factors, wt: torch.Tensor, B: int, summed: bool = False) -> list[to
     Derived here, docs/derivations.md §16 ("Cost and memory")."""
     T, K, r = wt.shape
     lead = (K,) if summed else (B, K)
-    outs = [wt.new_empty(*lead, *F.shape) for F in factors]
+    outs = [(wt.new_empty(*lead, *F.shape), False) if o is None else (o[0].view(*lead, *F.shape), o[1])
+            for F, o in zip(factors, outs or [None] * len(factors))]
     groups: dict[int, list] = {}
-    for F, out in zip(factors, outs):
-        for leaf, o in _leaves(F, out):
-            groups.setdefault(id(leaf.mat), []).append((leaf, o))
+    for F, (out, add) in zip(factors, outs):
+        for leaf in _leaves(F, out, add):
+            groups.setdefault(id(leaf[0].mat), []).append(leaf)
     for group in groups.values():
         _vjp_group(group, wt, B, summed)
-    return [o.reshape(*lead, -1) for o in outs]
+    return [o.view(*lead, -1) for o, _ in outs]
 
 
 def _vjp_group(group: list, wt: torch.Tensor, B: int, summed: bool) -> None:
-    """:func:`vjp_rows` for ``group``, ``[(TokenKron, out view)]`` sharing one per-token matrix."""
+    """:func:`vjp_rows` for ``group``, ``[(TokenKron, out view, add)]`` sharing one per-token matrix."""
     T, K, r = wt.shape
     L = T // B
     mat = group[0][0].mat
@@ -249,23 +255,26 @@ def _vjp_group(group: list, wt: torch.Tensor, B: int, summed: bool) -> None:
     for s in range(0, K, k):
         Nw = torch.bmm(wt[:, s : s + k], mat)  # (T, k, x): w_t N_t, token by token
         kk = Nw.shape[1]
-        for F, out in group:
+        for F, out, add in group:
             o = out[s : s + k] if summed else out[:, s : s + k]
             if F.side == "vector":
-                o.copy_(Nw.sum(0) if summed else Nw.view(B, L, kk, x).sum(1))
+                v = Nw.sum(0) if summed else Nw.view(B, L, kk, x).sum(1)
             elif F.side == "left":  # (p, k, x)
                 p = F.vec.shape[1]
                 if summed:
-                    o.copy_((F.vec.T @ Nw.view(T, kk * x)).view(p, kk, x).transpose(0, 1))
+                    v = (F.vec.T @ Nw.view(T, kk * x)).view(p, kk, x).transpose(0, 1)
                 else:
-                    G = torch.bmm(F.vec.view(B, L, p).transpose(1, 2), Nw.view(B, L, kk * x))
-                    o.copy_(G.view(B, p, kk, x).transpose(1, 2))
+                    v = torch.bmm(F.vec.view(B, L, p).transpose(1, 2), Nw.view(B, L, kk * x)).view(B, p, kk, x).transpose(1, 2)
             else:  # (k, x, q)
                 q = F.vec.shape[1]
                 if summed:
-                    o.copy_((Nw.view(T, kk * x).T @ F.vec).view(kk, x, q))
+                    v = (Nw.view(T, kk * x).T @ F.vec).view(kk, x, q)
                 else:
-                    o.copy_(torch.bmm(Nw.view(B, L, kk * x).transpose(1, 2), F.vec.view(B, L, q)).view(B, kk, x, q))
+                    v = torch.bmm(Nw.view(B, L, kk * x).transpose(1, 2), F.vec.view(B, L, q)).view(B, kk, x, q)
+            if add:
+                o.add_(v)
+            else:
+                o.copy_(v)
 
 
 def _cmat(F1, F2, omega, core):

@@ -52,9 +52,9 @@ def _token_leaves(F) -> list:
     return list(F.parts) if isinstance(F, SplitKron) else [F] if isinstance(F, TokenKron) else []
 
 
-def _each_vjp(self, W: torch.Tensor, names, summed: bool = False):
+def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
     """``vjps``: the stage's ``vjp`` one variable at a time, ``(name, value)`` as each is asked for
-    (as :meth:`BlockStage.vjps`, which lays the rows out once for all of them)."""
+    (as :meth:`BlockStage.vjps`, which lays the rows out once for all of them; ``into`` is not used)."""
     for n in names:
         yield n, self.vjp(W, [n], summed)[n]
 
@@ -365,12 +365,14 @@ class BlockStage:
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         return dict(self.vjps(W, names, summed))
 
-    def vjps(self, W: torch.Tensor, names, summed: bool = False):
+    def vjps(self, W: torch.Tensor, names, summed: bool = False, into=None):
         """:meth:`vjp` one variable at a time, ``(name, value)`` in the order of ``names`` as each is
         asked for: the rows are laid out token-major once for all of them
         (:func:`blockhess.kronecker.token_rows`) and taken through the factors in chunks
         (:func:`blockhess.kronecker.vjp_rows`); a later, no larger variable whose factors share every
-        per-token matrix with this one's (its bias) is formed with it and kept until its turn."""
+        per-token matrix with this one's (its bias) is formed with it and kept until its turn.
+        ``into(name)``: ``None`` or ``(view, add)`` where the value goes
+        (:meth:`blockhess.result.BlockSum.slot`); a value written there is yielded as ``None``."""
         B, R = W.shape[:2]
         wt = token_rows(W.reshape(B, R, self.L, self.d))
         k = len(self.prefix)
@@ -379,9 +381,11 @@ class BlockStage:
         kept = {}
         for i, n in enumerate(names):
             if n not in kept:
-                mates = [m for m in names[i + 1:] if m not in kept and mats[m] and mats[m] <= mats[n]
-                         and F[m].numel <= F[n].numel]
-                kept.update(zip([n] + mates, vjp_rows([F[n]] + [F[m] for m in mates], wt, B, summed)))
+                group = [n] + [m for m in names[i + 1:] if m not in kept and mats[m] and mats[m] <= mats[n]
+                               and F[m].numel <= F[n].numel]
+                outs = [None if into is None else into(m) for m in group]
+                vals = vjp_rows([F[m] for m in group], wt, B, summed, outs)
+                kept.update((m, None if o is not None else v) for m, o, v in zip(group, outs, vals))
             yield n, kept.pop(n)
 
     def back(self, W: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from, so they sum to the full Hessian.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -96,6 +97,10 @@ class _Fold:
             return value.reshape(d, V, -1).transpose(0, 1).reshape(V * d, -1)
         return value.reshape(-1, d, V).transpose(1, 2).reshape(-1, V * d)
 
+    def slot(self, a: str, b: str):
+        """:meth:`BlockSum.slot` of a wanted pair where neither is the tied head (whose layout turns), else ``None``."""
+        return None if TIED_HEAD in (a, b) or not self.acc.wants(a, b) else self.acc.slot(a, b)
+
     def add(self, a: str, b: str, value: torch.Tensor) -> None:
         value = self._turn(b, self._turn(a, value, True), False)
         A, B = ("W_E" if a == TIED_HEAD else a), ("W_E" if b == TIED_HEAD else b)
@@ -137,8 +142,9 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, p
         if here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
             for i in range(len(later)):
                 u, r = later[i]
-                for v, val in st.vjps(r, here, summed=True):  # r laid out once for all of them
-                    acc.add(u, v, val)
+                for v, val in st.vjps(r, here, summed=True, into=functools.partial(acc.slot, u)):  # r laid out once
+                    if val is not None:  # not written in place
+                        acc.add(u, v, val)
                 if last:
                     later[i] = (u, None)
                 del r
@@ -157,8 +163,9 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, p
         lows = None if last else st.vjps(PsiJx.transpose(1, 2), order)
         for i, (v, r) in enumerate(rows):  # the stage's own pairs (v, w), w taken before v: Σ_b J_v^T Psi J_w
             r = r.transpose(1, 2)
-            for w, val in st.vjps(r, order[: i + 1], summed=True):
-                acc.add(v, w, val)
+            for w, val in st.vjps(r, order[: i + 1], summed=True, into=functools.partial(acc.slot, v)):
+                if val is not None:
+                    acc.add(v, w, val)
             del r, val
             if not last:  # v's rows one level down, J_v^T Psi J_x + M_vx: the m_in rows of J_x^T Psi through J_v
                 D = next(lows)[1]  # (B, m_in, n_v)
