@@ -201,6 +201,18 @@ class BlockSum:
             for i in range(0, upper.shape[0], t):
                 lower[:, i : i + t].copy_(upper[i : i + t].T)
 
+    def symmetrise(self, name: str) -> None:
+        """Dense mode: replace the diagonal block ``(name, name)``, if written, by the mean of it and
+        its transpose (a sum of symmetric terms, symmetric to its rounding); the transpose is formed
+        by :meth:`_mirror`'s tiles."""
+        blk = self.blocks.get((name, name))
+        if blk is None:
+            return
+        t = torch.empty_like(blk)
+        self._mirror(blk, t)
+        with threads_for(entries=blk.numel()):
+            blk.add_(t).mul_(0.5)
+
     def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero
         blocks), with ``parts`` (``which -> HessianBlocks``, see :class:`HessianBlocks`) if given."""

@@ -360,9 +360,7 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         del t, st, top  # a pass's trace and stages go before the next pass's are built
     release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
-        if (name, name) in acc.blocks:
-            blk = acc.blocks[(name, name)]
-            blk.add_(blk.T.clone()).mul_(0.5)
+        acc.symmetrise(name)
     H = acc.result(like, cfg, parts)
     check_result({f"the Hessian{'' if which == 'full' else ' ' + which + ' part'}": H.dense()})
     return H
