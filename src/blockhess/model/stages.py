@@ -5,6 +5,8 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
 
 * ``vjp(W, names, summed=False)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``, or
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
+  ``vjps(W, names, summed=False, into=None)`` the same one variable at a time, ``(name, value)``
+  (a block's rows laid out once for all of them, and written where ``into(name)`` says);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
 * ``curv(g, names, acc=None)``: the stage's second derivatives with its input contracted with the
