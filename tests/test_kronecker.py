@@ -1,6 +1,8 @@
 """Per-token Kronecker factors (kronecker.py) and the dense accumulator (result.py) against
 dense Jacobians: every side combination, with and without Ω and an extra core, written
-straight into a buffer (one chunk or one core row at a time), accumulated, and mirrored."""
+straight into a buffer (one chunk or one core row at a time), accumulated, and mirrored; many
+rows through several factors at once (shared per-token matrices, heads, zero), in chunks, into
+views of a buffer."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pytest
 import torch
 
 from blockhess.result import BlockSum
-from blockhess.kronecker import TokenKron, choose_method, sandwich, sandwich_into, workspace_need
+from blockhess import kronecker
+from blockhess.kronecker import (SplitKron, TokenKron, ZeroKron, choose_method, sandwich, sandwich_into, token_rows,
+                                 vjp_rows, workspace_need)
 
 from conftest import assert_close, fro
 
@@ -206,3 +210,42 @@ def test_mirror_either_way(tiled):
     lower = torch.empty(45, 70, dtype=torch.float64)
     acc._mirror(upper, lower, tiled=tiled)
     assert torch.equal(lower, upper.T)
+
+
+@pytest.mark.parametrize("summed", [True, False], ids=["summed", "per sequence"])
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 16], ids=["a row per chunk", "some rows per chunk", "one chunk"])
+def test_vjp_rows_against_dense(summed, chunk, monkeypatch):
+    """kronecker.vjp_rows against the dense Jacobians' products: every side, a weight and its
+    bias sharing their per-token matrix, a two-head weight, a zero factor; fresh, written into
+    views of a buffer, and added to them; in chunks of any size."""
+    monkeypatch.setattr(kronecker, "ROWS_CHUNK_ENTRIES", chunk)
+    gen = torch.Generator().manual_seed(5)
+    Bq, L, K = 2, 3, 4  # sequences, tokens each, rows per sequence
+    T = Bq * L
+    rn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    W = TokenKron("left", rn(T, 4), rn(T, R, 6))
+    factors = [W, TokenKron("vector", None, W.mat), TokenKron("right", rn(T, 2), rn(T, R, 7)),
+               SplitKron((TokenKron("left", rn(T, 3), rn(T, R, 2)), TokenKron("left", rn(T, 3), rn(T, R, 2))), (3, 4)),
+               ZeroKron((5,), T, R, W.mat)]
+    w = rn(Bq, K, L, R)
+    want = []
+    for F in factors:
+        J = F.dense().reshape(Bq, L * R, -1)  # per sequence (L·R, numel)
+        v = torch.einsum("bkm,bmn->bkn", w.reshape(Bq, K, L * R), J)
+        want.append(v.sum(0) if summed else v)
+    got = vjp_rows(factors, token_rows(w), Bq, summed)
+    for g, v in zip(got, want):
+        assert_close(g, v, what="fresh")
+    lead = (K,) if summed else (Bq, K)
+    offs = [0]
+    for F in factors:
+        offs.append(offs[-1] + F.numel + 1)
+    buf = rn(*lead, offs[-1])  # the factors' values side by side in a larger buffer, as in the dense Hessian
+    views = [buf[..., o:o + F.numel] for o, F in zip(offs, factors)]
+    before = [v.clone() for v in views]
+    vjp_rows(factors, token_rows(w), Bq, summed, [(v, True) for v in views])
+    for v, b, x in zip(views, before, want):
+        assert_close(v, b + x, what="added")
+    vjp_rows(factors, token_rows(w), Bq, summed, [(v, False) for v in views])
+    for v, x in zip(views, want):
+        assert_close(v, x, what="written")

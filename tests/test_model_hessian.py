@@ -192,6 +192,29 @@ def test_any_split_into_passes(name, layout, monkeypatch):
     check_against_reference(cfg, p, x, loss, T, wrt=[blocks[0], blocks[-1], list(p)[-1]])
 
 
+# the bottom variables (W_E, b_E, gamma_E, beta_E of a linear embedding with its LayerNorm: 6 d entries)
+# against a level's L d entries: tangents carried up where fewer (L = 7), rows taken down where not (L = 3)
+BOTTOM_WAYS = {"tangents carried up": 7, "rows taken down": 3}
+
+
+@pytest.mark.parametrize("way", list(BOTTOM_WAYS))
+def test_bottom_variables_either_way(way, monkeypatch):
+    """The embedding's variables' blocks with every later one, both ways of the walk (model.walk
+    _bottom_tangents: tangents up where the bottom variables are fewer than a level's entries, else
+    the later variables' rows down), against the reference, full and parts, alone and with a block."""
+    from blockhess.model import walk
+
+    used = []
+    bottom = walk._bottom_tangents
+    monkeypatch.setattr(walk, "_bottom_tangents", lambda *a: used.append(bottom(*a)) or used[-1])
+    row = model_row(embedding="linear", embed_norm=True, final_norm=True, head="linear", loss="ce", n_blocks=2,
+                    tokens=BOTTOM_WAYS[way], batch=2)
+    cfg, p, x, loss, T = make_model_case(row, [OPTION_DESIGN[1]] * 2)
+    check_against_reference(cfg, p, x, loss, T)
+    check_against_reference(cfg, p, x, loss, T, wrt=["W_E", "gamma_E", "blocks.1.W_1"])
+    assert used and all(bool(u[2]) == (way == "tangents carried up") for u in used)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8], ids=str)
 def test_token_ids_of_any_integer_dtype(dtype):
     """Token ids in any integer dtype are the int64 ids (indexing takes no other; uint8 would be a mask)."""

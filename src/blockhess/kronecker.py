@@ -34,7 +34,20 @@ import torch
 from .threads import threads_for
 
 __all__ = ["TokenKron", "SeqFactor", "SplitKron", "ZeroKron", "sandwich", "sandwich_into", "swap", "choose_method",
-           "workspace_need"]
+           "workspace_need", "token_rows", "vjp_rows"]
+
+
+#: entries of one chunk's per-token products in :func:`vjp_rows` (``T·k·x``, 512 KiB in float64):
+#: chunks of this size stay in cache; the rows' products over whole ``(T, K, x)`` went through memory at
+#: a third of the speed (docs/derivations.md §16, "Cost and memory")
+ROWS_CHUNK_ENTRIES = 1 << 16
+
+
+def token_rows(w: torch.Tensor) -> torch.Tensor:
+    """Rows ``w`` ``(B, K, L, r)`` (``K`` per sequence, at ``L`` tokens of ``r`` entries) token-major,
+    ``(B·L, K, r)``, as :func:`vjp_rows` takes them (a copy unless already so laid out)."""
+    B, K, L, r = w.shape
+    return w.transpose(1, 2).reshape(B * L, K, r)
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,81 @@ class ZeroKron:
 
     def vjp(self, w: torch.Tensor, summed: bool = False) -> torch.Tensor:
         return w.new_zeros(*((w.shape[1],) if summed else w.shape[:2]), self.numel)
+
+
+def _leaves(F, out: torch.Tensor, add: bool) -> list:
+    """``(TokenKron, out view, add)`` for each Kronecker factor of ``F`` (a :class:`SplitKron`'s heads
+    into their column groups of ``out``, ``lead + F.shape``); a :class:`ZeroKron` has none (and
+    zeroes ``out`` unless adding)."""
+    if isinstance(F, SplitKron):
+        c = F.shape[-1] // len(F.parts)
+        return [(p, out[..., h * c : (h + 1) * c], add) for h, p in enumerate(F.parts)]
+    if isinstance(F, ZeroKron):
+        if not add:
+            out.zero_()
+        return []
+    return [(F, out, add)]
+
+
+def vjp_rows(factors, wt: torch.Tensor, B: int, summed: bool = False, outs=None) -> list[torch.Tensor]:
+    r""":meth:`TokenKron.vjp` of many rows through several factors (:class:`TokenKron`,
+    :class:`SplitKron`, :class:`ZeroKron`), in place: ``wt`` the rows token-major, ``(T, K, r)``
+    (:func:`token_rows`; any strides with a unit last one), ``T = B·L``. Returns one tensor per
+    factor, ``(K, numel)`` with ``summed`` (over every token), else ``(B, K, numel)``; ``outs``: for
+    each factor ``None`` (a fresh tensor) or ``(out, add)``, a view of that shape (or ``lead +
+    F.shape``; any strides with unit ones within a row: a block of the dense Hessian) that the
+    products are written into, or with ``add`` added to (then returned as given).
+
+    The rows go in chunks whose :math:`w_t N_t` (``(T, k, x)``) holds about ``ROWS_CHUNK_ENTRIES``
+    entries, so that each chunk's work stays in cache, and factors that share their per-token
+    matrix ``N`` (a weight and its bias: :func:`blockhess.block.first_order.jacobian_factors` keeps
+    them shared) share its products, each then contracted with its own vector (left:
+    :math:`\sum_t u_t \otimes w_t N_t`, one GEMM over the tokens; right: :math:`\sum_t w_t N_t \otimes v_t`;
+    vector: :math:`\sum_t w_t N_t`). Not for ``vmap`` (it writes in place): :meth:`TokenKron.vjp` is.
+    Derived here, docs/derivations.md §16 ("Cost and memory")."""
+    T, K, r = wt.shape
+    lead = (K,) if summed else (B, K)
+    outs = [(wt.new_empty(*lead, *F.shape), False) if o is None else (o[0].view(*lead, *F.shape), o[1])
+            for F, o in zip(factors, outs or [None] * len(factors))]
+    groups: dict[int, list] = {}
+    for F, (out, add) in zip(factors, outs):
+        for leaf in _leaves(F, out, add):
+            groups.setdefault(id(leaf[0].mat), []).append(leaf)
+    for group in groups.values():
+        _vjp_group(group, wt, B, summed)
+    return [o.view(*lead, -1) for o, _ in outs]
+
+
+def _vjp_group(group: list, wt: torch.Tensor, B: int, summed: bool) -> None:
+    """:func:`vjp_rows` for ``group``, ``[(TokenKron, out view, add)]`` sharing one per-token matrix."""
+    T, K, r = wt.shape
+    L = T // B
+    mat = group[0][0].mat
+    x = mat.shape[-1]
+    k = max(1, ROWS_CHUNK_ENTRIES // (T * x))
+    for s in range(0, K, k):
+        Nw = torch.bmm(wt[:, s : s + k], mat)  # (T, k, x): w_t N_t, token by token
+        kk = Nw.shape[1]
+        for F, out, add in group:
+            o = out[s : s + k] if summed else out[:, s : s + k]
+            if F.side == "vector":
+                v = Nw.sum(0) if summed else Nw.view(B, L, kk, x).sum(1)
+            elif F.side == "left":  # (p, k, x)
+                p = F.vec.shape[1]
+                if summed:
+                    v = (F.vec.T @ Nw.view(T, kk * x)).view(p, kk, x).transpose(0, 1)
+                else:
+                    v = torch.bmm(F.vec.view(B, L, p).transpose(1, 2), Nw.view(B, L, kk * x)).view(B, p, kk, x).transpose(1, 2)
+            else:  # (k, x, q)
+                q = F.vec.shape[1]
+                if summed:
+                    v = (Nw.view(T, kk * x).T @ F.vec).view(kk, x, q)
+                else:
+                    v = torch.bmm(Nw.view(B, L, kk * x).transpose(1, 2), F.vec.view(B, L, q)).view(B, kk, x, q)
+            if add:
+                o.add_(v)
+            else:
+                o.copy_(v)
 
 
 def _cmat(F1, F2, omega, core):

@@ -117,6 +117,20 @@ class BlockSum:
                 target = self.blocks[(a, b)].view(*self.shapes[a], *self.shapes[b])
                 target.copy_(value.view(*self.shapes[a], *self.shapes[b]) if value.ndim == 2 else value)
 
+    def slot(self, a: str, b: str) -> tuple[torch.Tensor, bool]:
+        """Dense mode: ``(view, add)``, the ``(n_a, n_b)`` view of the buffer where :meth:`add` puts a
+        value of pair ``(a, b)`` (the upper block, or for ``a`` after ``b`` the lower triangle's,
+        moved up by :meth:`result`) and whether it holds one already (add to it) or not (write every
+        entry). The pair is registered as written: the caller writes it before anything else reads it."""
+        view = self.buffer[self.slices[a], self.slices[b]]
+        if self.names.index(a) > self.names.index(b):
+            add = (b, a) in self.lower
+            self.lower.setdefault((b, a), view)
+        else:
+            add = (a, b) in self.blocks
+            self.blocks.setdefault((a, b), view)
+        return view, add
+
     def _add_lower(self, a: str, b: str, value: torch.Tensor) -> None:
         """Add ``value`` ``(n_a, n_b)``, ``a`` after ``b``, where it lies: the lower triangle's
         ``buffer[a, b]`` (no transposed copy); :meth:`result` moves it to the stored upper block."""
@@ -186,6 +200,18 @@ class BlockSum:
         with threads_for(entries=TRANSPOSE_ENTRIES * t * upper.shape[1]):
             for i in range(0, upper.shape[0], t):
                 lower[:, i : i + t].copy_(upper[i : i + t].T)
+
+    def symmetrise(self, name: str) -> None:
+        """Dense mode: replace the diagonal block ``(name, name)``, if written, by the mean of it and
+        its transpose (a sum of symmetric terms, symmetric to its rounding); the transpose is formed
+        by :meth:`_mirror`'s tiles."""
+        blk = self.blocks.get((name, name))
+        if blk is None:
+            return
+        t = torch.empty_like(blk)
+        self._mirror(blk, t)
+        with threads_for(entries=blk.numel()):
+            blk.add_(t).mul_(0.5)
 
     def result(self, like: torch.Tensor, cfg=None, parts=None) -> "HessianBlocks":
         """The accumulated :class:`HessianBlocks` of the block ``cfg`` (never-touched pairs are zero

@@ -65,6 +65,22 @@ def attention_input_jacobian(c: Cache) -> torch.Tensor:
     return attention.input_jacobian(c.att, p["W_Q"], p["W_K"], p["W_V"], compact=True)
 
 
+def _premul(factors: dict, E: torch.Tensor) -> dict:
+    """Every factor of ``factors`` premultiplied by ``E`` (``(T, r', r)`` or ``(r', r)``), each
+    distinct per-token matrix once: a weight and its bias that share one (``W_Q`` and ``b_Q``,
+    ``W_O`` and ``b_O``, ``W_1`` and ``b_1``) keep sharing it, so that rows taken through both
+    form their per-token products once (:func:`~blockhess.kronecker.vjp_rows`)."""
+    done, out = {}, {}
+    for k, f in factors.items():
+        if isinstance(f, TokenKron):
+            if id(f.mat) not in done:
+                done[id(f.mat)] = (f.mat, E @ f.mat)  # the source kept: its id is not reused meanwhile
+            out[k] = TokenKron(f.side, f.vec, done[id(f.mat)][1])
+        else:
+            out[k] = f.premul(E)
+    return out
+
+
 def jacobian_factors(c: Cache) -> Factors:
     """The :class:`Factors` of a forward pass (Theorem 4 in per-token form)."""
     cfg, p = c.cfg, c.params
@@ -93,12 +109,12 @@ def jacobian_factors(c: Cache) -> Factors:
                 O["beta_1"] = TokenKron("vector", None, dOdXa.sum(3).reshape(T, d, d))
     R = dict(O)
     if cfg.out_proj:
-        WOt = p["W_O"].T
-        R = {k: f.premul(WOt) for k, f in O.items()}
+        R = _premul(O, p["W_O"].T)
+        ident = eye.expand(T, d, d)  # one tensor for both: their rows' products are shared (kronecker.vjp_rows)
         if "W_O" in c.names:
-            R["W_O"] = TokenKron("left", c.att.F.reshape(T, d), eye.expand(T, d, d))
+            R["W_O"] = TokenKron("left", c.att.F.reshape(T, d), ident)
         if "b_O" in c.names:
-            R["b_O"] = TokenKron("vector", None, eye.expand(T, d, d))
+            R["b_O"] = TokenKron("vector", None, ident)
     if "X" in R and cfg.kind == "block":  # the residual: R_t = X_t + P_t
         ident = (torch.eye(L, dtype=dt, device=dev)[:, None, :, None] * eye[None, :, None, :]).reshape(L, d, L * d)
         R["X"] = SeqFactor(R["X"].mat + ident.repeat(B, 1, 1), B, R["X"].shape)
@@ -106,21 +122,21 @@ def jacobian_factors(c: Cache) -> Factors:
     if cfg.kind == "attention":
         lv["Z"] = R
     elif cfg.norm == "post":
-        Y = {k: f.premul(c.E_Y) for k, f in R.items()}
+        Y = _premul(R, c.E_Y)
         if "gamma_1" in c.names:
             Y["gamma_1"] = TokenKron("vector", None, torch.diag_embed(c.ln1[0]))
         if "beta_1" in c.names:
             Y["beta_1"] = TokenKron("vector", None, eye.expand(T, d, d))
-        S = {k: f.premul(c.J_SY) for k, f in Y.items()}
+        S = _premul(Y, c.J_SY)
         S.update(ffn.weight_jacobians(c.fc, c.names))
-        Z = {k: f.premul(c.E_Z) for k, f in S.items()}
+        Z = _premul(S, c.E_Z)
         if "gamma_2" in c.names:
             Z["gamma_2"] = TokenKron("vector", None, torch.diag_embed(c.ln2[0]))
         if "beta_2" in c.names:
             Z["beta_2"] = TokenKron("vector", None, eye.expand(T, d, d))
         lv.update(Y=Y, S=S, Z=Z)
     else:
-        S = {k: f.premul(c.J_SY) for k, f in R.items()}
+        S = _premul(R, c.J_SY)
         S.update(ffn.weight_jacobians(c.fc, c.names))
         lv.update(Y=R, S=S, Z=S)
     Zf = lv["Z"]

@@ -5,6 +5,8 @@ A stage maps its input ``x`` (``m_in`` entries per sequence) and its variables `
 
 * ``vjp(W, names, summed=False)``: :math:`J_\theta^\top w` for each row, ``{name: (B, R, n_θ)}``, or
   with ``summed`` their sum over the sequences, ``{name: (R, n_θ)}`` (one contraction over every token);
+  ``vjps(W, names, summed=False, into=None)`` the same one variable at a time, ``(name, value)``
+  (a block's rows laid out once for all of them, and written where ``into(name)`` says);
 * ``back(W)``: :math:`J_x^\top w` for each row, ``(B, R, m_in)`` (the embedding has no input);
 * ``fwd(G)``: :math:`J_x G` for tangents ``G`` ``(B, m_in, n)`` at the input, ``(B, m_out, n)``;
 * ``curv(g, names, acc=None)``: the stage's second derivatives with its input contracted with the
@@ -32,6 +34,7 @@ from .. import losses
 from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
+from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
 
@@ -46,6 +49,18 @@ def _none_curv(g, names, acc=None):
     return None, {}
 
 
+def _token_leaves(F) -> list:
+    """The :class:`~blockhess.kronecker.TokenKron` factors of a block's factor ``F`` (a head-split weight's parts)."""
+    return list(F.parts) if isinstance(F, SplitKron) else [F] if isinstance(F, TokenKron) else []
+
+
+def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
+    """``vjps``: the stage's ``vjp`` one variable at a time, ``(name, value)`` as each is asked for
+    (as :meth:`BlockStage.vjps`, which lays the rows out once for all of them; ``into`` is not used)."""
+    for n in names:
+        yield n, self.vjp(W, [n], summed)[n]
+
+
 class EmbeddingStage:
     """``X_0 = embed(x) [+ cls] + P [+ W_T[0]]`` (no LayerNorm): linear in every variable, no input."""
 
@@ -55,6 +70,8 @@ class EmbeddingStage:
         self.B, self.L, self.d = t.X0.shape
         self.curv = _none_curv
         self.back = None
+
+    vjps = _each_vjp
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
@@ -67,9 +84,12 @@ class EmbeddingStage:
         out = {}
         for n in names:
             if n == "W_E":
-                if self.cfg.embedding == "token":
-                    onehot = torch.nn.functional.one_hot(self.x, self.cfg.vocab).to(w.dtype)
-                    v = torch.einsum("blv,brlq->brvq", onehot, tok)
+                if self.cfg.embedding == "token":  # a gather's adjoint: each token's row added to its id's
+                    v = w.new_zeros(1 if summed else w.shape[0], R, self.cfg.vocab, self.d)
+                    for b in range(w.shape[0]):
+                        v[0 if summed else b].index_add_(1, self.x[b], tok[b])
+                elif summed:
+                    v = torch.einsum("blp,brlq->rpq", self.x, tok)[None]
                 else:
                     v = torch.einsum("blp,brlq->brpq", self.x, tok)
             elif n == "b_E":
@@ -84,7 +104,7 @@ class EmbeddingStage:
                 v[:, :, 0] = w.sum(2)
             else:
                 raise KeyError(n)
-            out[n] = (v.sum(0) if summed else v).reshape(*lead, -1)
+            out[n] = ((v[0] if v.shape[0] == 1 else v.sum(0)) if summed else v).reshape(*lead, -1)
         return out
 
 
@@ -133,6 +153,8 @@ class NormStage:
         self.y, self.r = y, r  # normalised rows, their 1/sigma (B, L, 1)
         self.Jn = layernorm.per_token_jacobian(y, r)  # (B, L, d, d), unscaled
         self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
+
+    vjps = _each_vjp
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
@@ -216,6 +238,8 @@ class PoolStage:
         self.kind, self.L, self.d = kind, L, d
         self.curv = _none_curv
 
+    vjps = _each_vjp
+
     def vjp(self, W, names, summed: bool = False) -> dict:
         return {}
 
@@ -248,6 +272,8 @@ class HeadStage:
 
     def __init__(self, h: torch.Tensor, W: torch.Tensor, names: tuple[str, ...]):
         self.h, self.W, self.names = h, W, names
+
+    vjps = _each_vjp
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
         B, R = W.shape[:2]
@@ -337,10 +363,30 @@ class BlockStage:
         return vjp(self.c, g[None], wanted=(), input_adjoint=True)[1][0]
 
     def vjp(self, W: torch.Tensor, names, summed: bool = False) -> dict:
+        return dict(self.vjps(W, names, summed))
+
+    def vjps(self, W: torch.Tensor, names, summed: bool = False, into=None):
+        """:meth:`vjp` one variable at a time, ``(name, value)`` in the order of ``names`` as each is
+        asked for: the rows are laid out token-major once for all of them
+        (:func:`blockhess.kronecker.token_rows`) and taken through the factors in chunks
+        (:func:`blockhess.kronecker.vjp_rows`); a later, no larger variable whose factors share every
+        per-token matrix with this one's (its bias) is formed with it and kept until its turn.
+        ``into(name)``: ``None`` or ``(view, add)`` where the value goes
+        (:meth:`blockhess.result.BlockSum.slot`); a value written there is yielded as ``None``."""
         B, R = W.shape[:2]
-        w = W.reshape(B, R, self.L, self.d)
+        wt = token_rows(W.reshape(B, R, self.L, self.d))
         k = len(self.prefix)
-        return {n: self.f.J[n[k:]].vjp(w, summed) for n in names}
+        F = {n: self.f.J[n[k:]] for n in names}
+        mats = {n: {id(leaf.mat) for leaf in _token_leaves(F[n])} for n in names}
+        kept = {}
+        for i, n in enumerate(names):
+            if n not in kept:
+                group = [n] + [m for m in names[i + 1:] if m not in kept and mats[m] and mats[m] <= mats[n]
+                               and F[m].numel <= F[n].numel]
+                outs = [None if into is None else into(m) for m in group]
+                vals = vjp_rows([F[m] for m in group], wt, B, summed, outs)
+                kept.update((m, None if o is not None else v) for m, o, v in zip(group, outs, vals))
+            yield n, kept.pop(n)
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
         return W @ self.Jx

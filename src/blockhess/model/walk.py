@@ -22,6 +22,7 @@ from, so they sum to the full Hessian.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -96,6 +97,10 @@ class _Fold:
             return value.reshape(d, V, -1).transpose(0, 1).reshape(V * d, -1)
         return value.reshape(-1, d, V).transpose(1, 2).reshape(-1, V * d)
 
+    def slot(self, a: str, b: str):
+        """:meth:`BlockSum.slot` of a wanted pair where neither is the tied head (whose layout turns), else ``None``."""
+        return None if TIED_HEAD in (a, b) or not self.acc.wants(a, b) else self.acc.slot(a, b)
+
     def add(self, a: str, b: str, value: torch.Tensor) -> None:
         value = self._turn(b, self._turn(a, value, True), False)
         A, B = ("W_E" if a == TIED_HEAD else a), ("W_E" if b == TIED_HEAD else b)
@@ -119,7 +124,7 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, p
     Psi, later, H, g = top.start(wanted, outer, functional)
     for (a, b), v in H.items():
         acc.add(a, b, v)
-    j0, bottom, G = _bottom_tangents(stages, wanted)
+    j0, bottom, G = _bottom_tangents(stages, wanted, acc.acc.sizes)
     if G:
         for u, r in later:  # the bottom variables with the head's: Σ_b G_top^T K_u
             _add_tangent_blocks(acc, bottom, torch.einsum("bmn,bum->nu", G[len(stages) - 1], r), u)
@@ -131,14 +136,15 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, p
         last = not below or bool(G and k == j0)  # no rows go further down (the bottom stages carry tangents up)
         if G and k >= j0 and here:  # the bottom variables with this stage's: Σ_b (Psi G_k)^T J_v
             TPsi = torch.einsum("bmn,bmr->bnr", G[k], Psi)
-            for v in here:
-                _add_tangent_blocks(acc, bottom, st.vjp(TPsi, [v], summed=True)[v], v)
+            for v, val in st.vjps(TPsi, here, summed=True):
+                _add_tangent_blocks(acc, bottom, val, v)
             del TPsi
         if here:  # blocks with every later variable u: Σ_b K_u^T J_v, (n_u, n_v), one pair at a time
             for i in range(len(later)):
                 u, r = later[i]
-                for v in here:
-                    acc.add(u, v, st.vjp(r, [v], summed=True)[v])
+                for v, val in st.vjps(r, here, summed=True, into=functools.partial(acc.slot, u)):  # r laid out once
+                    if val is not None:  # not written in place
+                        acc.add(u, v, val)
                 if last:
                     later[i] = (u, None)
                 del r
@@ -153,17 +159,21 @@ def _walk(stages, top, wanted: set, outer: bool, functional: bool, acc: _Fold, p
         PsiJx = st.back(Psi) if below else None  # (B, m, m_in): Psi J_x
         down = []
         order = sorted(here, key=lambda v: -acc.acc.sizes["W_E" if v == TIED_HEAD else v])
-        for i, v in enumerate(order):  # the stage's own pairs (v, w), w taken before v: Σ_b J_v^T Psi J_w
-            r = st.vjp(Psi, [v])[v].transpose(1, 2)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
-            for w in order[: i + 1]:
-                acc.add(v, w, st.vjp(r, [w], summed=True)[w])
-            del r
+        rows = st.vjps(Psi, order)  # rows J_v^T Psi (B, n_v, m): (Psi J_v)^T, Psi symmetric
+        lows = None if last else st.vjps(PsiJx.transpose(1, 2), order)
+        for i, (v, r) in enumerate(rows):  # the stage's own pairs (v, w), w taken before v: Σ_b J_v^T Psi J_w
+            r = r.transpose(1, 2)
+            for w, val in st.vjps(r, order[: i + 1], summed=True, into=functools.partial(acc.slot, v)):
+                if val is not None:
+                    acc.add(v, w, val)
+            del r, val
             if not last:  # v's rows one level down, J_v^T Psi J_x + M_vx: the m_in rows of J_x^T Psi through J_v
-                D = st.vjp(PsiJx.transpose(1, 2), [v])[v]  # (B, m_in, n_v)
+                D = next(lows)[1]  # (B, m_in, n_v)
                 if v in Xt:
                     D += Xt.pop(v)
                 down.append((v, D.transpose(1, 2)))
                 del D
+        del rows, lows
         if isinstance(st, BlockStage):
             st.release()  # its factors: the stages below are walked without them
         if not below:
@@ -200,17 +210,21 @@ def _weight_pairs(stages, top, wanted: set, acc: BlockSum) -> None:
             g = st.back(g[:, None])[:, 0]
 
 
-def _bottom_tangents(stages, wanted: set):
+def _bottom_tangents(stages, wanted: set, sizes: dict):
     r"""The bottom stages (those below the first block: the embedding and its LayerNorm) carry their
-    variables' Jacobians up instead of taking every later variable's ``K`` rows down:
+    variables' Jacobians up instead of taking every later variable's ``K`` rows down, where the
+    bottom variables are fewer than a sequence's entries at the first block's input (``n_bottom < m``):
     ``(j0, bottom, G)`` with ``j0`` the first block's index, ``bottom`` the wanted bottom variables
-    with their sizes, and ``G[k]`` ``(B, m_k, n_bottom)`` their Jacobian at the output of stage ``k``
-    (``k >= j0 - 1``), :math:`G_k = J_{x,k} G_{k-1}`; ``(0, [], {})`` where there is no such stage.
+    with their sizes (``sizes``: every wanted name's), and ``G[k]`` ``(B, m_k, n_bottom)`` their Jacobian at the output of stage ``k``
+    (``k >= j0 - 1``), :math:`G_k = J_{x,k} G_{k-1}`; ``(0, [], {})`` where there is no such stage
+    or the rows are the cheaper way.
     A block of a bottom variable with a later one then is :math:`G_k^\top \Psi_k J_v + G_{k-1}^\top M_{xv}`
-    (docs/derivations.md §16), at ``n_bottom`` tangents through each stage instead of ``n_later`` rows."""
+    (docs/derivations.md §16), at ``n_bottom`` tangents through each stage above instead of ``n_later``
+    rows through the first block's ``m × m`` input Jacobian and the (cheap, per-token) bottom stages:
+    the tangents cost about ``n_bottom / m`` times the rows' way."""
     j0 = next((k for k, s in enumerate(stages) if isinstance(s, BlockStage)), 0)
-    bottom = [(n, None) for s in stages[:j0] for n in s.names if n in wanted]
-    if not j0 or not bottom:
+    bottom = [n for s in stages[:j0] for n in s.names if n in wanted]
+    if not j0 or not bottom or sum(sizes[n] for n in bottom) >= stages[j0].L * stages[j0].d:
         return 0, [], {}
     G, bottom = None, []
     for st in stages[:j0]:
@@ -346,9 +360,7 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         del t, st, top  # a pass's trace and stages go before the next pass's are built
     release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
     for name in names:  # each diagonal block is a sum of symmetric terms: its rounding mirrored too
-        if (name, name) in acc.blocks:
-            blk = acc.blocks[(name, name)]
-            blk.add_(blk.T.clone()).mul_(0.5)
+        acc.symmetrise(name)
     H = acc.result(like, cfg, parts)
     check_result({f"the Hessian{'' if which == 'full' else ' ' + which + ' part'}": H.dense()})
     return H
