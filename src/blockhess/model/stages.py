@@ -107,38 +107,31 @@ class EmbeddingStage:
             out[n] = ((v[0] if v.shape[0] == 1 else v.sum(0)) if summed else v).reshape(*lead, -1)
         return out
 
+    def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
+        """``J_θ θ̇`` of the embedding for ``k`` directions ``V`` ``{name: (k, *shape)}``: ``(k, B, L, d)``
+        (no input: ``dx`` is not read)."""
+        cfg = self.cfg
+        out = self.p[self.names[0]].new_zeros(k, self.B, self.L, self.d)
+        o = 1 if cfg.cls_token else 0
+        for n, v in V.items():
+            if n == "W_E":
+                out[:, :, o:] += v[:, self.x] if cfg.embedding == "token" else torch.einsum("blp,kpq->kblq", self.x, v)
+            elif n == "b_E":
+                out[:, :, o:] += v[:, None, None]
+            elif n == "cls":
+                out[:, :, 0] += v[:, None]
+            elif n == "W_P":
+                out += v[:, None, : self.L]
+            elif n == "W_T":
+                out += v[:, None, None, 0]
+        return out
 
-def _embedding_tangent(st, V: dict, k: int) -> torch.Tensor:
-    """``J_θ θ̇`` of the embedding for ``k`` directions ``V`` ``{name: (k, *shape)}``: ``(k, B, L, d)``."""
-    cfg = st.cfg
-    out = st.p[st.names[0]].new_zeros(k, st.B, st.L, st.d)
-    o = 1 if cfg.cls_token else 0
-    for n, v in V.items():
-        if n == "W_E":
-            out[:, :, o:] += v[:, st.x] if cfg.embedding == "token" else torch.einsum("blp,kpq->kblq", st.x, v)
-        elif n == "b_E":
-            out[:, :, o:] += v[:, None, None]
-        elif n == "cls":
-            out[:, :, 0] += v[:, None]
-        elif n == "W_P":
-            out += v[:, None, : st.L]
-        elif n == "W_T":
-            out += v[:, None, None, 0]
-    return out
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+        """``(None, {name: (k, *shape)})``: ``J_θᵀ ġ`` (the embedding is linear: no second-order term)."""
+        k = dg.shape[0]
+        out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), names, summed=True)
+        return None, {n: v.reshape(k, *self.p[n].shape) for n, v in out.items()}
 
-
-EmbeddingStage.tangent = lambda self, dx, V, k: _embedding_tangent(self, V, k)
-EmbeddingStage.tangent.__doc__ = "``J_θ θ̇`` ``(k, B, L, d)`` (no input)."
-
-
-def _embedding_adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
-    """``(None, {name: (k, *shape)})``: ``J_θᵀ ġ`` (the embedding is linear: no second-order term)."""
-    k = dg.shape[0]
-    out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), names, summed=True)
-    return None, {n: v.reshape(k, *self.p[n].shape) for n, v in out.items()}
-
-
-EmbeddingStage.adjoint2 = _embedding_adjoint2
 
 
 class NormStage:
