@@ -953,6 +953,10 @@ def test_models_bench_section():
     assert len(rows) == 3 + 3 + 9
     missing = [r for r in rows if r not in text.splitlines()]
     assert not missing, f"docs/results.md, Whole models: rows that differ from the stored run: {missing}"
+    record = [line for line in bench.markdown(_bench_run("run24-models-b72210c")).splitlines() if line.startswith("| m/")]
+    assert len(record) == 3 + 3 + 9
+    missing = [r for r in record if r not in text.splitlines()]
+    assert not missing, f"docs/results.md, the run of record: rows that differ from the stored run24: {missing}"
 
     def ratios(name):
         cases = {c["id"]: c for c in _bench_run(name)["cases"]}
