@@ -283,3 +283,27 @@ def test_a_batch_larger_than_the_training_set_is_refused_before_any_work(argv, o
     assert cli.main([*argv, "--out", str(out), "--quiet"]) == 2
     assert capsys.readouterr().err == f"blockhess {argv[0]}: error: {option} 6 is larger than the 5 training images\n"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["spectrum", "--blocks", "W_Z"], "--blocks: unknown block 'W_Z'"),
+    (["spectrum", "--density-blocks", "blocks.0.W_Z"], "--density-blocks: 'blocks.0.W_Z' is not among the blocks"),
+    (["spectrum", "--batch", "100000"], "--batch 100000 is larger than the 1438 training images"),
+    (["report", "--batch", "100000"], "--batch 100000 is larger than the 1438 training images"),
+    (["bounds", "--batch", "100000"], "--batch 100000 is larger than the 1438 training images"),
+    (["convergence", "--batch-size", "100000"], "--batch-size 100000 is larger than the 1438 training images"),
+    (["distributed", "--n-images", "99999"], "--n-images 99999 is larger than the 1438 training images"),
+])
+def test_options_are_refused_before_a_model_is_trained(argv, message, tmp_path, monkeypatch, capsys):
+    """With no checkpoint yet, an option the model would refuse is refused first: no training, no file."""
+    from blockhess_lab import vit
+
+    def trained(*a, **k):
+        raise AssertionError("the command trained a model before checking its options")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(vit, "train", trained)
+    assert cli.main([*argv, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"blockhess {argv[0]}: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "out").exists()

@@ -343,8 +343,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_trained:  # first: a --batch larger than its training set is refused before any work
             from . import vit as vitmod
 
+            plan = vitmod.would_train(args.checkpoint)  # checked before a model is trained, too
+            if plan:
+                vitmod.check_batch("--batch", args.batch, plan["n_train"])
             vit = vitmod.load_for_command(args.checkpoint, quiet=args.quiet)
-            vitmod.check_batch("--batch", args.batch, vit)
+            vitmod.check_batch("--batch", args.batch, len(vit.train_labels))
         env = environment()  # inside: it records the thread count the work runs on
         tables, ingr = _random_tables(args.quiet)
         sw = _sweep(args.seeds, args.quiet)

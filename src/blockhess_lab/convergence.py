@@ -186,7 +186,7 @@ def compute(model, settings: Settings, quiet: bool = True) -> tuple[dict, dict]:
 
     s = settings
     s.check()
-    check_batch("--batch-size", s.batch_size, model)
+    check_batch("--batch-size", s.batch_size, len(model.train_labels))
     env = environment()
     t_start = time.perf_counter()
     timing = {}
@@ -828,6 +828,9 @@ def run(args: argparse.Namespace) -> int:
     from . import vit as vit_mod
 
     _say(args.quiet, "loading the digits ViT (trained first if there is no checkpoint)")
+    plan = vit_mod.would_train(args.checkpoint)  # the options checked before a model is trained
+    if plan:
+        vit_mod.check_batch("--batch-size", settings.batch_size, plan["n_train"])
     with torch_threads(args.threads):
         vit = vit_mod.load_for_command(args.checkpoint, quiet=args.quiet)
         res = run_experiment(vit, args.out, settings, quiet=args.quiet)

@@ -159,6 +159,9 @@ def _run(args: argparse.Namespace) -> int:
         def first():  # rank 0: --out and the model (trained once, here, when absent); then the others read it
             if rank == 0:
                 check_out(args.out)
+                plan = vitmod.would_train(args.checkpoint)
+                if plan and args.n_images is not None:  # checked before a model is trained, too
+                    vitmod.check_batch("--n-images", args.n_images, plan["n_train"])
                 return vitmod.load_for_command(args.checkpoint, quiet=quiet)
             return None
 
@@ -167,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         def rest():
             m = model if rank == 0 else vitmod.load_for_command(args.checkpoint, quiet=True)
             if args.n_images is not None:
-                vitmod.check_batch("--n-images", args.n_images, m)
+                vitmod.check_batch("--n-images", args.n_images, len(m.train_labels))
             return m
 
         model = bhd.on_every_rank(rest, what="reading the model on every rank")

@@ -398,8 +398,11 @@ def _run(args: argparse.Namespace) -> int:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
+        plan = vitmod.would_train(args.checkpoint, seed=args.seed, steps=args.steps)
+        if plan:  # checked before a model is trained, too
+            vitmod.check_batch("--batch", args.batch, plan["n_train"])
         vit = vitmod.load_for_command(args.checkpoint, quiet=quiet, seed=args.seed, steps=args.steps)
-        vitmod.check_batch("--batch", args.batch, vit)
+        vitmod.check_batch("--batch", args.batch, len(vit.train_labels))
         n_train = len(vit.train_labels)
         gen = torch.Generator().manual_seed(args.seed + 3)
         idx = torch.randperm(n_train, generator=gen)[: args.batch].sort().values

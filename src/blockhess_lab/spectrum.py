@@ -253,7 +253,7 @@ def _digits(args, dtype, quiet) -> Problem:
             raise ValueError(f"--checkpoint {p} holds a digits ViT of another architecture ({other.arch}) than "
                              f"{paths[-1]} ({vit.arch}): a series needs one model")
     batch = PRESET_BATCH["digits"] if args.batch is None else args.batch
-    vitmod.check_batch("--batch" if args.batches == 1 else "--batch times --batches", batch * args.batches, vit)
+    vitmod.check_batch("--batch" if args.batches == 1 else "--batch times --batches", batch * args.batches, len(vit.train_labels))
     gen = torch.Generator().manual_seed(args.seed + 3)  # the report's batch choice for --batches 1
     order = torch.randperm(len(vit.train_labels), generator=gen)
     batches = []
@@ -704,8 +704,31 @@ def _public(x):
 # ----------------------------------------------------------------------------- the command
 
 
+def _precheck(args: argparse.Namespace, s: Settings) -> None:
+    """The options that depend on the model, checked before any work where the model is known
+    without it: the random presets, and the digits ViT that would be trained (no checkpoint yet)."""
+    if args.preset == "digits":
+        plan = vitmod.would_train(args.checkpoint[-1] if args.checkpoint else None, seed=args.seed)
+        if plan is None:
+            return  # a checkpoint is read (quick) and the options are checked against it in _run
+        cfg = vitmod.model_config(plan["arch"])
+        batch = PRESET_BATCH["digits"] if args.batch is None else args.batch
+        vitmod.check_batch("--batch" if args.batches == 1 else "--batch times --batches", batch * args.batches,
+                           plan["n_train"])
+    else:
+        cfg = GPT2_BLOCK if args.preset == "gpt2-block" else CIFAR_VIT
+    _density_keys(block_keys(args.blocks, cfg), s)
+
+
+def _density_keys(keys: list[str], s: Settings) -> None:
+    extra = [b for b in s.density_blocks or () if b not in keys]
+    if extra:
+        raise ValueError(f"--density-blocks: {extra[0]!r} is not among the blocks of --blocks ({', '.join(keys)})")
+
+
 def run(args: argparse.Namespace) -> int:
     s = settings(args)
+    _precheck(args, s)
     check_out(args.out)
     with torch_threads(args.threads):
         return _run(args, s)
@@ -720,9 +743,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         env = environment()
         problem = _digits(args, dtype, quiet) if args.preset == "digits" else _random(args, dtype)
         keys = block_keys(args.blocks, problem.cfg)
-        extra = [b for b in s.density_blocks or () if b not in keys]
-        if extra:
-            raise ValueError(f"--density-blocks: {extra[0]!r} is not among the blocks of --blocks ({', '.join(keys)})")
+        _density_keys(keys, s)
         res = spectra(problem, keys, s, quiet)
         val = validate(problem, keys, res["blocks"], s, dtype, quiet)
         ser = series(problem, keys, s, quiet) if problem.series else None

@@ -692,9 +692,23 @@ def load_for_command(checkpoint=None, *, seed: int = 0, steps: int | None = None
     return load_or_train(default_checkpoint(seed, steps), seed=seed, steps=steps, quiet=quiet)
 
 
-def check_batch(option: str, n: int, vit: TrainedViT) -> None:
+def would_train(checkpoint=None, *, seed: int = 0, steps: int | None = None) -> dict | None:
+    """What :func:`load_for_command` with these arguments would train, so that a command checks its
+    options before it does: ``{"arch": the architecture, "n_train": its training images}`` when no
+    checkpoint is there (``checkpoint`` ``None`` and no :func:`default_checkpoint` file), else ``None``
+    (a file is read, which is quick, and the options are checked against it then)."""
+    if checkpoint is not None:
+        return None
+    steps = DEFAULT_STEPS if steps is None else steps
+    if Path(default_checkpoint(seed, steps)).exists():
+        return None
+    _, labels = load_data()
+    return {"arch": dict(DEFAULT_ARCH), "n_train": len(split_data(labels, seed)[0])}
+
+
+def check_batch(option: str, n: int, n_train: int) -> None:
     """Raise ``ValueError`` (one line, naming the command-line ``option``) if ``n`` training
-    images are more than ``vit`` has (``len(vit.train_labels)``)."""
-    n_train = len(vit.train_labels)
+    images are more than the ``n_train`` there are (``len(vit.train_labels)``, or
+    :func:`would_train`'s before a model is trained)."""
     if n > n_train:
         raise ValueError(f"{option} {n} is larger than the {n_train} training images")
