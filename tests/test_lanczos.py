@@ -193,9 +193,11 @@ def test_residuals_that_stop_improving_end_the_run_before_the_budget():
 def test_too_small_a_budget_raises():
     lam = torch.cat([torch.tensor([3.0, 2.9, 2.8], dtype=DT), _bulk(200, -1.0, 2.7, 10)])
     M = _matrix(lam, seed=7)
-    with pytest.raises(NotConvergedError, match="residual / bound") as err:
+    with pytest.raises(NotConvergedError, match="residual / bound .* > 1; the budget max_matvecs=25 is spent") as err:
         lanczos_eigs(M, k=3, tol=TOL, max_matvecs=25)
     assert not err.value.result.converged and err.value.result.matvecs <= 25
+    with pytest.raises(NotConvergedError, match="the budget max_matvecs=5 ran out with [0-2] Ritz values for k = 3"):
+        lanczos_eigs(M, k=3, tol=TOL, max_matvecs=5)  # too few products for k Ritz values: the budget, not rounding
     full = lanczos_eigs(M, k=3, tol=TOL)
     with pytest.raises(NotConvergedError, match="no room for the check") as err:
         lanczos_eigs(M, k=3, tol=TOL, max_matvecs=full.matvecs - full.check_matvecs)

@@ -418,12 +418,16 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         bounds = _bounds(lam, scale, tol, rel)
         met = idx.numel() == k and bool((res <= bounds).all())
         if not met:
-            worst = float((res / bounds).max()) if idx.numel() == k else math.inf
+            if idx.numel() < k:
+                why = f"the budget max_matvecs={max_matvecs} ran out with {idx.numel()} Ritz values for k = {k}"
+                break
+            worst = float((res / bounds).max())
             why = f"largest residual / bound {worst:.3g} > 1"
             if worst >= 0.9 * worst_before:
                 why += "; the residuals stopped improving between two residual products (the dtype's rounding?)"
                 break
-            if idx.numel() < k or matvecs + 2 * k > max_matvecs:
+            if matvecs + 2 * k > max_matvecs:
+                why += f"; the budget max_matvecs={max_matvecs} is spent"
                 break
             worst_before = worst  # go on from the Ritz vectors: their true residuals start the next block
             start, known = X, AX
