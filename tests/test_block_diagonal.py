@@ -138,7 +138,7 @@ def test_not_available_raises_named_error():
     mcfg = ModelConfig(blocks=(cfg,), embedding="token", vocab=5, positions="learned", n_positions=4, head=5)
     mp = bh.init_params(mcfg, 0)
     x = torch.randint(0, 5, (2, 3), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(NotImplementedError, match="no closed-form diagonal"):
+    with pytest.raises(NotImplementedError, match="a model's operator has no closed-form diagonal: attention"):
         bh.hessian_operator(mp, x, mcfg, loss="ce", target=x).diagonal()
 
 

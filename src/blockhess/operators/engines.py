@@ -62,7 +62,13 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
         rows = tuple(wanted_out) + ((TIED_HEAD,) if cfg.tied and "W_E" in wanted_out else ())
         return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional))
 
-    return product, inputs.shape[0], like.dtype, like.device, None
+    def diagonal(wanted):
+        raise NotImplementedError("a model's operator has no closed-form diagonal: attention in the blocks above a "
+                                  "weight mixes the tokens, so the block's per-token walk (docs/derivations.md §19) "
+                                  "does not carry over; blockhess.operators.hutchinson_diagonal estimates it by "
+                                  "sampling")
+
+    return product, inputs.shape[0], like.dtype, like.device, diagonal
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
