@@ -575,6 +575,36 @@ def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=
 # ----------------------------------------------------------------------------- the operator
 
 
+def _all_reduced(g: _Group, like: torch.Tensor, n: int, compute, what: str) -> torch.Tensor:
+    """The sum over the ranks of ``compute()`` (a flat ``(n,)`` tensor of ``like``'s dtype; ``None``: a rank
+    with nothing to add) by one ``all_reduce`` of ``n`` entries and two flags, so that every rank hears
+    of a failure in the same message: :class:`DistributedError` on every rank when ``compute`` raised on
+    some rank, ``NotImplementedError`` on every rank when it raised that (an engine without the closed
+    form, the same on every rank)."""
+    buf = like.new_zeros(n + 2)  # the sum, then the failures and the ranks without a closed form
+    mine = None
+    try:
+        if compute is not None:
+            buf[:-2] = compute()
+    except NotImplementedError as exc:
+        mine = exc
+        buf.zero_()
+        buf[-1] = 1
+    except Exception as exc:  # noqa: BLE001 — every rank must hear of it
+        mine = exc
+        buf.zero_()
+        buf[-2] = 1
+    g.all_reduce(buf, f"the all-reduce of {what}")
+    if float(buf[-2]) > 0:
+        raise DistributedError(f"blockhess.distributed.hessian_operator: {what} failed on {int(buf[-2])} rank(s)"
+                               + (f"; on rank {g.rank}: {_first_line(mine)}" if mine else ""),
+                               {g.rank: _sendable(mine)} if mine else {}) from mine
+    if float(buf[-1]) > 0:
+        raise NotImplementedError(f"blockhess.distributed.hessian_operator: {_first_line(mine)}" if mine else
+                                  f"blockhess.distributed.hessian_operator: {what} has no closed form here")
+    return buf[:-2]
+
+
 def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, part: str = "full", *,
                      group=None) -> HessianOperator:
     r"""The matrix-free Hessian of the mean loss over every rank's shard:
@@ -609,24 +639,14 @@ def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, pa
     def product(V: dict, wanted_out: tuple) -> dict:
         k = next(iter(V.values())).shape[0] if V else 1
         n_out = sum(sizes[a] for a in wanted_out)
-        buf = like.new_zeros(n_out * k + 1)  # the rows, then the error flag
-        mine = None
-        if op is not None:
-            try:
-                cols_of = tuple(a for a in sh.names if a in V)  # the view's columns: the product skips the rest
-                cols = torch.cat([V[a].reshape(k, -1) for a in cols_of], 1)
-                rows = op[tuple(wanted_out), cols_of] @ cols.T.contiguous()  # (n_out, k)
-                buf[:-1] = (rows * (sh.count / total)).reshape(-1)
-            except Exception as exc:  # noqa: BLE001 — every rank must hear of it
-                mine = exc
-                buf.zero_()
-                buf[-1] = 1
-        g.all_reduce(buf, "the all-reduce of a Hessian-vector product")
-        if float(buf[-1]) > 0:
-            raise DistributedError(f"blockhess.distributed.hessian_operator: a product failed on "
-                                   f"{int(buf[-1])} rank(s)" + (f"; on rank {g.rank}: {_first_line(mine)}" if mine else ""),
-                                   {g.rank: _sendable(mine)} if mine else {}) from mine
-        rows = buf[:-1].reshape(n_out, k)
+
+        def local_rows():
+            cols_of = tuple(a for a in sh.names if a in V)  # the view's columns: the product skips the rest
+            cols = torch.cat([V[a].reshape(k, -1) for a in cols_of], 1)
+            return (op[tuple(wanted_out), cols_of] @ cols.T.contiguous() * (sh.count / total)).reshape(-1)
+
+        rows = _all_reduced(g, like, n_out * k, local_rows if op is not None else None,
+                            "a Hessian-vector product").reshape(n_out, k)
         out, off = {}, 0
         for a in wanted_out:
             out[a] = rows[off:off + sizes[a]].T.reshape(k, *sh.shapes[a])
@@ -635,28 +655,11 @@ def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, pa
 
     def diagonal(wanted: tuple) -> dict:
         n_out = sum(sizes[a] for a in wanted)
-        buf = like.new_zeros(n_out + 2)  # the diagonal, then the error flag and the ranks without a closed form
-        mine = None
-        if op is not None:
-            try:
-                buf[:-2] = op[tuple(wanted), tuple(wanted)].diagonal() * (sh.count / total)
-            except NotImplementedError as exc:  # the engine has no closed-form diagonal: the same on every rank
-                mine = exc
-                buf.zero_()
-                buf[-1] = 1
-            except Exception as exc:  # noqa: BLE001 — every rank must hear of it
-                mine = exc
-                buf.zero_()
-                buf[-2] = 1
-        g.all_reduce(buf, "the all-reduce of the exact diagonal")
-        if float(buf[-2]) > 0:
-            raise DistributedError(f"blockhess.distributed.hessian_operator: the diagonal failed on "
-                                   f"{int(buf[-2])} rank(s)" + (f"; on rank {g.rank}: {_first_line(mine)}" if mine else ""),
-                                   {g.rank: _sendable(mine)} if mine else {}) from mine
-        if float(buf[-1]) > 0:
-            raise NotImplementedError(f"blockhess.distributed.hessian_operator: {_first_line(mine)}" if mine else
-                                      "blockhess.distributed.hessian_operator: this operator's engine offers no "
-                                      "closed-form diagonal")
+
+        def local_diagonal():
+            return op[tuple(wanted), tuple(wanted)].diagonal() * (sh.count / total)
+
+        buf = _all_reduced(g, like, n_out, local_diagonal if op is not None else None, "the exact diagonal")
         out, off = {}, 0
         for a in wanted:
             out[a] = buf[off:off + sizes[a]].reshape(sh.shapes[a])
