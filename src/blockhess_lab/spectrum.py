@@ -652,7 +652,7 @@ def markdown(rep: dict) -> str:
              f"Model: {', '.join(f'{k} {v}' for k, v in rep['model'].items() if k != 'preset')}. "
              f"{rep['sequences']} sequences ({rep['batches']} batch{'es' if rep['batches'] > 1 else ''} of "
              f"{rep['batch']}), {rep['n_params']:,} parameters, products in {rep['dtype']}.", "",
-             f"Top {s['k']} eigenvalues ({s['which']}) per block: Lanczos to relative residual {s['tol']:g}; blocks of "
+             f"Top {s['k']} eigenvalue{'s' * (s['k'] != 1)} ({s['which']}) per block: Lanczos to relative residual {s['tol']:g}; blocks of "
              f"at most {s['dense_below']} parameters by dense eigh of A[b,b] @ I (method `dense`). Density: "
              + (f"SLQ, {s['density'][0]} probes x {s['density'][1]} steps"
                 + ("" if s["density_blocks"] == s["blocks"] else f", of {', '.join(s['density_blocks'])}")
@@ -782,6 +782,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
     if not quiet:
         v = ("checked " + (f"{len(val['blocks'])} blocks against dense eigh, largest difference "
                            f"{val['max_rel_diff']:.1e} of ||A||_2" if val["blocks"] else "no block (none small enough)"))
-        print(f"blockhess spectrum: wrote {out}/ ({len(keys)} blocks x {len(s.parts)} parts, {v}; "
-              f"{rep['timings']['total_s']:.1f} s)")
+        nb, npart = len(keys), len(s.parts)
+        what = f"{nb} block{'s' * (nb != 1)} x {npart} part{'s' * (npart != 1)}"
+        print(f"blockhess spectrum: wrote {out}/ ({what}, {v}; {rep['timings']['total_s']:.1f} s)")
     return 1 if failed or not converged else 0
