@@ -330,7 +330,8 @@ def block_keys(spec: str | None, cfg) -> list[str]:
         for m in members:
             if m not in known:
                 heads = " and heads such as " + next(iter(split)) if split else ""
-                raise ValueError(f"--blocks: unknown block {m!r}; this model has {', '.join(shapes)}{heads} "
+                names = list(shapes) if len(shapes) <= 24 else [*list(shapes)[:20], f"... ({len(shapes)} in all)"]
+                raise ValueError(f"--blocks: unknown block {m!r}; this model has {', '.join(names)}{heads} "
                                  f"(or {ALL}, {WEIGHTS})")
         owners = [split[m][0] if m in split else m for m in members]
         if len(set(members)) != len(members) or any(m in shapes and owners.count(m) > 1 for m in members):
