@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import blockhess as bh
 from blockhess.linalg import rel_error
 from blockhess_lab import bench
 from blockhess_lab.bench_worker import make_problem
-from blockhess_lab.runtime import environment, load_average
+from blockhess_lab.runtime import environment, git_commit, load_average
 
 COLUMNS = 1024  # identity columns each curvlinops setting is timed on
 
@@ -121,12 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the JSON file to write; an existing one gets these cases added (each run under a few minutes)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    only = [o for o in args.only.split(",") if o]
-    cases = [c for c in bench.model_cases(quick=False, mem=False) if not only or any(o in c["id"] for o in only)]
+    cases = bench.matching(bench.model_cases(quick=False, mem=False), args.only)
     if not cases:
         p.error(f"--only {args.only!r} matches no case")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or None
+    commit = git_commit()
     run = {"command": " ".join(["python benchmarks/baseline_settings.py", *(argv if argv is not None else sys.argv[1:])]),
            "commit": commit, "threads": args.threads, "env": environment("cpu")}
     out = Path(args.out)

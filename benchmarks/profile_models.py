@@ -14,7 +14,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import blockhess as bh
 from blockhess_lab import bench
 from blockhess_lab.bench_worker import make_problem
-from blockhess_lab.runtime import load_average
+from blockhess_lab.runtime import git_commit, load_average
 
 
 def profile(case: dict, rows: int) -> str:
@@ -65,12 +64,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the text file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    only = [o for o in args.only.split(",") if o]
-    cases = [c for c in bench.model_cases(quick=False, mem=False) if not only or any(o in c["id"] for o in only)]
+    cases = bench.matching(bench.model_cases(quick=False, mem=False), args.only)
     if not cases:
         p.error(f"--only {args.only!r} matches no case")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "?"
+    commit = git_commit() or "?"
     text = [f"blockhess {commit}, torch {torch.__version__}, {args.threads} thread(s)\n\n"]
     for c in cases:
         print(f"profiling {c['id']}", file=sys.stderr, flush=True)

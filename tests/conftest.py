@@ -51,6 +51,19 @@ settings.register_profile("long", max_examples=int(os.environ.get("HYPOTHESIS_EX
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 
+def spy_calls(monkeypatch, module, name: str) -> list[dict]:
+    """Record each call's keyword arguments of ``module.name`` (the call still runs): the list fills as
+    the code under test calls it (a restriction's tests count what ran)."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def rel_err(A: torch.Tensor, B: torch.Tensor, scale: float | None = None) -> float:
     """:func:`blockhess.linalg.rel_error` ``‖A − B‖_F / ‖B‖_F``; ``‖A − B‖_F / scale`` when ``‖B‖_F``
     is below ``1e-12·scale`` (a reference that is zero up to rounding)."""

@@ -32,7 +32,7 @@ from blockhess.block.directional import vjp
 from blockhess.layers import attention, ffn, layernorm, linear, softmax
 
 from conftest import (EPS64, FLOAT32_FACTOR, ROUND, assert_close, assert_float32_close, fro, make_case,
-                      randomize_vectors)
+                      randomize_vectors, spy_calls)
 from settings import (ACTIVATIONS, KINDS, LAYERNORM_CASES, MULTIHEAD_CASES, NAMED_CONFIGS, OPTION_CASES, OPTION_IDS,
                       SIZE_IDS, SIZES, SOFTMAX_SHAPES, make_target)
 
@@ -432,18 +432,6 @@ def test_hvp_wanted_rows_are_the_full_products_rows(case):
                         assert dgX is None
 
 
-def _calls(monkeypatch, module, name):
-    """Record each call's keyword arguments of ``module.name`` (still run)."""
-    seen, real = [], getattr(module, name)
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
-    return seen
-
-
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_hvp_restricted_pass_skips_what_is_not_wanted(monkeypatch, norm):
     """The restriction is real: each weight alone forms one weight's rows (one ``linear.second_adjoint``
@@ -453,9 +441,9 @@ def test_hvp_restricted_pass_skips_what_is_not_wanted(monkeypatch, norm):
     c = forward_cache(p, X, cfg, plain=True)
     gl, omega = loss_parts(c, "mse", make_target("mse", X, g, 4))
     V = directions(p, 2, 3)
-    lin = _calls(monkeypatch, linear, "second_adjoint")
-    att = _calls(monkeypatch, attention, "second_adjoint")
-    soft = _calls(monkeypatch, softmax, "second_adjoint")
+    lin = spy_calls(monkeypatch, linear, "second_adjoint")
+    att = spy_calls(monkeypatch, attention, "second_adjoint")
+    soft = spy_calls(monkeypatch, softmax, "second_adjoint")
     hvp(c, gl, V, omega)
     assert sum(kw.get("weight", True) for kw in lin) == 6 and len(att) == 1 and len(soft) == 1  # the six maps
     for wanted, n_lin, n_att, n_soft in ((("W_2",), 1, 0, 0), (("W_1",), 2, 0, 0), (("W_O",), None, 0, 0),

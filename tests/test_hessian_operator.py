@@ -13,7 +13,7 @@ from blockhess.layers import attention
 from blockhess.model import directional as model_directional
 from blockhess.operators import HessianOperator, engines, head_views, lanczos_eigs
 
-from conftest import assert_close, make_model_case
+from conftest import assert_close, make_model_case, spy_calls
 from settings import MODEL_CASES, MODEL_IDS, OPTION_CASES, OPTION_IDS
 
 PRE = bh.BlockConfig(d_model=8, d_ff=12, n_heads=2, norm="pre", bias=True, out_proj=True, ln_affine=True,
@@ -246,27 +246,15 @@ def test_model_views_are_the_full_products_rows(name, part):
     _check_views(A, R, cfg, some, every, f"{name} {part}", seed=2)
 
 
-def _spy(monkeypatch, module, name):
-    """Record each call's keyword arguments of ``module.name`` (still run)."""
-    seen, real = [], getattr(module, name)
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
-    return seen
-
-
 def test_model_views_run_only_the_stages_they_need(monkeypatch):
     """The restriction is real in a model (two blocks): a view runs no block below its lowest
     direction on the way up, none below its lowest row on the way down, and each block forms only
     its wanted rows (the attention's pass only where a row or an input adjoint below needs it)."""
-    block_hvp = _spy(monkeypatch, engines, "hvp")
+    block_hvp = spy_calls(monkeypatch, engines, "hvp")
     cfg, p, x, loss, T = _model_case("gpt")
     A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
-    down = _spy(monkeypatch, model_directional, "vjp")
-    att = _spy(monkeypatch, attention, "second_adjoint")
+    down = spy_calls(monkeypatch, model_directional, "vjp")
+    att = spy_calls(monkeypatch, attention, "second_adjoint")
     for a, b, ups, downs, n_att in (("blocks.1.W_2", "blocks.1.W_2", [({"W_2"}, False)], [], 0),
                                     ("blocks.0.W_1", "blocks.1.W_2", [(set(), True)], [{"W_1"}], 1),
                                     ("blocks.1.W_2", "blocks.0.W_1", [(set(), False), ({"W_2"}, False)], [], 0),

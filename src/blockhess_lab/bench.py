@@ -237,12 +237,17 @@ def build_plan(args) -> list[dict]:
             "id": "c/largest", "group": "c", "sizes": sizes, "layout": "largest",
             "baselines": ["func_hessian"] if q else ["func_hessian", "jax", "curvlinops"], "timeout_s": 300 if q else 1200,
         })
-    only = [o.strip() for o in getattr(args, "only", "").split(",") if o.strip()]
-    if only:
-        cases = [c for c in cases if any(o in c["id"] for o in only)]
-        if not cases:
-            raise ValueError(f"--only {args.only!r} matches no case of groups {sorted(groups)}")
+    only = getattr(args, "only", "")
+    cases = matching(cases, only)
+    if not cases:
+        raise ValueError(f"--only {only!r} matches no case of groups {sorted(groups)}")
     return cases
+
+
+def matching(cases: list[dict], only: str) -> list[dict]:
+    """The cases whose id contains one of the comma-separated substrings ``only`` (``""``: every case)."""
+    subs = [o.strip() for o in only.split(",") if o.strip()]
+    return [c for c in cases if not subs or any(o in c["id"] for o in subs)]
 
 
 GPT2 = {"d": 16, "d_ff": 64, "heads": 2, "vocab": 32, "positions": 8}  # the issue's 2-layer GPT-2: n = 7,232

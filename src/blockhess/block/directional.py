@@ -178,6 +178,11 @@ def _no_tangents(cfg) -> _Tangents:
                      tf, None)
 
 
+def _reshaped(t, *shape):
+    """``t`` reshaped to ``shape`` (``(k, T, d)`` tokens, ``(k, B, L, d)`` sequences), or ``None``."""
+    return None if t is None else t.reshape(shape)
+
+
 def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents:
     """The tangent pass, forward, along the weights' directions ``dp`` and the input's ``dX``
     ``(k, B, L, d)`` or ``None`` (docs/derivations.md §18, "The block"). ``scaled``: pre-LN with ``dX``
@@ -188,10 +193,9 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
     cfg, p = c.cfg, c.params
     pre = pre_ln(cfg)
     B, L, d = c.X.shape
-    T = B * L
 
     def tokens(t):
-        return None if t is None else t.reshape(k, T, d)
+        return _reshaped(t, k, B * L, d)
 
     ln1 = ln2 = (None, None)
     dXa = dX
@@ -237,10 +241,10 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
     T = B * L
 
     def tokens(t):
-        return None if t is None else t.reshape(k, T, d)
+        return _reshaped(t, k, T, d)
 
     def seqs(t):
-        return None if t is None else t.reshape(k, B, L, d)
+        return _reshaped(t, k, B, L, d)
 
     def has(group):
         return bool(want & group)
