@@ -38,6 +38,7 @@ __all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_e
 WHICH = ("LA", "SA", "LM")
 RELS = ("each", "scale")
 NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
+DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept less of its norm
 CHECK_COLUMNS = 10  # lanczos_eigs's default check: Lanczos columns on the complement of the found vectors
 IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
 
@@ -176,13 +177,21 @@ def _columns(A, n_in: int):
         yield j, _mm(A, E)
 
 
-def _project_out(B: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W`` minus its projection on the orthonormal columns of ``B``, classical Gram–Schmidt twice
-    (Kahan's "twice is enough"), and the coefficients ``Bᵀ W`` of both passes together."""
+def _project_out(B: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``W`` minus its projection on the orthonormal columns of ``B`` by classical Gram–Schmidt, a second
+    pass where the first cancelled more than ``1 − 1/√2`` of a column's norm (Daniel, Gragg, Kaufman &
+    Stewart 1976; "twice is enough", Kahan): ``(W', Bᵀ W of the passes together, ref)``, ``ref`` the
+    Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``)."""
+    if B.shape[1] == 0:
+        return W, W.new_zeros(0, W.shape[1]), float(W.norm())
+    before = W.norm(dim=0)
     C = B.T @ W
     W = W - B @ C
+    if bool((W.norm(dim=0) >= DGKS * before).all()):
+        return W, C, float(before.norm())
+    ref = float(W.norm())
     C2 = B.T @ W
-    return W - B @ C2, C + C2
+    return W - B @ C2, C + C2, ref
 
 
 def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
@@ -206,30 +215,39 @@ def _bounds(theta: torch.Tensor, scale: float, tol: float, rel: str) -> torch.Te
     return torch.where(a >= floor, tol * a, torch.full_like(a, floor))
 
 
-def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A) -> torch.Tensor:
+def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, ortho: float | None = None) -> torch.Tensor:
     """An orthonormal basis ``(n, b')`` of the residual block ``W`` (already orthogonal to ``B``),
     ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√(m+1) · ε · ref``, ``m``
     the columns of ``B``, ``ref`` the Frobenius norm of the product ``W`` came from), orthogonalised
-    against ``B`` again when a singular value is below ``ref / 2`` (``W ⊥ B`` holds to ``ε · ref``, which
-    dividing by a small singular value magnifies), re-orthonormalised by QR, completed by random vectors
-    orthogonal to everything (an invariant subspace found: the Krylov space continues in the complement,
-    as a fresh start)."""
+    against ``B`` again when a singular value is below ``ortho / 2`` (``W ⊥ B`` holds to ``ε · ortho``,
+    ``ortho`` the norm the last Gram–Schmidt pass started from, :func:`_project_out`; default ``ref``),
+    which dividing by a small singular value magnifies), re-orthonormalised by QR (one column: by its
+    norm), completed by random vectors orthogonal to everything (an invariant subspace found: the Krylov
+    space continues in the complement, as a fresh start)."""
     width = min(W.shape[1], room)
     if width <= 0:
         return W[:, :0]
     eps = torch.finfo(W.dtype).eps
-    U, S, _ = torch.linalg.svd(W, full_matrices=False)
+    ortho = ref if ortho is None else ortho
+    if W.shape[1] == 1:  # one column: its norm is its singular value, no SVD or QR
+        S = W.norm(dim=0)
+        U = W / S if float(S) > 0 else W[:, :0]
+    else:
+        U, S, _ = torch.linalg.svd(W, full_matrices=False)
     good = S[:width] > math.sqrt(B.shape[1] + 1) * eps * max(ref, float(S.max()) if S.numel() else 0.0)
     U = U[:, : int(good.sum())]
     if U.shape[1]:
-        if B.shape[1] and float(S[U.shape[1] - 1]) < 0.5 * ref:
-            U, _ = _project_out(B, U)
-        Q, R = torch.linalg.qr(U)
-        U = Q[:, R.diagonal().abs() > 0.5]  # a column that kept half its norm is orthogonal to rounding
+        if B.shape[1] and float(S[U.shape[1] - 1]) < 0.5 * ortho:
+            U = _project_out(B, U)[0]
+        if U.shape[1] == 1:
+            u = U.norm(dim=0)
+            U = U / u if float(u) > 0.5 else U[:, :0]  # a column that kept half its norm is orthogonal to rounding
+        else:
+            Q, R = torch.linalg.qr(U)
+            U = Q[:, R.diagonal().abs() > 0.5]
     while U.shape[1] < width:
         R = _gaussian(gen, (W.shape[0], width - U.shape[1]), A)
-        R, _ = _project_out(torch.cat([B, U], 1), R)
-        R, _ = _project_out(torch.cat([B, U], 1), R)
+        R = _project_out(torch.cat([B, U], 1), R)[0]
         Qr, Rr = torch.linalg.qr(R)
         good = Rr.diagonal().abs() > math.sqrt(W.shape[0]) * eps * max(float(R.norm()), 1e-300)
         if not bool(good.any()):
@@ -278,7 +296,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
 
     ``which``: ``"LA"`` largest algebraic (descending), ``"SA"`` smallest (ascending), ``"LM"`` largest
     magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
-    whole basis, twice, and again after normalisation where the block was small against its product) and
+    whole basis, a second time where the first pass cancelled most of a column (DGKS), and again after
+    normalisation where the block was small against its product) and
     Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv`` vectors (default
     ``max(3k + 2·block_size, 60)``, capped at ``n``; memory ``n · ncv`` of the dtype, checked
     before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
@@ -366,7 +385,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             raise ValueError("v0 must be finite and not zero")
         j = v0.shape[1]
         X0 = v0 @ _gaussian(gen, (j, p), A) if j >= p else torch.cat([v0, _gaussian(gen, (n, p - j), A)], 1)
-    V = torch.zeros(n, ncv, dtype=A.dtype, device=A.device)
+    V = torch.zeros(ncv, n, dtype=A.dtype, device=A.device).T  # column-major: each basis vector contiguous
     T = torch.zeros(ncv, ncv, dtype=A.dtype, device=A.device)
     start, known = _new_block(X0, V[:, :0], n, 0.0, gen, A), None  # a run's start block; its known product
     wmax = max(p, (ncv - k) // 2)  # the widest block a restart leaves room for (k Ritz vectors kept)
@@ -386,7 +405,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                 AB = _mm(A, V[:, m:q])
                 matvecs += b
             iterations += 1
-            W, C = _project_out(V[:, :q], AB)
+            W, C, ortho = _project_out(V[:, :q], AB)
             T[:q, m:q] = C
             T[m:q, :q] = C.T
             T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
@@ -394,10 +413,11 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             theta, Y = linalg.eigh(T[:m, :m])
             scale = max(scale, float(theta.abs().max()))
             idx = _order(theta, which)[: min(k, m)]
-            est = (W @ Y[m - b : m, idx]).norm(dim=0)  # A V y - θ V y = W (last rows of y): the residuals
+            Yb = Y[m - b : m, idx]  # A V y - θ V y = W (last rows of y): the residuals ‖W y_b‖, by W's Gram matrix
+            est = ((W.T @ W) @ Yb * Yb).sum(0).clamp_min(0).sqrt()
             if idx.numel() == k and bool((est <= _bounds(theta[idx], scale, tol, rel)).all()):
                 break
-            U = _new_block(W, V[:, :m], min(n - m, wmax), float(AB.norm()), gen, A)
+            U = _new_block(W, V[:, :m], min(n - m, wmax), float(AB.norm()), gen, A, ortho)
             if U.shape[1] == 0 or matvecs + U.shape[1] + k > max_matvecs:
                 break
             if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
@@ -466,14 +486,15 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
     V[:, :k] = X
     T = torch.zeros(c, c, dtype=V.dtype, device=V.device)
     G = _gaussian(gen, (n, p), A)
-    U = _new_block(_project_out(V[:, :k], G)[0], V[:, :k], min(p, c), float(G.norm()), gen, A)
+    W, _, ortho = _project_out(V[:, :k], G)
+    U = _new_block(W, V[:, :k], min(p, c), float(G.norm()), gen, A, ortho)
     m, q = 0, U.shape[1]
     V[:, k : k + q] = U
     products = 0
     while True:
         AB = _mm(A, V[:, k + m : k + q])
         products += q - m
-        W, C = _project_out(V[:, : k + q], AB)
+        W, C, ortho = _project_out(V[:, : k + q], AB)
         C = C[k:]  # the coefficients along X are the found pairs' residuals: not part of the restriction
         T[:q, m:q] = C
         T[m:q, :q] = C.T
@@ -481,7 +502,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
         m = q
         if m >= c:
             break
-        U = _new_block(W, V[:, : k + m], min(p, c - m), float(AB.norm()), gen, A)
+        U = _new_block(W, V[:, : k + m], min(p, c - m), float(AB.norm()), gen, A, ortho)
         if U.shape[1] == 0:
             break
         V[:, k + m : k + m + U.shape[1]] = U
