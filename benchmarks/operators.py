@@ -463,6 +463,28 @@ def section_blocks(P, args, log) -> dict:
             "ratio_view_over_full_cpu": {a: t[a]["median_cpu_s"] / full_cpu for a in SIX}}
 
 
+def section_block_products(P, args, log) -> dict:
+    """Each weight block's own product: ours (the operator's view) against hessian-eigenthings' per-block
+    operator (double backward that recomputes the forward, the gradient w.r.t. that parameter only), the
+    product each eigensolver pays per step; the two agree to float32 rounding."""
+    A = P.operator()
+    gen = torch.Generator().manual_seed(args.seed + 11)
+    calls, agree = {}, {}
+    for a in SIX:
+        view, H = A[a, a], _block_operator_hf(P, a)
+        x = torch.randn(view.shape[1], generator=gen, dtype=torch.float64).to(P.dtype)
+        ours, theirs = view @ x, H.matvec(x).reshape(-1)
+        agree[a] = float((ours - theirs).norm() / theirs.norm())
+        calls[f"ours_{a}"] = (lambda view=view, x=x: view @ x)
+        calls[f"eigenthings_{a}"] = (lambda H=H, x=x: H.matvec(x))
+    log("ours against eigenthings' block product: " + ", ".join(f"{a} {e:.1e}" for a, e in agree.items()))
+    t = timed_rounds(calls, args.rounds, args.warmup, log)
+    ratio = {a: t[f"eigenthings_{a}"]["median_s"] / t[f"ours_{a}"]["median_s"] for a in SIX}
+    ratio_cpu = {a: t[f"eigenthings_{a}"]["median_cpu_s"] / t[f"ours_{a}"]["median_cpu_s"] for a in SIX}
+    log("eigenthings / ours per block product (wall): " + ", ".join(f"{a} {r:.2f}x" for a, r in ratio.items()))
+    return {"timing": t, "rel_err_vs_eigenthings": agree, "ratio": ratio, "ratio_cpu": ratio_cpu}
+
+
 # ---------------------------------------------------------------------------------------
 # top-5 eigenvalues of each block
 
@@ -721,7 +743,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="issue", help="(B, L, d, heads, d_ff): " +
                     ", ".join(f"{k} {v}" for k, v in SIZES.items()))
-    ap.add_argument("--sections", default="products,memory,blocks,eigs")
+    ap.add_argument("--sections", default="products,memory,blocks,eigs",
+                    help="comma-separated, of products, memory, blocks, block_products, eigs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--k", type=int, default=8, help="columns of the batched product")
@@ -791,7 +814,7 @@ def main(argv=None) -> int:
         load0 = load_average()
         t0 = time.perf_counter()
         body = {"products": section_products, "memory": section_memory, "blocks": section_blocks,
-                "eigs": section_eigs}[s](P, args, log)
+                "block_products": section_block_products, "eigs": section_eigs}[s](P, args, log)
         result["sections"].pop(f"{s}_partial", None)
         result["sections"][s] = {"load_average_before": load0, "load_average_after": load_average(),
                                  "wall_s": time.perf_counter() - t0, **body}
