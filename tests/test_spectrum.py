@@ -72,6 +72,8 @@ def test_spectrum_end_to_end(tmp_path, checkpoint, capsys):
     assert set(ops) == {"full", "outer", "functional"} and all(o["product_seconds"] > 0 for o in ops.values())
     md = (out / "spectrum.md").read_text()
     assert "| `W_E+b_E` | 136 | lanczos |" in md and "| `b_H` | 10 | dense |" in md and ": passed;" in md
+    peak = rep["timings"]["peak_rss_bytes"]
+    assert peak > 0 and f"peak resident memory {peak / 2**30:.2f} GiB." in md
 
 
 def test_the_dense_check_fails_on_a_wrong_eigenvalue(tmp_path, checkpoint, monkeypatch, capsys):

@@ -62,6 +62,7 @@ from blockhess.config import BlockConfig, ModelConfig, init_params, param_shapes
 from blockhess.operators import (HessianOperator, NotConvergedError, head_views, hutchpp_trace, lanczos_eigs,
                                  mean_operator, slq_density)
 from . import plots
+from .bench_worker import peak_bytes
 from . import vit as vitmod
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
@@ -685,7 +686,8 @@ def markdown(rep: dict) -> str:
                   f"{', '.join(rep['series']['labels'])}. Lanczos products after the first point: {t['warm']:,} "
                   f"warm-started, {t['cold']:,} cold.", ""]
     lines += ["Figures: " + ", ".join(f"`{f}`" for f in rep["figures"]) + ".", "",
-              f"Run time {rep['timings']['total_s']:.1f} s (load average {_load(rep['environment'])}).", ""]
+              f"Run time {rep['timings']['total_s']:.1f} s (load average {_load(rep['environment'])}); peak resident "
+              f"memory {rep['timings']['peak_rss_bytes'] / 2**30:.2f} GiB.", ""]
     return "\n".join(lines)
 
 
@@ -769,7 +771,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
             "environment": env, "figures": figs,
         }
         rep["environment"]["load_average_at_end"] = load_average()
-        rep["timings"] = {"total_s": time.perf_counter() - t0}
+        rep["timings"] = {"total_s": time.perf_counter() - t0, "peak_rss_bytes": peak_bytes()}
         rep = _public(rep)
         write_json(tmp / "spectrum.json", rep)
         (tmp / "spectrum.md").write_text(markdown(rep))
