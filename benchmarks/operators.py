@@ -550,10 +550,11 @@ def _block_operator_hf(P, a):
     return he.LambdaOperator(mv, shape[0] * (cols.stop - cols.start), dtype=P.dtype)
 
 
-def eigenthings_eigs(P, a, view, log, max_iter_cap: int) -> dict:
+def eigenthings_eigs(P, a, view, log, max_iter_cap: int, at: int | None = None) -> dict:
     """hessian-eigenthings' ``lanczos`` (no restarts: one Krylov space of ``max_iter`` products) on block
     ``a``: ``max_iter`` doubled from 20 until the run converges, then bisected down to within 10 % of the
-    smallest that converges; the smallest converged run's time is the baseline's."""
+    smallest that converges; the smallest converged run's time is the baseline's. With ``at``: one run
+    of ``max_iter = at`` (a size an earlier search found), no search."""
     import hessian_eigenthings as he
 
     H = _block_operator_hf(P, a)
@@ -572,6 +573,11 @@ def eigenthings_eigs(P, a, view, log, max_iter_cap: int) -> dict:
         log(f"eigenthings {a}: max_iter {m}: {dt:.1f}s, max rel. residual {max(rel):.1e}, flag {bool(r.converged.all())}")
         return ok
 
+    if at is not None:
+        ok = run(at)
+        best = tries[at]
+        return {"time_s": best["time_s"] if ok else None, "matvecs": at, "converged": ok, "eigenvalues": best["eigenvalues"],
+                "rel_residuals": best["rel_residuals"], "search_total_s": None, "tries": list(tries.values())}
     lo, hi = 0, 20
     while not run(hi):
         lo, hi = hi, 2 * hi
@@ -637,7 +643,7 @@ def section_eigs(P, args, log) -> dict:
                 f"{[f'{x:.4g}' for x in e['ours']['eigenvalues']]}, max rel. residual {max(e['ours']['rel_residuals']):.1e}")
             args.partial(out)
         if a in args.eig_baselines and "eigenthings" in args.eig_methods:
-            e["eigenthings"] = eigenthings_eigs(P, a, view, log, args.eigenthings_cap)
+            e["eigenthings"] = eigenthings_eigs(P, a, view, log, args.eigenthings_cap, args.eigenthings_at)
             args.partial(out)
         if a in args.eig_baselines and "pyhessian" in args.eig_methods:
             e["pyhessian"] = pyhessian_eigs(P, a, view, log, args.pyhessian_tol, args.pyhessian_iter)
@@ -759,6 +765,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eig-methods", default="ours,eigenthings,pyhessian", help="eigs: which of ours, eigenthings, pyhessian")
     ap.add_argument("--eig-baselines", default="W_1", help="blocks whose top 5 the baselines also compute")
     ap.add_argument("--eigenthings-cap", type=int, default=640, help="largest Krylov dimension tried")
+    ap.add_argument("--eigenthings-at", type=int, default=None,
+                    help="eigs: one eigenthings run of this Krylov dimension (found by an earlier search) instead of the search")
     ap.add_argument("--pyhessian-tol", type=float, default=1e-8)
     ap.add_argument("--pyhessian-iter", type=int, default=200)
     ap.add_argument("--out", help="JSON file")
