@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,3 +218,19 @@ def test_density_of_chosen_blocks_only(tmp_path, checkpoint):
     assert [k for k, r in blocks.items() if "density" in r["full"]] == ["all"]
     assert rep["settings"]["density_blocks"] == ["all"] and "density.png" in rep["figures"]
     assert "steps, of all." in (out / "spectrum.md").read_text()
+
+
+def test_density_plot_floor_shows_single_eigenvalues(tmp_path, monkeypatch):
+    """The log axis reaches the floor asked for (a tenth of one eigenvalue's broadened peak) where it
+    lies below 1e-4 of the panel's peak, and stays at 1e-4 of the peak where the asked floor is higher."""
+    from blockhess_lab import plots
+
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", figs.append)
+    grid = np.linspace(-1.0, 1.0, 50)
+    dens = np.exp(-grid ** 2 / 0.02) + 1e-9
+    panels = {"a": {"full": (grid, dens, 0 * dens)}, "b": {"full": (grid, dens, 0 * dens)}}
+    plots.densities(tmp_path / "d.png", panels, "title " * 30, floors={"a": 1e-8, "b": 1e-2})
+    (ax_a, ax_b), peak = figs[0].axes[:2], float(dens.max())
+    assert ax_a.get_ylim()[0] == pytest.approx(1e-8) and ax_b.get_ylim()[0] == pytest.approx(1e-4 * peak)
+    assert "\n" in figs[0]._suptitle.get_text()  # wrapped to two panels' width

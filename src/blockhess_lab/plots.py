@@ -17,6 +17,7 @@ Each returns nothing and writes one PNG; callers pass plain tensors/arrays and l
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -259,15 +260,20 @@ def block_eigenvalues(path, panels: dict, suptitle: str) -> None:
     plt.close(fig)
 
 
-def densities(path, panels: dict, suptitle: str, ncols: int = 4) -> None:
+def densities(path, panels: dict, suptitle: str, ncols: int = 4, floors: dict | None = None) -> None:
     """Spectral densities, one panel per block; ``panels``: ``{block label: {part: (grid, density,
-    stderr)}}``; a band of ±1 standard error; log y axis from 1e-4 of the panel's peak."""
+    stderr)}}``; a band of ±1 standard error; log y axis from the panel's floor: ``1e-4`` of its peak,
+    or lower where ``floors`` (``{block label: value}``, e.g. a tenth of one eigenvalue's broadened
+    peak ``1/(n σ √(2π))``) asks, so that single outlying eigenvalues of a large block show. The title
+    wraps to the figure's width."""
     nrows = math.ceil(len(panels) / ncols)
     ncols = min(ncols, len(panels))
     fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False)
     for ax, (name, parts) in zip(axes.ravel(), panels.items()):
         peak = max(float(np.max(d)) for _, d, _ in parts.values())
         floor = 1e-4 * peak if peak > 0 else 1e-12
+        if floors and name in floors and 0 < floors[name] < floor:
+            floor = floors[name]
         for part, (grid, dens, se) in parts.items():
             grid, dens, se = (np.asarray(a, dtype=np.float64) for a in (grid, dens, se))
             ax.plot(grid, np.maximum(dens, floor), color=PART_COLOURS.get(part), lw=1.1, label=part)
@@ -283,7 +289,7 @@ def densities(path, panels: dict, suptitle: str, ncols: int = 4) -> None:
     axes[0][0].legend(fontsize=7)
     fig.supxlabel("eigenvalue")
     fig.supylabel("density")
-    fig.suptitle(suptitle)
+    fig.suptitle(textwrap.fill(suptitle, max(40, int(16 * 3.6 * ncols))), fontsize=10)
     fig.tight_layout()
     fig.savefig(Path(path), dpi=130, bbox_inches="tight")
     plt.close(fig)

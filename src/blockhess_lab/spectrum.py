@@ -618,8 +618,10 @@ def figures(tmp: Path, problem: Problem, res: dict, ser: dict | None, s: Setting
         dens = {labels[k]: {part: (r[part]["density"]["grid"], r[part]["density"]["density"], r[part]["density"]["stderr"])
                             for part in s.parts} for k, r in res["blocks"].items() if "density" in r[s.parts[0]]}
     if s.density is not None and dens:
+        one = {labels[k]: 0.1 / (r[s.parts[0]]["n"] * max(r[p]["density"]["sigma"] for p in s.parts) * math.sqrt(2 * math.pi))
+               for k, r in res["blocks"].items() if labels[k] in dens}  # a tenth of one eigenvalue's broadened peak
         plots.densities(tmp / "density.png", dens, f"{title}: spectral density (SLQ, {s.density[0]} probes "
-                                                   f"x {s.density[1]} steps; band: ±1 standard error)")
+                                                   f"x {s.density[1]} steps; band: ±1 standard error)", floors=one)
         out.append("density.png")
     if s.trace:
         tr = {part: {labels[k]: (r[part]["trace"]["value"], r[part]["trace"]["stderr"]) for k, r in res["blocks"].items()}
