@@ -153,6 +153,22 @@ def test_a_warm_start_from_near_eigenvectors_at_a_tighter_tolerance():
     _assert_extreme(lanczos_eigs(M, k=5, block_size=5, tol=TOL, v0=first.eigenvectors), M, 5, "LA")
 
 
+@pytest.mark.parametrize("k, block_size", [(1, 2), (2, 3), (1, 4)])
+def test_a_start_block_holding_exact_eigenvectors_stops_after_its_first_block(k, block_size):
+    """``v0`` the top ``k`` eigenvectors, completed to the block by random columns: the first block's Ritz
+    pairs are eigenpairs to rounding, and the recurrence's estimates ``‖W y_b‖`` must say so, although ``W``
+    is then nearly of rank ``block_size − k`` with ``y_b`` along its null directions (a cancellation that
+    ``y_bᵀ (WᵀW) y_b`` resolves only to about ``√ε ‖W‖``, above the bounds ``1e-10 |λ|``)."""
+    lam = torch.cat([torch.tensor([10.0, 9.0, 8.0], dtype=DT), _bulk(300, 0.0, 5.0, 12)])
+    M = _matrix(lam, seed=9)
+    v0 = torch.linalg.eigh(M).eigenvectors[:, -k:].flip(1).contiguous()
+    for seed in range(4):  # the random columns
+        res = lanczos_eigs(M, k=k, block_size=block_size, tol=TOL, v0=v0, seed=seed)
+        _assert_extreme(res, M, k, "LA")
+        # one block, its residual product, the check
+        assert res.iterations == 1 and res.matvecs == block_size + k + res.check_matvecs
+
+
 class _Drifting:
     """``M + E`` until the first product of ``k`` columns (the first true-residual product), ``M`` from then
     on: the first run converges on ``M + E``, and its residuals against ``M`` miss the bounds."""

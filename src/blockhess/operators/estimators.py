@@ -220,7 +220,7 @@ def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, 
     ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√(m+1) · ε · ref``, ``m``
     the columns of ``B``, ``ref`` the Frobenius norm of the product ``W`` came from), orthogonalised
     against ``B`` again when a singular value is below ``ortho / 2`` (``W ⊥ B`` holds to ``ε · ortho``,
-    ``ortho`` the norm the last Gram–Schmidt pass started from, :func:`_project_out`; default ``ref``),
+    ``ortho`` the norm the last Gram–Schmidt pass started from, :func:`_project_out`; default ``ref``,
     which dividing by a small singular value magnifies), re-orthonormalised by QR (one column: by its
     norm), completed by random vectors orthogonal to everything (an invariant subspace found: the Krylov
     space continues in the complement, as a fresh start)."""
@@ -296,10 +296,10 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
 
     ``which``: ``"LA"`` largest algebraic (descending), ``"SA"`` smallest (ascending), ``"LM"`` largest
     magnitude. Block Lanczos with full reorthogonalisation (every new block orthogonalised against the
-    whole basis, a second time where the first pass cancelled most of a column (DGKS), and again after
-    normalisation where the block was small against its product) and
-    Krylov–Schur restarts (Stewart 2001): the basis holds at most ``ncv`` vectors (default
-    ``max(3k + 2·block_size, 60)``, capped at ``n``; memory ``n · ncv`` of the dtype, checked
+    whole basis, a second time where the first pass left a column less than 1/√2 of its norm (DGKS), and
+    again after normalisation where the block was small against its product) and Krylov–Schur restarts
+    (Stewart 2001): the basis holds at most ``ncv`` vectors (default ``max(3k + 2·block_size, 60)``, capped
+    at ``n``; memory ``n · ncv`` of the dtype, checked
     before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
     (``b`` the block width). ``block_size`` (default 1: the fewest products) vectors are multiplied at once.
     A run stops when the recurrence's residual estimates meet the bounds; one product of the ``k`` Ritz
@@ -413,8 +413,11 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             theta, Y = linalg.eigh(T[:m, :m])
             scale = max(scale, float(theta.abs().max()))
             idx = _order(theta, which)[: min(k, m)]
-            Yb = Y[m - b : m, idx]  # A V y - θ V y = W (last rows of y): the residuals ‖W y_b‖, by W's Gram matrix
-            est = ((W.T @ W) @ Yb * Yb).sum(0).clamp_min(0).sqrt()
+            Yb = Y[m - b : m, idx]  # A V y - θ V y = W (last rows of y): the residuals ‖W y_b‖
+            # one column: ‖w‖ |y_b| (no n × k product); a block: the product, not y_bᵀ (WᵀW) y_b, which
+            # cancels to about √ε ‖W‖ |y_b| where W is nearly rank-deficient along y_b (a start block holding
+            # eigenvectors: docs/derivations.md §17)
+            est = W.norm() * Yb[0].abs() if b == 1 else (W @ Yb).norm(dim=0)
             if idx.numel() == k and bool((est <= _bounds(theta[idx], scale, tol, rel)).all()):
                 break
             U = _new_block(W, V[:, :m], min(n - m, wmax), float(AB.norm()), gen, A, ortho)
