@@ -140,6 +140,23 @@ def test_the_check_finds_what_the_krylov_space_cannot_see():
     assert res.check_matvecs >= 2 * 10  # one check that found the copies, one that found nothing beyond
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_check_keeps_its_columns_with_the_smallest_basis(seed):
+    """``ncv = k + 2·block_size`` (the smallest allowed) leaves room for only 2 more vectors in the
+    iteration's basis; the check still runs its own ``check`` columns on the complement (its storage is
+    ``k + check`` wide), so a multiplicity of 7 in the top 8 is found, never returned as fewer copies.
+    So small a basis may also spend the budget taking the copies in one at a time: then it raises."""
+    lam = torch.cat([torch.full((7,), 10.0, dtype=DT), _bulk(193, 0.0, 5.0, seed)])
+    M = _matrix(lam, seed=seed)
+    try:
+        res = lanczos_eigs(M, k=8, tol=TOL, ncv=10, seed=seed, max_matvecs=3000)
+    except NotConvergedError as e:
+        assert not e.result.converged and e.result.matvecs <= 3000
+        return
+    _assert_extreme(res, M, 8, "LA")
+    assert res.ncv == 10 and res.check_matvecs >= 10
+
+
 # ----------------------------------------------------------------------------- warm starts, the true residuals
 
 

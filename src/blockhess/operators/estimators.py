@@ -299,8 +299,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     whole basis, a second time where the first pass left a column less than 1/√2 of its norm (DGKS), and
     again after normalisation where the block was small against its product) and Krylov–Schur restarts
     (Stewart 2001): the basis holds at most ``ncv`` vectors (default ``max(3k + 2·block_size, 60)``, capped
-    at ``n``; memory ``n · ncv`` of the dtype, checked
-    before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
+    at ``n``; memory ``n · max(ncv, k + check)`` of the dtype (the check's columns need not fit in ``ncv``),
+    checked before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
     (``b`` the block width). ``block_size`` (default 1: the fewest products) vectors are multiplied at once.
     A run stops when the recurrence's residual estimates meet the bounds; one product of the ``k`` Ritz
     vectors then gives the true residuals (the reported ``residuals``). If one misses its bound, the
@@ -337,7 +337,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     ``converged=False``); ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``,
     ``tol`` not in ``(ε, 1)`` of the dtype, ``rel`` not ``"each"`` or ``"scale"``, a bad ``ncv`` (``< k +
     2·block_size`` below ``n``), ``block_size``, ``check``, ``max_matvecs``, ``seed`` or ``v0``;
-    ``InsufficientMemoryError`` when the basis ``n × ncv`` (and the ``2k`` vectors of the residual
+    ``InsufficientMemoryError`` when the basis ``n × max(ncv, k + check)`` (and the ``2k`` vectors of the residual
     product) does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3 (block Lanczos); G. W.
     Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); J. Kuczyński & H. Woźniakowski, SIAM J.
     Matrix Anal. Appl. 13 (1992) (the random-start bound).
@@ -368,7 +368,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             raise ValueError(f"ncv must be at least k + 2*block_size = {k + 2 * p} (or >= n = {n}), got {ncv}")
     ncv = min(ncv, n)
     gen = _generator(seed)
-    check_fits(n * (ncv + 2 * k) * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {ncv} + 2 x {k})",
+    width = min(n, max(ncv, k + check))  # the basis' storage: the check's k + check columns too
+    check_fits(n * (width + 2 * k) * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {width} + 2 x {k})",
                A.device)
 
     # the start block
@@ -385,7 +386,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             raise ValueError("v0 must be finite and not zero")
         j = v0.shape[1]
         X0 = v0 @ _gaussian(gen, (j, p), A) if j >= p else torch.cat([v0, _gaussian(gen, (n, p - j), A)], 1)
-    V = torch.zeros(ncv, n, dtype=A.dtype, device=A.device).T  # column-major: each basis vector contiguous
+    V = torch.zeros(width, n, dtype=A.dtype, device=A.device).T  # column-major: each basis vector contiguous
     T = torch.zeros(ncv, ncv, dtype=A.dtype, device=A.device)
     start, known = _new_block(X0, V[:, :0], n, 0.0, gen, A), None  # a run's start block; its known product
     wmax = max(p, (ncv - k) // 2)  # the widest block a restart leaves room for (k Ritz vectors kept)
@@ -457,7 +458,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             restarts += 1
             continue
         worst_before, why = math.inf, None
-        c = min(check, n - k, ncv - k)
+        c = min(check, n - k)
         if c <= 0:
             break
         if matvecs + c > max_matvecs:
