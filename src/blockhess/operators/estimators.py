@@ -307,20 +307,24 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     iteration continues from the ``k`` Ritz vectors (their true residuals start the next block) until the
     bounds are met or ``max_matvecs`` is spent.
 
-    *The check* (``check`` columns, default 10; 0: none): once the residuals are met,
-    ``check/block_size`` block Lanczos steps on ``A`` restricted to the orthogonal complement of the ``k``
-    found vectors, from a fresh random block. A Ritz value there beyond the ``k``-th found value by more
-    than its bound is a Rayleigh quotient of a vector orthogonal to the found ones, so (Cauchy interlacing)
+    *The check* (``check``, default 10; 0: none): once the residuals are met, block Lanczos on ``A``
+    restricted to the orthogonal complement of the ``k`` found vectors, from a fresh random block, for at
+    least ``check`` products and then until its most wanted Ritz value has *settled*: its residual
+    estimate at most its distance to the ``k``-th found value's threshold (:math:`\theta_k + b_k` for
+    ``"LA"``), so the eigenvalue within that residual lies on the found side (Krylov–Schur restarts within
+    the basis' storage; ``NotConvergedError`` if the budget runs out first). A Ritz value there beyond
+    the threshold is a Rayleigh quotient of a vector orthogonal to the found ones, so (Cauchy interlacing)
     the found ``k`` are not the extreme ``k`` — e.g. a multiplicity above the block size, which a Krylov
-    space of ``block_size`` starts cannot resolve. Those Ritz vectors are then taken in: the iteration
-    restarts from the found vectors and them (a block that wide), converges, and checks again. The
-    check's silence is not a proof: for a random start it misses an eigenvalue :math:`\lambda` beyond
-    :math:`\theta_k + b_k` of the complement with probability at most :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}`
-    in exact arithmetic, ``c = check/block_size`` steps, :math:`g = (\lambda - \theta_k - b_k)/(\lambda -
-    \lambda_{\min})` for ``"LA"`` (Kuczyński & Woźniakowski 1992 on the shifted operator; mirrored for
-    ``"SA"``): small for a gap large against the spectrum's spread (a missed copy of a multiple
-    eigenvalue), no assurance for one just beyond :math:`\theta_k`. The products it cost are in
-    ``matvecs`` and ``check_matvecs``; the check's most wanted Ritz value is ``check_value``.
+    space of ``block_size`` starts cannot resolve, such as the null space at the bottom of a
+    Gauss–Newton part. Those Ritz vectors are then taken in: the iteration restarts from the found
+    vectors and them (a block that wide), converges, and checks again. The check's silence is not a
+    proof: a random start orthogonal to a hidden eigenvector never sees it, and a settled Ritz value is
+    the complement's extreme eigenvalue with high probability, not certainty (for ``c`` steps and an
+    eigenvalue :math:`\lambda` beyond the threshold, the probability of missing it is at most
+    :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}` in exact arithmetic, :math:`g = (\lambda - \theta_k -
+    b_k)/(\lambda - \lambda_{\min})` for ``"LA"``; Kuczyński & Woźniakowski 1992 on the shifted operator;
+    mirrored for ``"SA"``). The products it cost are in ``matvecs`` and ``check_matvecs``; the check's most
+    wanted Ritz value is ``check_value``.
 
     ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
     block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
@@ -464,13 +468,19 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm = _check(A, V, X, c, min(p, c), gen)
+        rho, Z, cm, settled = _check(A, V, X, c, min(p, c), gen, float(lam[-1]), float(bounds[-1]), which,
+                                     min(width - k, n - k), max_matvecs - matvecs)
         matvecs += cm
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
         check_value = float(rho[_order(rho, which)[0]])
         beat = _beats(rho, float(lam[-1]), float(bounds[-1]), which)
         if not bool(beat.any()):
+            if not settled:
+                met, why = False, (f"the check's most wanted Ritz value {check_value:.6g} had not settled within "
+                                   f"{cm} products, when the budget max_matvecs={max_matvecs} ran out (its residual above its "
+                                   f"distance to the k-th value {float(lam[-1]):.6g}), so an eigenvalue beyond the found "
+                                   "ones is not ruled out; raise max_matvecs, or use a block_size above the multiplicity")
             break
         if matvecs + k + int(beat.sum()) > max_matvecs:
             met, why = False, (f"the check found {check_value:.6g}, beyond the k-th value {float(lam[-1]):.6g}, and "
@@ -483,18 +493,23 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     return _finish(result, allow_unconverged, why)
 
 
-def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
-    """``c`` columns of block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of
-    ``X`` ``(n, k)``, from a random block, in ``V``'s storage: ``(Ritz values, Ritz vectors, products)``."""
+def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: float, bound_k: float, which: str,
+           room: int, budget: int):
+    """Block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of ``X`` ``(n, k)``,
+    from a random block, in ``V``'s storage (``room`` columns after ``X``; Krylov–Schur restarts keeping
+    the most wanted half): at least ``c`` products, then on until the most wanted Ritz value beats the
+    ``k``-th found value ``theta_k`` by more than ``bound_k`` or has *settled* (its residual estimate at
+    most its distance to that threshold: the eigenvalue within its residual lies on the found side), or
+    ``budget`` products are spent. ``(Ritz values, Ritz vectors, products, settled)``."""
     n, k = X.shape
     V[:, :k] = X
-    T = torch.zeros(c, c, dtype=V.dtype, device=V.device)
+    T = torch.zeros(room, room, dtype=V.dtype, device=V.device)
     G = _gaussian(gen, (n, p), A)
     W, _, ortho = _project_out(V[:, :k], G)
-    U = _new_block(W, V[:, :k], min(p, c), float(G.norm()), gen, A, ortho)
+    U = _new_block(W, V[:, :k], min(p, room), float(G.norm()), gen, A, ortho)
     m, q = 0, U.shape[1]
     V[:, k : k + q] = U
-    products = 0
+    products, settled = 0, False
     while True:
         AB = _mm(A, V[:, k + m : k + q])
         products += q - m
@@ -503,16 +518,35 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen):
         T[:q, m:q] = C
         T[m:q, :q] = C.T
         T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
-        m = q
-        if m >= c:
+        b, m = q - m, q
+        rho, Y = linalg.eigh(T[:m, :m])
+        if products >= c:
+            j = int(_order(rho, which)[0])
+            r = float((W @ Y[m - b : m, j]).norm())  # A z − ρ z for the Ritz pair (ρ_j, z) (restricted to X's complement)
+            if which == "LA":
+                dist = theta_k + bound_k - float(rho[j])
+            elif which == "SA":
+                dist = float(rho[j]) - (theta_k - bound_k)
+            else:
+                dist = abs(theta_k) + bound_k - abs(float(rho[j]))
+            if dist < 0 or r <= dist:  # beaten, or settled on the found side
+                settled = dist >= 0
+                break
+        if products + p > budget:
             break
-        U = _new_block(W, V[:, : k + m], min(p, c - m), float(AB.norm()), gen, A, ortho)
-        if U.shape[1] == 0:
+        U = _new_block(W, V[:, : k + m], min(p, room - 1), float(AB.norm()), gen, A, ortho)
+        if U.shape[1] == 0:  # the complement's Krylov space is invariant: its Ritz values are eigenvalues
+            settled = True
             break
+        if m + U.shape[1] > room:  # restart: keep the most wanted half of the Ritz vectors, then the pending block
+            kept = _order(rho, which)[: max(1, (room - U.shape[1]) // 2)]
+            V[:, k : k + kept.numel()] = V[:, k : k + m] @ Y[:, kept]
+            m = kept.numel()
+            T.zero_()
+            T[:m, :m] = torch.diag(rho[kept])
         V[:, k + m : k + m + U.shape[1]] = U
         q = m + U.shape[1]
-    rho, Y = linalg.eigh(T[:m, :m])
-    return rho, V[:, k : k + m] @ Y, products
+    return rho, V[:, k : k + m] @ Y, products, settled
 
 
 def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:
