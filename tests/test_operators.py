@@ -402,6 +402,17 @@ def test_slq_with_a_full_krylov_space_is_exact_per_probe():
     assert rel_error(res.density, _exact_density(lam, res.grid, res.sigma)) <= 1e-12
 
 
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e4])
+def test_slq_width_of_a_single_eigenvalue_follows_its_size(scale):
+    """Every node one value ``λ`` (a multiple of the identity): the default width is ``|λ| / n_iter``, so
+    the point mass is as sharp at 1e-6 as at 1e4; the zero operator, which has no scale, gets ``1 / n_iter``."""
+    res = slq_density(scale * torch.eye(50, dtype=DT), n_probes=2, n_iter=8)
+    assert res.sigma == pytest.approx(scale / res.n_iter, rel=1e-12)
+    assert float(res.grid[res.density.argmax()]) == pytest.approx(scale, rel=0.05)
+    zero = slq_density(torch.zeros(50, 50, dtype=DT), n_probes=2, n_iter=8)
+    assert zero.sigma == pytest.approx(1 / zero.n_iter)
+
+
 @pytest.mark.parametrize("kwargs, match", [({"n_probes": 1}, "n_probes"), ({"n_iter": 1}, "n_iter"),
                                            ({"reorth": "partial"}, "reorth"), ({"grid": 1}, "grid"),
                                            ({"sigma": 0.0}, "sigma")])

@@ -234,3 +234,18 @@ def test_density_plot_floor_shows_single_eigenvalues(tmp_path, monkeypatch):
     (ax_a, ax_b), peak = figs[0].axes[:2], float(dens.max())
     assert ax_a.get_ylim()[0] == pytest.approx(1e-8) and ax_b.get_ylim()[0] == pytest.approx(1e-4 * peak)
     assert "\n" in figs[0]._suptitle.get_text()  # wrapped to two panels' width
+
+
+def test_a_zero_part_does_not_set_the_density_width(tmp_path, checkpoint):
+    """The head's ``W_H`` enters the logits linearly, so its functional part is exactly zero: its SLQ
+    nodes are one value, whose default width has no scale. The block's common width comes from the
+    parts with a spread (here full and outer, which are equal)."""
+    out = tmp_path / "sp"
+    assert _spectrum(out, checkpoint, "--blocks", "W_H", "--parts", "full,outer,functional", "--density", "4,8",
+                     "--trace", "0", "--k", "2") == 0
+    r = json.loads((out / "spectrum.json").read_text())["spectra"]["blocks"]["W_H"]
+    assert max(abs(x) for x in r["functional"]["eigenvalues"]) == 0.0
+    sigma = r["full"]["density"]["sigma"]
+    assert sigma == r["outer"]["density"]["sigma"] == r["functional"]["density"]["sigma"]
+    assert 0 < sigma < 1.0 / 8  # not the zero part's scale-free 1 / n_iter
+    assert sigma <= 2 * max(r["full"]["eigenvalues"])  # on the scale of the block's own eigenvalues

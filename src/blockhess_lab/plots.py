@@ -223,10 +223,12 @@ PART_COLOURS = {"full": "0.15", "outer": "tab:blue", "functional": "tab:orange"}
 
 def _symlog(ax, values, axis: str = "y") -> None:
     """A symmetric-log axis whose linear zone starts at the decade of the smallest non-zero ``|value|``,
-    at most six decades below the largest."""
+    at most six decades below the largest (``1`` where every value is zero)."""
     mags = [abs(float(v)) for v in values if float(v) != 0.0]
-    big = max(mags + [1e-300])
-    lin = 10.0 ** max(math.floor(math.log10(min(mags))) if mags else -300, math.floor(math.log10(big)) - 6)
+    if mags:
+        lin = 10.0 ** max(math.floor(math.log10(min(mags))), math.floor(math.log10(max(mags))) - 6)
+    else:  # every value exactly zero (e.g. a part that is zero): any linear zone shows them
+        lin = 1.0
     (ax.set_yscale if axis == "y" else ax.set_xscale)("symlog", linthresh=lin)
     ax.axhline(0, color="0.6", lw=0.6) if axis == "y" else ax.axvline(0, color="0.6", lw=0.6)
 

@@ -402,12 +402,18 @@ def _density(A: HessianOperator, s: Settings) -> tuple:
 
 def _common_densities(parts: dict) -> None:
     """Each part's SLQ density of one block on one grid with one width (the parts' largest default
-    width ``spread / iterations``; the grid over every part's nodes ± 5 widths), so that the parts
-    compare: ``parts[part]["density"]``, from the ``"_slq"`` results."""
+    width ``spread / iterations``, leaving out parts whose nodes are one value, such as an exactly zero
+    functional part, whose default width has no scale; the grid over every part's nodes ± 5 widths), so
+    that the parts compare: ``parts[part]["density"]``, from the ``"_slq"`` results."""
     res = {part: r["_slq"][0] for part, r in parts.items() if "_slq" in r}
     if not res:
         return
-    sigma = max(d.sigma for d in res.values())
+    def spread(d) -> float:
+        used = d.nodes[d.weights > 0]
+        return float(used.max() - used.min())
+
+    wide = [d for d in res.values() if spread(d) > 0]  # a part whose nodes are one value (e.g. exactly zero) has no spread
+    sigma = max(d.sigma for d in (wide or res.values()))
     lo = min(float(d.nodes[d.weights > 0].min()) for d in res.values()) - 5 * sigma
     hi = max(float(d.nodes[d.weights > 0].max()) for d in res.values()) + 5 * sigma
     grid = torch.linspace(lo, hi, GRID, dtype=torch.float64)
@@ -415,7 +421,8 @@ def _common_densities(parts: dict) -> None:
         dens, se, quad = d.broaden(grid.to(d.nodes.dtype), sigma)
         parts[part]["density"] = {
             "probes": d.n_probes, "iterations": d.n_iter, "matvecs": d.matvecs, "reorth": d.reorth, "sigma": sigma,
-            "sigma_rule": "the block's parts' largest spread of nodes / iterations", "grid": grid.tolist(),
+            "sigma_rule": "the block's parts' largest spread of nodes / iterations (parts whose nodes are one value left out)",
+            "grid": grid.tolist(),
             "density": dens.double().tolist(), "stderr": se.double().tolist(),
             "quadrature_error": quad.double().tolist(), "seconds": parts[part]["_slq"][1]}
 
@@ -614,14 +621,17 @@ def figures(tmp: Path, problem: Problem, res: dict, ser: dict | None, s: Setting
            for part in s.parts}
     plots.block_eigenvalues(tmp / "eigenvalues.png", eig, f"{title}: top {s.k} ({s.which}) eigenvalues per block")
     out.append("eigenvalues.png")
-    if s.density is not None:
-        dens = {labels[k]: {part: (r[part]["density"]["grid"], r[part]["density"]["density"], r[part]["density"]["stderr"])
-                            for part in s.parts} for k, r in res["blocks"].items() if "density" in r[s.parts[0]]}
-    if s.density is not None and dens:
-        one = {labels[k]: 0.1 / (r[s.parts[0]]["n"] * max(r[p]["density"]["sigma"] for p in s.parts) * math.sqrt(2 * math.pi))
-               for k, r in res["blocks"].items() if labels[k] in dens}  # a tenth of one eigenvalue's broadened peak
-        plots.densities(tmp / "density.png", dens, f"{title}: spectral density (SLQ, {s.density[0]} probes "
-                                                   f"x {s.density[1]} steps; band: ±1 standard error)", floors=one)
+    dens = {k: r[s.parts[0]]["density"] for k, r in res["blocks"].items()
+            if s.density is not None and "density" in r[s.parts[0]]}  # one grid and width per block (_common_densities)
+    if dens:
+        panel = {k: f"{labels[k]} (σ = {d['sigma']:.2g})" for k, d in dens.items()}
+        curves = {panel[k]: {part: tuple(res["blocks"][k][part]["density"][f] for f in ("grid", "density", "stderr"))
+                             for part in s.parts} for k in dens}
+        one = {panel[k]: 0.1 / (res["blocks"][k][s.parts[0]]["n"] * d["sigma"] * math.sqrt(2 * math.pi))
+               for k, d in dens.items()}  # a tenth of one eigenvalue's broadened peak
+        plots.densities(tmp / "density.png", curves, f"{title}: spectral density (SLQ, {s.density[0]} probes "
+                                                     f"x {s.density[1]} steps; band: ±1 standard error; σ: the "
+                                                     "Gaussian width)", floors=one)
         out.append("density.png")
     if s.trace:
         tr = {part: {labels[k]: (r[part]["trace"]["value"], r[part]["trace"]["stderr"]) for k, r in res["blocks"].items()}

@@ -592,7 +592,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     (all probes multiplied as one ``(n, n_probes)`` block; ``n_iter`` capped at ``n``). Each gives the
     Gauss rule :math:`\{(\theta_j, \tau_j)\}` of :math:`v^\top f(A) v = \int f\,d\mu_v`, exact for
     polynomials of degree ``<= 2 n_iter − 1``; :math:`E[\mu_v] = \frac1n\sum_i\delta_{\lambda_i}`. The density is
-    that average broadened by a Gaussian of width ``sigma`` (default: the nodes' spread ``/ n_iter``,
+    that average broadened by a Gaussian of width ``sigma`` (default: the nodes' spread ``/ n_iter``;
+    where every node is one value ``λ``, ``|λ| / n_iter``, and ``1 / n_iter`` for the zero operator;
     stated in the result) on ``grid`` (a number of points over the nodes' range ``± 5σ``, or a tensor).
     Errors stated: ``stderr`` (the sampling error, over probes) and ``quadrature_error`` (the ``m``- vs
     ``(m−1)``-node rule). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
@@ -668,7 +669,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
             nodes_prev[p], weights_prev[p] = nodes[p], weights[p]
     used = weights > 0
     lo, hi = float(nodes[used].min()), float(nodes[used].max())
-    spread = hi - lo if hi > lo else max(abs(hi), 1.0)
+    spread = hi - lo if hi > lo else (abs(hi) if hi != 0 else 1.0)  # one node value: its size (zero: no scale)
     if sigma is None:
         sigma = spread / m
     if not isinstance(grid, torch.Tensor):
