@@ -249,3 +249,21 @@ def test_a_zero_part_does_not_set_the_density_width(tmp_path, checkpoint):
     assert sigma == r["outer"]["density"]["sigma"] == r["functional"]["density"]["sigma"]
     assert 0 < sigma < 1.0 / 8  # not the zero part's scale-free 1 / n_iter
     assert sigma <= 2 * max(r["full"]["eigenvalues"])  # on the scale of the block's own eigenvalues
+
+
+def test_a_dense_check_that_would_not_fit_is_skipped_with_its_reason(tmp_path, checkpoint, monkeypatch, capsys):
+    """A block small enough for ``--validate-below`` whose dense closed form would not fit (the GPT-2
+    block's biases: a pass over a sequence of 256 tokens) is reported as not checked, with the
+    memory error's message, instead of ending the run after its Lanczos work."""
+    def too_big(*a, **k):
+        raise bh.InsufficientMemoryError("the dense 6x6 Hessian would need 10 bytes but only 1 are available on cpu")
+
+    monkeypatch.setattr(spectrum.bh, "hessian", too_big)
+    out = tmp_path / "sp"
+    assert _spectrum(out, checkpoint, "--blocks", "b_H", "--parts", "full", "--density", "0", "--trace", "0",
+                     "--k", "2") == 0
+    rep = json.loads((out / "spectrum.json").read_text())
+    v = rep["validation"]
+    assert v["blocks"] == {} and v["skipped"] == ["b_H"] and v["passed"] is None
+    assert "would need 10 bytes" in v["skipped_why"]["b_H"]
+    assert "Not checked, the dense closed form would not fit in memory: `b_H`" in (out / "spectrum.md").read_text()
