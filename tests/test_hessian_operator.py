@@ -4,6 +4,8 @@ and equal to the full product's rows), ``wrt`` subsets, and the estimators and S
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -263,3 +265,21 @@ def test_model_views_run_only_the_stages_they_need(monkeypatch):
         A[a, b] @ torch.randn(A[a, b].shape[1], dtype=torch.float64)
         assert sorted((set(kw["wanted"]), kw["input_adjoint"]) for kw in block_hvp) == sorted(ups), (a, b)
         assert [set(kw["wanted"]) for kw in down] == downs and len(att) == n_att, (a, b)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_non_finite_direction_is_named_by_its_variable(name):
+    """A NaN or Inf anywhere in ``V`` (the head's, the final LayerNorm's, the embedding's or a block's
+    entries; flat, batched or as a list) raises before any work, naming the variable it lies in."""
+    cfg, p, x, loss, T = _model_case(name)
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    off = 0
+    for var, size in zip(A.in_names, A.in_sizes):
+        for bad in (float("nan"), float("inf")):
+            v = torch.zeros(A.shape[1], 2, dtype=torch.float64)
+            v[off + size - 1, 1] = bad
+            with pytest.raises(ValueError, match=re.escape(f"V contains NaN or Inf (in the entries of {var!r})")):
+                A @ v
+            with pytest.raises(ValueError, match=re.escape(f"(in the entries of {var!r})")):
+                A @ [t.reshape(s) for t, s in zip(v[:, 1].split(list(A.in_sizes)), A.in_shapes.values())]
+        off += size

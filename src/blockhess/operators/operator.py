@@ -275,9 +275,20 @@ class HessianOperator:
             rows.append(y.reshape(k, -1).T)
         return torch.cat(rows, 0) if len(rows) > 1 else rows[0].contiguous()
 
-    def _check_tensor(self, V: torch.Tensor, what: str = "V") -> None:
+    def _check_tensor(self, V: torch.Tensor, what: str = "V", var: str | None = None) -> None:
+        """``V`` of the operator's dtype and device, and finite; a non-finite entry is named by its column
+        variable (``var`` for a list's tensor; else found from the row of a flat ``V``)."""
         if V.dtype != self.dtype or V.device != self.device:
             raise ValueError(f"{what} must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
+        bad = ~torch.isfinite(V)
+        if bool(bad.any()):
+            if var is None:
+                row, off = int(bad.reshape(V.shape[0], -1).any(1).nonzero()[0, 0]), 0
+                for var, size in zip(self.in_names, self.in_sizes):
+                    if row < off + size:
+                        break
+                    off += size
+            raise ValueError(f"{what} contains NaN or Inf (in the entries of {var!r})")
 
     def __matmul__(self, V):
         """``A @ V``; see the class docstring for the formats."""
@@ -301,8 +312,8 @@ class HessianOperator:
         shapes = [self.in_shapes[v] for v in self.in_names]
         if len(V) != len(shapes) or not all(isinstance(t, torch.Tensor) for t in V):
             raise ValueError(f"a list V must hold {len(shapes)} tensors, one per column variable {list(self.in_names)}")
-        for t in V:
-            self._check_tensor(t, "each tensor of V")
+        for t, var in zip(V, self.in_names):
+            self._check_tensor(t, "each tensor of V", var)
         if all(tuple(t.shape) == s for t, s in zip(V, shapes)):
             X = torch.cat([t.reshape(-1, 1) for t in V], 0)
             vector = True
