@@ -267,3 +267,19 @@ def test_a_dense_check_that_would_not_fit_is_skipped_with_its_reason(tmp_path, c
     assert v["blocks"] == {} and v["skipped"] == ["b_H"] and v["passed"] is None
     assert "would need 10 bytes" in v["skipped_why"]["b_H"]
     assert "Not checked, the dense closed form would not fit in memory: `b_H`" in (out / "spectrum.md").read_text()
+
+
+def test_an_unconverged_block_says_why_and_is_not_judged(tmp_path, checkpoint, capsys):
+    """A budget too small for k = 5 (``--max-matvecs 3``): the block is recorded unconverged with the
+    solver's reason, which the one-line message repeats; the dense check does not judge it (no false
+    "FAILED"), and the exit status is 1 (after writing the results)."""
+    out = tmp_path / "sp"
+    rc = _spectrum(out, checkpoint, "--blocks", "blocks.0.W_Q", "--parts", "full", "--density", "0", "--trace", "0",
+                   "--max-matvecs", "3", "--dense-below", "0")
+    err = capsys.readouterr().err
+    rep = json.loads((out / "spectrum.json").read_text())
+    r = rep["spectra"]["blocks"]["blocks.0.W_Q"]["full"]
+    assert rc == 1 and not rep["converged"] and not r["converged"]
+    assert "max_matvecs=3" in r["not_converged_why"] and r["not_converged_why"] in err
+    assert "FAILED" not in err and rep["validation"]["passed"] is not False
+    assert "not_judged" in rep["validation"]["blocks"]["blocks.0.W_Q"]["parts"]["full"]
