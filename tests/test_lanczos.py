@@ -239,7 +239,8 @@ def test_too_small_a_budget_raises():
     assert not res.converged and bool((res.residuals > res.bounds).any())
 
 
-@pytest.mark.parametrize("kwargs, match", [({"rel": "max"}, "rel"), ({"check": -1}, "check")])
+@pytest.mark.parametrize("kwargs, match", [({"rel": "max"}, "rel"), ({"check": -1}, "check"),
+                                           ({"allow_unconverged": 1}, "allow_unconverged")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lanczos_eigs(torch.eye(40, dtype=DT), k=2, **kwargs)

@@ -230,6 +230,8 @@ def test_to_scipy_runs_eigsh(op, hess):
     R = op["W_Q", "W_1"].to_scipy(dtype=np.float32)
     y = R.rmatvec(np.ones(R.shape[0], dtype=np.float32))
     assert y.dtype == np.float32 and y.shape == (R.shape[1],)
+    with pytest.raises(ValueError, match="x must be real"):  # not its real part, silently
+        S.matvec(x + 1j * x)
 
 
 def test_curvlinops_estimators_run_on_it(op, hess):
@@ -415,7 +417,8 @@ def test_slq_width_of_a_single_eigenvalue_follows_its_size(scale):
 
 @pytest.mark.parametrize("kwargs, match", [({"n_probes": 1}, "n_probes"), ({"n_iter": 1}, "n_iter"),
                                            ({"reorth": "partial"}, "reorth"), ({"grid": 1}, "grid"),
-                                           ({"sigma": 0.0}, "sigma")])
+                                           ({"sigma": 0.0}, "sigma"),
+                                           ({"grid": torch.tensor([0.0, float("nan")], dtype=DT)}, "grid contains NaN")])
 def test_slq_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         slq_density(torch.eye(4, dtype=DT), **kwargs)
@@ -467,6 +470,7 @@ def test_per_block_runs_an_estimator_on_every_block(op, hess):
         assert res.method == ("dense" if lam.numel() <= 30 else "lanczos")
         want = lam.flip(0)[: res.eigenvalues.numel()]
         assert float((res.eigenvalues - want).abs().max()) <= 1e-10 * max(float(lam.abs().max()), 1e-300) + 1e-15
+    assert list(per_block(op, diagonal, blocks="W_Q")) == ["W_Q"]  # one name: one block, not its characters
     heads = per_block(op, diagonal, blocks=["W_Q#0", "W_Q#1"])
     assert all(torch.equal(d, torch.diagonal(hess.dense())[_rows(op, (h,))]) for h, d in heads.items())
     norms = per_block(op, frobenius_norm, blocks=["W_Q", ("W_1", "b_1")], pairs=True)

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from .. import linalg
-from ..validation import FLOAT_DTYPES, check_fits, check_int, warn_tf32
+from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int, warn_tf32
 
 __all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace",
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
@@ -360,6 +360,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         raise ValueError(f"rel must be one of {RELS}, got {rel!r}")
     max_matvecs = check_int("max_matvecs", max_matvecs, 1)
     check = check_int("check", check, 0)
+    check_bool("allow_unconverged", allow_unconverged)
     if n <= check_int("dense_below", dense_below, 0):
         return _finish(_dense_eigs(A, n, k, which, tol, rel), allow_unconverged)
     p = 1 if block_size is None else check_int("block_size", block_size, 1)
@@ -576,6 +577,8 @@ def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma):
         raise ValueError(f"sigma must be a finite float > 0, got {sigma!r}")
     if not isinstance(grid, torch.Tensor) or grid.ndim != 1:
         raise ValueError(f"grid must be a 1-d tensor, got {type(grid).__name__}")
+    if not bool(torch.isfinite(grid).all()):
+        raise ValueError("grid contains NaN or Inf")
     grid = grid.to(dtype=nodes.dtype, device=nodes.device)
     per = _gauss(grid, nodes, weights, float(sigma))
     prev = _gauss(grid, nodes_prev, weights_prev, float(sigma))
@@ -613,6 +616,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if not (isinstance(grid, torch.Tensor) and grid.ndim == 1) and not (isinstance(grid, numbers.Integral)
                                                                        and not isinstance(grid, bool) and grid >= 2):
         raise ValueError(f"grid must be an int >= 2 (points) or a 1-d tensor, got {grid!r}")
+    if isinstance(grid, torch.Tensor) and not bool(torch.isfinite(grid).all()):
+        raise ValueError("grid contains NaN or Inf")
     gen = _generator(seed)
     bytes_ = torch.finfo(A.dtype).bits // 8
     check_fits((m if reorth == "full" else 3) * n * P * bytes_, f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
@@ -780,7 +785,7 @@ def diagonal(A) -> torch.Tensor:
 
 def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs) -> dict:
     """``estimator(A[b, b], **kwargs)`` for every block ``b`` of ``blocks`` (default ``A.names``; each a
-    variable name, a head's ``W_Q#h``, or a tuple of names), as ``{b: result}``; with ``pairs=True``
+    variable name, a head's ``W_Q#h``, or a tuple of names; a single name for one block), as ``{b: result}``; with ``pairs=True``
     ``estimator(A[a, b], **kwargs)`` for every unordered pair, ``a`` not after ``b`` in ``blocks``, as
     ``{(a, b): result}`` (for estimators of rectangular operators, e.g. :func:`frobenius_norm`).
     Each view's products touch only its block (:class:`~blockhess.operators.HessianOperator`).
@@ -793,7 +798,7 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
         raise ValueError(f"per_block needs an operator with named views A[a, b] (a HessianOperator), got {type(A).__name__}")
     if not callable(estimator):
         raise ValueError(f"estimator must be callable, got {type(estimator).__name__}")
-    blocks = list(A.names if blocks is None else blocks)
+    blocks = list(A.names if blocks is None else [blocks] if isinstance(blocks, str) else blocks)  # a str: one block
     keys = [b if isinstance(b, str) else tuple(b) for b in blocks]
     if pairs:
         return {(a, b): estimator(A[a, b], **kwargs) for i, a in enumerate(keys) for b in keys[i:]}

@@ -375,7 +375,8 @@ class HessianOperator:
     def to_scipy(self, dtype=None):
         """A ``scipy.sparse.linalg.LinearOperator`` of this view (products in PyTorch, in the operator's
         dtype and device; inputs converted to it, results returned as NumPy of ``dtype``, default the
-        operator's: float64 or float32). SciPy is imported here only; ``ImportError`` without it."""
+        operator's: float64 or float32; a complex input raises ``ValueError``). SciPy is imported here only;
+        ``ImportError`` without it."""
         try:
             from scipy.sparse.linalg import LinearOperator
         except ImportError as e:  # the library runs without SciPy; only this export needs it
@@ -385,6 +386,9 @@ class HessianOperator:
         def wrap(op):
             def mm(x):
                 x = np.asarray(x)
+                if np.iscomplexobj(x):
+                    raise ValueError(f"x must be real ({np_dtype}), got {x.dtype}: the operator is real; multiply the "
+                                     "real and imaginary parts separately")
                 X = torch.as_tensor(x.reshape(x.shape[0], -1)).to(dtype=op.dtype, device=op.device)
                 return op._matmat(X).cpu().numpy().astype(np_dtype, copy=False).reshape(op.shape[0], *x.shape[1:])
             return mm
