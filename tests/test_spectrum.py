@@ -283,3 +283,13 @@ def test_an_unconverged_block_says_why_and_is_not_judged(tmp_path, checkpoint, c
     assert "max_matvecs=3" in r["not_converged_why"] and r["not_converged_why"] in err
     assert "FAILED" not in err and rep["validation"]["passed"] is not False
     assert "not_judged" in rep["validation"]["blocks"]["blocks.0.W_Q"]["parts"]["full"]
+
+
+def test_the_words_follow_which(tmp_path, checkpoint):
+    """``--which SA``: the markdown says smallest, not top; the figure legend names only the methods used."""
+    out = tmp_path / "sp"
+    assert _spectrum(out, checkpoint, "--blocks", "b_H", "--parts", "full", "--density", "0", "--trace", "0",
+                     "--k", "2", "--which", "SA") == 0
+    md = (out / "spectrum.md").read_text()
+    assert "Smallest 2 eigenvalues (SA; at most n of a block) per block" in md and "| smallest eigenvalues |" in md
+    assert "Top 2" not in md and "top eigenvalues" not in md

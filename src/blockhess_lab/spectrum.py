@@ -78,6 +78,8 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 ALL = "all"
 #: the ``--blocks`` entry that stands for the default blocks, every 2-d parameter
 WEIGHTS = "weights"
+#: the eigenvalues --which asks for, in words
+WANTED = {"LA": "largest", "SA": "smallest", "LM": "largest-magnitude"}
 #: points of the density grid stored in the JSON
 GRID = 200
 #: the agreement with dense eigh the issue asks for (float64), reported beside the check's own bound
@@ -631,7 +633,8 @@ def figures(tmp: Path, problem: Problem, res: dict, ser: dict | None, s: Setting
     out = []
     eig = {part: {labels[k]: (r[part]["eigenvalues"], r[part]["method"]) for k, r in res["blocks"].items()}
            for part in s.parts}
-    plots.block_eigenvalues(tmp / "eigenvalues.png", eig, f"{title}: top {s.k} ({s.which}) eigenvalues per block")
+    plots.block_eigenvalues(tmp / "eigenvalues.png", eig, f"{title}: {WANTED[s.which]} {s.k} eigenvalues per block "
+                                                          f"({s.which}; at most n of a block)")
     out.append("eigenvalues.png")
     dens = {k: r[s.parts[0]]["density"] for k, r in res["blocks"].items()
             if s.density is not None and "density" in r[s.parts[0]]}  # one grid and width per block (_common_densities)
@@ -678,14 +681,16 @@ def markdown(rep: dict) -> str:
              f"Model: {', '.join(f'{k} {v}' for k, v in rep['model'].items() if k != 'preset')}. "
              f"{rep['sequences']} sequences ({rep['batches']} batch{'es' if rep['batches'] > 1 else ''} of "
              f"{rep['batch']}), {rep['n_params']:,} parameters, products in {rep['dtype']}.", "",
-             f"Top {s['k']} eigenvalue{'s' * (s['k'] != 1)} ({s['which']}) per block: Lanczos to relative residual {s['tol']:g}; blocks of "
+             f"{WANTED[s['which']].capitalize()} {s['k']} eigenvalue{'s' * (s['k'] != 1)} ({s['which']}; at most n of a "
+             f"block) per block: Lanczos to relative residual {s['tol']:g}; blocks of "
              f"at most {s['dense_below']} parameters by dense eigh of A[b,b] @ I (method `dense`). Density: "
              + (f"SLQ, {s['density'][0]} probes x {s['density'][1]} steps"
                 + ("" if s["density_blocks"] == s["blocks"] else f", of {', '.join(s['density_blocks'])}")
                 if s["density"] else "none")
              + ". Trace: " + (f"Hutch++, {s['trace']} products" if s["trace"] else "none") + ".", ""]
     for part in s["parts"]:
-        lines += [f"## {part}", "", "| block | n | method | top eigenvalues | max rel. residual | products | s | trace ± se |",
+        lines += [f"## {part}", "", f"| block | n | method | {WANTED[s['which']]} eigenvalues | max rel. residual | products | s | "
+                  "trace ± se |",
                   "|---|---|---|---|---|---|---|---|"]
         for key, parts in res["blocks"].items():
             r = parts[part]
