@@ -696,7 +696,9 @@ def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
     :math:`Q = \mathrm{orth}(AS)`, :math:`t = \mathrm{tr}(Q^\top A Q) + \frac1g\sum_i x_i`,
     :math:`x_i = (P g_i)^\top A (P g_i)`, :math:`P = I - QQ^\top` — unbiased; ``stderr`` the sample
     standard deviation of the :math:`x_i` over :math:`\sqrt g` (the first term has no sampling error
-    given ``Q``). ``n_matvecs >= n``: the exact trace from ``A``'s columns (``exact=True``).
+    given ``Q``). With few samples (``g`` below about 10) that standard error is itself rough, ``g − 1``
+    degrees of freedom: judge a small budget's estimate by Student's t, not the normal. ``n_matvecs >=
+    n``: the exact trace from ``A``'s columns (``exact=True``).
 
     Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
     """
