@@ -283,6 +283,19 @@ def test_the_bottom_of_a_gauss_newton_part_with_its_null_space(seed):
     assert res.check_matvecs > 10
 
 
+@pytest.mark.parametrize("which", ["LA", "SA", "LM"])
+@pytest.mark.parametrize("n, k, block_size", [(8, 1, 2), (8, 3, 2), (8, 3, 4), (12, 3, 4)])
+def test_a_check_that_spans_the_whole_complement(n, k, block_size, which):
+    """``n < k + check``: the check's basis reaches every dimension of the found vectors' complement and
+    stops there, its Ritz values the restriction's eigenvalues. A block wider than the dimensions left
+    would be completed by rounding, not orthogonal to the basis: Ritz values outside the spectrum."""
+    M = _matrix(torch.linspace(-1, 1, n, dtype=DT) + 0.1, seed=n)
+    lam = torch.linalg.eigvalsh(M)
+    res = lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=block_size)
+    _assert_extreme(res, M, k, which)
+    assert float(lam[0]) - n * EPS <= res.check_value <= float(lam[-1]) + n * EPS  # a Rayleigh quotient
+
+
 # ----------------------------------------------------------------------------- any spectrum
 
 

@@ -535,8 +535,9 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
                 break
         if products + p > budget:
             break
-        U = _new_block(W, V[:, : k + m], min(p, room - 1), float(AB.norm()), gen, A, ortho)
-        if U.shape[1] == 0:  # the complement's Krylov space is invariant: its Ritz values are eigenvalues
+        # no wider than the complement's dimensions left (n − k − m): past them a random completion is rounding
+        U = _new_block(W, V[:, : k + m], min(p, room - 1, n - k - m), float(AB.norm()), gen, A, ortho)
+        if U.shape[1] == 0:  # the basis spans the complement: its Ritz values are the restriction's eigenvalues
             settled = True
             break
         if m + U.shape[1] > room:  # restart: keep the most wanted half of the Ritz vectors, then the pending block
