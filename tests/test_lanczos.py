@@ -296,6 +296,18 @@ def test_a_check_that_spans_the_whole_complement(n, k, block_size, which):
     assert float(lam[0]) - n * EPS <= res.check_value <= float(lam[-1]) + n * EPS  # a Rayleigh quotient
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_for_the_largest_magnitude_the_check_watches_both_ends(seed):
+    """``which="LM"`` from a warm start at the 9.9 eigenvector, the largest magnitude −10 at the edge of a
+    bulk in [−10, 0] (its Ritz values move in slowly): the check's positive end (9.7, isolated) settles
+    within a few products while its negative end is still below 9.9 in magnitude and moving. The check
+    goes on until both ends have settled or one beats: −10 is found."""
+    lam = torch.cat([torch.tensor([9.9, 9.7], dtype=DT), torch.linspace(-10, 0, 98, dtype=DT)])
+    M = _matrix(lam, seed=100)
+    v0 = torch.linalg.eigh(M).eigenvectors[:, -1:].contiguous()
+    _assert_extreme(lanczos_eigs(M, k=1, which="LM", tol=TOL, block_size=2, seed=seed, v0=v0), M, 1, "LM")
+
+
 # ----------------------------------------------------------------------------- any spectrum
 
 

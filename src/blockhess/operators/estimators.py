@@ -307,24 +307,23 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     iteration continues from the ``k`` Ritz vectors (their true residuals start the next block) until the
     bounds are met or ``max_matvecs`` is spent.
 
-    *The check* (``check``, default 10; 0: none): once the residuals are met, block Lanczos on ``A``
-    restricted to the orthogonal complement of the ``k`` found vectors, from a fresh random block, for at
-    least ``check`` products and then until its most wanted Ritz value has *settled*: its residual
-    estimate at most its distance to the ``k``-th found value's threshold (:math:`\theta_k + b_k` for
-    ``"LA"``), so the eigenvalue within that residual lies on the found side (Krylov–Schur restarts within
-    the basis' storage; ``NotConvergedError`` if the budget runs out first). A Ritz value there beyond
-    the threshold is a Rayleigh quotient of a vector orthogonal to the found ones, so (Cauchy interlacing)
-    the found ``k`` are not the extreme ``k`` — e.g. a multiplicity above the block size, which a Krylov
-    space of ``block_size`` starts cannot resolve, such as the null space at the bottom of a
-    Gauss–Newton part. Those Ritz vectors are then taken in: the iteration restarts from the found
-    vectors and them (a block that wide), converges, and checks again. The check's silence is not a
-    proof: a random start orthogonal to a hidden eigenvector never sees it, and a settled Ritz value is
-    the complement's extreme eigenvalue with high probability, not certainty (for ``c`` steps and an
-    eigenvalue :math:`\lambda` beyond the threshold, the probability of missing it is at most
-    :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}` in exact arithmetic, :math:`g = (\lambda - \theta_k -
-    b_k)/(\lambda - \lambda_{\min})` for ``"LA"``; Kuczyński & Woźniakowski 1992 on the shifted operator;
-    mirrored for ``"SA"``). The products it cost are in ``matvecs`` and ``check_matvecs``; the check's most
-    wanted Ritz value is ``check_value``.
+    *The check* (``check``, default 10; 0: none): once the residuals are met, block Lanczos on ``A`` restricted
+    to the orthogonal complement of the ``k`` found vectors, from a fresh random block, for at least ``check``
+    products and then until its most wanted Ritz value (for ``"LM"`` its largest and its smallest) has
+    *settled*: its residual estimate at most its distance to the ``k``-th found value's threshold
+    (:math:`\theta_k + b_k` for ``"LA"``), so the eigenvalue within that residual lies on the found side
+    (Krylov–Schur restarts within the basis' storage; ``NotConvergedError`` if the budget runs out first). A
+    Ritz value there beyond the threshold is a Rayleigh quotient of a vector orthogonal to the found ones, so
+    (Cauchy interlacing) the found ``k`` are not the extreme ``k`` — e.g. a multiplicity above the block size,
+    which a Krylov space of ``block_size`` starts cannot resolve, such as the null space at the bottom of a
+    Gauss–Newton part. Those Ritz vectors are then taken in: the iteration restarts from the found vectors and
+    them (a block that wide), converges, and checks again. The check's silence is not a proof: a random start
+    orthogonal to a hidden eigenvector never sees it, and a settled Ritz value is the complement's extreme
+    eigenvalue with high probability, not certainty (for ``c`` steps and an eigenvalue :math:`\lambda` beyond
+    the threshold, the probability of missing it is at most :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}` in exact
+    arithmetic, :math:`g = (\lambda - \theta_k - b_k)/(\lambda - \lambda_{\min})` for ``"LA"``; Kuczyński &
+    Woźniakowski 1992 on the shifted operator; mirrored for ``"SA"``). The products it cost are in ``matvecs``
+    and ``check_matvecs``; the check's most wanted Ritz value is ``check_value``.
 
     ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
     block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
@@ -498,10 +497,11 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
            room: int, budget: int):
     """Block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of ``X`` ``(n, k)``,
     from a random block, in ``V``'s storage (``room`` columns after ``X``; Krylov–Schur restarts keeping
-    the most wanted half): at least ``c`` products, then on until the most wanted Ritz value beats the
-    ``k``-th found value ``theta_k`` by more than ``bound_k`` or has *settled* (its residual estimate at
-    most its distance to that threshold: the eigenvalue within its residual lies on the found side), or
-    ``budget`` products are spent. ``(Ritz values, Ritz vectors, products, settled)``."""
+    the most wanted half): at least ``c`` products, then on until the most wanted Ritz value (for ``"LM"``
+    the largest and the smallest) beats the ``k``-th found value ``theta_k`` by more than ``bound_k`` or has
+    *settled* (its residual estimate at most its distance to that threshold: the eigenvalue within its
+    residual lies on the found side), or ``budget`` products are spent. ``(Ritz values, Ritz vectors,
+    products, settled)``."""
     n, k = X.shape
     V[:, :k] = X
     T = torch.zeros(room, room, dtype=V.dtype, device=V.device)
@@ -522,17 +522,23 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
         b, m = q - m, q
         rho, Y = linalg.eigh(T[:m, :m])
         if products >= c:
-            j = int(_order(rho, which)[0])
-            r = float((W @ Y[m - b : m, j]).norm())  # A z − ρ z for the Ritz pair (ρ_j, z) (restricted to X's complement)
-            if which == "LA":
-                dist = theta_k + bound_k - float(rho[j])
-            elif which == "SA":
-                dist = float(rho[j]) - (theta_k - bound_k)
-            else:
-                dist = abs(theta_k) + bound_k - abs(float(rho[j]))
-            if dist < 0 or r <= dist:  # beaten, or settled on the found side
-                settled = dist >= 0
+            # the wanted end's Ritz value; for "LM" both ends' (either may move past |θ_k| + b_k)
+            ends = [int(_order(rho, which)[0])] if which != "LM" else [int(rho.argmax()), int(rho.argmin())]
+            beaten, settled = False, True
+            for j in ends:
+                r = float((W @ Y[m - b : m, j]).norm())  # ‖A z − ρ_j z‖, A restricted to X's complement
+                if which == "LA":
+                    dist = theta_k + bound_k - float(rho[j])
+                elif which == "SA":
+                    dist = float(rho[j]) - (theta_k - bound_k)
+                else:
+                    dist = abs(theta_k) + bound_k - abs(float(rho[j]))
+                beaten = beaten or dist < 0
+                settled = settled and 0 <= dist and r <= dist
+            if beaten or settled:  # beaten, or settled on the found side
+                settled = not beaten
                 break
+            settled = False
         if products + p > budget:
             break
         # no wider than the complement's dimensions left (n − k − m): past them a random completion is rounding
