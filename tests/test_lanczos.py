@@ -157,6 +157,21 @@ def test_the_check_keeps_its_columns_with_the_smallest_basis(seed):
     assert res.ncv == 10 and res.check_matvecs >= 10
 
 
+def test_a_check_that_cannot_settle_stops_when_it_stalls():
+    """Eigenvalues over twelve decades, the smallest asked for to ``1e-10`` of the scale from its exact
+    eigenvector: the complement's smallest eigenvalue must then be resolved to ``1e-6`` against a spread
+    of ``1e4``, which no Krylov space of this basis reaches. The check raises once two restarts bring it
+    no closer, a few hundred products in, instead of spending the whole budget of 5,000."""
+    lam = torch.logspace(-8, 4, 200, dtype=DT)
+    n = lam.numel()
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=DT))
+    M = (Q * lam) @ Q.T
+    M = (M + M.T) / 2
+    with pytest.raises(NotConvergedError, match="stopped approaching that distance over two restarts") as err:
+        lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
+    assert err.value.result.matvecs < 1000
+
+
 # ----------------------------------------------------------------------------- warm starts, the true residuals
 
 

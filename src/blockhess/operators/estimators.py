@@ -468,8 +468,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm, settled = _check(A, V, X, c, min(p, c), gen, float(lam[-1]), float(bounds[-1]), which,
-                                     min(width - k, n - k), max_matvecs - matvecs)
+        rho, Z, cm, settled, stalled = _check(A, V, X, c, min(p, c), gen, float(lam[-1]), float(bounds[-1]), which,
+                                              min(width - k, n - k), max_matvecs - matvecs)
         matvecs += cm
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
@@ -477,10 +477,12 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         beat = _beats(rho, float(lam[-1]), float(bounds[-1]), which)
         if not bool(beat.any()):
             if not settled:
+                when = ("when its residual stopped approaching that distance over two restarts" if stalled else
+                        f"when the budget max_matvecs={max_matvecs} ran out")
                 met, why = False, (f"the check's most wanted Ritz value {check_value:.6g} had not settled within "
-                                   f"{cm} products, when the budget max_matvecs={max_matvecs} ran out (its residual above its "
-                                   f"distance to the k-th value {float(lam[-1]):.6g}), so an eigenvalue beyond the found "
-                                   "ones is not ruled out; raise max_matvecs, or use a block_size above the multiplicity")
+                                   f"{cm} products (its residual above its distance to the k-th value "
+                                   f"{float(lam[-1]):.6g}), {when}, so an eigenvalue beyond the found ones is not ruled "
+                                   "out; raise ncv or max_matvecs, or use a block_size above the multiplicity")
             break
         if matvecs + k + int(beat.sum()) > max_matvecs:
             met, why = False, (f"the check found {check_value:.6g}, beyond the k-th value {float(lam[-1]):.6g}, and "
@@ -500,8 +502,9 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
     the most wanted half): at least ``c`` products, then on until the most wanted Ritz value (for ``"LM"``
     the largest and the smallest) beats the ``k``-th found value ``theta_k`` by more than ``bound_k`` or has
     *settled* (its residual estimate at most its distance to that threshold: the eigenvalue within its
-    residual lies on the found side), or ``budget`` products are spent. ``(Ritz values, Ritz vectors,
-    products, settled)``."""
+    residual lies on the found side), or ``budget`` products are spent, or two restarts in a row bring
+    the residual no closer to that distance (by 10 %: *stalled*, as the main iteration's residuals that
+    stop improving). ``(Ritz values, Ritz vectors, products, settled, stalled)``."""
     n, k = X.shape
     V[:, :k] = X
     T = torch.zeros(room, room, dtype=V.dtype, device=V.device)
@@ -510,7 +513,9 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
     U = _new_block(W, V[:, :k], min(p, room), float(G.norm()), gen, A, ortho)
     m, q = 0, U.shape[1]
     V[:, k : k + q] = U
-    products, settled = 0, False
+    products, settled, stalled = 0, False, False
+    excess = excess_before = math.inf  # the least max(r − dist) over the ends since the last restart, and before
+    stalls = 0
     while True:
         AB = _mm(A, V[:, k + m : k + q])
         products += q - m
@@ -524,7 +529,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
         if products >= c:
             # the wanted end's Ritz value; for "LM" both ends' (either may move past |θ_k| + b_k)
             ends = [int(_order(rho, which)[0])] if which != "LM" else [int(rho.argmax()), int(rho.argmin())]
-            beaten, settled = False, True
+            beaten, settled, worst = False, True, -math.inf
             for j in ends:
                 r = float((W @ Y[m - b : m, j]).norm())  # ‖A z − ρ_j z‖, A restricted to X's complement
                 if which == "LA":
@@ -535,10 +540,11 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
                     dist = abs(theta_k) + bound_k - abs(float(rho[j]))
                 beaten = beaten or dist < 0
                 settled = settled and 0 <= dist and r <= dist
+                worst = max(worst, r - dist)
             if beaten or settled:  # beaten, or settled on the found side
                 settled = not beaten
                 break
-            settled = False
+            settled, excess = False, min(excess, worst)
         if products + p > budget:
             break
         # no wider than the complement's dimensions left (n − k − m): past them a random completion is rounding
@@ -547,6 +553,12 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
             settled = True
             break
         if m + U.shape[1] > room:  # restart: keep the most wanted half of the Ritz vectors, then the pending block
+            if excess < math.inf:
+                stalls = stalls + 1 if excess > 0.9 * excess_before else 0
+                excess_before, excess = min(excess_before, excess), math.inf
+                if stalls >= 2:
+                    stalled = True
+                    break
             kept = _order(rho, which)[: max(1, (room - U.shape[1]) // 2)]
             V[:, k : k + kept.numel()] = V[:, k : k + m] @ Y[:, kept]
             m = kept.numel()
@@ -554,7 +566,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
             T[:m, :m] = torch.diag(rho[kept])
         V[:, k + m : k + m + U.shape[1]] = U
         q = m + U.shape[1]
-    return rho, V[:, k : k + m] @ Y, products, settled
+    return rho, V[:, k : k + m] @ Y, products, settled, stalled
 
 
 def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:
