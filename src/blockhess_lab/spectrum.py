@@ -414,14 +414,11 @@ def _common_densities(parts: dict) -> None:
     res = {part: r["_slq"][0] for part, r in parts.items() if "_slq" in r}
     if not res:
         return
-    def spread(d) -> float:
-        used = d.nodes[d.weights > 0]
-        return float(used.max() - used.min())
-
-    wide = [d for d in res.values() if spread(d) > 0]  # a part whose nodes are one value (e.g. exactly zero) has no spread
+    used = {part: d.nodes[d.weights > 0] for part, d in res.items()}
+    wide = [res[part] for part, u in used.items() if u.max() > u.min()]  # one node value (e.g. exactly zero): no spread
     sigma = max(d.sigma for d in (wide or res.values()))
-    lo = min(float(d.nodes[d.weights > 0].min()) for d in res.values()) - 5 * sigma
-    hi = max(float(d.nodes[d.weights > 0].max()) for d in res.values()) + 5 * sigma
+    lo = min(float(u.min()) for u in used.values()) - 5 * sigma
+    hi = max(float(u.max()) for u in used.values()) + 5 * sigma
     grid = torch.linspace(lo, hi, GRID, dtype=torch.float64)
     for part, d in res.items():
         dens, se, quad = d.broaden(grid.to(d.nodes.dtype), sigma)
@@ -811,8 +808,8 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         (tmp / "spectrum.md").write_text(markdown(rep))
     failed = val["passed"] is False
     if not converged:
-        first = next((k, p, r) for k, parts in res["blocks"].items() for p, r in parts.items() if not r["converged"]) \
-            if not all(r["converged"] for parts in res["blocks"].values() for r in parts.values()) else None
+        first = next(((k, p, r) for k, parts in res["blocks"].items() for p, r in parts.items() if not r["converged"]),
+                     None)  # None: only the series did not converge
         where = f" (first: {first[0]} {first[1]}: {first[2].get('not_converged_why', 'unconverged')})" if first else ""
         print(f"blockhess spectrum: an eigenvalue did not converge{where}; see {out}/spectrum.json, converged: false",
               file=sys.stderr)

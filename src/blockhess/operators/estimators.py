@@ -273,13 +273,15 @@ def _dense_eigs(A, n: int, k: int, which: str, tol: float, rel: str) -> EigResul
                      which, "dense", n)
 
 
-def _beats(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
-    """Which check Ritz values ``rho`` lie beyond the ``k``-th found eigenvalue by more than its tolerance."""
+def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
+    """How far check Ritz values ``rho`` lie on the found side of the ``k``-th found eigenvalue's
+    threshold (``θ_k + b_k`` for ``"LA"``, ``θ_k − b_k`` for ``"SA"``, ``|θ_k| + b_k`` in magnitude for
+    ``"LM"``): negative for a value beyond it, one that beats the found ``k``."""
     if which == "LA":
-        return rho > theta_k + bound_k
+        return theta_k + bound_k - rho
     if which == "SA":
-        return rho < theta_k - bound_k
-    return rho.abs() > abs(theta_k) + bound_k
+        return rho - (theta_k - bound_k)
+    return abs(theta_k) + bound_k - rho.abs()
 
 
 def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: str = "each", max_matvecs: int = 5000,
@@ -474,7 +476,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
         check_value = float(rho[_order(rho, which)[0]])
-        beat = _beats(rho, float(lam[-1]), float(bounds[-1]), which)
+        beat = _margin(rho, float(lam[-1]), float(bounds[-1]), which) < 0
         if not bool(beat.any()):
             if not settled:
                 when = ("when its residual stopped approaching that distance over two restarts" if stalled else
@@ -532,12 +534,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: fl
             beaten, settled, worst = False, True, -math.inf
             for j in ends:
                 r = float((W @ Y[m - b : m, j]).norm())  # ‖A z − ρ_j z‖, A restricted to X's complement
-                if which == "LA":
-                    dist = theta_k + bound_k - float(rho[j])
-                elif which == "SA":
-                    dist = float(rho[j]) - (theta_k - bound_k)
-                else:
-                    dist = abs(theta_k) + bound_k - abs(float(rho[j]))
+                dist = float(_margin(rho[j], theta_k, bound_k, which))
                 beaten = beaten or dist < 0
                 settled = settled and 0 <= dist and r <= dist
                 worst = max(worst, r - dist)
@@ -591,13 +588,17 @@ def _gauss(grid: torch.Tensor, nodes: torch.Tensor, weights: torch.Tensor, sigma
     return (weights[:, :, None] * torch.exp(-0.5 * z * z)).sum(1) / (sigma * math.sqrt(2 * math.pi))
 
 
+def _check_grid(grid: torch.Tensor) -> None:
+    if not bool(torch.isfinite(grid).all()):
+        raise ValueError("grid contains NaN or Inf")
+
+
 def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma):
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (sigma > 0 and math.isfinite(sigma)):
         raise ValueError(f"sigma must be a finite float > 0, got {sigma!r}")
     if not isinstance(grid, torch.Tensor) or grid.ndim != 1:
         raise ValueError(f"grid must be a 1-d tensor, got {type(grid).__name__}")
-    if not bool(torch.isfinite(grid).all()):
-        raise ValueError("grid contains NaN or Inf")
+    _check_grid(grid)
     grid = grid.to(dtype=nodes.dtype, device=nodes.device)
     per = _gauss(grid, nodes, weights, float(sigma))
     prev = _gauss(grid, nodes_prev, weights_prev, float(sigma))
@@ -635,8 +636,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if not (isinstance(grid, torch.Tensor) and grid.ndim == 1) and not (isinstance(grid, numbers.Integral)
                                                                        and not isinstance(grid, bool) and grid >= 2):
         raise ValueError(f"grid must be an int >= 2 (points) or a 1-d tensor, got {grid!r}")
-    if isinstance(grid, torch.Tensor) and not bool(torch.isfinite(grid).all()):
-        raise ValueError("grid contains NaN or Inf")
+    if isinstance(grid, torch.Tensor):
+        _check_grid(grid)  # before the Lanczos work; broadening checks again for SLQResult.broaden's grids
     gen = _generator(seed)
     bytes_ = torch.finfo(A.dtype).bits // 8
     check_fits((m if reorth == "full" else 3) * n * P * bytes_, f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
