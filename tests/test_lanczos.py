@@ -157,19 +157,76 @@ def test_the_check_keeps_its_columns_with_the_smallest_basis(seed):
     assert res.ncv == 10 and res.check_matvecs >= 10
 
 
-def test_a_check_that_cannot_settle_stops_when_it_stalls():
-    """Eigenvalues over twelve decades, the smallest asked for to ``1e-10`` of the scale from its exact
-    eigenvector: the complement's smallest eigenvalue must then be resolved to ``1e-6`` against a spread
-    of ``1e4``, which no Krylov space of this basis reaches. The check raises once two restarts bring it
-    no closer, a few hundred products in, instead of spending the whole budget of 5,000."""
-    lam = torch.logspace(-8, 4, 200, dtype=DT)
-    n = lam.numel()
+def _twelve_decades(n: int):
+    lam = torch.logspace(-8, 4, n, dtype=DT)
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=DT))
     M = (Q * lam) @ Q.T
-    M = (M + M.T) / 2
-    with pytest.raises(NotConvergedError, match="stopped approaching that distance over two restarts") as err:
+    return (M + M.T) / 2, Q
+
+
+def test_twelve_decades_the_bottom_from_its_eigenvector_is_certified_by_spanning_the_complement():
+    """Eigenvalues over twelve decades, the smallest asked for to ``1e-10`` of the scale from its exact
+    eigenvector, ``n = 200``: the complement's smallest eigenvalue must be resolved to ``1e-6`` against a
+    spread of ``1e4``; the check's basis, grown past ``ncv`` without restarts, certifies it before it spans
+    the complement (at the latest it would, its Ritz values then the restriction's eigenvalues)."""
+    M, Q = _twelve_decades(200)
+    res = lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
+    _assert_extreme(res, M, 1, "SA", tol=1e-10)
+    assert res.miss_probability <= 1e-6 and res.check_matvecs < 199
+
+
+def test_twelve_decades_a_check_whose_bound_falls_too_slowly_stops_before_the_budget():
+    """The same at ``n = 800``: the check's bound has not moved from 1 when its basis fills for the second
+    time (119 products), and the complement is far from spanned: ``NotConvergedError`` a hundred-odd
+    products in, naming the bound, instead of spending the budget of 5,000."""
+    M, Q = _twelve_decades(800)
+    with pytest.raises(NotConvergedError, match="could not rule out an eigenvalue .* fell too slowly") as err:
         lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
-    assert err.value.result.matvecs < 1000
+    assert err.value.result.matvecs < 1000 and not err.value.result.converged
+
+
+def _spectrum_below(top: float, mid: float, cluster: float, copies: int = 20, n: int = 100) -> torch.Tensor:
+    """``top``, then ``mid`` (where a warm start points), then ``copies`` of ``cluster``, then a bulk in [0, 0.8]."""
+    return torch.cat([torch.tensor([top, mid] + [cluster] * copies, dtype=DT), _bulk(n - 2 - copies, 0.0, 0.8, 123)])
+
+
+@pytest.mark.parametrize("top, cluster, tol", [(1.05, 0.9, 1e-4), (1.0001, 0.999, 1e-8)])
+@pytest.mark.parametrize("seed", range(20))
+def test_a_warm_start_at_a_non_extreme_eigenvector(top, cluster, tol, seed):
+    """``v0`` the eigenvector of 1.0, the second largest; above it ``top``, below it 20 copies of ``cluster``.
+    The start is orthogonal to the top eigenvector by construction, so only the check's own random start
+    sees it: its Ritz value settling on the cluster (an eigenvalue on the found side) is no proof that nothing
+    lies beyond, and returned 1.0 as converged on 4 of 20 seeds (1.05) and on 19 of 20 (1.0001, tol 1e-8).
+    The check goes on until its miss bound is below ``failure_probability``: ``top`` is found."""
+    M = _matrix(_spectrum_below(top, 1.0, cluster), seed=seed)
+    v0 = torch.linalg.eigh(M).eigenvectors[:, -2].contiguous()
+    res = lanczos_eigs(M, k=1, tol=tol, v0=v0, seed=seed)
+    _assert_extreme(res, M, 1, "LA", tol=tol)
+    assert res.miss_probability <= 1e-6
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_check_of_one_product_still_finds_a_multiplicity_above_k(seed):
+    """A 4-fold top eigenvalue 3 over 1.5 and a bulk, ``k = 4``, ``check=1``: a check stopped after its first
+    settled Ritz value returned ``[3, 3, 3, 1.5]`` as converged on every seed; ``check`` is the fewest
+    products of the check, which then runs until its bound is met."""
+    M = _matrix(torch.cat([torch.full((4,), 3.0, dtype=DT), torch.tensor([1.5], dtype=DT),
+                           torch.linspace(0, 1, 95, dtype=DT)]), seed=seed)
+    _assert_extreme(lanczos_eigs(M, k=4, check=1, tol=TOL, seed=seed), M, 4, "LA")
+
+
+def test_the_miss_probability_reported():
+    """With a check, a converged result's ``miss_probability`` is at most ``failure_probability``; without
+    one (``check=0``) it is 1 (nothing beyond the residuals is claimed); the dense path's is 0; a smaller
+    ``failure_probability`` costs the check more products."""
+    M = _matrix(torch.cat([torch.tensor([2.0, 1.9], dtype=DT), _bulk(300, -1.0, 1.5, 3)]), seed=4)
+    loose = lanczos_eigs(M, k=2, tol=TOL, failure_probability=1e-2)
+    tight = lanczos_eigs(M, k=2, tol=TOL, failure_probability=1e-12)
+    assert loose.miss_probability <= 1e-2 and tight.miss_probability <= 1e-12
+    assert tight.check_matvecs > loose.check_matvecs
+    _assert_extreme(tight, M, 2, "LA")
+    assert lanczos_eigs(M, k=2, tol=TOL, check=0).miss_probability == 1.0
+    assert lanczos_eigs(M, k=2, tol=TOL, dense_below=400).miss_probability == 0.0
 
 
 # ----------------------------------------------------------------------------- warm starts, the true residuals
@@ -255,6 +312,9 @@ def test_too_small_a_budget_raises():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"rel": "max"}, "rel"), ({"check": -1}, "check"),
+                                           ({"failure_probability": 0}, "failure_probability"),
+                                           ({"failure_probability": 1.0}, "failure_probability"),
+                                           ({"failure_probability": True}, "failure_probability"),
                                            ({"allow_unconverged": 1}, "allow_unconverged")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -347,27 +407,55 @@ def test_any_spectrum_with_multiplicities_up_to_the_block_size(case, k, which):
     _assert_extreme(lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=p, seed=seed % 97), M, k, which)
 
 
-def _escape(res, lam: torch.Tensor, k: int, which: str, check: int, p: int) -> float:
-    """The docstring's bound on the chance that the check misses the largest wanted value the result lacks:
-    ``1.648 √n exp(−(2c/p − 1) √g)``, ``g = (λ − θ_k − b_k)/(λ − λ_min)`` ("SA" mirrored)."""
-    sign = 1.0 if which == "LA" else -1.0
-    lam = (sign * lam).sort(descending=True).values
-    found = (sign * res.eigenvalues).sort(descending=True).values
-    slack = float(res.residuals.norm()) + lam.numel() * EPS * float(lam.abs().max())
-    missed = [float(x) for x, y in zip(lam[:k], found) if abs(float(x - y)) > slack]
-    top = max(missed)
-    g = (top - float(found[-1]) - float(res.bounds[-1])) / (top - float(lam[-1]))
-    return 1.648 * math.sqrt(lam.numel()) * math.exp(-(2 * check / p - 1) * math.sqrt(max(g, 0.0)))
+@st.composite
+def adversarial(draw):
+    """A spectrum family the check must not be fooled by, and the run's settings: a top value with a cluster
+    just below the found one (gaps from 1e-6 to 0.1 of the spread), a multiplicity above ``k`` (up to 8
+    copies), twelve decades, or both signs at the ends; mirrored for ``"SA"``; a cold start, a warm start at
+    a non-extreme eigenvector or at the wanted ones; ``check`` from 1 to 10."""
+    n = draw(st.integers(60, 140))
+    family = draw(st.sampled_from(["cluster-below", "multiplicity", "decades", "both-signs"]))
+    bulk = _bulk(n, 0.0, 0.8, draw(st.integers(0, 2**16)))
+    if family == "cluster-below":
+        gap = 10.0 ** draw(st.integers(-6, -1))
+        lam = torch.cat([torch.tensor([1.0 + gap, 1.0] + [1.0 - gap] * draw(st.integers(1, 20)), dtype=DT), bulk])
+    elif family == "multiplicity":
+        lam = torch.cat([torch.full((draw(st.integers(2, 8)),), 2.0, dtype=DT), torch.tensor([1.5], dtype=DT), bulk])
+    elif family == "decades":
+        lam = torch.logspace(-8, 4, n, dtype=DT)
+    else:
+        lam = torch.cat([torch.tensor([1.2, -1.2 - 10.0 ** draw(st.integers(-6, -1)), 1.1], dtype=DT), 2 * bulk - 0.8])
+    which = draw(st.sampled_from(["LA", "SA", "LM"]))
+    if which == "SA":
+        lam = -lam
+    start = draw(st.sampled_from(["cold", "non-extreme", "wanted"]))
+    return lam, which, start, draw(st.integers(1, 6)), draw(st.integers(1, 10)), draw(st.integers(0, 2**16))
 
 
-@given(spectra(), st.integers(1, 6), st.sampled_from(["LA", "SA"]), st.integers(1, 3))
-def test_any_spectrum_a_miss_only_where_the_check_is_allowed_one(spec, k, which, block_size):
-    """Multiplicities up to 4 with blocks of 1 to 3: the extreme ``k`` are found, or the missed value is close
-    enough to the ``k``-th found one that the check's documented escape bound is above 1e-3."""
-    lam, seed = spec
+@given(adversarial())
+def test_adversarial_spectra_are_found_or_refused(case):
+    """Over the families above, a converged result holds the extreme ``k`` (each value within its residual
+    bound of its place in the sorted spectrum), whatever the start; ``NotConvergedError`` is the only other
+    outcome. Before the miss bound, warm starts at a non-extreme eigenvector and one-product checks returned
+    wrong values marked converged."""
+    lam, which, start, k, check, seed = case
     M = _matrix(lam, seed=seed)
-    res = lanczos_eigs(M, k=k, which=which, tol=TOL, block_size=block_size, seed=seed % 97)
+    k = min(k, lam.numel())
+    v0 = None
+    if start != "cold":
+        vals, vecs = torch.linalg.eigh(M)
+        order = _order_of(vals, which)
+        v0 = vecs[:, order[k : k + 1]] if start == "non-extreme" else vecs[:, order[:k]]
+        v0 = v0.contiguous()
     try:
-        _assert_extreme(res, M, k, which)
-    except AssertionError:
-        assert res.converged and _escape(res, torch.linalg.eigvalsh(M), k, which, 10, block_size) >= 1e-3
+        res = lanczos_eigs(M, k=k, which=which, tol=TOL, check=check, seed=seed % 97, v0=v0)
+    except NotConvergedError as e:
+        assert not e.result.converged
+        return
+    _assert_extreme(res, M, k, which)
+    assert res.miss_probability <= 1e-6
+
+
+def _order_of(vals: torch.Tensor, which: str) -> torch.Tensor:
+    return {"LA": vals.argsort(descending=True), "SA": vals.argsort(),
+            "LM": vals.abs().argsort(descending=True, stable=True)}[which]

@@ -331,6 +331,8 @@ def test_unconverged_raises_unless_asked():
 
 
 def test_a_warm_start_takes_fewer_products():
+    """The iteration's products, the check's apart: the check starts from its own random vector whatever
+    ``v0`` is (its guarantee needs one), so a warm start saves only on the iteration."""
     M, _ = _known()
     g = torch.Generator().manual_seed(5)
     E = torch.randn(M.shape, generator=g, dtype=DT)
@@ -340,7 +342,7 @@ def test_a_warm_start_takes_fewer_products():
     cold = lanczos_eigs(M2, k=4, which="SA", tol=1e-10)
     warm = lanczos_eigs(M2, k=4, which="SA", tol=1e-10, v0=first.eigenvectors)
     _check_eigs(warm, lam2, 4, "SA", 1e-10)
-    assert warm.matvecs <= 0.75 * cold.matvecs
+    assert warm.matvecs - warm.check_matvecs <= 0.75 * (cold.matvecs - cold.check_matvecs)
 
 
 def test_dense_below_takes_the_dense_eigendecomposition(op, hess):

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from .. import linalg
-from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int, warn_tf32
+from ..validation import FLOAT_DTYPES, InsufficientMemoryError, check_bool, check_fits, check_int, warn_tf32
 
 __all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace",
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
@@ -39,7 +39,8 @@ WHICH = ("LA", "SA", "LM")
 RELS = ("each", "scale")
 NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
 DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept less of its norm
-CHECK_COLUMNS = 10  # lanczos_eigs's default check: Lanczos columns on the complement of the found vectors
+CHECK_COLUMNS = 10  # lanczos_eigs's default check: at least this many products on the complement of the found vectors
+FAILURE_PROBABILITY = 1e-6  # lanczos_eigs's default: the check's bound on the probability of a missed eigenvalue
 IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
 
 
@@ -65,8 +66,11 @@ class EigResult:
     products of the iteration, the checks' apart), ``restarts`` (Krylov–Schur restarts, and runs continued from the Ritz vectors),
     ``check_matvecs`` (the checks' share of ``matvecs``), ``check_value`` (the last check's most wanted
     Ritz value on the complement of the found vectors; ``None`` without a check), ``which``, ``method``
-    (``"lanczos"`` or ``"dense"``), ``ncv`` (the basis size used; ``n`` for the dense path). Each
-    eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
+    (``"lanczos"`` or ``"dense"``), ``ncv`` (the basis size used; ``n`` for the dense path),
+    ``miss_probability`` (the check's bound on the probability that an eigenvalue beyond the ``k``-th found
+    one was missed: at most ``failure_probability`` when converged with a check, 1 without a check, 0 for
+    the dense path). Each eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for
+    symmetric ``A``)."""
 
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
@@ -84,6 +88,7 @@ class EigResult:
     which: str
     method: str
     ncv: int
+    miss_probability: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -270,7 +275,7 @@ def _dense_eigs(A, n: int, k: int, which: str, tol: float, rel: str) -> EigResul
     res = (_mm(A, X) - X * lam).norm(dim=0)
     bounds = _bounds(lam, scale, tol, rel)
     return EigResult(lam, X, res, bounds, scale, tol, rel, bool((res <= bounds).all()), n + k, 1, 0, 0, None,
-                     which, "dense", n)
+                     which, "dense", n, 0.0)
 
 
 def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
@@ -286,7 +291,8 @@ def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> to
 
 def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: str = "each", max_matvecs: int = 5000,
                  ncv: int | None = None, block_size: int | None = None, check: int = CHECK_COLUMNS, seed: int = 0,
-                 v0: torch.Tensor | None = None, allow_unconverged: bool = False, dense_below: int = 0) -> EigResult:
+                 v0: torch.Tensor | None = None, allow_unconverged: bool = False, dense_below: int = 0,
+                 failure_probability: float = FAILURE_PROBABILITY) -> EigResult:
     r"""The ``k`` extreme eigenpairs of a symmetric operator ``A`` ``(n, n)``, each to a stated residual
     :math:`\|A v_i - \lambda_i v_i\|_2 \le b_i`: an :class:`EigResult`.
 
@@ -302,36 +308,39 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     again after normalisation where the block was small against its product) and Krylov–Schur restarts
     (Stewart 2001): the basis holds at most ``ncv`` vectors (default ``max(3k + 2·block_size, 60)``, capped
     at ``n``; memory ``n · max(ncv, k + check)`` of the dtype (the check's columns need not fit in ``ncv``),
-    checked before the allocation); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
+    checked before the allocation, and doubled where the check needs more, each time checked first); at a restart the ``k + (ncv − b − k)//2`` most wanted Ritz vectors are kept
     (``b`` the block width). ``block_size`` (default 1: the fewest products) vectors are multiplied at once.
     A run stops when the recurrence's residual estimates meet the bounds; one product of the ``k`` Ritz
     vectors then gives the true residuals (the reported ``residuals``). If one misses its bound, the
     iteration continues from the ``k`` Ritz vectors (their true residuals start the next block) until the
     bounds are met or ``max_matvecs`` is spent.
 
-    *The check* (``check``, default 10; 0: none): once the residuals are met, block Lanczos on ``A`` restricted
-    to the orthogonal complement of the ``k`` found vectors, from a fresh random block, for at least ``check``
-    products and then until its most wanted Ritz value (for ``"LM"`` its largest and its smallest) has
-    *settled*: its residual estimate at most its distance to the ``k``-th found value's threshold
-    (:math:`\theta_k + b_k` for ``"LA"``), so the eigenvalue within that residual lies on the found side
-    (Krylov–Schur restarts within the basis' storage; ``NotConvergedError`` if the budget runs out first). A
-    Ritz value there beyond the threshold is a Rayleigh quotient of a vector orthogonal to the found ones, so
-    (Cauchy interlacing) the found ``k`` are not the extreme ``k`` — e.g. a multiplicity above the block size,
-    which a Krylov space of ``block_size`` starts cannot resolve, such as the null space at the bottom of a
-    Gauss–Newton part. Those Ritz vectors are then taken in: the iteration restarts from the found vectors and
-    them (a block that wide), converges, and checks again. The check's silence is not a proof: a random start
-    orthogonal to a hidden eigenvector never sees it, and a settled Ritz value is the complement's extreme
-    eigenvalue with high probability, not certainty (for ``c`` steps and an eigenvalue :math:`\lambda` beyond
-    the threshold, the probability of missing it is at most :math:`1.648\sqrt{n}\,e^{-(2c-1)\sqrt g}` in exact
-    arithmetic, :math:`g = (\lambda - \theta_k - b_k)/(\lambda - \lambda_{\min})` for ``"LA"``; Kuczyński &
-    Woźniakowski 1992 on the shifted operator; mirrored for ``"SA"``). The products it cost are in ``matvecs``
-    and ``check_matvecs``; the check's most wanted Ritz value is ``check_value``.
+    *The check* (``check``, default 10: its fewest products; 0: none): once the residuals are met, Lanczos
+    from one fresh random start on ``A`` restricted to the orthogonal complement of the ``k`` found vectors,
+    without restarts (its basis grows past ``ncv`` where it needs to, within memory), for at least ``check``
+    products and then until it certifies the found ones: the probability that a start uniform on the
+    complement's sphere leaves an eigenvalue beyond the ``k``-th found value's threshold
+    (:math:`\theta_k + b_k` for ``"LA"``, :math:`\theta_k - b_k` for ``"SA"``, :math:`\pm(|\theta_k| + b_k)`
+    for ``"LM"``) unseen is at most :math:`\sqrt{2N/\pi}\,\prod_j\beta_j/|\chi(\alpha)|` (``N = n − k``, ``χ``
+    the characteristic polynomial of the check's ``T``, ``β_j`` its subdiagonal, ``α`` the threshold;
+    Hochstenbach 2013), and the check stops once that is at most ``failure_probability`` (default 1e-6; the
+    bound is ``miss_probability``). This holds whatever ``v0`` and ``check`` were (a warm start orthogonal
+    to an eigenvector by construction, a multiplicity above ``block_size``: the check's start is its own).
+    A Ritz value there beyond the threshold is a Rayleigh quotient of a vector orthogonal to the found ones,
+    so (Cauchy interlacing) the found ``k`` are not the extreme ``k``: those Ritz vectors are taken in, the
+    iteration restarts from the found vectors and them, converges, and checks again. The check raises
+    :class:`NotConvergedError` where it cannot reach ``failure_probability``: the budget, a basis that
+    would not fit, or a bound falling too slowly to get there within four times its products so far
+    (a threshold closer to the complement's spectrum than the dtype resolves). With ``check=0`` nothing
+    beyond the residuals is claimed (``miss_probability`` 1). The products it cost are in ``matvecs`` and
+    ``check_matvecs``; its most wanted Ritz value is ``check_value``. Each returned :math:`\theta_i` then
+    lies, with probability at least ``1 − miss_probability``, within :math:`b_k + \|R\|_2` of the
+    ``i``-th wanted eigenvalue of ``A`` (``R = AX − XΘ``; docs/derivations.md §17).
 
     ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
     block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
-    plus random ones. Residuals certify eigenpairs; that they are the extreme ones holds with probability
-    one for a random start (a start orthogonal to an eigenvector never sees it), the check above guarding
-    against multiplicities. ``dense_below``: for ``n <= dense_below``, the exact dense eigendecomposition
+    plus random ones. Residuals certify eigenpairs; that they are the extreme ones is the check's to say.
+    ``dense_below``: for ``n <= dense_below``, the exact dense eigendecomposition
     of ``A @ I`` (:func:`blockhess.linalg.eigh`, method ``"dense"``, no check).
 
     ``max_matvecs`` bounds every column multiplied (iterations, the true-residual products and the
@@ -340,12 +349,13 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     the end, when the residuals stopped improving between two of their products (the dtype's rounding),
     or when the budget left no room for the check, unless ``allow_unconverged=True`` (then the result says
     ``converged=False``); ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``,
-    ``tol`` not in ``(ε, 1)`` of the dtype, ``rel`` not ``"each"`` or ``"scale"``, a bad ``ncv`` (``< k +
+    ``tol`` not in ``(ε, 1)`` of the dtype, ``failure_probability`` not in ``(0, 1)``, ``rel`` not ``"each"``
+    or ``"scale"``, a bad ``ncv`` (``< k +
     2·block_size`` below ``n``), ``block_size``, ``check``, ``max_matvecs``, ``seed`` or ``v0``;
     ``InsufficientMemoryError`` when the basis ``n × max(ncv, k + check)`` (and the ``2k`` vectors of the residual
     product) does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3 (block Lanczos); G. W.
-    Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); J. Kuczyński & H. Woźniakowski, SIAM J.
-    Matrix Anal. Appl. 13 (1992) (the random-start bound).
+    Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); M. E. Hochstenbach, J. Sci. Comput. 57
+    (2013), "Probabilistic upper bounds for the matrix two-norm" (the check's bound).
     """
     n, _ = _check_operator(A)
     k = check_int("k", k, 1)
@@ -361,6 +371,10 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         raise ValueError(f"rel must be one of {RELS}, got {rel!r}")
     max_matvecs = check_int("max_matvecs", max_matvecs, 1)
     check = check_int("check", check, 0)
+    if (isinstance(failure_probability, bool) or not isinstance(failure_probability, numbers.Real)
+            or not (0 < failure_probability < 1)):
+        raise ValueError(f"failure_probability must be a float in (0, 1), got {failure_probability!r}")
+    failure_probability = float(failure_probability)
     check_bool("allow_unconverged", allow_unconverged)
     if n <= check_int("dense_below", dense_below, 0):
         return _finish(_dense_eigs(A, n, k, which, tol, rel), allow_unconverged)
@@ -397,7 +411,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     start, known = _new_block(X0, V[:, :0], n, 0.0, gen, A), None  # a run's start block; its known product
     wmax = max(p, (ncv - k) // 2)  # the widest block a restart leaves room for (k Ritz vectors kept)
     matvecs = iterations = restarts = check_mv = 0
-    scale, worst_before, check_value, why = 0.0, math.inf, None, None
+    scale, worst_before, check_value, why, miss = 0.0, math.inf, None, None, 1.0
     while True:  # a Krylov–Schur run from `start`, its residual product, the check
         m, q = 0, start.shape[1]
         V[:, :q] = start
@@ -463,28 +477,29 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             start, known = X, AX
             restarts += 1
             continue
-        worst_before, why = math.inf, None
-        c = min(check, n - k)
-        if c <= 0:
+        worst_before, why, miss = math.inf, None, 1.0
+        if n == k:
+            miss = 0.0  # nothing outside the found vectors
             break
+        if check == 0:
+            break
+        c = min(check, n - k)
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm, settled, stalled = _check(A, V, X, c, min(p, c), gen, float(lam[-1]), float(bounds[-1]), which,
-                                              min(width - k, n - k), max_matvecs - matvecs)
+        rho, Z, cm, miss, short, V = _check(A, V, X, c, gen, float(lam[-1]), float(bounds[-1]), which,
+                                            max_matvecs - matvecs, failure_probability)
         matvecs += cm
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
         check_value = float(rho[_order(rho, which)[0]])
         beat = _margin(rho, float(lam[-1]), float(bounds[-1]), which) < 0
         if not bool(beat.any()):
-            if not settled:
-                when = ("when its residual stopped approaching that distance over two restarts" if stalled else
-                        f"when the budget max_matvecs={max_matvecs} ran out")
-                met, why = False, (f"the check's most wanted Ritz value {check_value:.6g} had not settled within "
-                                   f"{cm} products (its residual above its distance to the k-th value "
-                                   f"{float(lam[-1]):.6g}), {when}, so an eigenvalue beyond the found ones is not ruled "
-                                   "out; raise ncv or max_matvecs, or use a block_size above the multiplicity")
+            if miss > failure_probability:
+                met, why = False, (f"the check could not rule out an eigenvalue beyond the k-th value "
+                                   f"{float(lam[-1]):.6g}: after {cm} products the probability that it missed one is "
+                                   f"bounded only by {miss:.3g} > failure_probability={failure_probability:g} "
+                                   f"({short}); raise max_matvecs, or loosen tol or failure_probability")
             break
         if matvecs + k + int(beat.sum()) > max_matvecs:
             met, why = False, (f"the check found {check_value:.6g}, beyond the k-th value {float(lam[-1]):.6g}, and "
@@ -492,78 +507,115 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             break
         start, known = torch.cat([X, Z[:, beat][:, : max(1, wmax - k)]], 1), AX  # take them in, go on
         restarts += 1
+    # the check's Ritz values may raise the scale: the bounds with it (looser, so what was met stays met, and
+    # the check's threshold, from the smaller bound, certified the stronger statement)
+    bounds = _bounds(lam, scale, tol, rel)
     result = EigResult(lam, X, res, bounds, scale, tol, rel, met, matvecs, iterations, restarts, check_mv,
-                       check_value, which, "lanczos", ncv)
+                       check_value, which, "lanczos", ncv, miss)
     return _finish(result, allow_unconverged, why)
 
 
-def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, p: int, gen, theta_k: float, bound_k: float, which: str,
-           room: int, budget: int):
-    """Block Lanczos (blocks of ``p``) on ``A`` restricted to the orthogonal complement of ``X`` ``(n, k)``,
-    from a random block, in ``V``'s storage (``room`` columns after ``X``; Krylov–Schur restarts keeping
-    the most wanted half): at least ``c`` products, then on until the most wanted Ritz value (for ``"LM"``
-    the largest and the smallest) beats the ``k``-th found value ``theta_k`` by more than ``bound_k`` or has
-    *settled* (its residual estimate at most its distance to that threshold: the eigenvalue within its
-    residual lies on the found side), or ``budget`` products are spent, or two restarts in a row bring
-    the residual no closer to that distance (by 10 %: *stalled*, as the main iteration's residuals that
-    stop improving). ``(Ritz values, Ritz vectors, products, settled, stalled)``."""
+def _miss_bound(log_beta: float, rho: torch.Tensor, alpha: float, N: int) -> float:
+    r"""An upper bound on the probability that a Lanczos run from a start uniform on the unit sphere of an
+    ``N``-dimensional space missed an eigenvalue at or beyond ``alpha``, given its Ritz values ``rho`` (all
+    on one side of ``alpha``) and the log of the product of its subdiagonal entries ``log_beta``
+    (Hochstenbach 2013): the monic characteristic polynomial :math:`\chi` of ``T_m`` has
+    :math:`\|\chi(C)v\| = \prod_j\beta_j` and :math:`|\chi|` grows beyond its roots, so an eigenvalue
+    beyond ``alpha`` with unit eigenvector ``u`` leaves :math:`|u^\top v| \le x = \prod_j\beta_j/|\chi(\alpha)|`,
+    which has probability at most :math:`x\sqrt{2N/\pi}` (docs/derivations.md §17)."""
+    gaps = (alpha - rho.double()).abs()
+    if bool((gaps == 0).any()):
+        return 1.0
+    log_x = log_beta - float(gaps.log().sum()) + 0.5 * math.log(2 * N / math.pi)
+    return math.exp(min(log_x, 0.0))
+
+
+def _check_bound(log_beta: float, rho: torch.Tensor, theta_k: float, bound_k: float, which: str, N: int) -> float:
+    """:func:`_miss_bound` at the ``k``-th found value's threshold (:func:`_margin`), for ``"LM"`` the sum of
+    both ends' (``±(|θ_k| + b_k)``)."""
+    if which == "LA":
+        return _miss_bound(log_beta, rho, theta_k + bound_k, N)
+    if which == "SA":
+        return _miss_bound(log_beta, rho, theta_k - bound_k, N)
+    top = abs(theta_k) + bound_k
+    return min(1.0, _miss_bound(log_beta, rho, top, N) + _miss_bound(log_beta, rho, -top, N))
+
+
+def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bound_k: float, which: str,
+           budget: int, failure: float):
+    r"""Lanczos from one random start on ``A`` restricted to the orthogonal complement of ``X`` ``(n, k)``
+    (every vector orthogonalised against ``X`` and the check's own basis), without restarts (a restart
+    would lose the start's guarantee), in ``V``'s storage after ``X``, grown when full: at least ``c``
+    products, then on until a Ritz value lies beyond the ``k``-th found value's threshold
+    (:func:`_margin`: it *beats* the found ones), or :func:`_check_bound` is at most ``failure``, or the
+    Krylov space is invariant (every eigenvalue of the restriction with a component along the start is
+    then a Ritz value: bound 0; at the latest once the basis spans the complement), or ``budget`` products
+    are spent, or the bound falls too slowly to reach ``failure`` within four times the products so far
+    and the complement has more than four times as many dimensions left (*stalled*, judged each time the
+    basis fills), or
+    a larger basis would not fit in memory. ``(Ritz values, Ritz vectors, products, bound, why, V)``:
+    ``bound`` the last miss bound (``1`` where a value beat the threshold), ``why`` ``None`` or the reason
+    it stopped short of ``failure``, ``V`` the storage (a larger tensor where it grew)."""
     n, k = X.shape
+    N = n - k
+    eps = torch.finfo(X.dtype).eps
     V[:, :k] = X
-    T = torch.zeros(room, room, dtype=V.dtype, device=V.device)
-    G = _gaussian(gen, (n, p), A)
-    W, _, ortho = _project_out(V[:, :k], G)
-    U = _new_block(W, V[:, :k], min(p, room), float(G.norm()), gen, A, ortho)
-    m, q = 0, U.shape[1]
-    V[:, k : k + q] = U
-    products, settled, stalled = 0, False, False
-    excess = excess_before = math.inf  # the least max(r − dist) over the ends since the last restart, and before
-    stalls = 0
+    W = _project_out(X, _gaussian(gen, (n, 1), A))[0]
+    W = _project_out(X, W)[0]  # twice: the start is uniform on the complement's unit sphere to rounding
+    V[:, k : k + 1] = W / W.norm()
+    T = torch.zeros(0, 0, dtype=torch.float64, device=V.device)
+    m, products, log_beta, bound, why = 0, 0, 0.0, 1.0, None
+    grown_at, log_bound_then = 0, 0.0
     while True:
-        AB = _mm(A, V[:, k + m : k + q])
-        products += q - m
-        W, C, ortho = _project_out(V[:, : k + q], AB)
-        C = C[k:]  # the coefficients along X are the found pairs' residuals: not part of the restriction
-        T[:q, m:q] = C
-        T[m:q, :q] = C.T
-        T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
-        b, m = q - m, q
-        rho, Y = linalg.eigh(T[:m, :m])
-        if products >= c:
-            # the wanted end's Ritz value; for "LM" both ends' (either may move past |θ_k| + b_k)
-            ends = [int(_order(rho, which)[0])] if which != "LM" else [int(rho.argmax()), int(rho.argmin())]
-            beaten, settled, worst = False, True, -math.inf
-            for j in ends:
-                r = float((W @ Y[m - b : m, j]).norm())  # ‖A z − ρ_j z‖, A restricted to X's complement
-                dist = float(_margin(rho[j], theta_k, bound_k, which))
-                beaten = beaten or dist < 0
-                settled = settled and 0 <= dist and r <= dist
-                worst = max(worst, r - dist)
-            if beaten or settled:  # beaten, or settled on the found side
-                settled = not beaten
+        AB = _mm(A, V[:, k + m : k + m + 1])
+        products += 1
+        W, C, ortho = _project_out(V[:, : k + m + 1], AB)
+        C = C[k:, 0].double()  # the coefficients along X are the found pairs' residuals: not the restriction's
+        T2 = T.new_zeros(m + 1, m + 1)
+        T2[:m, :m] = T
+        T2[:, m] = C
+        T2[m, :] = C
+        T, m = T2, m + 1
+        rho = torch.linalg.eigvalsh(T)
+        beta = float(W.norm())
+        invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(float(AB.norm()), float(rho.abs().max()))
+        if products >= c or invariant:
+            if bool((_margin(rho, theta_k, bound_k, which) < 0).any()):
+                bound = 1.0  # beaten: the caller takes the Ritz vectors beyond the threshold in
                 break
-            settled, excess = False, min(excess, worst)
-        if products + p > budget:
+            bound = 0.0 if invariant else _check_bound(log_beta + math.log(beta), rho, theta_k, bound_k, which, N)
+            if bound <= failure:
+                break
+        if invariant:
             break
-        # no wider than the complement's dimensions left (n − k − m): past them a random completion is rounding
-        U = _new_block(W, V[:, : k + m], min(p, room - 1, n - k - m), float(AB.norm()), gen, A, ortho)
-        if U.shape[1] == 0:  # the basis spans the complement: its Ritz values are the restriction's eigenvalues
-            settled = True
+        if products + 1 > budget:
+            why = f"the budget max_matvecs ran out after {products} products of the check"
             break
-        if m + U.shape[1] > room:  # restart: keep the most wanted half of the Ritz vectors, then the pending block
-            if excess < math.inf:
-                stalls = stalls + 1 if excess > 0.9 * excess_before else 0
-                excess_before, excess = min(excess_before, excess), math.inf
-                if stalls >= 2:
-                    stalled = True
-                    break
-            kept = _order(rho, which)[: max(1, (room - U.shape[1]) // 2)]
-            V[:, k : k + kept.numel()] = V[:, k : k + m] @ Y[:, kept]
-            m = kept.numel()
-            T.zero_()
-            T[:m, :m] = torch.diag(rho[kept])
-        V[:, k + m : k + m + U.shape[1]] = U
-        q = m + U.shape[1]
-    return rho, V[:, k : k + m] @ Y, products, settled, stalled
+        log_beta += math.log(beta)
+        u = W / beta
+        if beta < 0.5 * ortho:  # dividing by a small β magnifies W's rounding along the basis: once more
+            u = _project_out(V[:, : k + m], u)[0]
+            u = u / u.norm()
+        if k + m + 1 > V.shape[1]:  # the basis is full: judge the progress, then grow it
+            lb = math.log(max(_check_bound(log_beta, rho, theta_k, bound_k, which, N), 1e-300))
+            if grown_at and N - m > 4 * m and (lb >= log_bound_then or  # (spanning the complement ends it too)
+                                               (math.log(failure) - lb) / ((lb - log_bound_then) / (m - grown_at)) > 4 * m):
+                why = (f"its bound fell too slowly (to {math.exp(lb):.3g} after {products} products) to reach "
+                       f"{failure:g} within four times as many")
+                break
+            grown_at, log_bound_then = m, lb
+            cols = min(n, 2 * V.shape[1])
+            try:
+                check_fits(n * cols * V.element_size(), f"the check's Lanczos basis ({n} x {cols})", V.device)
+            except InsufficientMemoryError as e:
+                why = f"a larger basis would not fit ({e})"
+                break
+            V2 = torch.zeros(cols, n, dtype=V.dtype, device=V.device).T
+            V2[:, : k + m] = V[:, : k + m]
+            V = V2
+        V[:, k + m : k + m + 1] = u
+    rho, Y = linalg.eigh(T.to(V.dtype))
+    return rho, V[:, k : k + m] @ Y, products, bound, why, V
 
 
 def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:
