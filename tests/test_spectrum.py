@@ -4,6 +4,7 @@ one-line errors of bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -108,7 +109,8 @@ def test_series_warm_starts(tmp_path, checkpoint):
         rows = ser["blocks"][key]["full"]
         assert "matvecs_warm" not in rows[0] and all("matvecs_warm" in r for r in rows[1:])
         for row in rows[1:]:  # warm and cold agree to their residuals
-            assert row["converged"] and row["max_abs_diff_warm_cold"] <= row["diff_bound"]
+            assert row["converged"] and row["agree"] and row["max_abs_diff_warm_cold"] <= row["diff_bound"]
+        assert not ser["disagreements"]
         # the second snapshot's top eigenvalue is that of its own Hessian (not the previous point's)
         m = vit.at_step(12)
         idx = torch.randperm(len(vit.train_labels), generator=torch.Generator().manual_seed(3))[:6].sort().values
@@ -120,6 +122,28 @@ def test_series_warm_starts(tmp_path, checkpoint):
     rows = [r for k in ser["blocks"] for r in ser["blocks"][k]["full"][1:]]
     assert t == {"warm": sum(r["matvecs_warm"] for r in rows), "cold": sum(r["matvecs_cold"] for r in rows)}
     # warm or cold is measured, not asserted: these snapshots are 12 steps of lr 1e-2 apart, and the counts were equal
+
+
+def test_a_warm_start_that_disagrees_with_the_cold_one_fails_the_series(tmp_path, checkpoint, monkeypatch, capsys):
+    """A warm-started result off by more than the two results' bounds (here a warm run made to return its
+    eigenvalues shifted by 1e-3, as a warm start at a non-extreme eigenvector once did): exit 1, the
+    disagreement named on stderr and listed in the JSON; the point's row says ``agree: false``."""
+    real = spectrum.lanczos_eigs
+
+    def shifted(A, *args, v0=None, **kw):
+        r = real(A, *args, v0=v0, **kw)
+        return r if v0 is None else dataclasses.replace(r, eigenvalues=r.eigenvalues + 1e-3)
+
+    monkeypatch.setattr(spectrum, "lanczos_eigs", shifted)
+    out = tmp_path / "sp"
+    rc = _spectrum(out, checkpoint, "--series", "--blocks", "blocks.0.W_V", "--parts", "full", "--k", "2",
+                   "--tol", "1e-8", "--density", "0", "--trace", "0", "--dense-below", "0", "--validate-below", "0")
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "the warm-started and the cold eigenvalues disagree at 5 point(s) (first: blocks.0.W_V full at" in err
+    ser = json.loads((out / "spectrum.json").read_text())["series"]
+    assert len(ser["disagreements"]) == 5 and all(not r["agree"] for r in ser["blocks"]["blocks.0.W_V"]["full"][1:])
+    assert "FAILED (series.disagreements)" in (out / "spectrum.md").read_text()
 
 
 def test_a_series_of_checkpoints_warm_starts_from_the_previous_vectors(tmp_path, checkpoint):

@@ -40,8 +40,9 @@ random weights on random images and labels, cross-entropy.
 Writes ``spectrum.json`` (every eigenvalue, residual, products count, method and time; the density
 with its errors; the trace with its error; the check; the series), ``spectrum.md`` and the figures
 ``eigenvalues.png``, ``density.png``, ``trace.png`` (and ``series.png``) into ``--out``, atomically.
-Exit status: 0; 1 when the results are written but a check fails or an eigenvalue did not
-converge within ``--max-matvecs``; 2 with one line on stderr for bad input (an unknown block name,
+Exit status: 0; 1 when the results are written but a check fails, a series' warm-started eigenvalues
+disagree with the cold ones beyond their bounds, or an eigenvalue did not converge within
+``--max-matvecs``; 2 with one line on stderr for bad input (an unknown block name,
 a bad list, options of another preset).
 """
 
@@ -391,7 +392,7 @@ def _eigs(A: HessianOperator, s: Settings, v0=None) -> tuple[dict, torch.Tensor]
         "bounds": r.bounds.double().tolist(), "rel": r.rel,
         "relative_residuals": (res / (r.bounds.double() / r.tol)).tolist() if r.scale > 0 else res.tolist(),
         "block_residual": float(res.norm()), "converged": r.converged, "matvecs": r.matvecs,
-        "check_matvecs": r.check_matvecs,
+        "check_matvecs": r.check_matvecs, "miss_probability": r.miss_probability,
         "iterations": r.iterations, "restarts": r.restarts, "seconds": seconds, "warm_start": v0 is not None,
     }
     if why is not None:
@@ -575,6 +576,7 @@ def series(problem: Problem, keys: list[str], s: Settings, quiet: bool) -> dict:
     rows = {key: {part: [] for part in s.parts} for key in keys}
     prev = {}
     total = {"warm": 0, "cold": 0}
+    disagree = []
     bar = progress(None, quiet, total=len(points) * len(s.parts) * len(keys), desc="series", unit="block")
     with bar:
         for i, (label, step, params) in enumerate(points):
@@ -596,7 +598,12 @@ def series(problem: Problem, keys: list[str], s: Settings, quiet: bool) -> dict:
                                    eigenvalues_cold=cold["eigenvalues"],
                                    max_abs_diff_warm_cold=max(abs(a - b) for a, b in zip(warm["eigenvalues"],
                                                                                          cold["eigenvalues"])),
-                                   diff_bound=warm["block_residual"] + cold["block_residual"])
+                                   diff_bound=_agreement_bound(warm, cold))
+                        row["agree"] = not row["converged"] or row["max_abs_diff_warm_cold"] <= row["diff_bound"]
+                        if not row["agree"]:
+                            disagree.append({"block": key, "part": part, "label": label, "step": step,
+                                             "max_abs_diff": row["max_abs_diff_warm_cold"],
+                                             "bound": row["diff_bound"]})
                         if cold["method"] == "lanczos":
                             total["warm"] += warm["matvecs"]
                             total["cold"] += cold["matvecs"]
@@ -605,10 +612,19 @@ def series(problem: Problem, keys: list[str], s: Settings, quiet: bool) -> dict:
                     bar.update()
                 del A, V
     return {"kind": problem.series_kind, "labels": [p[0] for p in points], "steps": [p[1] for p in points],
-            "blocks": rows, "matvecs_after_the_first": total,
+            "blocks": rows, "matvecs_after_the_first": total, "disagreements": disagree,
             "what": "at each point the top eigenvalues (warm-started from the previous point's eigenvectors after the "
                     "first); matvecs_after_the_first: products of every Lanczos run (dense blocks left out: n products "
-                    "either way) after the first point, warm-started and cold"}
+                    "either way) after the first point, warm-started and cold; disagreements: the points where both "
+                    "converged and the warm and the cold eigenvalues differ by more than diff_bound (each set within "
+                    "its k-th bound plus its residuals' norm of the true top k), which fail the run"}
+
+
+def _agreement_bound(warm: dict, cold: dict) -> float:
+    """How far a converged warm-started and a cold set of the same operator's eigenvalues may differ: each
+    lies within its ``k``-th bound plus its residuals' Frobenius norm of the wanted eigenvalues (the check's
+    statement, :func:`~blockhess.operators.lanczos_eigs`), so their sum."""
+    return warm["bounds"][-1] + cold["bounds"][-1] + warm["block_residual"] + cold["block_residual"]
 
 
 # ----------------------------------------------------------------------------- figures and text
@@ -715,7 +731,9 @@ def markdown(rep: dict) -> str:
         t = rep["series"]["matvecs_after_the_first"]
         lines += ["## Series", "", f"{len(rep['series']['labels'])} points ({rep['series']['kind']}): "
                   f"{', '.join(rep['series']['labels'])}. Lanczos products after the first point: {t['warm']:,} "
-                  f"warm-started, {t['cold']:,} cold.", ""]
+                  f"warm-started, {t['cold']:,} cold. Warm and cold agree within their bounds "
+                  + ("everywhere." if not rep["series"]["disagreements"] else
+                     f"except at {len(rep['series']['disagreements'])} point(s): FAILED (series.disagreements)."), ""]
     lines += ["Figures: " + ", ".join(f"`{f}`" for f in rep["figures"]) + ".", "",
               f"Run time {rep['timings']['total_s']:.1f} s (load average {_load(rep['environment'])}); peak resident "
               f"memory {rep['timings']['peak_rss_bytes'] / 2**30:.2f} GiB.", ""]
@@ -783,6 +801,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         ser = series(problem, keys, s, quiet) if problem.series else None
         figs = figures(tmp, problem, res, ser, s)
         converged = all(r["converged"] for parts in res["blocks"].values() for r in parts.values())
+        disagree = ser["disagreements"] if ser is not None else []
         if ser is not None:
             converged = converged and all(row["converged"] for parts in ser["blocks"].values()
                                           for rows in parts.values() for row in rows)
@@ -806,7 +825,12 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         rep = _public(rep)
         write_json(tmp / "spectrum.json", rep)
         (tmp / "spectrum.md").write_text(markdown(rep))
-    failed = val["passed"] is False
+    failed = val["passed"] is False or bool(disagree)
+    if disagree:
+        d = disagree[0]
+        print(f"blockhess spectrum: --series: the warm-started and the cold eigenvalues disagree at {len(disagree)} "
+              f"point(s) (first: {d['block']} {d['part']} at {d['label']}: {d['max_abs_diff']:.3g} > their bound "
+              f"{d['bound']:.3g}); see {out}/spectrum.json, series.disagreements", file=sys.stderr)
     if not converged:
         first = next(((k, p, r) for k, parts in res["blocks"].items() for p, r in parts.items() if not r["converged"]),
                      None)  # None: only the series did not converge
