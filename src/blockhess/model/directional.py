@@ -104,16 +104,18 @@ class ModelProduct:
 
 
 def fold_tied(V: dict, shapes: dict) -> dict:
-    """Directions over public names -> internal ones: the tied ``W_E``'s second use gets ``W_Eᵀ``'s."""
+    """Directions over public names -> internal ones: the tied ``W_E``'s second use gets ``W_E``'s, in
+    ``W_E``'s layout (:class:`~.stages.HeadStage`'s products take the tied head's direction so)."""
     if "W_E" in V and TIED_HEAD in shapes:
-        V = {**V, TIED_HEAD: V["W_E"].transpose(-1, -2)}
+        V = {**V, TIED_HEAD: V["W_E"]}
     return V
 
 
 def unfold_tied(HV: dict) -> dict:
-    """Rows over internal names -> public ones: the two uses of ``W_E`` summed."""
+    """Rows over internal names -> public ones: the two uses of ``W_E`` summed (both in ``W_E``'s layout,
+    each a fresh tensor of the product's, so the sum is taken in place)."""
     if TIED_HEAD in HV:
         HV = dict(HV)
-        extra = HV.pop(TIED_HEAD).transpose(-1, -2)
-        HV["W_E"] = HV["W_E"] + extra if "W_E" in HV else extra
+        extra = HV.pop(TIED_HEAD)
+        HV["W_E"] = HV["W_E"].add_(extra) if "W_E" in HV else extra
     return HV

@@ -261,10 +261,13 @@ class PoolStage:
 
 class HeadStage:
     """``z = h W + b`` per row, ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``; the tied
-    head's :data:`TIED_HEAD`), ``b`` ``(C,)`` if named."""
+    head's :data:`TIED_HEAD`), ``b`` ``(C,)`` if named. The products (:meth:`tangent`, :meth:`adjoint2`)
+    take the tied head's direction and give its rows in ``W_E``'s own layout ``(C, d)``, so that the
+    two uses of ``W_E`` meet without a transpose of the table (:func:`~.directional.unfold_tied`)."""
 
     def __init__(self, h: torch.Tensor, W: torch.Tensor, names: tuple[str, ...]):
         self.h, self.W, self.names = h, W, names
+        self.tied = names[0] == TIED_HEAD
 
     vjps = _each_vjp
 
@@ -286,34 +289,44 @@ class HeadStage:
         P, d = self.h.shape[1:]
         return torch.einsum("bpin,ic->bpcn", G.reshape(B, P, d, n), self.W).reshape(B, -1, n)
 
+    def _dW_T(self, dW: torch.Tensor) -> torch.Tensor:
+        """A direction of the weight as ``Ẇᵀ`` ``(k, C, d)`` (the tied head's is given so)."""
+        return dW if self.tied else dW.transpose(1, 2)
+
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
-        """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``."""
+        """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``; the tied head's
+        ``Ẇᵀ`` ``(k, C, d)``."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
-        out = self.h.new_zeros(k, *self.h.shape[:2], self.W.shape[1])
-        if dx is not None:
-            out += dx @ self.W
-        if w in V:
-            out += torch.einsum("bpi,kic->kbpc", self.h, V[w])
+        B, P, d = self.h.shape
+        C = self.W.shape[1]
+        out = dx.reshape(k, B * P, d) @ self.W if dx is not None else self.h.new_zeros(k, B * P, C)
+        if w in V:  # h Ẇ as one product per direction over the batch's rows
+            out = out.baddbmm_(self.h.reshape(1, B * P, d).expand(k, -1, -1), self._dW_T(V[w]).transpose(1, 2))
+        out = out.reshape(k, B, P, C)
         if b in V:
             out += V[b][:, None, None]
         return out
 
     def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
         """``(ġ_h, {W: ḣᵀ g + hᵀ ġ, b: Σ ġ})``, ``ġ_h = ġ Wᵀ + g Ẇᵀ`` (the terms in ``g`` only with ``functional``);
-        ``g`` ``(B, P, C)``."""
+        ``g`` ``(B, P, C)``; the tied head's rows as ``(ḣᵀ g + hᵀ ġ)ᵀ`` ``(k, C, d)``."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
-        gh = dg @ self.W.T
+        k = dg.shape[0]
+        B, P, d = self.h.shape
+        C = self.W.shape[1]
+        dgf, gf, hf = dg.reshape(k, B * P, C), g.reshape(B * P, C), self.h.reshape(B * P, d)
+        gh = dgf @ self.W.T
         if functional and w in V:
-            gh = gh + torch.einsum("bpc,kic->kbpi", g, V[w])
+            gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
         out = {}
-        if w in names:
-            hv = torch.einsum("bpi,kbpc->kic", self.h, dg)
+        if w in names:  # (ġᵀ h + gᵀ ḣ) as (k, C, d): the tied layout; transposed back for a head of its own
+            hv = dgf.transpose(1, 2) @ hf
             if functional and dx is not None:
-                hv = hv + torch.einsum("kbpi,bpc->kic", dx, g)
-            out[w] = hv
+                hv = hv.baddbmm_(gf.T.expand(k, -1, -1), dx.reshape(k, B * P, d))
+            out[w] = hv if self.tied else hv.transpose(1, 2)
         if b in names:
-            out[b] = dg.sum((1, 2))
-        return gh, out
+            out[b] = dgf.sum(1)
+        return gh.reshape(k, B, P, d), out
 
     def curv(self, g: torch.Tensor, names, acc=None):
         B, P, d = self.h.shape

@@ -280,7 +280,9 @@ class HessianOperator:
         variable (``var`` for a list's tensor; else found from the row of a flat ``V``)."""
         if V.dtype != self.dtype or V.device != self.device:
             raise ValueError(f"{what} must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
-        bad = ~torch.isfinite(V)
+        if V.numel() and bool(torch.isfinite(V.reshape(V.shape[0], -1).sum(0)).all()):
+            return  # finite sums: every entry finite (a NaN or Inf makes its column's sum NaN or Inf), in one pass
+        bad = ~torch.isfinite(V)  # else look (a sum can also overflow from finite entries)
         if bool(bad.any()):
             if var is None:
                 row, off = int(bad.reshape(V.shape[0], -1).any(1).nonzero()[0, 0]), 0
