@@ -718,3 +718,29 @@ def test_memory_is_checked_before_any_work(monkeypatch):
     monkeypatch.setattr(directional, "adjoints", fail)
     with pytest.raises(bh.InsufficientMemoryError, match=r"the Hessian-vector products of 64 directions would need"):
         hvp(c, torch.zeros(1, 256, 4, dtype=DT), V, lambda dZ: dZ)
+
+
+def test_rows_written_into_the_callers_destinations():
+    """``into``: the projections' rows land in the caller's tensors (returned as those tensors) with the
+    values of a product without it; a destination of the wrong shape is refused by name."""
+    cfg = bh.BlockConfig(d_model=8, d_ff=12, n_heads=2, bias=True, out_proj=True, ln_affine=True, norm="pre")
+    p = bh.init_params(cfg, seed=1)
+    g0 = torch.Generator().manual_seed(2)
+    X, T = (torch.randn(2, 3, 8, generator=g0, dtype=torch.float64) for _ in range(2))
+    from blockhess.block import forward_cache
+    from blockhess.block.directional import adjoints, hvp
+    from blockhess import losses
+    c = forward_cache(p, X, cfg, plain=True)
+    g, omega = losses.directional("mse", T, c.out)
+    a = adjoints(c, g)
+    V = {n: torch.randn(1, *v.shape, generator=g0, dtype=torch.float64) for n, v in p.items()}
+    plain, _ = hvp(c, a, V, omega=omega)
+    into = {n: torch.full((1, *p[n].shape), float("nan"), dtype=torch.float64) for n in ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2")}
+    got, _ = hvp(c, a, V, omega=omega, into=into)
+    for n in plain:
+        assert torch.allclose(got[n], plain[n], rtol=1e-13, atol=1e-15), n
+    # W_Q, W_K, W_V read LN_1's output, whose tangent here is a Scaled one (nothing moves below it): their
+    # rows are not one product there, so they come back as tensors of their own; the others are written in
+    assert [n for n, t in into.items() if got[n] is t] == ["W_O", "W_1", "W_2"]
+    with pytest.raises(ValueError, match=r"into\['W_1'\] must be a contiguous"):
+        hvp(c, a, V, omega=omega, into={"W_1": torch.zeros(1, 3, 3, dtype=torch.float64)})

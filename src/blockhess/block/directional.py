@@ -230,7 +230,7 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
 
 
 def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, want_dgX: bool, second: bool,
-          k: int) -> tuple[dict, torch.Tensor | None]:
+          k: int, into=None) -> tuple[dict, torch.Tensor | None]:
     """The second-order adjoint pass, back from the output adjoint's tangent ``dgZ`` ``(k, B, L, d)``
     (or ``None``), restricted: each layer forms the rows of the weights in ``want`` only, and the pass
     stops below the lowest of them unless ``want_dgX``. Returns ``(rows, dgX)``: name → ``(k, *shape)``
@@ -267,7 +267,8 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
         if pre:  # the FFN (LN_2 inside), then the residual sum R
             go = go_att or has(_OUT)
             if go or has(_FFN | _LN2):
-                dgU, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, tokens(dgZ), second, go, want & (_FFN | _LN2))
+                dgU, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, tokens(dgZ), second, go, want & (_FFN | _LN2),
+                                                into)
                 keep(found)
         else:  # LN_2, the FFN, LN_1
             go_l1 = go_att or has(_OUT)
@@ -279,7 +280,7 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
                                                        p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2))
                 keep({"gamma_2": hg, "beta_2": hb})
             if go_l2:
-                dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second, go_f, want & _FFN)
+                dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second, go_f, want & _FFN, into)
                 keep(found)
             if go_f:
                 dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
@@ -289,12 +290,12 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
     dgF = dgP
     if cfg.out_proj and (go_att or has(_OUT)):
         dgF, hW, hb = linear.second_adjoint(c.att.F, p["W_O"], a.gP, dgP, ta.dF, dp.get("W_O"), second, go_att,
-                                            bias="b_O" in want, weight="W_O" in want)
+                                            bias="b_O" in want, weight="W_O" in want, out=(into or {}).get("W_O"))
         keep({"W_O": hW, "b_O": hb})
     dgXa = None
     if go_att:
         dgXa, found = attention.second_adjoint(c.att, p, dp, a.att, ta, dgF, tg.dXa, second, att_input,
-                                               want & _ATTENTION)
+                                               want & _ATTENTION, into)
         keep(found)
     if pre and att_input and isinstance(tg.dXa, linear.Scaled):  # LN_1's rows Σ ġ ⊙ n_1, Σ ġ (ṅ_1 = 0)
         hg, hb = (None, None) if dgXa is None else dgXa
@@ -320,7 +321,7 @@ def _rows(c: Cache, hv: dict, names, shapes: dict, k: int) -> dict:
 
 
 def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functional: bool = True,
-        input_adjoint: bool | None = None, wanted=None) -> tuple[dict, torch.Tensor | None]:
+        input_adjoint: bool | None = None, wanted=None, into=None) -> tuple[dict, torch.Tensor | None]:
     r"""The exact Hessian-vector products of a block's loss along ``k`` directions at once:
     ``(HV, dgX)``, matrix-free (no ``n × n`` object, no autograd).
 
@@ -344,7 +345,10 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
     below the lowest of them unless ``input_adjoint``: ``W_2``'s rows are its own two GEMMs, ``W_1``'s
     the FFN's, and only the attention's weights (and pre-LN ``LN_1``'s) need the pass through the
     whole block (docs/derivations.md §18, "Restricted products"); the tangent pass always runs from
-    the lowest direction up.
+    the lowest direction up. ``into``: weight name → a contiguous ``(k, *shape)`` tensor of ``c.X``'s dtype
+    and device that the layer writes the weight's rows into where it forms them as one product (the
+    projections' weights; ``HV[name]`` is then that tensor: an operator's output slice, no copy); the
+    other rows are new tensors.
 
     Returns ``HV``: name → ``(k, *shape)``, the rows of :math:`H\,[V; dX]` of every weight of ``wanted``
     (default: of the block), in canonical order, exactly zero where the product is (``b_K``'s always);
@@ -408,7 +412,13 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
             check_tensor("omega(dZ)", dgZ, like=c.X)
     if not back:
         return {}, None
-    hv, dgX = _back(c, a, dp, tg, dgZ, want, want_dgX, functional, k)
+    if into:
+        for n, t in into.items():
+            if n not in shapes or not isinstance(t, torch.Tensor) or tuple(t.shape) != (k, *shapes[n]) \
+                    or t.dtype != c.X.dtype or t.device != c.X.device or not t.is_contiguous():
+                raise ValueError(f"into[{n!r}] must be a contiguous ({k}, *{shapes.get(n)}) tensor of {c.X.dtype} "
+                                 f"on {c.X.device}")
+    hv, dgX = _back(c, a, dp, tg, dgZ, want, want_dgX, functional, k, into)
     return _rows(c, hv, want, shapes, k), dgX
 
 

@@ -462,7 +462,7 @@ def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=Non
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=None, second: bool = True,
-                   want_input: bool = True, wanted=None) -> tuple:
+                   want_input: bool = True, wanted=None, into=None) -> tuple:
     r"""``(dg_X, hv)``: the tangent of the input adjoint ``(k, B, L, d)`` (``None`` with
     ``want_input=False`` or when zero) and the attention weights' rows of the Hessian-vector
     product, ``hv`` name → ``(k, *shape)`` for each weight of ``p`` in ``wanted`` (default: every
@@ -483,8 +483,9 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     :func:`tangent` along the same directions ``dp``, ``dX``; ``dgF`` ``(k, B, L, d)`` the output
     adjoint's tangent or ``None``. With a :class:`~blockhess.layers.linear.Scaled` ``dX`` (``a`` then
     from :func:`adjoint` with ``n``), ``dg_X`` is the pair :math:`(\sum\dot g_X\odot n, \sum\dot g_X)`
-    ``(k, d)`` each, the LayerNorm's rows, instead of :math:`\dot g_X`. Derived in docs/derivations.md
-    §18. Kernel: no checks."""
+    ``(k, d)`` each, the LayerNorm's rows, instead of :math:`\dot g_X`. ``into``: name → a ``(k, *shape)``
+    destination for a projection's rows (:func:`~blockhess.layers.linear.second_adjoint`'s ``out``), or
+    ``None``. Derived in docs/derivations.md §18. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
@@ -518,7 +519,8 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
             continue
         mom = None if not (scaled and second) or a.moments is None else a.moments[w]
         x_in, hv_w, hb = linear.second_adjoint(c.X, p[w], g, dg, dX, dp.get(w), second, want_input,
-                                               bias=b in p and b in want, weight=w in want, moments=mom)
+                                               bias=b in p and b in want, weight=w in want, moments=mom,
+                                               out=(into or {}).get(w))
         if scaled:  # the pair (Σ ġ_X ⊙ n, Σ ġ_X), summed over the projections
             dg_X = x_in if dg_X is None else (dg_X if x_in is None else tuple(map(add, dg_X, x_in)))
         else:

@@ -298,7 +298,7 @@ def adjoint(c: Cache, g: torch.Tensor) -> Adjoint:
 
 
 def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, second: bool = True,
-                   want_input: bool = True, wanted=None) -> tuple:
+                   want_input: bool = True, wanted=None, into=None) -> tuple:
     r"""``(dg_Y, hv)``: the tangent of the input adjoint ``(k, T, d)`` (``None`` with
     ``want_input=False`` or when zero) and the FFN weights' rows of the Hessian-vector product,
     ``hv`` name → ``(k, *shape)`` for each of ``W_1, b_1, W_2, b_2`` (and pre-LN ``gamma_2, beta_2``)
@@ -318,14 +318,18 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, seco
     pre-LN LN_2's :func:`~blockhess.layers.layernorm.second_adjoint`, and :math:`\dot g_Y = \dot g +`
     the input adjoint's tangent of the branch. ``a``: the :func:`adjoint` of the cached output
     adjoint; ``t``: the :func:`tangent` along ``dp`` and the input's direction; ``dg``
-    ``(k, T, d)`` the output adjoint's tangent or ``None``. Derived in docs/derivations.md §18. Kernel."""
+    ``(k, T, d)`` the output adjoint's tangent or ``None``; ``into``: name → a ``(k, *shape)`` destination for
+    ``W_1``'s, ``W_2``'s rows (:func:`~blockhess.layers.linear.second_adjoint`'s ``out``), or ``None``.
+    Derived in docs/derivations.md §18. Kernel."""
     want = {n for n in p if n in NAMES + ("b_1", "b_2", "gamma_2", "beta_2")} if wanted is None else set(wanted)
     pre = c.n is not None
     ln2 = pre and bool(want & {"gamma_2", "beta_2"})  # LN_2's rows (pre-LN) need the pass through W_1
     need_1 = want_input or ln2 or bool(want & {"W_1", "b_1"})  # the pass below W_2
     hv = {}
+    into = into or {}
     dg_h, hv_W2, hb2 = linear.second_adjoint(c.h, c.W_2, a.g, dg, t.dh, dp.get("W_2"), second, need_1,
-                                             bias="b_2" in p and "b_2" in want, weight="W_2" in want)
+                                             bias="b_2" in p and "b_2" in want, weight="W_2" in want,
+                                             out=into.get("W_2"))
     for name, v in (("W_2", hv_W2), ("b_2", hb2)):
         if name in p and name in want:
             hv[name] = v
@@ -337,7 +341,7 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dg, seco
         dg_H = t.dH1 * psi if dg_H is None else dg_H.addcmul_(t.dH1, psi)
     dg_Yf, hv_W1, hb1 = linear.second_adjoint(_Yf(c), c.W_1, a.g_H, dg_H, t.dYf, dp.get("W_1"), second,
                                               want_input or ln2, bias="b_1" in p and "b_1" in want,
-                                              weight="W_1" in want)
+                                              weight="W_1" in want, out=into.get("W_1"))
     for name, v in (("W_1", hv_W1), ("b_1", hb1)):
         if name in p and name in want:
             hv[name] = v

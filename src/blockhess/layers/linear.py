@@ -129,7 +129,7 @@ def adjoint(W: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, second: bool = True,
-                   want_input: bool = True, bias: bool = False, weight: bool = True, moments=None):
+                   want_input: bool = True, bias: bool = False, weight: bool = True, moments=None, out=None):
     r"""``(dg_x, hv_W, hv_b)``: the tangent of the input adjoint :math:`\dot g W^\top + [g\dot W^\top]`
     ``(k, ..., d_in)`` (``None`` with ``want_input=False`` or when zero), with ``weight`` the weight's
     rows of the product :math:`\sum x^\top \dot g + [\sum\dot x^\top g]` ``(k, d_in, d_out)``, and with
@@ -142,7 +142,9 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
     drops the bracketed (functional) terms: the Gauss–Newton product. With a :class:`Scaled` ``dx``,
     ``moments`` is :func:`moments` of its ``n`` and ``g`` (read only with ``second``; ``g`` itself is
     not read), and ``dg_x`` is replaced by the pair :math:`(\sum\dot g_x\odot n, \sum\dot g_x)`
-    ``(k, d_in)`` each (``None`` where zero; the pair ``None`` with ``want_input=False``)."""
+    ``(k, d_in)`` each (``None`` where zero; the pair ``None`` with ``want_input=False``). ``out``: a
+    contiguous ``(k, d_in, d_out)`` tensor the weight's rows are written into where they are one product
+    (then ``hv_W`` is ``out``; a caller's destination, e.g. a slice of an operator's output), else unused."""
     if isinstance(dx, Scaled):
         return _scaled_second_adjoint(dx, W, moments, dg, dW, second, want_input, bias, weight)
     d_in, d_out = W.shape
@@ -153,15 +155,20 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
             k = dW.shape[0]
             acc = None if dg_x is None else dg_x.reshape(k, -1, d_in)
             dg_x = _mm_into(acc, _tokens(g, d_out), dW.mT).reshape(k, *g.shape[:-1], d_in)
-    if dg is not None:
-        k = dg.shape[0]
-        if weight:
-            hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(k, -1, d_out))
-        if bias:
-            hv_b = dg.reshape(k, -1, d_out).sum(1)
-    if weight and second and dx is not None:
-        k = dx.shape[0]
-        hv_W = _mm_into(hv_W, dx.reshape(k, -1, d_in).mT, _tokens(g, d_out))
+    if dg is not None and bias:
+        hv_b = dg.reshape(dg.shape[0], -1, d_out).sum(1)
+    if weight:
+        both = dg is not None and second and dx is not None
+        if both:  # xᵀ ġ + ẋᵀ g as one product over the tokens stacked twice: the rows written once
+            k = dg.shape[0]
+            xt = _tokens(x, d_in)
+            lhs = torch.cat([xt.expand(k, -1, -1), dx.reshape(k, -1, d_in)], 1)
+            rhs = torch.cat([dg.reshape(k, -1, d_out), _tokens(g, d_out).expand(k, -1, -1)], 1)
+            hv_W = torch.matmul(lhs.mT, rhs, out=out)
+        elif dg is not None:
+            hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(dg.shape[0], -1, d_out), out=out)
+        elif second and dx is not None:
+            hv_W = torch.matmul(dx.reshape(dx.shape[0], -1, d_in).mT, _tokens(g, d_out), out=out)
     return dg_x, hv_W, hv_b
 
 

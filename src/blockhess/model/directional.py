@@ -32,7 +32,9 @@ class ModelProduct:
     every tangent is zero, and nothing runs there on the way up), the adjoint pass stops at the lowest
     stage ``s1`` holding a wanted name, and each block forms only its wanted rows
     (``block_hvp(..., wanted=...)``); between ``s1`` and ``s0`` the pass back is the stages' plain
-    adjoints (a block's :func:`blockhess.block.directional.vjp`: no tangent, no second-order term)."""
+    adjoints (a block's :func:`blockhess.block.directional.vjp`: no tangent, no second-order term).
+    ``into``: name → a destination for that variable's rows, passed to the blocks
+    (:func:`blockhess.block.directional.hvp`'s ``into``); a row written there is returned as that tensor."""
 
     def __init__(self, stages, top, d_model: int, block_hvp):
         self.stages = list(stages) + ([top.head()] if isinstance(top, SoftmaxHead) else [])
@@ -51,8 +53,9 @@ class ModelProduct:
                 B = g.shape[0]
                 g = st.back(g.reshape(B, 1, -1))[:, 0].reshape(B, -1, d_model)
 
-    def __call__(self, V: dict, names, outer: bool = True, functional: bool = True) -> dict:
+    def __call__(self, V: dict, names, outer: bool = True, functional: bool = True, into=None) -> dict:
         out: dict = {}
+        into = into or {}
         wanted = set(names)
         k_dirs = next(iter(V.values())).shape[0]
         n = len(self.stages)
@@ -79,7 +82,8 @@ class ModelProduct:
                 p = len(st.prefix)
                 HV, dg = self.block_hvp(st.c, self.adj[k] if functional else None, {m[p:]: v for m, v in Vk.items()},
                                         omega=lambda dZ: run(k + 1, dZ), dX=dx, outer=True, functional=functional,
-                                        input_adjoint=below, wanted=local(st, here))
+                                        input_adjoint=below, wanted=local(st, here),
+                                        into={m[p:]: t for m, t in into.items() if m in st.names})
                 out.update({st.prefix + m: v for m, v in HV.items()})
                 return dg
             dy = st.tangent(dx, Vk, k_dirs)

@@ -320,9 +320,11 @@ class HeadStage:
             gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
         out = {}
         if w in names:  # (ġᵀ h + gᵀ ḣ) as (k, C, d): the tied layout; transposed back for a head of its own
-            hv = dgf.transpose(1, 2) @ hf
-            if functional and dx is not None:
-                hv = hv.baddbmm_(gf.T.expand(k, -1, -1), dx.reshape(k, B * P, d))
+            if functional and dx is not None:  # one product over the rows stacked twice: the table written once
+                hv = torch.cat([dgf, gf.expand(k, -1, -1)], 1).transpose(1, 2) @ torch.cat(
+                    [hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)
+            else:
+                hv = dgf.transpose(1, 2) @ hf
             out[w] = hv if self.tied else hv.transpose(1, 2)
         if b in names:
             out[b] = dgf.sum(1)

@@ -40,8 +40,8 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
     g, omega = losses.directional(loss, target, c.out)
     a = adjoints(c, g) if functional else None
 
-    def product(V, wanted_out):  # V is never empty: a view has columns
-        HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional, wanted=wanted_out)
+    def product(V, wanted_out, into=None):  # V is never empty: a view has columns
+        HV, _ = hvp(c, a, V, omega=omega, outer=outer, functional=functional, wanted=wanted_out, into=into)
         return HV
 
     def diagonal(wanted):
@@ -58,9 +58,9 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
     internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
     like = params[names[0]]
 
-    def product(V, wanted_out):  # the rows of wanted_out only; W_E's tied second use when W_E's are wanted
+    def product(V, wanted_out, into=None):  # the rows of wanted_out only; W_E's tied second use when W_E's are wanted
         rows = tuple(wanted_out) + ((TIED_HEAD,) if cfg.tied and "W_E" in wanted_out else ())
-        return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional))
+        return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional, into=into))
 
     def diagonal(wanted):
         raise NotImplementedError("a model's operator has no closed-form diagonal: attention in the blocks above a "
@@ -98,8 +98,8 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     product, count, dtype, device, diagonal = engine(params, inputs, cfg, loss, target, names, outer, functional)
     shapes = param_shapes(cfg)
 
-    def restricted(V, wanted_out):  # the operator over names: other parameters have zero directions
-        return product({n: v for n, v in V.items() if n in names}, wanted_out)
+    def restricted(V, wanted_out, into=None):  # the operator over names: other parameters have zero directions
+        return product({n: v for n, v in V.items() if n in names}, wanted_out, into)
 
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
-                           split=head_views(cfg), count=count)
+                           split=head_views(cfg), count=count, writes_into=True)

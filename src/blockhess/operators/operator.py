@@ -99,6 +99,10 @@ class HessianOperator:
         The number of sequences this operator averages over (the weight of :func:`mean_operator`).
     max_columns : int, optional
         At most this many columns are passed to the engine at once (a product with more is split).
+    writes_into : bool, optional
+        The engine also takes ``product(V, wanted_out, into=...)``: ``into`` maps a parameter to a
+        contiguous ``(1, *shape)`` slice of the output of a one-column product, which the engine may
+        write that parameter's rows into (and return); rows returned elsewhere are copied there.
 
     Attributes
     ----------
@@ -124,7 +128,7 @@ class HessianOperator:
 
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
                  device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
-                 count: int | None = None, max_columns: int | None = None):
+                 count: int | None = None, max_columns: int | None = None, writes_into: bool = False):
         if not callable(product):
             raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
         if diagonal is not None and not callable(diagonal):
@@ -137,6 +141,7 @@ class HessianOperator:
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
         self._product = product
+        self._writes_into = check_bool("writes_into", writes_into)
         self._diagonal = diagonal
         self.params = names
         self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
@@ -261,19 +266,39 @@ class HessianOperator:
         if self.max_columns is not None and k > self.max_columns:
             return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
         wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
+        if k == 1 and self._writes_into:
+            return self._vector(X, wanted)
         out = self._product(self._columns_to_params(X), wanted)
-        rows = []
-        for var in self.names:
-            param, ref, idx = self._vars[var]
-            y = out.get(param) if isinstance(out, dict) else None
-            if not isinstance(y, torch.Tensor) or tuple(y.shape) != (k, *self.param_shapes[param]):
-                got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-                raise RuntimeError(f"the operator's product returned {got} for {param!r}, expected a tensor of shape "
-                                   f"{(k, *self.param_shapes[param])}")
-            if var != param:
-                y = y.reshape(k, *ref)[(slice(None), *idx)]
-            rows.append(y.reshape(k, -1).T)
+        rows = [self._row(out, var, k).reshape(k, -1).T for var in self.names]
         return torch.cat(rows, 0) if len(rows) > 1 else rows[0].contiguous()
+
+    def _row(self, out, var: str, k: int) -> torch.Tensor:
+        """The engine's rows of column variable ``var`` ``(k, *var's shape)``, checked."""
+        param, ref, idx = self._vars[var]
+        y = out.get(param) if isinstance(out, dict) else None
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (k, *self.param_shapes[param]):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise RuntimeError(f"the operator's product returned {got} for {param!r}, expected a tensor of shape "
+                               f"{(k, *self.param_shapes[param])}")
+        return y if var == param else y.reshape(k, *ref)[(slice(None), *idx)]
+
+    def _vector(self, X: torch.Tensor, wanted: tuple) -> torch.Tensor:
+        """``H_view @ x`` for one column ``X`` ``(n_in, 1)``, the engine writing a whole parameter's rows
+        straight into their slice of the output where it can (``into``), the rest copied there."""
+        flat = X.new_empty(self.shape[0], 1)
+        into, off = {}, 0
+        for var, size in zip(self.names, self.sizes):
+            if self._vars[var][0] == var:
+                into[var] = flat[off : off + size, 0].view(1, *self.param_shapes[var])
+            off += size
+        out = self._product(self._columns_to_params(X), wanted, into=into)
+        off = 0
+        for var, size in zip(self.names, self.sizes):
+            y, dest = self._row(out, var, 1), flat[off : off + size, 0]
+            if y.data_ptr() != dest.data_ptr() or not y.is_contiguous():  # not written in place
+                dest.copy_(y.reshape(-1))
+            off += size
+        return flat
 
     def _check_tensor(self, V: torch.Tensor, what: str = "V", var: str | None = None) -> None:
         """``V`` of the operator's dtype and device, and finite; a non-finite entry is named by its column
