@@ -3,7 +3,10 @@ r"""Estimators on any symmetric operator, as free functions named after their me
 An operator here is anything with ``A @ X`` for a tensor ``X`` of shape ``(n, k)`` (returning
 ``(n_out, k)``), ``A.shape``, ``A.dtype`` (float32 or float64) and ``A.device``: a
 :class:`~blockhess.operators.HessianOperator` or a view of it, a dense tensor, or a curvlinops
-operator. Square operators are taken to be symmetric (a Hessian). Every random draw comes from a CPU
+operator. The estimators of a symmetric operator (Lanczos, SLQ, Hutch++) refuse one that says it is not
+(``ValueError``, before any product): an off-diagonal view ``A[a, b]`` (``is_symmetric`` ``False``, square
+or not), an operator with ``SELF_ADJOINT = False``, a dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; an
+operator with neither attribute is taken to be symmetric (a Hessian). Every random draw comes from a CPU
 ``torch.Generator`` seeded with ``seed`` (the same draws on every device; the global RNG untouched).
 Formulas, sources and the residual conventions are in docs/derivations.md, "Estimators on operators".
 On CUDA in float32 with TF32 matrix products enabled every estimator warns (``UserWarning``): the
@@ -134,7 +137,10 @@ class SLQResult:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_operator(A, square: bool = True) -> tuple[int, int]:
+def _check_operator(A, square: bool = True, symmetric: bool = False, who: str = "this estimator") -> tuple[int, int]:
+    """``A``'s shape ``(n_out, n_in)`` after checking the operator contract (``@``, a 2-d ``shape``, a float
+    ``dtype``, a ``device``); ``square``: ``n_out == n_in``; ``symmetric``: :func:`check_symmetric` too
+    (``who`` names the estimator in its error). Raises ``ValueError``."""
     shape = getattr(A, "shape", None)
     if shape is None or len(shape) != 2 or not hasattr(A, "__matmul__"):
         raise ValueError(f"A must be an operator with A @ X and a 2-d shape, got {type(A).__name__}")
@@ -144,8 +150,48 @@ def _check_operator(A, square: bool = True) -> tuple[int, int]:
         raise ValueError(f"A must have dtype torch.float32 or torch.float64, got {getattr(A, 'dtype', None)!r}")
     if getattr(A, "device", None) is None:
         raise ValueError("A must have a device")
+    if symmetric:
+        _check_symmetric(A, who)
     warn_tf32(A.dtype, A.device)
     return int(shape[0]), int(shape[1])
+
+
+def _asymmetry(A) -> str | None:
+    """Why the square ``A`` is not a symmetric operator, or ``None`` where it is (or is taken to be): a
+    :class:`~blockhess.operators.HessianOperator` view by its ``is_symmetric`` (an off-diagonal view ``A[a, b]``
+    is not, square or not), another operator by a ``SELF_ADJOINT`` attribute (curvlinops), a dense tensor by
+    ``‖A − Aᵀ‖_F ≤ n ε ‖A‖_F`` (the rule of ``HessianOperator.from_dense``: symmetric to rounding; one pass over
+    its entries, no product). An operator with neither attribute is taken as symmetric."""
+    if isinstance(A, torch.Tensor):
+        n = A.shape[0]
+        asym = float(torch.linalg.matrix_norm(A - A.T))
+        allowed = n * torch.finfo(A.dtype).eps * float(torch.linalg.matrix_norm(A))
+        if not asym <= allowed:
+            return f"a dense tensor with ||A - A^T||_F = {asym:.3g} > n·eps·||A||_F = {allowed:.3g}"
+        return None
+    sym = getattr(A, "is_symmetric", None)
+    if sym is None:
+        sym = getattr(A, "SELF_ADJOINT", None)
+    if sym is None or bool(sym):
+        return None
+    rows, cols = getattr(A, "names", None), getattr(A, "in_names", None)
+    if rows is not None and cols is not None:
+        return f"the off-diagonal view A[{_key(rows)}, {_key(cols)}] (rows {list(rows)}, columns {list(cols)})"
+    return f"{type(A).__name__} says it is not (is_symmetric / SELF_ADJOINT False)"
+
+
+def _key(names) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(tuple(names))
+
+
+def _check_symmetric(A, who: str = "this estimator") -> None:
+    """Raise ``ValueError`` (naming ``who`` and, for a view, its blocks) unless the square operator ``A`` is
+    symmetric as :func:`_asymmetry` judges it: before any product, for the estimators that assume a
+    symmetric operator (Lanczos, stochastic Lanczos quadrature, Hutch++)."""
+    why = _asymmetry(A)
+    if why is not None:
+        raise ValueError(f"{who} assumes a symmetric operator, but A is not symmetric: {why}; pass a symmetric "
+                         "view A[a, a] (frobenius_norm and hutchinson_diagonal take any operator)")
 
 
 def _mm(A, X: torch.Tensor) -> torch.Tensor:
@@ -625,10 +671,11 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
     Greenbaum 1989, with spurious copies of converged nodes).
 
-    Raises ``ValueError`` for ``n_probes < 2``, ``n_iter < 2``, a bad ``seed``, ``grid``, ``sigma`` or
-    ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
+    Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a
+    dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_probes < 2``, ``n_iter < 2``, a bad
+    ``seed``, ``grid``, ``sigma`` or ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
     """
-    n, _ = _check_operator(A)
+    n, _ = _check_operator(A, symmetric=True, who="slq_density")
     P = check_int("n_probes", n_probes, 2)
     m = min(check_int("n_iter", n_iter, 2), n)
     if reorth not in ("full", "none"):
@@ -722,7 +769,7 @@ def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
 
     Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
     """
-    n, _ = _check_operator(A)
+    n, _ = _check_operator(A, symmetric=True, who="hutchpp_trace")
     N = check_int("n_matvecs", n_matvecs, 4)
     gen = _generator(seed)
     if N >= n:
@@ -759,7 +806,7 @@ def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0) -> Estimate:
     N = n_matvecs
     s = N // 3
     g = N - 2 * s
-    if n_out == n_in:
+    if n_out == n_in and _asymmetry(A) is None:
         Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n_in, s), A))).Q
     else:
         At = A.T
@@ -811,6 +858,9 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
     ``estimator(A[a, b], **kwargs)`` for every unordered pair, ``a`` not after ``b`` in ``blocks``, as
     ``{(a, b): result}`` (for estimators of rectangular operators, e.g. :func:`frobenius_norm`).
     Each view's products touch only its block (:class:`~blockhess.operators.HessianOperator`).
+    For the estimators that assume a symmetric operator (:func:`lanczos_eigs`, :func:`slq_density`,
+    :func:`hutchpp_trace`, or a ``functools.partial`` of one) every view is checked before the first
+    product: ``pairs=True`` with them raises ``ValueError`` naming the first off-diagonal view.
 
     E.g. ``per_block(A, lanczos_eigs, k=3, dense_below=1024)``: the top eigenpairs of every block, the
     small ones by the dense eigendecomposition. Raises ``ValueError`` for an ``A`` without views, a
@@ -822,6 +872,10 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
         raise ValueError(f"estimator must be callable, got {type(estimator).__name__}")
     blocks = list(A.names if blocks is None else [blocks] if isinstance(blocks, str) else blocks)  # a str: one block
     keys = [b if isinstance(b, str) else tuple(b) for b in blocks]
-    if pairs:
-        return {(a, b): estimator(A[a, b], **kwargs) for i, a in enumerate(keys) for b in keys[i:]}
-    return {b: estimator(A[b, b], **kwargs) for b in keys}
+    views = ({(a, b): A[a, b] for i, a in enumerate(keys) for b in keys[i:]} if pairs else
+             {b: A[b, b] for b in keys})
+    base = getattr(estimator, "func", estimator)  # a functools.partial of one
+    if base in (lanczos_eigs, slq_density, hutchpp_trace):  # every view checked before any product
+        for view in views.values():
+            _check_symmetric(view, f"{base.__name__} (per_block{', pairs=True' if pairs else ''})")
+    return {key: estimator(view, **kwargs) for key, view in views.items()}
