@@ -109,7 +109,11 @@ def block_hessian() -> tuple[torch.Tensor, HessianOperator]:
 
 
 def _t(conf: float, dof: int) -> float:
-    from blockhess.operators.estimators import _t_quantile
+    try:
+        from blockhess.operators.estimators import _t_quantile
+    except ImportError:  # a tree from before the intervals (the "before" run): SciPy's
+        from scipy import stats
+        return float(stats.t.ppf((1 + conf) / 2, dof))
     return _t_quantile(conf, dof)
 
 
