@@ -879,7 +879,7 @@ def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0, *, confidence
     :math:`\|C\|_F^2`, so :math:`\nu` errs low: ``g <= ν <= g²``, ``ν = g`` the rank-one residual, the least
     averaged): the interval is :math:`\sqrt{\|AQ\|_F^2 + \bar x\,\nu/\chi^2_{\nu}(\cdot)}` at the
     chi-square quantiles ``(1 ± confidence)/2``, and ``stderr`` :math:`= \bar x\sqrt{2/\nu} / (2\,\|A\|_F)` (the
-    delta method). Conservative on the adversarial spectra measured (docs/derivations.md §17, "Stated errors
+    delta method). Conservative by construction of ν (docs/derivations.md §17, "Stated errors
     and intervals").
 
     Raises ``ValueError`` for ``n_matvecs < 4``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
