@@ -366,11 +366,34 @@ ROWS = [
     Row("bh.ModelConfig", "model config", "a tied head of another width than vocab",
         lambda c: model_config(embedding="token", vocab=5, head=3, tied=True), ValueError,
         "ModelConfig.tied needs embedding='token' and head == vocab"),
+    # estimators (blockhess.operators): symmetric ones refuse what is not symmetric, before any product
+    Row("slq_density", "estimator", "a square off-diagonal view A['W_Q', 'W_K'] of bh.hessian_operator",
+        lambda c: bh.operators.slq_density(_operator(c)["W_Q", "W_K"]), ValueError,
+        "slq_density assumes a symmetric operator, but A is not symmetric: the off-diagonal view A['W_Q', 'W_K']"),
+    Row("hutchpp_trace", "estimator", "a square off-diagonal view A['W_Q', 'W_K'] of bh.hessian_operator",
+        lambda c: bh.operators.hutchpp_trace(_operator(c)["W_Q", "W_K"]), ValueError,
+        "hutchpp_trace assumes a symmetric operator, but A is not symmetric: the off-diagonal view A['W_Q', 'W_K']"),
+    Row("per_block", "estimator", "pairs=True with hutchpp_trace (the pairs' views are not symmetric)",
+        lambda c: bh.operators.per_block(_operator(c), bh.operators.hutchpp_trace, blocks=["W_Q", "W_K"], pairs=True),
+        ValueError, "hutchpp_trace (per_block, pairs=True) assumes a symmetric operator"),
+    Row("hutchpp_trace", "estimator", "a dense tensor that is not symmetric to rounding",
+        lambda c: bh.operators.hutchpp_trace(torch.arange(16, dtype=DT).reshape(4, 4)), ValueError,
+        "a dense tensor with ||A - A^T||_F = 19 > n·eps·||A||_F"),
+    Row("hutchpp_trace", "estimator", "a confidence of 1 (an interval of everything)",
+        lambda c: bh.operators.hutchpp_trace(torch.eye(8, dtype=DT), 4, confidence=1.0), ValueError,
+        "confidence must be a float in [0.5, 1), got 1.0"),
+    Row("frobenius_norm", "estimator", "a budget of 3 products",
+        lambda c: bh.operators.frobenius_norm(_operator(c)["W_Q", "W_1"], 3), ValueError,
+        "n_matvecs must be an int >= 4, got 3"),
     # memory
     Row("bh.hessian", "memory", "a dense result larger than the memory available",
         lambda c: bh.hessian(*_huge(), loss="ce", target=torch.zeros(2, dtype=torch.long)),
         bh.InsufficientMemoryError, "would need"),
 ]
+
+
+def _operator(c: Case):
+    return bh.hessian_operator(c.p, c.X, c.cfg, target=c.T)
 
 
 def _shared_out(c: Case):
@@ -402,7 +425,7 @@ SECTIONS = {
     "LayerNorm row": "Degenerate LayerNorm rows", "eps": "LayerNorm eps", "target": "Losses and targets",
     "argument": "Other arguments", "model input": "Model inputs and weights", "model target": "Model targets",
     "model argument": "Model arguments", "model config": "Model configurations",
-    "memory": "Requests that would not fit in memory",
+    "estimator": "Estimators on operators", "memory": "Requests that would not fit in memory",
 }
 
 

@@ -3,7 +3,10 @@ r"""Estimators on any symmetric operator, as free functions named after their me
 An operator here is anything with ``A @ X`` for a tensor ``X`` of shape ``(n, k)`` (returning
 ``(n_out, k)``), ``A.shape``, ``A.dtype`` (float32 or float64) and ``A.device``: a
 :class:`~blockhess.operators.HessianOperator` or a view of it, a dense tensor, or a curvlinops
-operator. Square operators are taken to be symmetric (a Hessian). Every random draw comes from a CPU
+operator. The estimators of a symmetric operator (Lanczos, SLQ, Hutch++) refuse one that says it is not
+(``ValueError``, before any product): an off-diagonal view ``A[a, b]`` (``is_symmetric`` ``False``, square
+or not), an operator with ``SELF_ADJOINT = False``, a dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; an
+operator with neither attribute is taken to be symmetric (a Hessian). Every random draw comes from a CPU
 ``torch.Generator`` seeded with ``seed`` (the same draws on every device; the global RNG untouched).
 Formulas, sources and the residual conventions are in docs/derivations.md, "Estimators on operators".
 On CUDA in float32 with TF32 matrix products enabled every estimator warns (``UserWarning``): the
@@ -14,7 +17,7 @@ reorthogonalisations would then carry about 1e-3 relative error.
   the dense eigendecomposition below a size.
 * :func:`slq_density`: the spectral density by stochastic Lanczos quadrature, with its sampling and
   quadrature errors.
-* :func:`hutchpp_trace`: the trace by Hutch++, with its standard error.
+* :func:`hutchpp_trace`: the trace by Hutch++, with its standard error and a calibrated interval.
 * :func:`frobenius_norm`: exact from the columns, or estimated the Hutch++ way.
 * :func:`diagonal`: the engine's exact diagonal (never sampled); :func:`hutchinson_diagonal` samples one.
 * :func:`per_block`: any of these for every block ``A[a, a]`` (or pair ``A[a, b]``) in one call.
@@ -93,14 +96,21 @@ class EigResult:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A (possibly random) estimate: ``value`` (a float, or a tensor for a diagonal), ``stderr`` its
-    sample standard error (0 where ``exact``), ``matvecs`` (columns multiplied), ``exact`` (computed
-    column by column, no sampling)."""
+    """A (possibly random) estimate: ``value`` (a float, or a tensor ``(n,)`` for a diagonal), ``stderr`` its
+    standard error (an estimate of the estimator's standard deviation; 0 where ``exact``), ``matvecs``
+    (columns multiplied), ``exact`` (computed column by column, no sampling), and the interval
+    ``[ci_low, ci_high]`` that covers the true value with probability ``confidence`` (each estimator states its
+    rule; not ``value ± 1.96 stderr`` in general: few samples need Student's t, a norm's interval is
+    asymmetric; ``ci_low = ci_high = value`` where ``exact``). Formulas: docs/derivations.md §17, "Stated
+    errors and intervals"."""
 
     value: float | torch.Tensor
     stderr: float | torch.Tensor
     matvecs: int
     exact: bool
+    ci_low: float | torch.Tensor | None = None
+    ci_high: float | torch.Tensor | None = None
+    confidence: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,10 @@ class SLQResult:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_operator(A, square: bool = True) -> tuple[int, int]:
+def _check_operator(A, square: bool = True, symmetric: bool = False, who: str = "this estimator") -> tuple[int, int]:
+    """``A``'s shape ``(n_out, n_in)`` after checking the operator contract (``@``, a 2-d ``shape``, a float
+    ``dtype``, a ``device``); ``square``: ``n_out == n_in``; ``symmetric``: :func:`check_symmetric` too
+    (``who`` names the estimator in its error). Raises ``ValueError``."""
     shape = getattr(A, "shape", None)
     if shape is None or len(shape) != 2 or not hasattr(A, "__matmul__"):
         raise ValueError(f"A must be an operator with A @ X and a 2-d shape, got {type(A).__name__}")
@@ -149,8 +162,100 @@ def _check_operator(A, square: bool = True) -> tuple[int, int]:
         raise ValueError(f"A must have dtype torch.float32 or torch.float64, got {getattr(A, 'dtype', None)!r}")
     if getattr(A, "device", None) is None:
         raise ValueError("A must have a device")
+    if symmetric:
+        _check_symmetric(A, who)
     warn_tf32(A.dtype, A.device)
     return int(shape[0]), int(shape[1])
+
+
+def _asymmetry(A) -> str | None:
+    """Why the square ``A`` is not a symmetric operator, or ``None`` where it is (or is taken to be): a
+    :class:`~blockhess.operators.HessianOperator` view by its ``is_symmetric`` (an off-diagonal view ``A[a, b]``
+    is not, square or not), another operator by a ``SELF_ADJOINT`` attribute (curvlinops), a dense tensor by
+    ``‖A − Aᵀ‖_F ≤ n ε ‖A‖_F`` (the rule of ``HessianOperator.from_dense``: symmetric to rounding; one pass over
+    its entries, no product). An operator with neither attribute is taken as symmetric."""
+    if isinstance(A, torch.Tensor):
+        n = A.shape[0]
+        asym = float(torch.linalg.matrix_norm(A - A.T))
+        allowed = n * torch.finfo(A.dtype).eps * float(torch.linalg.matrix_norm(A))
+        if not asym <= allowed:
+            return f"a dense tensor with ||A - A^T||_F = {asym:.3g} > n·eps·||A||_F = {allowed:.3g}"
+        return None
+    sym = getattr(A, "is_symmetric", None)
+    if sym is None:
+        sym = getattr(A, "SELF_ADJOINT", None)
+    if sym is None or bool(sym):
+        return None
+    rows, cols = getattr(A, "names", None), getattr(A, "in_names", None)
+    if rows is not None and cols is not None:
+        return f"the off-diagonal view A[{_key(rows)}, {_key(cols)}] (rows {list(rows)}, columns {list(cols)})"
+    return f"{type(A).__name__} says it is not (is_symmetric / SELF_ADJOINT False)"
+
+
+def _key(names) -> str:
+    return repr(names[0]) if len(names) == 1 else repr(tuple(names))
+
+
+def _check_symmetric(A, who: str = "this estimator") -> None:
+    """Raise ``ValueError`` (naming ``who`` and, for a view, its blocks) unless the square operator ``A`` is
+    symmetric as :func:`_asymmetry` judges it: before any product, for the estimators that assume a
+    symmetric operator (Lanczos, stochastic Lanczos quadrature, Hutch++)."""
+    why = _asymmetry(A)
+    if why is not None:
+        raise ValueError(f"{who} assumes a symmetric operator, but A is not symmetric: {why}; pass a symmetric "
+                         "view A[a, a] (frobenius_norm and hutchinson_diagonal take any operator)")
+
+
+def _check_confidence(confidence) -> float:
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real) or not (0.5 <= confidence < 1):
+        raise ValueError(f"confidence must be a float in [0.5, 1), got {confidence!r}")
+    return float(confidence)
+
+
+def _bisect(cdf: Callable[[float], float], p: float, lo: float, hi: float) -> float:
+    """The ``x`` in ``[lo, hi]`` with ``cdf(x) = p`` for an increasing ``cdf`` (``hi`` doubled until it reaches
+    ``p``), to 1e-12 relative."""
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+def _t_central(t: float, dof: int) -> float:
+    """``P(|T| <= t)`` for Student's t with an integer ``dof >= 1``: the finite sums of Abramowitz & Stegun
+    26.7.3 (odd ``dof``) and 26.7.4 (even) in ``θ = atan(t / √dof)``."""
+    th = math.atan(t / math.sqrt(dof))
+    c2, sn = math.cos(th) ** 2, math.sin(th)
+    if dof % 2 == 0:
+        term = total = 1.0
+        for j in range(2, dof, 2):  # (1·3···(j−1)) / (2·4···j) cos^j θ
+            term *= (j - 1) / j * c2
+            total += term
+        return sn * total
+    if dof == 1:
+        return 2 * th / math.pi
+    term = total = math.cos(th)
+    for j in range(3, dof - 1, 2):  # (2·4···(j−1)) / (1·3···j) cos^j θ
+        term *= (j - 1) / j * c2
+        total += term
+    return 2 / math.pi * (th + sn * total)
+
+
+def _t_quantile(confidence: float, dof: int) -> float:
+    """The two-sided ``confidence`` quantile of Student's t with ``dof`` degrees of freedom (``dof >= 1``)."""
+    return _bisect(lambda t: _t_central(t, dof), confidence, 0.0, 2.0)
+
+
+def _chi2_quantile(p: float, nu: float) -> float:
+    """The ``p`` quantile of the chi-square distribution with ``nu > 0`` (real) degrees of freedom: the
+    regularised lower incomplete gamma ``P(ν/2, x/2)`` (``torch.special.gammainc``) inverted by bisection."""
+    a = torch.tensor(nu / 2, dtype=torch.float64)
+    return _bisect(lambda x: float(torch.special.gammainc(a, torch.tensor(x / 2, dtype=torch.float64))), p, 0.0,
+                   max(nu, 1.0))
 
 
 def _mm(A, X: torch.Tensor) -> torch.Tensor:
@@ -677,10 +782,11 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
     Greenbaum 1989, with spurious copies of converged nodes).
 
-    Raises ``ValueError`` for ``n_probes < 2``, ``n_iter < 2``, a bad ``seed``, ``grid``, ``sigma`` or
-    ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
+    Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a
+    dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_probes < 2``, ``n_iter < 2``, a bad
+    ``seed``, ``grid``, ``sigma`` or ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
     """
-    n, _ = _check_operator(A)
+    n, _ = _check_operator(A, symmetric=True, who="slq_density")
     P = check_int("n_probes", n_probes, 2)
     m = min(check_int("n_iter", n_iter, 2), n)
     if reorth not in ("full", "none"):
@@ -760,84 +866,129 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
 # ----------------------------------------------------------------------------- trace, norm, diagonal
 
 
-def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
+def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0, *, confidence: float = 0.95) -> Estimate:
     r"""The trace of a symmetric operator ``A`` ``(n, n)`` by Hutch++ (Meyer, Musco, Musco & Woodruff,
-    SOSA 2021): an :class:`Estimate`.
+    SOSA 2021): an :class:`Estimate` with a ``confidence`` interval.
 
     With ``s = n_matvecs // 3`` Rademacher columns ``S`` and ``g = n_matvecs − 2·s`` more ``G``:
     :math:`Q = \mathrm{orth}(AS)`, :math:`t = \mathrm{tr}(Q^\top A Q) + \frac1g\sum_i x_i`,
-    :math:`x_i = (P g_i)^\top A (P g_i)`, :math:`P = I - QQ^\top` — unbiased; ``stderr`` the sample
-    standard deviation of the :math:`x_i` over :math:`\sqrt g` (the first term has no sampling error
-    given ``Q``). With few samples (``g`` below about 10) that standard error is itself rough, ``g − 1``
-    degrees of freedom: judge a small budget's estimate by Student's t, not the normal. ``n_matvecs >=
-    n``: the exact trace from ``A``'s columns (``exact=True``).
+    :math:`x_i = (P g_i)^\top A (P g_i)`, :math:`P = I - QQ^\top`; given ``Q`` the :math:`x_i` are independent
+    with mean :math:`\mathrm{tr}(PAP)`, so ``t`` is unbiased for every sketch. ``stderr``
+    :math:`= \sqrt{2\bar y / g}`, :math:`\bar y = \frac1g\sum_i \|P A P g_i\|^2` (unbiased for
+    :math:`\|PAP\|_F^2`, from the same products): the Gaussian probe's variance :math:`2\|PAP\|_F^2/g`, at
+    least the Rademacher probe's :math:`2(\|PAP\|_F^2 - \sum_i (PAP)_{ii}^2)/g`; not the :math:`x_i`'s sample
+    standard deviation, which a residual of a few large eigenvalues makes small exactly when the estimate is
+    far off. The interval is ``value ± q · stderr``, ``q`` Student's t quantile with ``g − 1`` degrees of
+    freedom (``2.262`` for the default ``g = 10`` at 95 %); ``value ± 1.96 stderr`` covers less. The rule is
+    empirical (calibrated on adversarial spectra: docs/derivations.md §17, "Stated errors and intervals";
+    conservative where the residual is nearly diagonal). ``n_matvecs >= n``: the exact trace from ``A``'s columns
+    (``exact=True``, ``stderr = 0``, the interval the value).
 
-    Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
+    Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a dense
+    tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_matvecs < 4``, a bad ``seed`` or
+    ``confidence`` (a float in ``[0.5, 1)``).
     """
-    n, _ = _check_operator(A)
+    n, _ = _check_operator(A, symmetric=True, who="hutchpp_trace")
     N = check_int("n_matvecs", n_matvecs, 4)
+    confidence = _check_confidence(confidence)
     gen = _generator(seed)
     if N >= n:
         tr = sum(float(torch.diagonal(cols[j : j + cols.shape[1]]).sum()) for j, cols in _columns(A, n))
-        return Estimate(tr, 0.0, n, True)
+        return Estimate(tr, 0.0, n, True, tr, tr, confidence)
     s = N // 3
     g = N - 2 * s
     Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n, s), A))).Q
-    exact_part = float((Q * _mm(A, Q)).sum())
+    AQ = _mm(A, Q)
+    exact_part = float((Q * AQ).sum())
     G = _rademacher(gen, (n, g), A)
     PG = G - Q @ (Q.T @ G)
-    x = (PG * _mm(A, PG)).sum(0)
-    return Estimate(exact_part + float(x.mean()), float(x.std(correction=1)) / math.sqrt(g), N, False)
+    W = _mm(A, PG)
+    x = (PG * W).sum(0)
+    PW = (W - Q @ (Q.T @ W)).to(torch.float64)
+    y = float((PW * PW).sum()) / g
+    value = exact_part + float(x.mean())
+    se = math.sqrt(2 * y / g)
+    # the rounding of the sums (|fl(uᵀv) − uᵀv| <= n ε ‖u‖‖v‖ per product), below which no interval is narrower
+    eps = torch.finfo(A.dtype).eps
+    rounding = n * eps * (float(AQ.norm(dim=0).sum()) + float((PG.norm(dim=0) * W.norm(dim=0)).mean()))
+    half = max(_t_quantile(confidence, g - 1) * se, rounding)
+    return Estimate(value, se, N, False, value - half, value + half, confidence)
 
 
-def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0) -> Estimate:
-    r"""The Frobenius norm :math:`\|A\|_F` of an operator ``A`` ``(n_out, n_in)`` (a symmetric one, or an
-    off-diagonal view ``A[a, b]``): an :class:`Estimate` of the norm.
+def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0, *, confidence: float = 0.95) -> Estimate:
+    r"""The Frobenius norm :math:`\|A\|_F` of an operator ``A`` ``(n_out, n_in)`` (a symmetric one, or any
+    other: an off-diagonal view ``A[a, b]``, square or not): an :class:`Estimate` of the norm.
 
     ``n_matvecs`` ``None`` or ``>= n_in``: exact, :math:`\sum_j \|A e_j\|^2` over the columns
     (``exact=True``). Otherwise the Hutch++ split of :math:`\|A\|_F^2 = \|AQ\|_F^2 + \|A(I-QQ^\top)\|_F^2`
     (any orthonormal ``Q``): ``Q = orth(Aᵀ S)`` from ``s = n_matvecs // 3`` Rademacher columns (``Aᵀ = A``
-    for a square, symmetric ``A``; ``A.T`` otherwise), the first term exact, the second Hutchinson's
-    :math:`\frac1g\sum_i\|A P g_i\|^2` over the other ``g = n_matvecs − 2·s`` (unbiased for the square);
-    ``stderr`` of the norm by the delta method, (std of the :math:`\|APg_i\|^2` ``/ √g``) ``/ (2‖A‖_F)``.
+    for a symmetric ``A``; ``A.T`` for one that is not, :attr:`HessianOperator.is_symmetric`), the first term
+    exact, the second :math:`\bar x = \frac1g\sum_i x_i`, :math:`x_i = \|A P g_i\|^2` over the other
+    ``g = n_matvecs − 2·s`` (unbiased: :math:`x_i = (Pg_i)^\top C (Pg_i)`, :math:`C = PA^\top AP` positive
+    semi-definite). Its distribution is taken as Satterthwaite's :math:`\mathrm{tr}(C)\,\chi^2_\nu/\nu` with
+    :math:`\nu = \max(g,\; g\,\bar x^2 / \hat U)`, :math:`\hat U = \frac1{g^2}\sum_{i,j}(w_i^\top w_j)^2`
+    (:math:`w_i = A P g_i`; its mean is :math:`\|C\|_F^2(1 + \frac1g) + \mathrm{tr}(C)^2/g`, above
+    :math:`\|C\|_F^2`, so :math:`\nu` errs low: ``g <= ν <= g²``, ``ν = g`` the rank-one residual, the least
+    averaged): the interval is :math:`\sqrt{\|AQ\|_F^2 + \bar x\,\nu/\chi^2_{\nu}(\cdot)}` at the
+    chi-square quantiles ``(1 ± confidence)/2``, and ``stderr`` :math:`= \bar x\sqrt{2/\nu} / (2\,\|A\|_F)` (the
+    delta method). Conservative by construction of ν (docs/derivations.md §17, "Stated errors
+    and intervals").
 
-    Raises ``ValueError`` for ``n_matvecs < 4`` or a bad ``seed``.
+    Raises ``ValueError`` for ``n_matvecs < 4``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
     """
     n_out, n_in = _check_operator(A, square=False)
+    confidence = _check_confidence(confidence)
     gen = _generator(seed)
     if n_matvecs is None or check_int("n_matvecs", n_matvecs, 4) >= n_in:
         sq = sum(float((cols.to(torch.float64) ** 2).sum()) for _, cols in _columns(A, n_in))
-        return Estimate(math.sqrt(sq), 0.0, n_in, True)
+        return Estimate(math.sqrt(sq), 0.0, n_in, True, math.sqrt(sq), math.sqrt(sq), confidence)
     N = n_matvecs
     s = N // 3
     g = N - 2 * s
-    if n_out == n_in:
+    if n_out == n_in and _asymmetry(A) is None:
         Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n_in, s), A))).Q
     else:
         At = A.T
         Q = torch.linalg.qr(_mm(At, _rademacher(gen, (n_out, s), A))).Q
     exact_part = float((_mm(A, Q).to(torch.float64) ** 2).sum())
     G = _rademacher(gen, (n_in, g), A)
-    x = (_mm(A, G - Q @ (Q.T @ G)).to(torch.float64) ** 2).sum(0)
-    sq = exact_part + float(x.mean())
-    value = math.sqrt(sq)
-    se_sq = float(x.std(correction=1)) / math.sqrt(g)
-    return Estimate(value, se_sq / (2 * value) if value > 0 else 0.0, N, False)
+    W = _mm(A, G - Q @ (Q.T @ G)).to(torch.float64)
+    gram = W.T @ W
+    x = torch.diagonal(gram)
+    xm = float(x.mean())
+    value = math.sqrt(exact_part + xm)
+    # the rounding of the squared sums (relative n ε), below which no interval is narrower
+    rounding = max(n_out, n_in) * torch.finfo(A.dtype).eps * (exact_part + xm)
+    if not xm > 0:  # A P = 0: the sketch holds the whole row space; nothing was sampled
+        return Estimate(value, 0.0, N, False, math.sqrt(max(exact_part - rounding, 0.0)),
+                        math.sqrt(exact_part + rounding), confidence)
+    U = float((gram * gram).sum()) / g**2
+    nu = max(float(g), g * xm * xm / U)
+    lo = xm * nu / _chi2_quantile((1 + confidence) / 2, nu)
+    hi = xm * nu / _chi2_quantile((1 - confidence) / 2, nu)
+    lo, hi = math.sqrt(max(exact_part + min(lo, xm - rounding), 0.0)), math.sqrt(exact_part + max(hi, xm + rounding))
+    return Estimate(value, xm * math.sqrt(2 / nu) / (2 * value), N, False, lo, hi, confidence)
 
 
-def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0) -> Estimate:
-    r"""An estimate of the diagonal ``(n,)`` of a square operator by Hutchinson's method (Bekas,
-    Kokiopoulou & Saad 2007): :math:`\hat d = \frac1N\sum_i g_i \odot A g_i` over ``N = n_matvecs``
-    Rademacher vectors, unbiased, ``stderr`` ``(n,)`` the per-entry sample standard deviation ``/ √N``. A
-    sampled estimate, never the exact diagonal (that is :func:`diagonal`).
+def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0, *, confidence: float = 0.95) -> Estimate:
+    r"""An estimate of the diagonal ``(n,)`` of a square operator (symmetric or not) by Hutchinson's method
+    (Bekas, Kokiopoulou & Saad 2007): :math:`\hat d = \frac1N\sum_i g_i \odot A g_i` over ``N = n_matvecs``
+    Rademacher vectors, unbiased, ``stderr`` ``(n,)`` the per-entry sample standard deviation ``/ √N``
+    (each entry's samples :math:`A_{jj} + \sum_{l \ne j} A_{jl} g_j g_l` are symmetric about the mean), the
+    interval ``(n,)`` each ``value ± q · stderr`` with ``q`` Student's t quantile with ``N − 1`` degrees of
+    freedom (per entry, not simultaneous). A sampled estimate, never the exact diagonal (that is
+    :func:`diagonal`).
 
-    Raises ``ValueError`` for ``n_matvecs < 2`` or a bad ``seed``.
+    Raises ``ValueError`` for ``n_matvecs < 2``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
     """
     n, _ = _check_operator(A)
     N = check_int("n_matvecs", n_matvecs, 2)
+    confidence = _check_confidence(confidence)
     G = _rademacher(_generator(seed), (n, N), A)
     x = G * _mm(A, G)
-    return Estimate(x.mean(1), x.std(1, correction=1) / math.sqrt(N), N, False)
+    value, se = x.mean(1), x.std(1, correction=1) / math.sqrt(N)
+    half = _t_quantile(confidence, N - 1) * se
+    return Estimate(value, se, N, False, value - half, value + half, confidence)
 
 
 def diagonal(A) -> torch.Tensor:
@@ -863,6 +1014,9 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
     ``estimator(A[a, b], **kwargs)`` for every unordered pair, ``a`` not after ``b`` in ``blocks``, as
     ``{(a, b): result}`` (for estimators of rectangular operators, e.g. :func:`frobenius_norm`).
     Each view's products touch only its block (:class:`~blockhess.operators.HessianOperator`).
+    For the estimators that assume a symmetric operator (:func:`lanczos_eigs`, :func:`slq_density`,
+    :func:`hutchpp_trace`, or a ``functools.partial`` of one) every view is checked before the first
+    product: ``pairs=True`` with them raises ``ValueError`` naming the first off-diagonal view.
 
     E.g. ``per_block(A, lanczos_eigs, k=3, dense_below=1024)``: the top eigenpairs of every block, the
     small ones by the dense eigendecomposition. Raises ``ValueError`` for an ``A`` without views, a
@@ -874,6 +1028,10 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
         raise ValueError(f"estimator must be callable, got {type(estimator).__name__}")
     blocks = list(A.names if blocks is None else [blocks] if isinstance(blocks, str) else blocks)  # a str: one block
     keys = [b if isinstance(b, str) else tuple(b) for b in blocks]
-    if pairs:
-        return {(a, b): estimator(A[a, b], **kwargs) for i, a in enumerate(keys) for b in keys[i:]}
-    return {b: estimator(A[b, b], **kwargs) for b in keys}
+    views = ({(a, b): A[a, b] for i, a in enumerate(keys) for b in keys[i:]} if pairs else
+             {b: A[b, b] for b in keys})
+    base = getattr(estimator, "func", estimator)  # a functools.partial of one
+    if base in (lanczos_eigs, slq_density, hutchpp_trace):  # every view checked before any product
+        for view in views.values():
+            _check_symmetric(view, f"{base.__name__} (per_block{', pairs=True' if pairs else ''})")
+    return {key: estimator(view, **kwargs) for key, view in views.items()}

@@ -113,6 +113,9 @@ class HessianOperator:
         ``name -> shape`` and the tuple of their ``numel``.
     in_names, in_shapes, in_sizes
         The same for the columns (equal to the rows' except in an off-diagonal view).
+    is_symmetric, SELF_ADJOINT : bool
+        Whether the view is symmetric (rows and columns the same variables, in the same order); curvlinops
+        spells it ``SELF_ADJOINT``.
     params : tuple of str
         All parameters of the engine (canonical order).
     dtype, device, count, max_columns
@@ -192,6 +195,21 @@ class HessianOperator:
         """Whether rows and columns are the same variables (the operator, or a view ``A[a, a]``): then
         the view is symmetric and ``A.T`` is ``A``."""
         return self.names == self.in_names
+
+    @property
+    def is_symmetric(self) -> bool:
+        """Whether this view is a symmetric matrix: its rows and columns are the same variables in the same
+        order (the operator, or a view ``A[a, a]``; ``H`` is symmetric). ``False`` for an off-diagonal view
+        ``A[a, b]``, square or not, and for ``A[(a, b), (b, a)]`` (a permutation of a symmetric block is not
+        symmetric). The estimators that assume a symmetric operator (:func:`~blockhess.operators.lanczos_eigs`,
+        :func:`~blockhess.operators.slq_density`, :func:`~blockhess.operators.hutchpp_trace`) refuse a view
+        where it is ``False``."""
+        return self.is_square_view
+
+    @property
+    def SELF_ADJOINT(self) -> bool:
+        """curvlinops' name for :attr:`is_symmetric` (its operators' class attribute; here per view)."""
+        return self.is_square_view
 
     def _select(self, key, within: tuple[str, ...], what: str) -> tuple[str, ...]:
         names = (key,) if isinstance(key, str) else tuple(key) if isinstance(key, (tuple, list)) else None
