@@ -608,8 +608,6 @@ def test_frobenius_norm_of_a_square_off_diagonal_view_sketches_its_row_space():
         assert not est.exact and est.value == pytest.approx(exact, rel=1e-12) and est.stderr <= 1e-12 * exact
 
 
-@pytest.mark.xfail(strict=True, reason="lanczos_eigs is the lead's: it calls _check_operator(A, symmetric=True, "
-                                       "who='lanczos_eigs') once merged; then drop this mark")
 def test_lanczos_refuses_a_square_off_diagonal_view(op):
     view = _counted(op["W_Q", "W_K"])
     with pytest.raises(ValueError, match=r"lanczos_eigs assumes a symmetric operator.*A\['W_Q', 'W_K'\]"):

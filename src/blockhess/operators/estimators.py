@@ -454,7 +454,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     the end, when the residuals stopped improving between two of their products (the dtype's rounding),
     or when the budget left no room for the check, unless ``allow_unconverged=True`` (then the result says
     ``converged=False``); ``ValueError`` for ``k`` not in ``[1, n]``, ``which`` not in ``LA, SA, LM``,
-    ``tol`` not in ``(ε, 1)`` of the dtype, ``failure_probability`` not in ``(0, 1)``, ``rel`` not ``"each"``
+    ``A`` not symmetric (an off-diagonal view ``A[a, b]``, a dense tensor beyond rounding; before any
+    product), ``tol`` not in ``(ε, 1)`` of the dtype, ``failure_probability`` not in ``(0, 1)``, ``rel`` not ``"each"``
     or ``"scale"``, a bad ``ncv`` (``< k +
     2·block_size`` below ``n``), ``block_size``, ``check``, ``max_matvecs``, ``seed`` or ``v0``;
     ``InsufficientMemoryError`` when the basis ``n × max(ncv, k + check)`` (and the ``2k`` vectors of the residual
@@ -462,7 +463,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); M. E. Hochstenbach, J. Sci. Comput. 57
     (2013), "Probabilistic upper bounds for the matrix two-norm" (the check's bound).
     """
-    n, _ = _check_operator(A)
+    n, _ = _check_operator(A, symmetric=True, who="lanczos_eigs")
     k = check_int("k", k, 1)
     if k > n:
         raise ValueError(f"k must be at most n = {n}, got {k}")
