@@ -3,6 +3,7 @@
 #   make test  -> the same set-up plus the dev dependencies, then the whole test suite
 # The library (import blockhess) needs torch, numpy and psutil only: pip install -e . ; the
 # command line and the experiments (blockhess_lab) need the lab extra: pip install -e '.[lab]'.
+# make docs  -> the same set-up plus the docs extra, runs the gallery's examples (docs/gallery.py), builds the site into site/
 # make docs-data re-runs the commands whose JSON docs/ quotes into runs/ and stores it in docs/data/
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 CONSTRAINTS := constraints.txt
 
-.PHONY: run test install install-dev bench docs-data clean
+.PHONY: run test install install-dev docs bench docs-data clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	touch $@
+
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[docs]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -30,6 +35,10 @@ run: install
 test: install-dev
 	$(PY) -m pytest
 
+docs: $(VENV)/.installed-docs
+	$(PY) docs/gallery.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: install
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[bench]"
 	$(VENV)/bin/blockhess bench --out bench-results
@@ -38,4 +47,4 @@ docs-data: install
 	$(PY) docs/data/refresh.py
 
 clean:
-	rm -rf $(VENV) report bench-results checkpoints runs
+	rm -rf $(VENV) report bench-results checkpoints runs site

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import blockhess as bh
 
-from conftest import TOL, assert_close, fro, rounding
+from conftest import assert_close, fro, rounding
 
 tf = pytest.importorskip("transformers")
 

@@ -31,7 +31,7 @@ from blockhess.block import Adjoints, adjoints, directional, forward_cache, hvp
 from blockhess.block.directional import vjp
 from blockhess.layers import attention, ffn, layernorm, linear, softmax
 
-from conftest import (EPS64, FLOAT32_FACTOR, ROUND, assert_close, assert_float32_close, fro, make_case,
+from conftest import (EPS64, assert_close, assert_float32_close, fro, make_case,
                       randomize_vectors, spy_calls)
 from settings import (ACTIVATIONS, KINDS, LAYERNORM_CASES, MULTIHEAD_CASES, NAMED_CONFIGS, OPTION_CASES, OPTION_IDS,
                       SIZE_IDS, SIZES, SOFTMAX_SHAPES, make_target)

@@ -82,7 +82,6 @@ def test_large_dense_assembly_and_out_buffer():
 @on_gpu
 def test_float32_without_tf32_and_the_tf32_warning():
     cfg = bh.BlockConfig(d_model=16, d_ff=32)
-    p = bh.init_params(cfg, seed=0)
     X, T = torch.randn(8, 16, dtype=DT), torch.randn(8, 16, dtype=DT)
     p32, X32, T32 = _to(bh.init_params(cfg, seed=0, dtype=torch.float32), CUDA), X.float().to(CUDA), T.float().to(CUDA)
     ref = bh.reference.hessian(_to(p32, "cpu"), X32.cpu(), cfg, target=T32.cpu())  # float32 autograd, its inputs

@@ -1,4 +1,5 @@
-"""The examples in the docstrings and in README.md run and print what they say."""
+"""The examples in the docstrings, in README.md and in the docs' pages (getting started, the user guide)
+run and print what they say."""
 
 import code
 import contextlib
@@ -15,8 +16,18 @@ import blockhess
 from blockhess import convergence
 from blockhess_lab import vit
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: the pages whose ```python blocks are run, each alone: the README's and those moved from it into the docs
+PAGES = [README, ROOT / "docs" / "index.md", ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+PYTHON_BLOCKS = _python_blocks(README)
+ALL_BLOCKS = [(p.relative_to(ROOT).as_posix(), i, b) for p in PAGES for i, b in enumerate(_python_blocks(p))]
 
 
 @pytest.mark.parametrize("module", [blockhess, convergence], ids=lambda m: m.__name__)
@@ -40,10 +51,10 @@ class _Paste(code.InteractiveConsole):
         self.errors.append(data)
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=lambda i: f"block{i + 1}")
+@pytest.mark.parametrize("index", range(len(ALL_BLOCKS)), ids=lambda i: f"{ALL_BLOCKS[i][0]}-block{ALL_BLOCKS[i][1] + 1}")
 def test_readme_python_block_runs_alone(index, tmp_path, monkeypatch):
-    """Each ```python block of README.md, pasted alone line by line into a fresh interactive
-    interpreter, runs without an error, and what it echoes is short."""
+    """Each ```python block of README.md and of the docs' pages, pasted alone line by line into a fresh
+    interactive interpreter, runs without an error, and what it echoes is short."""
     monkeypatch.chdir(tmp_path)  # what a block writes (the digits checkpoint) stays out of the tree
     monkeypatch.setattr(vit, "DEFAULT_STEPS", 20)  # the block runs as written; 20 training steps instead of 2,000 for time
     threads = torch.get_num_threads()  # the first block sets one thread, as it advises
@@ -52,7 +63,7 @@ def test_readme_python_block_runs_alone(index, tmp_path, monkeypatch):
         shown = []
         monkeypatch.setattr(sys, "displayhook", lambda value: shown.append(repr(value)) if value is not None else None)
         with contextlib.redirect_stdout(io.StringIO()):
-            for line in PYTHON_BLOCKS[index].splitlines() + [""]:
+            for line in ALL_BLOCKS[index][2].splitlines() + [""]:
                 console.push(line)
         assert not console.errors, "".join(console.errors)
         # a screenful: torch summarises large tensors; a dataclass holding them would print them whole

@@ -52,4 +52,15 @@ __all__ = [
     "to_module",
 ]
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml holds the one copy of it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("blockhess")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()

@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -232,7 +232,7 @@ def _compare(what: str, fps: list[dict], counts: list[int]) -> None:
                                     + " (every rank must pass the same everything but its own data)")
 
 
-def on_every_rank(fn: Callable, *, what: str = "the call", group=None):
+def on_every_rank(fn: Callable, *, what: str = "the call", group: dist.ProcessGroup | None = None) -> Any:
     """``fn()`` on this rank, its value returned once every rank of ``group`` has run its own ``fn``
     without an exception (one ``all_gather_object``). Where any rank's raised, every rank raises
     :class:`DistributedInputError` (all were ``ValueError``\\ s) or :class:`DistributedError`, naming
@@ -242,14 +242,14 @@ def on_every_rank(fn: Callable, *, what: str = "the call", group=None):
     return _Group(group).agree(what, fn)[0]
 
 
-def gather_objects(obj, *, what: str = "the gather", group=None) -> list:
+def gather_objects(obj: Any, *, what: str = "the gather", group: dist.ProcessGroup | None = None) -> list:
     """Every rank's ``obj`` (picklable), in rank order, on every rank: one ``all_gather_object``.
     Raises :class:`CollectiveError` where a rank exited or timed out, ``ValueError`` without an
     initialised process group."""
     return _Group(group).gather_objects(obj, what)
 
 
-def shard(n: int, *, group=None) -> slice:
+def shard(n: int, *, group: dist.ProcessGroup | None = None) -> slice:
     """This rank's contiguous share of ``n`` items: ``slice(r·n // W, (r+1)·n // W)`` for rank ``r`` of
     ``W`` (sizes differ by at most one; empty shards where ``n < W``). Concatenated in rank order the
     shards are ``range(n)`` in order, the global order of the per-sample results. Not collective.
@@ -381,8 +381,9 @@ def _reduce(g: _Group, buf: torch.Tensor, count: int, total: int, what: str) -> 
     return buf
 
 
-def hessian(params: dict, X, cfg, loss="mse", target=None, wrt=None, wrt_input: bool = False,
-            out: torch.Tensor | None = None, *, group=None) -> HessianBlocks:
+def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConfig, loss: str | Callable = "mse",
+            target: Any = None, wrt: str | Sequence[str] | None = None, wrt_input: bool = False,
+            out: torch.Tensor | None = None, *, group: dist.ProcessGroup | None = None) -> HessianBlocks:
     r"""The exact Hessian of the mean loss over every rank's shard: :func:`blockhess.hessian` on the
     shards concatenated in rank order, on every rank of the process group (collective; module docstring).
 
@@ -486,7 +487,8 @@ def _per_sample(function: str, params, X, cfg, loss, target, wrt, options: dict,
     return g.gather_rows(rows.contiguous(), counts, f"the all-gather of {function}")
 
 
-def per_sample_losses(params: dict, X, cfg: BlockConfig, loss="mse", target=None, *, group=None) -> torch.Tensor:
+def per_sample_losses(params: dict, X: torch.Tensor, cfg: BlockConfig, loss: str | Callable = "mse",
+                      target: Any = None, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """:func:`blockhess.cv.per_sample_losses` of every rank's shard, ``(N,)`` in the global order
     (rank 0's sequences first), on every rank (collective; module docstring). Raises as
     :func:`hessian`, and :class:`DistributedInputError` for a :class:`~blockhess.config.ModelConfig`
@@ -496,8 +498,9 @@ def per_sample_losses(params: dict, X, cfg: BlockConfig, loss="mse", target=None
                        lambda sh: ())
 
 
-def per_sample_gradients(params: dict, X, cfg: BlockConfig, loss="mse", target=None, wrt=None, *,
-                         group=None) -> torch.Tensor:
+def per_sample_gradients(params: dict, X: torch.Tensor, cfg: BlockConfig, loss: str | Callable = "mse",
+                         target: Any = None, wrt: str | Sequence[str] | None = None, *,
+                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """:func:`blockhess.cv.per_sample_gradients` of every rank's shard, ``(N, n)`` in the global
     order, on every rank (collective; module docstring). Raises as :func:`per_sample_losses`."""
     return _per_sample("per_sample_gradients", params, X, cfg, loss, target, wrt, {}, group,
@@ -506,8 +509,9 @@ def per_sample_gradients(params: dict, X, cfg: BlockConfig, loss="mse", target=N
                        lambda sh: (_size(sh),))
 
 
-def per_sample_hessians(params: dict, X, cfg: BlockConfig, loss="mse", target=None, wrt=None, *,
-                        group=None) -> torch.Tensor:
+def per_sample_hessians(params: dict, X: torch.Tensor, cfg: BlockConfig, loss: str | Callable = "mse",
+                        target: Any = None, wrt: str | Sequence[str] | None = None, *,
+                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """:func:`blockhess.cv.per_sample_hessians` of every rank's shard, ``(N, n, n)`` in the global
     order, on every rank (collective; module docstring). Raises as :func:`per_sample_losses`, and
     :class:`DistributedInputError` (an ``InsufficientMemoryError`` of a rank) before the local work
@@ -526,10 +530,12 @@ def per_sample_hessians(params: dict, X, cfg: BlockConfig, loss="mse", target=No
 _SCALARS = ("loss", "spectral", "spectral_residual", "frobenius", "grad_norm")
 
 
-def per_sample_statistics(params: dict, X, cfg: BlockConfig, loss="mse", target=None,
-                          directions: torch.Tensor | None = None, *, wrt=None, chunk_size: int = 8,
-                          lanczos_iters: int | None = 64, lanczos_tol: float = 1e-10, keep_grads: bool = False,
-                          progress: Callable[[int], None] | None = None, group=None) -> cv.PerSampleStats:
+def per_sample_statistics(params: dict, X: torch.Tensor, cfg: BlockConfig, loss: str | Callable = "mse",
+                          target: Any = None, directions: torch.Tensor | None = None, *,
+                          wrt: str | Sequence[str] | None = None, chunk_size: int = 8, lanczos_iters: int | None = 64,
+                          lanczos_tol: float = 1e-10, keep_grads: bool = False,
+                          progress: Callable[[int], None] | None = None,
+                          group: dist.ProcessGroup | None = None) -> cv.PerSampleStats:
     r""":func:`blockhess.cv.per_sample_statistics` of every rank's shard, gathered to every rank
     in the global order (rank 0's sequences first; collective, module docstring): the losses
     :math:`l_i`, gradient norms, spectral and Frobenius norms of the per-sample Hessians and the
@@ -605,8 +611,9 @@ def _all_reduced(g: _Group, like: torch.Tensor, n: int, compute, what: str) -> t
     return buf[:-2]
 
 
-def hessian_operator(params: dict, X, cfg, loss="mse", target=None, wrt=None, part: str = "full", *,
-                     group=None) -> HessianOperator:
+def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConfig, loss: str | Callable = "mse",
+                     target: Any = None, wrt: str | Sequence[str] | None = None, part: str = "full", *,
+                     group: dist.ProcessGroup | None = None) -> HessianOperator:
     r"""The matrix-free Hessian of the mean loss over every rank's shard:
     :func:`blockhess.hessian_operator` on the shards concatenated in rank order, on every rank
     (collective; module docstring).

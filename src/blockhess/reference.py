@@ -10,6 +10,7 @@ used by the tests, ``blockhess validate`` and ``blockhess bench``.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as Fn
@@ -196,7 +197,8 @@ def _chunk(B: int, extra) -> int:
     return size
 
 
-def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[str, torch.Tensor]:
+def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig,
+             wrt: str | Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """``torch.func.jacrev`` of :func:`forward`; same shapes as :func:`blockhess.jacobian`.
 
     Each sequence's output depends on its own input only, so the batch is taken in chunks of as
@@ -262,8 +264,8 @@ def _work_bytes(cfg: BlockConfig, n: int, rows: int, chunks: int, L: int, e: int
     return (3 * n * n * e if chunks > 1 else 0) + max(hf, after)
 
 
-def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=None, wrt=None,
-            wrt_input: bool = False) -> HessianBlocks:
+def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConfig, loss: str | Callable = "mse",
+            target: Any = None, wrt: str | Sequence[str] | None = None, wrt_input: bool = False) -> HessianBlocks:
     """``torch.func.hessian`` of the loss through :func:`forward`, with the outer term
     ``J^T (∇²_Z ℓ) J`` from ``jacrev`` and the functional term as the difference.
 

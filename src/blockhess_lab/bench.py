@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="output folder, written case by case (bench.json, bench.md, bench.png); an existing folder must be "
                         "empty or hold earlier results (default: bench-results)")
-    p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of groups a, b, c and m (float32 only in a; fewer memory jobs and baselines; about 2 minutes); its numbers do not test the targets")
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run of groups a, b, c and m (float32 only in a; fewer memory jobs and baselines; about 2 minutes on 2 quiet cores, 4-5 on 2 loaded ones); its numbers do not test the targets")
     p.add_argument("--cases", default="a,b,c,m", metavar="LIST", help="comma-separated groups to run: a (component Jacobians), b (full Hessians), c (largest n), m (whole models) (default: a,b,c,m)")
     p.add_argument("--only", default="", metavar="LIST", help="comma-separated substrings: run only the cases whose id contains one (e.g. b/mse/32x64x128)")
     p.add_argument("--mem-cap-gb", type=float, default=20.0, metavar="GIB", help="memory cap per job in GiB; a job whose resident memory passes it is killed and reported out of memory (default: 20)")

@@ -28,8 +28,6 @@ The per-token matrices are formed in chunks of query tokens of one sequence at a
 
 from __future__ import annotations
 
-import math
-from typing import Callable
 
 import torch
 

@@ -10,14 +10,16 @@ Hessian of its loss w.r.t. any of its parameters by curvature back-propagation o
 
 from __future__ import annotations
 
+import torch
+
 from ..block import forward as block_forward
-from ..config import ModelConfig
+from ..config import BlockConfig, ModelConfig
 from .forward_pass import forward as model_forward
 
 __all__ = ["forward"]
 
 
-def forward(params: dict, inputs, cfg):
+def forward(params: dict[str, torch.Tensor], inputs: torch.Tensor, cfg: BlockConfig | ModelConfig) -> torch.Tensor:
     """The output of a block (:func:`blockhess.block.forward`, ``cfg`` a :class:`~blockhess.BlockConfig`)
     or of a model (:func:`.forward_pass.forward`, ``cfg`` a :class:`~blockhess.config.ModelConfig`)."""
     if isinstance(cfg, ModelConfig):

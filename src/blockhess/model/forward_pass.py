@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from ..block import check_forward, forward_cache
-from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes, sinusoidal_positions
+from ..config import ModelConfig, block_prefix, model_param_shapes, sinusoidal_positions
 from ..layers import layernorm
 from ..validation import check_finite, check_ln_variance, check_params, check_tensor, warn_tf32
 

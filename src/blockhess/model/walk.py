@@ -35,7 +35,7 @@ from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
-from .forward_pass import block_params, check_model_inputs, model_input, n_tokens, sequence_loss, trace
+from .forward_pass import check_model_inputs, model_input, n_tokens, sequence_loss, trace
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
 
