@@ -283,7 +283,7 @@ def test_to_module_refuses_every_structural_mismatch():
 def test_from_torch_dropout_and_bias_checks():
     with pytest.raises(ValueError, match="dropout=0.1 in training mode"):
         bh.from_torch(nn.MultiheadAttention(8, 2, dropout=0.1, dtype=DT))
-    for name, where in (("self_attn.dropout", "self_attn"), ("dropout1", "dropout1")):
+    for name, where in (("self_attn.dropout", "self_attn"), ("dropout1.p", "dropout1")):
         layer = nn.TransformerEncoderLayer(8, 2, 6, dropout=0.0, dtype=DT).train()
         if where == "self_attn":
             layer.self_attn.dropout = 0.2

@@ -237,6 +237,12 @@ ROWS = [
     Row("bh.from_torch", "argument", "dropout in training mode",
         lambda c: bh.from_torch(torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.1, batch_first=True)),
         ValueError, "dropout=0.1 in training mode is not supported"),
+    Row("bh.from_torch", "argument", "an encoder in eval with one layer's dropout1 put back in train",
+        lambda c: bh.from_torch(_one_in_train("layers.1.dropout1")), ValueError,
+        "TransformerEncoder: dropout layers.1.dropout1.p=0.1 in training mode is not supported"),
+    Row("bh.from_torch", "argument", "an encoder in eval with one layer's self_attn put back in train",
+        lambda c: bh.from_torch(_one_in_train("layers.0.self_attn")), ValueError,
+        "TransformerEncoder: dropout layers.0.self_attn.dropout=0.1 in training mode is not supported"),
     Row("H[a, b]", "argument", "an unknown parameter name",
         lambda c: bh.hessian(c.p, c.X, c.cfg, target=c.T)["W_Q", "W_9"], KeyError, "unknown parameter 'W_9'"),
     Row("bh.bounds.exact_norms", "argument", "something other than a full Hessian", lambda c: bh.bounds.exact_norms(3),
@@ -407,6 +413,14 @@ def _huge():
     """A block of d_model 512, d_ff 2048 (2.9M weights: a dense Hessian of 69 TB) and one sequence of 2 tokens."""
     cfg = bh.BlockConfig(d_model=512, d_ff=2048)
     return bh.init_params(cfg, seed=0), torch.randn(2, 512, dtype=DT), cfg
+
+
+def _one_in_train(path: str) -> torch.nn.Module:
+    """A 2-layer ``nn.TransformerEncoder`` with dropout 0.1, in eval but the submodule ``path``."""
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.1, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    model.get_submodule(path).train()
+    return model
 
 
 def _id(r: Row) -> str:

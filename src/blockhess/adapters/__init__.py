@@ -23,6 +23,7 @@ from ..validation import FLOAT_DTYPES
 from . import hf
 from . import pytorch
 from .layout import read
+from .mode import check_deterministic
 from .layout import relabel as relabel_blocks
 
 __all__ = ["from_torch", "to_module", "block_input"]
@@ -75,7 +76,10 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     length. ``batch_first=False`` only changes the input layout (:func:`block_input`).
 
     Raises ``ValueError`` naming the module and the setting for what the closed form does not cover:
-    dropout > 0 in training mode, a custom activation (or one of transformers' other than relu,
+    dropout > 0 in training mode in any submodule, by its qualified name and ``p``, whatever mode the
+    module itself is in (:func:`.mode.check_deterministic`: dropout modules, attention dropout
+    probabilities such as ``nn.MultiheadAttention.dropout``, ViT's ``attention_dropout``, GPT-2's and
+    BERT's attention dropout applied while the attention trains), a custom activation (or one of transformers' other than relu,
     gelu, gelu_new, gelu_pytorch_tanh), ``kdim``/``vdim`` != ``d_model``, ``add_bias_kv``,
     ``add_zero_attn``, a mask other than the causal one, a key padding mask that pads (and any mask
     argument given for a Hugging Face module, which applies its own), LayerNorms with different eps
@@ -93,13 +97,12 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
             raise ValueError(f"src_mask, is_causal and src_key_padding_mask apply to PyTorch's layers; "
                              f"{type(module).__name__} applies its own mask (GPT-2's is causal)")
         cfg, spec = hf.describe(module)
-        hf.check_mode(module)
     elif pytorch.reads(module):
         causal = pytorch.causal_from_masks(src_mask, is_causal, src_key_padding_mask)
         cfg, spec = pytorch.describe(module, causal)
-        pytorch.check_mode(module)
     else:
         cfg, spec = _describe(module)  # raises: a module no reader takes
+    check_deterministic(module)  # every reader's: no submodule whose forward is random
     return cfg, read(module, cfg, spec, dtype)
 
 

@@ -27,8 +27,6 @@ parameters are laid out otherwise is refused by name, never guessed at.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn as nn
 
@@ -36,7 +34,7 @@ from ..config import BlockConfig, ModelConfig, block_prefix, param_shapes
 from .layout import Stored
 from .pytorch import activation
 
-__all__ = ["is_hf", "reads", "describe", "check_mode", "SUPPORTED", "BLOCKS"]
+__all__ = ["is_hf", "reads", "describe", "SUPPORTED", "BLOCKS"]
 
 #: The Hugging Face blocks: their inputs are ``(B, L, d)`` hidden states.
 BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer")
@@ -392,7 +390,8 @@ _READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2Model": _gpt2, "GPT2Block": _gpt2_
 
 
 def describe(module) -> tuple:
-    """``(cfg, spec)`` of a module :func:`reads` (structure only: no dropout check): a
+    """``(cfg, spec)`` of a module :func:`reads` (structure only: the mode is
+    :func:`blockhess.adapters.mode.check_deterministic`'s): a
     :class:`~blockhess.config.ModelConfig` for a model, a :class:`~blockhess.config.BlockConfig` for a block.
 
     Raises ``ValueError`` naming the module and the setting for what the closed form does not
@@ -408,16 +407,3 @@ def describe(module) -> tuple:
                          f"{name} (docs/models.md)") from None
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-
-
-def check_mode(module) -> None:
-    """Refuse a module whose forward is random: any dropout with ``p > 0`` in training mode
-    (``nn.Dropout`` submodules, and ViT's attention dropout, a float). ``ValueError`` naming it."""
-    for sub, m in module.named_modules():
-        if not m.training:
-            continue
-        p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0)
-        if isinstance(p, numbers.Real) and not isinstance(p, bool) and p > 0:
-            what = f"{sub}.p" if isinstance(m, nn.Dropout) else f"{sub}.attention_dropout"
-            raise ValueError(f"{_name(module)}: dropout {what.lstrip('.')}={p} in training mode is not supported "
-                             "(dropout makes the model random): call model.eval() or set the dropout to 0")

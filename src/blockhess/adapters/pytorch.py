@@ -18,7 +18,7 @@ import torch.nn.functional as Fn
 from ..config import TORCH_NAMES, BlockConfig, ModelConfig, block_prefix
 from .layout import Stored
 
-__all__ = ["describe", "check_mode", "causal_from_masks", "activation", "block_input", "reads", "SUPPORTED"]
+__all__ = ["describe", "causal_from_masks", "activation", "block_input", "reads", "SUPPORTED"]
 
 #: What this reader takes, for error messages.
 SUPPORTED = "nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.TransformerEncoder"
@@ -86,18 +86,9 @@ def _check_attention(mha: nn.MultiheadAttention, where: str) -> None:
         raise ValueError(f"{where}add_zero_attn=True is not supported")
 
 
-def _check_dropout(module: nn.Module, names: dict, where: str = "") -> None:
-    if not module.training:
-        return
-    for name, p in names.items():
-        if p > 0:
-            raise ValueError(f"{where}{name}={p} in training mode is not supported (dropout makes the layer random): "
-                             "call module.eval() or set the dropout to 0")
-
-
 def _layer_config(module: nn.Module, is_causal: bool, where: str = "") -> BlockConfig:
-    """The :class:`BlockConfig` of a layer or a bare attention (structure only: no dropout or mask
-    checks); ``ValueError`` naming the setting for what the closed form does not cover."""
+    """The :class:`BlockConfig` of a layer or a bare attention (structure only: no mask checks; the
+    mode is :func:`blockhess.adapters.mode.check_deterministic`'s); ``ValueError`` naming the setting for what the closed form does not cover."""
     if isinstance(module, nn.MultiheadAttention):
         _check_attention(module, where)
         d, H = module.embed_dim, module.num_heads
@@ -143,7 +134,8 @@ def _layer_spec(module: nn.Module, mprefix: str = "", oprefix: str = "") -> dict
 
 
 def describe(module: nn.Module, is_causal: bool = False) -> tuple:
-    """``(cfg, spec)`` of a module :func:`reads` (structure only: no dropout check).
+    """``(cfg, spec)`` of a module :func:`reads` (structure only: the mode is
+    :func:`blockhess.adapters.mode.check_deterministic`'s).
 
     ``nn.TransformerEncoder``: a :class:`ModelConfig` with ``embedding="none"``, one block per layer
     (each read as a layer; ``layers.{i}.`` -> ``blocks.{i}.``), the final ``norm`` (an
@@ -173,24 +165,6 @@ def describe(module: nn.Module, is_causal: bool = False) -> tuple:
     if isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention)):
         return _layer_config(module, is_causal), _layer_spec(module)
     raise ValueError(f"from_torch supports {SUPPORTED}, got {type(module).__name__}")
-
-
-def check_mode(module: nn.Module) -> None:
-    """Refuse a module whose forward is random: dropout > 0 in training mode (``ValueError`` naming it)."""
-    if isinstance(module, nn.TransformerEncoder):
-        for i, layer in enumerate(module.layers):
-            _check_layer_mode(layer, f"layers.{i}.")
-    else:
-        _check_layer_mode(module)
-
-
-def _check_layer_mode(module: nn.Module, where: str = "") -> None:
-    """:func:`check_mode` of one layer or bare attention, names prefixed ``where``."""
-    if isinstance(module, nn.MultiheadAttention):
-        _check_dropout(module, {"dropout": module.dropout}, where)
-    else:
-        _check_dropout(module, {"dropout": module.dropout.p, "dropout1": module.dropout1.p,
-                                "dropout2": module.dropout2.p, "self_attn.dropout": module.self_attn.dropout}, where)
 
 
 def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,11 @@ def _head_names(cfg: ModelConfig) -> tuple[str, ...]:
     return ((TIED_HEAD if cfg.tied else "W_H"),) + (("b_H",) if cfg.head_bias else ())
 
 
-def stages_of(t, loss, target, batch: int, first: int, dense: bool = True):
+def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: losses.LossDerivatives | None = None):
     """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top;
-    ``dense=False``: the blocks without the walk's factors (for products; ``t`` may be a plain trace)."""
+    ``dense=False``: the blocks without the walk's factors (for products; ``t`` may be a plain trace).
+    ``ld``: the loss derivatives at ``t.z`` taken already (:func:`_rows` of the call's, for a callable
+    loss: it is not called again); else they are taken here from ``loss`` and ``target``."""
     cfg, p = t.cfg, t.params
     shapes = model_param_shapes(cfg)
     st = []
@@ -77,8 +79,17 @@ def stages_of(t, loss, target, batch: int, first: int, dense: bool = True):
     else:
         if cfg.head is not None:
             st.append(HeadStage(t.h, W, _head_names(cfg)))
-        top = OutputLoss(losses.derivatives(loss, target, t.z, batch=batch, first=first))
+        top = OutputLoss(ld if ld is not None else losses.derivatives(loss, target, t.z, batch=batch, first=first))
     return st, top
+
+
+def _rows(ld: losses.LossDerivatives | None, rows: slice) -> losses.LossDerivatives | None:
+    """The derivatives of the sequences ``rows`` of a batch's ``ld`` (views; the batch mean kept), or ``None``."""
+    if ld is None:
+        return None
+    B, P = ld.grad.shape[:2]
+    hess = ld.hess.reshape(B, P, *ld.hess.shape[1:])[rows].flatten(0, 1) if ld.per_token else ld.hess[rows]
+    return ld._replace(grad=ld.grad[rows], hess=hess)
 
 
 class _Fold:
@@ -332,10 +343,11 @@ def _chunks(cfg: ModelConfig, B: int, L: int, n: int, loss, e: int) -> tuple[lis
 
 
 @serial()
-def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None) -> HessianBlocks:
+def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, parts=None, ld=None) -> HessianBlocks:
     """``chunks``: ``(walk, pairs)``, the slices of the walk's passes (:func:`_sequence_entries`) and
     of the blocks' weight pairs' (:func:`_weight_entries`; the functional part's only; ``[]``: the
-    walk adds them)."""
+    walk adds them). ``ld``: a callable loss's derivatives over the whole batch, taken at the call
+    (each pass takes its rows; the loss is not called), else ``None``."""
     shapes = model_param_shapes(cfg)
     wanted = set(names)
     if cfg.tied and "W_E" in wanted:
@@ -348,14 +360,14 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         for rows in pair_chunks:
             t = trace(params, inputs[rows], cfg, first=rows.start, wrt_input=False)
             tg = target[rows] if isinstance(target, torch.Tensor) else target
-            st, top = stages_of(t, loss, tg, B, rows.start, dense=False)
+            st, top = stages_of(t, loss, tg, B, rows.start, dense=False, ld=_rows(ld, rows))
             _weight_pairs(st, top, wanted, acc)
             del t, st, top
         acc.free_scratch()  # the walk's passes write no sandwiches
     for rows in walk_chunks:
         t = trace(params, inputs[rows], cfg, first=rows.start)
         tg = target[rows] if isinstance(target, torch.Tensor) else target
-        st, top = stages_of(t, loss, tg, B, rows.start)
+        st, top = stages_of(t, loss, tg, B, rows.start, ld=_rows(ld, rows))
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold, pairs=not pair_chunks)
         del t, st, top  # a pass's trace and stages go before the next pass's are built
     release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
@@ -367,8 +379,9 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
 
 
 def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
-    """The checked call: ``(params, inputs, loss, target, names, t)`` with copies of ``params`` and the
-    batched ``inputs`` (a snapshot), the loss and target as :mod:`blockhess.losses` takes them on the
+    """The checked call: ``(params, inputs, loss, target, names, t)`` with copies of ``params``, the
+    batched ``inputs`` and a tensor ``target`` (a snapshot: nothing the caller changes in place after
+    the call reaches what is computed from them; docs/models.md, "A snapshot of the call"), the loss and target as :mod:`blockhess.losses` takes them on the
     output ``(B, P, n_out)`` (:func:`~.forward_pass.sequence_loss`), the ``wrt`` names in canonical order,
     and the plain forward trace ``t`` (every LayerNorm row checked before any derivative). Raises
     ``ValueError`` as :func:`hessian`."""
@@ -383,6 +396,8 @@ def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
         target = target[None]
     loss, target = sequence_loss(cfg, loss, target, t.z)
     target = losses.check(loss, target, t.z)
+    if isinstance(target, torch.Tensor):  # a copy too: labels reused in place for the next batch change nothing
+        target = target.clone()
     return params, inputs, loss, target, names, t
 
 
@@ -396,15 +411,21 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the batch loss is
     the mean over sequences (per-token CE: over every token). Returns a
     :class:`~blockhess.result.HessianBlocks` over the public names in canonical order, dtype and device
-    of the parameters, ``.outer`` and ``.functional`` on first access (their own passes, from a
-    snapshot of the inputs). A parameter used twice (the tied ``W_E``) has both uses.
+    of the parameters, ``.outer`` and ``.functional`` on first access (their own passes) from a
+    snapshot of the call: copies of ``params``, ``inputs`` and ``target``, and a callable loss's
+    gradient and Hessian w.r.t. the output taken at the call, ``(B, P·n_out)`` and
+    ``(B, P·n_out, P·n_out)``, held with the result (the callable is not called again: what it closes
+    over, a head's weights, may change after the call). A parameter used twice (the tied ``W_E``) has
+    both uses.
 
     Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.check_model_inputs`), a target of the
     wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
-    overflow; ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with the
-    largest pass (:func:`_sequence_entries`), would not fit.
+    overflow; a callable loss's NaN or Inf value, gradient or Hessian (:func:`blockhess.losses.derivatives`);
+    ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
+    ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit.
     """
-    params, inputs, loss, target, names, _ = prepare(params, inputs, cfg, loss, target, wrt)
+    params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
+    z, t = t.z, None  # the output, for a callable loss's derivatives; the rest of the plain trace goes
     shapes = model_param_shapes(cfg)
     like = params[names[0]]
     B = inputs.shape[0]
@@ -413,14 +434,19 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     L = n_tokens(cfg, inputs)
     chunks = _chunks(cfg, B, L, n, loss, e)
     rows = max(len(range(B)[c]) for c in chunks[0])  # the pairs' passes hold no more than the walk's
-    need = (n * n + _fixed_entries(cfg, n, e) + rows * _sequence_entries(cfg, L, n, loss)) * e
+    held = B * z[0].numel() ** 2 if callable(loss) else 0  # a callable's (P·n_out)² Hessians, kept for the parts
+    need = (n * n + held + _fixed_entries(cfg, n, e) + rows * _sequence_entries(cfg, L, n, loss)) * e
     what = f"the dense {n}x{n} Hessian"
     check_fits(n * n * e, what, like.device)
-    check_fits(need, f"{what} with a pass of the closed form over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens",
-               like.device)
+    check_fits(need, f"{what}{' and the loss Hessians of the batch' if held else ''} with a pass of the closed form "
+               f"over {rows} sequence{'s' if rows > 1 else ''} of {L} tokens", like.device)
+    # a callable loss may close over tensors the caller changes after the call (a head an optimizer steps):
+    # its derivatives are taken once, here, and every pass (the parts' later ones too) takes its rows of them
+    ld = losses.derivatives(loss, target, z, batch=B) if callable(loss) else None
+    del z
 
     def part(which: str) -> HessianBlocks:
         check_fits(need, f"the {which} part of the Hessian ({n}x{n}) with a pass", like.device)
-        return _passes(params, inputs, cfg, loss, target, names, chunks, which, like)
+        return _passes(params, inputs, cfg, loss, target, names, chunks, which, like, ld=ld)
 
-    return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part)
+    return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part, ld=ld)

@@ -4,7 +4,11 @@ products of a block (:func:`blockhess.block.directional.hvp`) and of a model
 
 The forward pass, the loss's derivatives at the output and every first-order adjoint are computed
 once, when the operator is made; each product then costs a tangent pass and a second-order adjoint
-pass (docs/derivations.md §18). Memory: the forward activations and ``k`` tangents of them per
+pass (docs/derivations.md §18). The operator is that of the call: it keeps copies of the parameters,
+the inputs and a tensor target, and a callable loss's derivatives taken then (the callable is not
+called again), so changing any of them in place afterwards (an optimizer step, the next batch written
+into the same tensors, a head the loss closes over) does not change its products (docs/models.md,
+"A snapshot of the call"). Memory: the forward activations and ``k`` tangents of them per
 product of ``k`` columns; never ``n²``.
 """
 
@@ -37,6 +41,8 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
     c = forward_cache(params, X, cfg, plain=True)
     check_forward(c)
     target = losses.check(loss, target, c.out)
+    if isinstance(target, torch.Tensor):  # the operator at the call: a target changed in place after it changes nothing
+        target = target.clone()
     g, omega = losses.directional(loss, target, c.out)
     a = adjoints(c, g) if functional else None
 
@@ -85,6 +91,10 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     ``NotImplementedError`` there. The batch's loss is the mean over its sequences (``A.count`` of them; a dataset:
     :func:`~.operator.mean_operator` of per-batch operators). dtype and device of the parameters.
     Exact almost everywhere (ReLU kinks, Lemma 1).
+
+    The operator is that of the call: ``params``, ``inputs`` and a tensor ``target`` are copied, a
+    callable loss's gradient and Hessian w.r.t. the output are taken when it is made (the callable is not
+    called by any product), so changing them in place afterwards does not change ``A @ V``.
 
     Raises ``ValueError`` for an unknown ``part`` and as :func:`blockhess.hessian` on bad inputs, before
     any product; the products' own memory check (:func:`blockhess.block.directional.work_entries`)
