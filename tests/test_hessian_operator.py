@@ -107,6 +107,11 @@ def test_model_operator_equals_dense(name, part):
     A = bh.hessian_operator(p, x, cfg, loss=loss, target=T, part=part)
     V = torch.randn(D.shape[0], 2, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     assert_close(A @ V, D @ V, what=f"{name} {part} A @ V")
+    # one column: the engine writes the rows into the output's slices (the tied head's and the token
+    # embedding's into W_E's, added there; an untied head's in its own layout)
+    assert_close(A @ V[:, 0], D @ V[:, 0], what=f"{name} {part} A @ v")
+    assert_close(A["W_E", "W_E"] @ V[: p["W_E"].numel(), 0], D[: p["W_E"].numel(), : p["W_E"].numel()]
+                 @ V[: p["W_E"].numel(), 0], what=f"{name} {part} A[W_E, W_E] @ v")
 
 
 def test_views_and_wrt():

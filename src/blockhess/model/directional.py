@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..block.directional import adjoints, vjp
-from .stages import TIED_HEAD, BlockStage, SoftmaxHead
+from .stages import TIED_HEAD, BlockStage, EmbeddingStage, SoftmaxHead
 
 __all__ = ["ModelProduct"]
 
@@ -69,6 +69,16 @@ class ModelProduct:
             p = len(st.prefix)
             return {m[p:] for m in here}
 
+        def stage_into(st):
+            """A stage's destinations: the head's own; the token embedding's W_E the tied head's rows (to be added
+            to) or ``into``'s, zeroed (the tied head's are then never in ``out`` on their own)."""
+            if isinstance(st, EmbeddingStage) and "W_E" in st.names:
+                acc = out.pop(TIED_HEAD, None)
+                if acc is None and "W_E" in into:
+                    acc = into["W_E"].zero_()
+                return None if acc is None else {"W_E": acc}
+            return {m: into[m] for m in st.names if m in into}
+
         def run(k: int, dx):
             """Stage ``k`` (``k >= s0``) along the input tangent ``dx`` (``None``: zero), the stages above
             by recursion; returns the adjoint tangent at its input, or ``None`` when no stage below is wanted."""
@@ -90,7 +100,7 @@ class ModelProduct:
             dg_out = run(k + 1, dy)
             if not (below or here):
                 return None
-            dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, dg_out, here, functional)
+            dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, dg_out, here, functional, into=stage_into(st))
             out.update(HV)
             return dg_in if below else None
 
@@ -102,7 +112,7 @@ class ModelProduct:
                 HV, dg = vjp(st.c, dg, wanted=local(st, here), input_adjoint=k > s1)
                 out.update({st.prefix + m: v for m, v in HV.items()})
             else:
-                dg, HV = st.adjoint2(self.grads[k], None, {}, dg, here, functional)
+                dg, HV = st.adjoint2(self.grads[k], None, {}, dg, here, functional, into=stage_into(st))
                 out.update(HV)
         return out
 

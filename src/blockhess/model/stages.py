@@ -126,10 +126,21 @@ class EmbeddingStage:
                 out += v[:, None, None, 0]
         return out
 
-    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
-        """``(None, {name: (k, *shape)})``: ``J_θᵀ ġ`` (the embedding is linear: no second-order term)."""
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True, into=None):
+        """``(None, {name: (k, *shape)})``: ``J_θᵀ ġ`` (the embedding is linear: no second-order term).
+        ``into``: ``{"W_E": (k, vocab, d)}`` a tensor the token embedding's rows are *added* into (each
+        token's row to its id's; the tied head's rows already there, or zeros) and returned as."""
         k = dg.shape[0]
-        out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), names, summed=True)
+        acc = (into or {}).get("W_E")
+        if acc is None or "W_E" not in names or self.cfg.embedding != "token":
+            out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), names, summed=True)
+            return None, {n: v.reshape(k, *self.p[n].shape) for n, v in out.items()}
+        rest = [n for n in names if n != "W_E"]
+        out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), rest, summed=True) if rest else {}
+        tok = dg[:, :, 1:] if self.cfg.cls_token else dg
+        for b in range(self.B):
+            acc.index_add_(1, self.x[b], tok[:, b])
+        out["W_E"] = acc
         return None, {n: v.reshape(k, *self.p[n].shape) for n, v in out.items()}
 
 
@@ -183,7 +194,7 @@ class NormStage:
             out += V[self.b_name][:, None, None]
         return out
 
-    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True, into=None):
         r"""``(ġ_x, {name: (Hv)_name})``: :math:`\dot g_x = J_x^\top \dot g + \Gamma(g)\,\dot x + J_n^\top(\dot\gamma \odot g)`,
         :math:`(Hv)_\gamma = \sum_t n \odot \dot g + (J_n \dot x) \odot g`, :math:`(Hv)_\beta = \sum_t \dot g`
         (the terms in ``g`` only with ``functional``); ``g`` ``(B, L, d)``, ``dx``, ``dg`` ``(k, B, L, d)``."""
@@ -253,7 +264,7 @@ class PoolStage:
         """``(k, B, 1, d)`` from ``(k, B, L, d)``."""
         return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, :1]
 
-    def adjoint2(self, g, dx, V, dg: torch.Tensor, names, functional: bool = True):
+    def adjoint2(self, g, dx, V, dg: torch.Tensor, names, functional: bool = True, into=None):
         """``(ġ_x (k, B, L, d), {})``: linear, no variables."""
         k, B = dg.shape[:2]
         return self.back(dg.reshape(k * B, 1, -1)).reshape(k, B, self.L, self.d), {}
@@ -307,9 +318,11 @@ class HeadStage:
             out += V[b][:, None, None]
         return out
 
-    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True):
+    def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True, into=None):
         """``(ġ_h, {W: ḣᵀ g + hᵀ ġ, b: Σ ġ})``, ``ġ_h = ġ Wᵀ + g Ẇᵀ`` (the terms in ``g`` only with ``functional``);
-        ``g`` ``(B, P, C)``; the tied head's rows as ``(ḣᵀ g + hᵀ ġ)ᵀ`` ``(k, C, d)``."""
+        ``g`` ``(B, P, C)``; the tied head's rows as ``(ḣᵀ g + hᵀ ġ)ᵀ`` ``(k, C, d)``. ``into``: name → a
+        contiguous destination of the weight's rows (``(k, C, d)`` tied, ``(k, d, C)`` else), written and
+        returned."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
         k = dg.shape[0]
         B, P, d = self.h.shape
@@ -319,13 +332,15 @@ class HeadStage:
         if functional and w in V:
             gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
         out = {}
-        if w in names:  # (ġᵀ h + gᵀ ḣ) as (k, C, d): the tied layout; transposed back for a head of its own
-            if functional and dx is not None:  # one product over the rows stacked twice: the table written once
-                hv = torch.cat([dgf, gf.expand(k, -1, -1)], 1).transpose(1, 2) @ torch.cat(
-                    [hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)
+        if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
+            if functional and dx is not None:  # over the rows stacked twice: the table written once
+                left, right = torch.cat([dgf, gf.expand(k, -1, -1)], 1), torch.cat([hf.expand(k, -1, -1),
+                                                                                  dx.reshape(k, B * P, d)], 1)
             else:
-                hv = dgf.transpose(1, 2) @ hf
-            out[w] = hv if self.tied else hv.transpose(1, 2)
+                left, right = dgf, hf.expand(k, -1, -1)
+            dest = (into or {}).get(w)
+            out[w] = (torch.matmul(left.mT, right, out=dest) if self.tied else
+                      torch.matmul(right.mT, left, out=dest))
         if b in names:
             out[b] = dgf.sum(1)
         return gh.reshape(k, B, P, d), out

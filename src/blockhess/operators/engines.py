@@ -66,6 +66,7 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
 
     def product(V, wanted_out, into=None):  # the rows of wanted_out only; W_E's tied second use when W_E's are wanted
         rows = tuple(wanted_out) + ((TIED_HEAD,) if cfg.tied and "W_E" in wanted_out else ())
+        into = fold_tied(into, internal) if into else into  # the tied head writes into W_E's slice
         return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional, into=into))
 
     def diagonal(wanted):
