@@ -54,6 +54,11 @@ class Adjoints(NamedTuple):
     gX1: torch.Tensor | None  # (T, d) pre-LN: LN_1's input adjoint of the attention's input adjoint
 
 
+def _center(cfg) -> bool:
+    """Whether the block's norms centre their rows: LayerNorm (``True``) or RMSNorm (``False``)."""
+    return getattr(cfg, "norm_type", "layer") == "layer"
+
+
 def _none_adjoints() -> Adjoints:
     """Adjoints that are never read: the Gauss–Newton product (``functional=False``) needs none."""
     return Adjoints(gZ=None, gS=None, fc=ffn.Adjoint(*(None,) * len(ffn.Adjoint._fields)), gU=None, gP=None,
@@ -76,14 +81,14 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
         if pre_ln(cfg):
             gS = gZ
         else:
-            gS = layernorm.adjoint(c.ln2[0], c.r2, gZ, p.get("gamma_2"))
+            gS = layernorm.adjoint(c.ln2[0], c.r2, gZ, p.get("gamma_2"), center=_center(cfg))
         fc = ffn.adjoint(c.fc, gS)
-        gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"))
+        gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"), center=_center(cfg))
         gP = gU.reshape(B, L, d)
     gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
     att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg), n=c.ln1[0] if pre_ln(cfg) else None)
     if pre_ln(cfg):
-        gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"))
+        gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"), center=_center(cfg))
     return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
 
 
@@ -142,7 +147,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
 _ATTENTION = frozenset(("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"))
 _OUT = frozenset(("W_O", "b_O"))
 _LN1, _LN2 = frozenset(("gamma_1", "beta_1")), frozenset(("gamma_2", "beta_2"))
-_FFN = frozenset(("W_1", "b_1", "W_2", "b_2"))
+_FFN = frozenset(("W_G", "b_G", "W_1", "b_1", "W_2", "b_2"))
 
 
 def _wanted(wanted, shapes: dict) -> frozenset:
@@ -203,7 +208,7 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
         dXa = linear.Scaled(c.ln1[0], p.get("gamma_1"), p.get("beta_1"), dp.get("gamma_1"), dp.get("beta_1"))
     elif pre:
         if dX is not None:
-            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
+            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX), center=_center(cfg))
         dXa = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
         dXa = None if dXa is None else dXa.reshape(k, B, L, d)
     ta = attention.tangent(c.att, p, dp, dXa, m)
@@ -220,11 +225,11 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
             dZ = tf.dS
         else:
             if dU is not None:
-                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU)
+                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU, center=_center(cfg))
             dY = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
             tf = ffn.tangent(c.fc, p, dp, dY)
             if tf.dS is not None:
-                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS)
+                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS, center=_center(cfg))
             dZ = layernorm.affine_tangent(c.ln2[0], ln2[0], p.get("gamma_2"), dp.get("gamma_2"), dp.get("beta_2"))
     return _Tangents(dXa, ln1, ln2, ta, tf, dZ)
 
@@ -276,14 +281,16 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
             dgS = dgY = None
             if go_l2 or has(_LN2):
                 dgS, hg, hb = layernorm.second_adjoint(c.ln2[0], c.r2, a.gZ, a.gS, tokens(dgZ), ln2[0], ln2[1],
-                                                       p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2))
+                                                       p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2),
+                                                       center=_center(cfg))
                 keep({"gamma_2": hg, "beta_2": hb})
             if go_l2:
                 dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second, go_f, want & _FFN)
                 keep(found)
             if go_f:
                 dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
-                                                       p.get("gamma_1"), dp.get("gamma_1"), second, go_l1, ln_vars(1))
+                                                       p.get("gamma_1"), dp.get("gamma_1"), second, go_l1, ln_vars(1),
+                                                       center=_center(cfg))
                 keep({"gamma_1": hg, "beta_1": hb})
         dgP = seqs(dgU)
     dgF = dgP
@@ -303,7 +310,8 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
     elif pre and att_input:
         gX = None if a.att.gX is None else a.att.gX.reshape(T, d)
         dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, gX, a.gX1, tokens(dgXa), ln1[0], ln1[1],
-                                                p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1))
+                                                p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1),
+                                                center=_center(cfg))
         keep({"gamma_1": hg, "beta_1": hb})
         dgXa = seqs(dgX1)
     dgX = None

@@ -82,7 +82,9 @@ def _premul(factors: dict, E: torch.Tensor) -> dict:
 
 
 def jacobian_factors(c: Cache) -> Factors:
-    """The :class:`Factors` of a forward pass (Theorem 4 in per-token form)."""
+    """The :class:`Factors` of a forward pass (Theorem 4 in per-token form). Raises
+    ``NotImplementedError`` for a config with :attr:`~blockhess.config.BlockConfig.llama_options`."""
+    forward_pass.refuse_llama(c.cfg, "jacobian_factors (the per-token Kronecker factors)")
     cfg, p = c.cfg, c.params
     d = cfg.d_model
     T = c.P.shape[0]
@@ -168,6 +170,7 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     pass if the dense Jacobians, or they with the forward cache and factors (:func:`work_entries`)
     and a copy of the largest one (the heads' merge), would not fit in memory.
     """
+    forward_pass.refuse_llama(cfg, "blockhess.jacobian")
     check_inputs(params, X, cfg)
     shapes = param_shapes(cfg)
     names = select_wrt(tuple(shapes), wrt)
@@ -201,6 +204,7 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     before the forward pass if the ``B`` Jacobians ``(L·d)²``, or they with the forward cache and
     ``X``'s factors (:func:`work_entries`), would not fit in memory.
     """
+    forward_pass.refuse_llama(cfg, "blockhess.input_jacobian")
     check_inputs(params, X, cfg)
     e, (B, L, d) = X.element_size(), as_batch(X).shape
     result = B * (L * d) ** 2 * e
