@@ -24,7 +24,7 @@ from ..validation import check_fits, check_result
 from . import directional
 from .forward_pass import check_forward, forward_cache, variable_shapes
 
-__all__ = ["hessian", "CHUNK_BYTES"]
+__all__ = ["hessian", "diagonal", "CHUNK_BYTES"]
 
 #: the most bytes one product of ``k`` columns may hold (``directional.work_entries``): ``k`` is the
 #: largest number of columns within it (at least one)
@@ -123,3 +123,31 @@ def hessian(params: dict, X: torch.Tensor, cfg, loss, target, names: tuple[str, 
     H = _result(_assemble(c, a, omega, names, shapes, "full", out), names, shapes, c.out, cfg, part)
     check_result({"the Hessian": H.dense()})
     return H
+
+
+def diagonal(c, a, loss, target, wanted, outer: bool = True, functional: bool = True) -> dict:
+    r"""The exact diagonal of a block's loss Hessian (or of its outer or functional part) w.r.t. each
+    weight of ``wanted``, in its own shape, from exact products: entry ``j`` of weight ``w`` is
+    :math:`(H e_j)_j`, each product forming ``w``'s rows only (``hvp(..., wanted=(w,))``). The path of
+    :func:`blockhess.block.diagonal.block_diagonal` for a config with
+    :attr:`~blockhess.config.BlockConfig.llama_options` (docs/derivations.md §20): ``n`` products, not
+    the closed-form per-token walk. ``c``, ``a`` (``None`` without ``functional``), ``loss``, ``target``
+    (with the batch axis) as there; any loss :func:`blockhess.losses.directional` takes."""
+    B, L, _ = c.X.shape
+    _, omega = losses.directional(loss, target, c.out)
+    shapes = variable_shapes(c)
+    out = {}
+    for name in wanted:
+        m = math.prod(shapes[name])
+        step = _columns(c.cfg, B, L, m, c.X.element_size())
+        diag = c.X.new_empty(m)
+        for j0 in range(0, m, step):
+            j1 = min(m, j0 + step)
+            idx = torch.arange(j1 - j0, device=c.X.device)
+            basis = c.X.new_zeros(j1 - j0, m)
+            basis[idx, idx + j0] = 1.0
+            HV, _ = directional.hvp(c, a if functional else None, {name: basis.reshape(-1, *shapes[name])}, omega=omega,
+                                    outer=outer, functional=functional, input_adjoint=False, wanted=(name,))
+            diag[j0:j1] = HV[name].reshape(j1 - j0, m)[idx, idx + j0]
+        out[name] = diag.reshape(shapes[name])
+    return out
