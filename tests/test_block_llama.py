@@ -249,3 +249,20 @@ def test_rms_rows_checked():
     cfg = bh.BlockConfig(d_model=4, d_ff=3, norm="pre", norm_type="rms", ln_eps=0.0)
     T = torch.randn(3, 4, dtype=torch.float64)
     assert rel_err(bh.hessian(p, X, cfg, target=T).dense(), reference.hessian(p, X, cfg, target=T).dense()) <= TOL
+
+
+def test_model_of_llama_blocks_products_and_dense_refusal():
+    """A stack of Llama blocks: the model operator's products compose the blocks' exact products (against
+    torch.func on the model's plain forward); the model's dense walk refuses the options by name."""
+    from blockhess.config import ModelConfig
+    block = bh.BlockConfig(d_model=6, d_ff=5, rms_offset=1.0, **dict(LLAMA, d_k=2, d_v=2))
+    cfg = ModelConfig(blocks=(block, block), embedding="none", head=3, final_norm=True)
+    p = randomize(bh.init_params(cfg, seed=1), 1)
+    X = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    T = torch.randint(0, 3, (2, 3), generator=torch.Generator().manual_seed(4))
+    R = reference.hessian(p, X, cfg, loss="ce", target=T)
+    A = bh.hessian_operator(p, X, cfg, loss="ce", target=T)
+    V = torch.randn(A.shape[0], 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert_close(A @ V, R.dense() @ V, what="model products")
+    with pytest.raises(NotImplementedError, match="blockhess.hessian of a model does not take .*rope=True"):
+        bh.hessian(p, X, cfg, loss="ce", target=T)
