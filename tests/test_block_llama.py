@@ -170,18 +170,33 @@ LLAMA = dict(norm="pre", norm_type="rms", ln_affine=True, ln_eps=1e-6, gated=Tru
 
 
 @pytest.mark.parametrize("option", ["norm_type", "gated", "n_kv_heads", "d_v", "rope"])
-def test_kronecker_paths_refuse_each_option_by_name(option):
-    base = dict(d_model=8, d_ff=5, n_heads=4, d_k=2)
-    one = {"norm_type": dict(norm_type="rms"), "gated": dict(gated=True), "n_kv_heads": dict(n_kv_heads=2),
-           "d_v": dict(d_v=3, out_proj=True), "rope": dict(rope=True)}[option]
+def test_jacobians_from_tangents_and_the_factor_paths_refuse_by_name(option):
+    """Each option alone: ``bh.jacobian`` and ``bh.input_jacobian`` (columns of exact tangents) against
+    torch.func; the functions that need the Kronecker factors raise ``NotImplementedError`` naming it."""
+    base = dict(d_model=8, d_ff=5, n_heads=4, d_k=2, norm="pre", ln_eps=1e-5)
+    one = {"norm_type": dict(norm_type="rms", ln_affine=True), "gated": dict(gated=True, activation="silu"),
+           "n_kv_heads": dict(n_kv_heads=2), "d_v": dict(d_v=3, out_proj=True), "rope": dict(rope=True, qkv_bias=True)}[option]
     cfg = bh.BlockConfig(**base, **one)
-    assert any(o.startswith(option) for o in cfg.llama_options)
-    p = bh.init_params(cfg)
-    X = torch.randn(3, 8, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match=f"blockhess.jacobian does not take .*{option}"):
-        bh.jacobian(p, X, cfg)
-    with pytest.raises(NotImplementedError, match=f"blockhess.input_jacobian does not take .*{option}"):
-        bh.input_jacobian(p, X, cfg)
+    assert [o.split("=")[0] for o in cfg.llama_options] == [option]
+    p = randomize(bh.init_params(cfg), 0)
+    X = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    J, RJ = bh.jacobian(p, X, cfg), reference.jacobian(p, X, cfg)
+    whole = fro(torch.cat([v.reshape(-1) for v in RJ.values()]))
+    for k in RJ:
+        assert_close(J[k], RJ[k], scale=whole, what=f"Jacobian {k}")
+    assert_close(bh.input_jacobian(p, X[0], cfg), reference.input_jacobian(p, X[0], cfg), what="dZ/dX")
+    c = bh.block.forward_cache(p, X, cfg, plain=True)
+    for f in (bh.block.jacobian_factors, lambda c: bh.block.contract_output(c, None, None, None),
+              lambda c: bh.block.diagonal.diagonal(c, None, 1.0, ("W_Q",))):
+        with pytest.raises(NotImplementedError, match=f"does not take .*{option}"):
+            f(c)
+    with pytest.raises(NotImplementedError, match=f"blockhess.block.second_derivative does not take .*{option}"):
+        bh.block.second_derivative(p, X[0], cfg, "W_Q", "W_Q")
+    layer = {"norm_type": (bh.ffn.weight_jacobians, c.fc), "gated": (bh.ffn.weight_jacobians, c.fc),
+             "n_kv_heads": (bh.attention.weight_jacobians, c.att), "d_v": (bh.attention.weight_jacobians, c.att),
+             "rope": (bh.attention.weight_jacobians, c.att)}[option]
+    with pytest.raises(NotImplementedError, match="the Kronecker factors do not cover"):
+        layer[0](layer[1])
 
 
 @pytest.mark.parametrize("option", ["norm_type", "gated", "rope", "qkv_bias"])

@@ -215,9 +215,11 @@ class BlockConfig:
         """The options of this config that only the matrix-free path takes (docs/derivations.md §20),
         each as ``name=value``: RMSNorm, the gated FFN, grouped-query attention (``n_kv_heads`` below
         ``n_heads``), a value width other than ``d_model/n_heads``, RoPE. Empty for the configs the
-        Kronecker-factor kernels take (those and ``qkv_bias``, ``activation="silu"``). :func:`blockhess.hessian`
-        assembles these from exact products; the functions that need the factors
-        (:func:`blockhess.jacobian`, the model walk, the bounds) raise ``NotImplementedError`` naming them."""
+        Kronecker-factor kernels take (those and ``qkv_bias``, ``activation="silu"``). :func:`blockhess.hessian`,
+        :func:`blockhess.jacobian` and :func:`blockhess.input_jacobian` assemble these from exact products
+        and tangents, :func:`blockhess.hessian_operator` takes them; the functions that need the factors
+        (``block.jacobian_factors``, ``block.second_derivative``, a model's dense Hessian) raise
+        ``NotImplementedError`` naming them, the bounds ``ValueError``."""
         out = []
         if self.norm_type != "layer":
             out.append(f"norm_type={self.norm_type!r}")

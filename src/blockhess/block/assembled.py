@@ -24,7 +24,7 @@ from ..validation import check_fits, check_result
 from . import directional
 from .forward_pass import check_forward, forward_cache, variable_shapes
 
-__all__ = ["hessian", "diagonal", "CHUNK_BYTES"]
+__all__ = ["hessian", "diagonal", "jacobian", "input_jacobian", "CHUNK_BYTES"]
 
 #: the most bytes one product of ``k`` columns may hold (``directional.work_entries``): ``k`` is the
 #: largest number of columns within it (at least one)
@@ -151,3 +151,50 @@ def diagonal(c, a, loss, target, wanted, outer: bool = True, functional: bool = 
             diag[j0:j1] = HV[name].reshape(j1 - j0, m)[idx, idx + j0]
         out[name] = diag.reshape(shapes[name])
     return out
+
+
+def _basis(like: torch.Tensor, k: int, m: int, j0: int) -> torch.Tensor:
+    """Rows ``j0 .. j0+k-1`` of the ``m × m`` identity, ``(k, m)``."""
+    out = like.new_zeros(k, m)
+    idx = torch.arange(k, device=like.device)
+    out[idx, idx + j0] = 1.0
+    return out
+
+
+def jacobian(params: dict, X: torch.Tensor, cfg, names: tuple[str, ...]) -> dict:
+    r"""The dense Jacobians of the block output w.r.t. the weights ``names``, column ``j`` the exact
+    tangent :math:`J e_j` (:func:`~blockhess.block.directional.jvp`), ``k`` columns per pass: ``(B, L·d,
+    numel)`` each (the caller drops the batch axis of an unbatched ``X``). The path of
+    :func:`blockhess.jacobian` for :attr:`~blockhess.config.BlockConfig.llama_options`, after its checks."""
+    c = forward_cache(params, X, cfg, plain=True)
+    check_forward(c)
+    B, L, d = c.X.shape
+    shapes = variable_shapes(c)
+    out = {}
+    for name in names:
+        m = math.prod(shapes[name])
+        J = c.X.new_empty(B, L * d, m)
+        step = _columns(cfg, B, L, m, c.X.element_size())
+        for j0 in range(0, m, step):
+            k = min(m, j0 + step) - j0
+            dZ = directional.jvp(c, {name: _basis(c.X, k, m, j0).reshape(k, *shapes[name])})
+            J[:, :, j0:j0 + k] = dZ.reshape(k, B, L * d).permute(1, 2, 0)
+        out[name] = J
+    return out
+
+
+def input_jacobian(params: dict, X: torch.Tensor, cfg) -> torch.Tensor:
+    r"""``dZ/dX`` per sequence, ``(B, L·d, L·d)``: column ``(m, a)`` the exact tangent along the unit
+    ``X_{b,m,a}`` of every sequence ``b`` at once (sequences do not mix). The path of
+    :func:`blockhess.input_jacobian` for :attr:`~blockhess.config.BlockConfig.llama_options`."""
+    c = forward_cache(params, X, cfg, plain=True)
+    check_forward(c)
+    B, L, d = c.X.shape
+    n = L * d
+    J = c.X.new_empty(B, n, n)
+    step = _columns(cfg, B, L, n, c.X.element_size())
+    for j0 in range(0, n, step):
+        k = min(n, j0 + step) - j0
+        dX = _basis(c.X, k, n, j0).reshape(k, 1, L, d).expand(k, B, L, d)
+        J[:, :, j0:j0 + k] = directional.jvp(c, {}, dX=dX).reshape(k, B, n).permute(1, 2, 0)
+    return J

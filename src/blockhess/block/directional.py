@@ -36,7 +36,7 @@ from ..layers.linear import add
 from ..validation import check_bool, check_fits, check_tensor
 from .forward_pass import Cache, pre_ln
 
-__all__ = ["Adjoints", "adjoints", "hvp", "vjp", "work_entries"]
+__all__ = ["Adjoints", "adjoints", "hvp", "vjp", "jvp", "work_entries"]
 
 
 class Adjoints(NamedTuple):
@@ -452,3 +452,21 @@ def vjp(c: Cache, W: torch.Tensor, wanted=None, input_adjoint: bool = True) -> t
     hv, dgX = _back(c, _none_adjoints(), {n: None for n in shapes}, _no_tangents(c.cfg), W, want, input_adjoint,
                     False, k)
     return _rows(c, hv, want, shapes, k), dgX
+
+
+def jvp(c: Cache, V: dict, dX=None) -> torch.Tensor:
+    r"""The Jacobian-vector products of ``k`` directions at once: the output's tangent
+    :math:`\dot Z = J_\theta V + J_X\,\dot X`, ``(k, B, L, d)``, the tangent pass of :func:`hvp` alone.
+    ``c``, ``V``, ``dX`` as for :func:`hvp` (at least one direction); exactly zero where no direction
+    reaches the output (``b_K``'s without RoPE). dtype and device of ``c.X``. Source: each layer's
+    ``tangent`` (docs/derivations.md §18). Raises ``ValueError`` as :func:`hvp` for ``c``, ``V``,
+    ``dX``; ``InsufficientMemoryError`` as :func:`hvp`."""
+    if not isinstance(c, Cache):
+        raise ValueError(f"c must be a blockhess.block.Cache (from forward_cache), got {type(c).__name__}")
+    shapes = {n: tuple(s) for n, s in param_shapes(c.cfg).items()}
+    dp, dX, k = _directions(c, V, dX, shapes)
+    B, L, d = c.X.shape
+    check_fits(work_entries(c.cfg, B, L, k) * c.X.element_size(), f"the Jacobian-vector products of {k} directions",
+               c.X.device)
+    dZ = _tangents(c, dp, dX, k, scaled=False).dZ
+    return c.X.new_zeros(k, B, L, d) if dZ is None else dZ.reshape(k, B, L, d)
