@@ -98,14 +98,17 @@ def work_entries(cfg, B: int, L: int, k: int) -> int:
     the directions not: they are the operator's and the caller's). Per token and direction, with
     ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``: the tangents of ``Q, K`` and
     their adjoints' with temporaries (``6q``), of the scores and weights and their adjoints with the
-    softmax's temporaries (``10HL``), two dozen rows of ``d`` and six of ``d_ff``; per direction,
+    softmax's temporaries (``10HL``), two dozen rows of ``d`` (or of ``H·d_v`` where wider) and six of
+    ``d_ff`` (ten for a gated FFN); per direction,
     four copies of the ``n`` weights (the result, its summands, the directions laid out for one
     matrix product). The coefficients are counts checked against the peaks (docs/derivations.md §18)."""
     d, H = cfg.d_model, cfg.n_heads
     q = H * cfg.head_dim
+    w = max(d, H * getattr(cfg, "value_dim", d // H))  # a row of d, or of the heads' H·d_v outputs if wider
     ff = cfg.d_ff if cfg.kind == "block" else 0
+    ff_rows = 10 if getattr(cfg, "gated", False) else 6  # a gated FFN: the gate's tangent and adjoints as well
     n = sum(math.prod(s) for s in param_shapes(cfg).values())
-    return k * (B * L * (6 * q + 24 * d + 10 * H * L + 6 * ff) + 4 * n)
+    return k * (B * L * (6 * q + 24 * w + 10 * H * L + ff_rows * ff) + 4 * n)
 
 
 def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | None, int]:
