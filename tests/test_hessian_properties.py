@@ -141,7 +141,7 @@ def llama_cases(draw):
         d_model = n_heads * draw(st.integers(-(-d_min // n_heads), max(-(-d_min // n_heads), 6 // n_heads)))
     else:
         d_model = draw(st.integers(d_min, 6))
-    out_proj = draw(st.booleans()) or (d_v is not None and n_heads * d_v != d_model) or (d_v is None and False)
+    out_proj = draw(st.booleans()) or (d_v is not None and n_heads * d_v != d_model)  # W_O maps H·d_v to d
     opts = dict(d_model=d_model, d_k=d_k, n_heads=n_heads, n_kv_heads=n_kv, d_v=d_v, kind=kind, rope=rope,
                 rope_theta=draw(st.sampled_from([10.0, 1e4])), qkv_bias=draw(st.booleans()), bias=draw(st.booleans()),
                 out_proj=out_proj, causal=draw(st.booleans()))
