@@ -1,5 +1,5 @@
 """Evidence that the Llama-family options follow Hugging Face's conventions: a ``transformers``
-``LlamaDecoderLayer`` and ``Qwen2DecoderLayer`` (tiny configs, random weights, float64, eager
+``LlamaDecoderLayer``, ``Qwen2DecoderLayer`` and ``GemmaDecoderLayer`` (tiny configs, random weights, float64, eager
 attention) have the forward of :func:`blockhess.forward` with the mapped parameters, to 1e-12.
 
 Hugging Face computes three things in float32 even in a float64 model: the RMSNorm
@@ -8,7 +8,8 @@ softmax (``dtype=torch.float32``). For a float64 reference the test runs the fir
 dtype (the same formula), passes float64 rotary tables built HF's way (``cat(freqs, freqs)``) as the
 layer's ``position_embeddings``, and drops the softmax's float32 ``dtype``; projections,
 ``rotate_half``, ``apply_rotary_pos_emb``, ``repeat_kv``, the gated MLP and the residuals are HF's own
-code. The mapping (``nn.Linear`` stores ``(out, in)``: transposed) is a helper here until the model
+code. ``GemmaDecoderLayer`` checks Gemma's ``(1 + weight)`` scale (``rms_offset=1.0``) and GeGLU
+(``gelu_pytorch_tanh``). The mapping (``nn.Linear`` stores ``(out, in)``: transposed) is a helper here until the model
 adapters take it (docs/derivations.md §20).
 """
 
@@ -61,10 +62,15 @@ def float64_hf(monkeypatch):
     def softmax_native(x, dim=None, dtype=None, **kw):
         return softmax(x, dim=dim, **kw)
 
+    def gemma_rms_forward(self, x):  # HF's own _norm, in the input's dtype, times (1 + weight)
+        return self._norm(x) * (1.0 + self.weight)
+
+    from transformers.models.gemma import modeling_gemma
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen2 import modeling_qwen2
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_forward)
     monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_forward)
+    monkeypatch.setattr(modeling_gemma.GemmaRMSNorm, "forward", gemma_rms_forward)
     monkeypatch.setattr(torch.nn.functional, "softmax", softmax_native)
 
 
@@ -114,3 +120,17 @@ def test_qwen2_decoder_layer_forward(float64_hf):
     layer = Qwen2DecoderLayer(hf_cfg, layer_idx=0)
     assert layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
     _compare(layer, Qwen2RotaryEmbedding(hf_cfg), cfg, hf_cfg, 4, 2, seed=0)
+
+
+def test_gemma_decoder_layer_forward(float64_hf):
+    """Gemma: RMSNorm scale ``1 + weight`` (``rms_offset=1.0``, ``gamma_*`` HF's stored weight), GeGLU, MQA."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
+    hf_cfg = GemmaConfig(hidden_size=8, intermediate_size=10, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                         rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh",
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    hf_cfg._attn_implementation = "eager"
+    cfg = bh.BlockConfig(d_model=8, d_ff=10, n_heads=2, n_kv_heads=1, d_k=4, d_v=4, out_proj=True, norm="pre",
+                         norm_type="rms", rms_offset=1.0, ln_affine=True, ln_eps=1e-6, gated=True, activation="gelu_tanh",
+                         rope=True, rope_theta=1e4, causal=True)
+    _compare(GemmaDecoderLayer(hf_cfg, layer_idx=0), GemmaRotaryEmbedding(hf_cfg), cfg, hf_cfg, 5, 2, seed=1)
