@@ -137,9 +137,10 @@ def along(params, X, T, cfg, v, w):
 
 def covers(cfg: bh.BlockConfig, loss, wrt_input: bool) -> bool:
     """Whether :func:`dense_hessians` computes this case: MSE over the weights, the bare attention
-    layer without biases, output projection or mask (or the default block, one head), at most
+    layer without biases, output projection or mask (or the default block, one head), none of the
+    Llama-family options (``qkv_bias``, :attr:`~blockhess.BlockConfig.llama_options`), at most
     ``MAX_VARIABLES`` weights."""
-    if loss != "mse" or wrt_input or cfg.bias or cfg.out_proj or cfg.causal:
+    if loss != "mse" or wrt_input or cfg.bias or cfg.out_proj or cfg.causal or cfg.qkv_bias or cfg.llama_options:
         return False
     if cfg.kind == "block" and not (cfg.n_heads == 1 and cfg.norm == "post" and cfg.activation == "relu"
                                     and not cfg.ln_affine and cfg.ln_eps == 0.0):

@@ -23,7 +23,7 @@ def test_defaults_are_the_papers_setting():
 
 def test_config_errors():
     with pytest.raises(ValueError, match="activation must be one of"):
-        bh.BlockConfig(activation="silu")
+        bh.BlockConfig(activation="swish")
     with pytest.raises(ValueError, match="norm must be one of"):
         bh.BlockConfig(norm="sandwich")
     with pytest.raises(ValueError, match="divisible by n_heads"):

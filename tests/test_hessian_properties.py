@@ -101,7 +101,12 @@ def cases(draw):
         opts.update(d_ff=draw(st.integers(1, 5)), norm=norm,
                     activation=draw(st.sampled_from(ACTIVATIONS)), ln_affine=draw(st.booleans()),
                     ln_eps=draw(st.sampled_from([0.0, 0.0, 1e-200, 1e-12, 1e-5, 1e-2, 1.0])))
-    cfg = bh.BlockConfig(**opts)
+    return _rest(draw, bh.BlockConfig(**opts))
+
+
+def _rest(draw, cfg):
+    """The draws beyond the config: batch, ``L``, dtype, loss, ``X`` as a variable, scales, weights, a
+    constant row, the seed."""
     batch = draw(st.sampled_from([None, 1, 2, 3, 4]))
     B = 1 if batch is None else batch
     L = draw(st.integers(1, 4))
@@ -118,6 +123,67 @@ def cases(draw):
         constant_row=draw(st.booleans()) if constant_ok else False,
         seed=draw(st.integers(0, 2**16)),
     )
+
+
+@st.composite
+def llama_cases(draw):
+    """:func:`cases` with the Llama-family options drawn as well (docs/derivations.md §20): RMSNorm
+    (Gemma's offset), the gated FFN, SiLU, grouped-query and multi-query attention, a free value width,
+    RoPE, per-projection biases."""
+    kind = draw(st.sampled_from(["block", "block", "block", "attention"]))
+    n_heads = draw(st.integers(1, 4))
+    n_kv = draw(st.sampled_from([g for g in range(1, n_heads + 1) if n_heads % g == 0]))
+    rope = draw(st.booleans())
+    d_k = draw(st.sampled_from([2, 4])) if rope else draw(st.integers(1, 4))
+    d_v = draw(st.sampled_from([None, 1, 2, 3]))
+    d_min = 1 if kind == "attention" else 3
+    if d_v is None:
+        d_model = n_heads * draw(st.integers(-(-d_min // n_heads), max(-(-d_min // n_heads), 6 // n_heads)))
+    else:
+        d_model = draw(st.integers(d_min, 6))
+    out_proj = draw(st.booleans()) or (d_v is not None and n_heads * d_v != d_model)  # W_O maps H·d_v to d
+    opts = dict(d_model=d_model, d_k=d_k, n_heads=n_heads, n_kv_heads=n_kv, d_v=d_v, kind=kind, rope=rope,
+                rope_theta=draw(st.sampled_from([10.0, 1e4])), qkv_bias=draw(st.booleans()), bias=draw(st.booleans()),
+                out_proj=out_proj, causal=draw(st.booleans()))
+    if kind == "block":
+        norm_type = draw(st.sampled_from(["layer", "rms"]))
+        ln_affine = draw(st.booleans())
+        opts.update(d_ff=draw(st.integers(1, 5)), norm=draw(st.sampled_from(NORMS)), norm_type=norm_type,
+                    gated=draw(st.booleans()), activation=draw(st.sampled_from(ACTIVATIONS + ["silu"])),
+                    ln_affine=ln_affine, ln_eps=draw(st.sampled_from([0.0, 1e-12, 1e-6, 1e-2])),
+                    rms_offset=draw(st.sampled_from([0.0, 1.0])) if norm_type == "rms" and ln_affine else 0.0)
+    return _rest(draw, bh.BlockConfig(**opts))
+
+
+def llama_well_posed(p, X, cfg, loss) -> bool:
+    """:func:`well_posed` for :func:`llama_cases`: CE off saturation, LayerNorm rows conditioned (an
+    RMSNorm row's ``‖u‖ / sqrt(mean(u²) + ε)`` is at most ``sqrt(d)``: no condition), ReLU pre-activations
+    (the gate's, gated) off the kink. The norms' inputs and the FFN's are located by the forward cache
+    (located only: the values judged are the reference's)."""
+    if loss == "ce":
+        P = torch.softmax(bh.reference.forward(p, X, cfg), -1)
+        if bool((1 - P.amax(-1) < 1e-4).any()):
+            return False
+    if cfg.kind == "attention":
+        return True
+    if cfg.norm == "post" and cfg.norm_type == "layer" and not cfg.out_proj and cfg.kv_heads == 1 and cfg.value_dim == 1:
+        # one value column copied to every head: the attention adds a constant to each token's row, which
+        # LN_1 removes; the attention's weights have no effect and their blocks are rounding on both sides
+        return False
+    from blockhess.block import forward_cache
+    c = forward_cache(p, X, cfg, plain=True)
+    U1, U2 = (c.U, c.fc.S) if cfg.norm == "post" else (c.X.reshape(-1, cfg.d_model), c.U)
+    if cfg.norm_type == "layer" and (bool((_ln_condition(U1, cfg.ln_eps) > 1e3).any())
+                                     or bool((_ln_condition(U2, cfg.ln_eps) > 1e3).any())):
+        return False
+    if cfg.norm_type == "rms" and not bool(((U1.pow(2).mean(-1) + cfg.ln_eps > 0).all()
+                                            and (U2.pow(2).mean(-1) + cfg.ln_eps > 0).all())):
+        return True  # a zero row at eps = 0: the closed form must refuse it by name (check())
+    if cfg.activation == "relu":
+        W, b = ("W_G", "b_G") if cfg.gated else ("W_1", "b_1")
+        A = c.fc.Yf @ p[W] + p.get(b, 0.0)
+        return bool((A.abs() >= 1e-4 * A.pow(2).mean().sqrt()).all())
+    return True
 
 
 def build(case):
@@ -202,6 +268,13 @@ def _loss_fn(name):
 def test_closed_form_against_autograd(case):
     p, X, T = build(case)
     assume(well_posed(p, X, case["cfg"], case["loss"]))
+    check(case)
+
+
+@given(llama_cases())
+def test_llama_options_against_autograd(case):
+    p, X, T = build(case)
+    assume(llama_well_posed(p, X, case["cfg"], case["loss"]))
     check(case)
 
 

@@ -109,13 +109,15 @@ def _check_numbers(what: str, obj, path: str = "") -> None:
 def check_setting(cfg: BlockConfig) -> None:
     """Theorems 1 and 6 cover the paper's block: one head, post-LN, ReLU, no biases, no
     ``W_O``, no LayerNorm affine, no causal mask (``ln_eps >= 0`` is allowed: the valid
-    bound includes it). Raises ``ValueError`` naming the first option outside that setting."""
+    bound includes it), a LayerNorm (not RMSNorm), an ungated FFN, no RoPE, no per-projection biases. Raises ``ValueError`` naming the first option outside that setting."""
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig, got {type(cfg).__name__}")
     checks = (("n_heads", cfg.n_heads != 1, "1"), ("norm", cfg.norm != "post", "'post'"),
               ("activation", cfg.activation != "relu", "'relu'"), ("bias", cfg.bias, "False"),
               ("out_proj", cfg.out_proj, "False"), ("ln_affine", cfg.ln_affine, "False"),
-              ("causal", cfg.causal, "False"))
+              ("causal", cfg.causal, "False"), ("norm_type", cfg.norm_type != "layer", "'layer'"),
+              ("gated", cfg.gated, "False"), ("qkv_bias", cfg.qkv_bias, "False"), ("rope", cfg.rope, "False"),
+              ("n_kv_heads", cfg.kv_heads != cfg.n_heads, "None (n_heads)"))
     for name, bad, want in checks:
         if bad:
             raise ValueError(f"bounds: Theorems 1 and 6 cover the paper's setting; BlockConfig.{name} must be "

@@ -20,7 +20,8 @@ __all__ = ["BlockConfig", "ModelConfig", "param_shapes", "init_params", "model_p
 
 _KINDS = ("block", "attention")
 _NORMS = ("post", "pre")
-_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+_NORM_TYPES = ("layer", "rms")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class BlockConfig:
         ``"pre"``: ``Y = X + SA(LN_1(X))``, ``Z = Y + FFN(LN_2(Y))``.
     activation : str
         FFN activation: ``"relu"`` (Lemma 1: results hold almost everywhere, off the kinks),
-        ``"gelu"`` (exact, erf) or ``"gelu_tanh"`` (the tanh approximation).
+        ``"gelu"`` (exact, erf), ``"gelu_tanh"`` (the tanh approximation; Gemma's GeGLU gate) or
+        ``"silu"`` (``x·sigmoid(x)``; Llama's SwiGLU gate).
     bias : bool
         Add every additive bias: ``b_Q, b_K, b_V`` (and ``b_O`` with ``out_proj``), ``b_1, b_2``
         and the LayerNorm shifts ``beta_1, beta_2`` (as ``nn.TransformerEncoderLayer(bias=...)``).
@@ -58,6 +60,40 @@ class BlockConfig:
         every LayerNorm input row to have non-zero variance).
     causal : bool
         Mask the attention scores above the diagonal (token ``l`` attends to ``m <= l``).
+    norm_type : str
+        ``"layer"`` (LayerNorm, the paper's) or ``"rms"`` (RMSNorm, Llama/Qwen2/Mistral/Gemma:
+        ``x · (mean(x²) + ln_eps)^(-1/2) · (rms_offset + gamma)``; no centring and no shift ``beta``,
+        even with ``bias=True``). The scales keep the names ``gamma_1``, ``gamma_2`` (HF's
+        ``input_layernorm.weight``, ``post_attention_layernorm.weight``), present with ``ln_affine=True``.
+    rms_offset : float
+        The constant added to the RMSNorm scale: ``0.0`` (Llama: ``gamma · x̂``) or ``1.0`` (Gemma:
+        ``(1 + gamma) · x̂``, its stored weight being ``gamma``); ``norm_type="rms"`` with
+        ``ln_affine=True`` only.
+    gated : bool
+        A gated FFN (GLU): ``FFN(Y) = (act(Y W_G + b_G) ⊙ (Y W_1 + b_1)) W_2 + b_2``; ``W_G``
+        ``(d_model, d_ff)`` is HF's ``gate_proj.weight`` transposed, ``W_1`` its ``up_proj``, ``W_2`` its
+        ``down_proj`` (SwiGLU: ``activation="silu"``; GeGLU: ``"gelu_tanh"``); ``b_G`` with ``bias``.
+    n_kv_heads : int or None
+        Key/value heads (grouped-query attention; ``1``: multi-query); ``None`` means ``n_heads``.
+        Must divide ``n_heads``; query head ``h`` uses key/value head ``h // (n_heads / n_kv_heads)``
+        (HF's ``repeat_kv``). ``W_K`` is ``(d_model, n_kv_heads·d_k)``, ``W_V``
+        ``(d_model, n_kv_heads·d_v)``.
+    d_v : int or None
+        Value width per head; ``None`` means ``d_model // n_heads`` (then ``n_heads`` must divide
+        ``d_model``). HF's ``head_dim`` is ``d_k = d_v = head_dim``. The attention output has
+        ``n_heads·d_v`` columns, which must be ``d_model`` unless ``out_proj`` (``W_O`` is
+        ``(n_heads·d_v, d_model)``).
+    qkv_bias : bool
+        Add the biases ``b_Q, b_K, b_V`` of the three projections whatever ``bias`` says (Qwen2:
+        ``qkv_bias=True, bias=False``).
+    rope : bool
+        Rotary position embeddings on the queries and keys of every head, HF's rotate-half
+        convention: ``q ↦ q ⊙ cos_l + rotate_half(q) ⊙ sin_l`` at token ``l = 0..L-1``,
+        ``rotate_half(q) = (-q[d_k/2:], q[:d_k/2])``, angles ``l · rope_theta^(-2i/d_k)`` for
+        ``i < d_k/2``, each used for entries ``i`` and ``i + d_k/2``. ``d_k`` must be even.
+        Applied after the bias: ``Q_l = (x_l W_Q + b_Q) R_l``.
+    rope_theta : float
+        The RoPE base (HF's ``rope_theta``), finite and ``> 0``.
     kind : str
         ``"block"`` (Transformer block) or ``"attention"`` (the bare self-attention layer of
         Theorem 1: ``F = SA(X)``, params ``W_Q, W_K, W_V`` and, with the options above,
@@ -66,14 +102,22 @@ class BlockConfig:
     The defaults are the paper's exact setting: one head, no biases, no ``W_O``, ReLU,
     LayerNorm without affine and with ``eps = 0``, post-LN, no mask.
 
+    The Llama block is ``BlockConfig(norm="pre", norm_type="rms", ln_affine=True, ln_eps=1e-6,
+    gated=True, activation="silu", n_kv_heads=..., d_k=head_dim, d_v=head_dim, out_proj=True,
+    rope=True, causal=True)``: ``Y = X + Attn(RMSNorm_1(X))``, ``Z = Y + FFN(RMSNorm_2(Y))``
+    (docs/derivations.md §20). Which functions take which option: :attr:`llama_options`.
+
     Raises
     ------
     ValueError
         On a size that is not an int >= 1 (``d_k`` may be ``None``), an unknown
         ``kind``/``norm``/``activation``, ``ln_eps`` not a finite float >= 0, a flag that is not a
         bool, ``n_heads`` not dividing ``d_model``, or a LayerNorm/FFN option (``norm``,
-        ``ln_affine``, ``ln_eps``, ``activation``) changed from its default with
-        ``kind="attention"`` (each named in the message); ``d_ff`` is unused there.
+        ``ln_affine``, ``ln_eps``, ``activation``, ``norm_type``, ``rms_offset``, ``gated``) changed from
+        its default with ``kind="attention"`` (each named in the message); ``d_ff`` is unused there;
+        ``n_kv_heads`` not dividing ``n_heads``; ``d_k`` odd with ``rope``; ``rope_theta`` not a finite
+        float ``> 0``; ``rms_offset`` other than 0 without ``norm_type="rms"`` and ``ln_affine``;
+        ``n_heads·d_v != d_model`` without ``out_proj``.
     """
 
     d_model: int = 16
@@ -88,9 +132,18 @@ class BlockConfig:
     ln_eps: float = 0.0
     causal: bool = False
     kind: str = "block"
+    norm_type: str = "layer"
+    rms_offset: float = 0.0
+    gated: bool = False
+    n_kv_heads: int | None = None
+    d_v: int | None = None
+    qkv_bias: bool = False
+    rope: bool = False
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "n_heads") + (("d_k",) if self.d_k is not None else ()):  # stored as int
+        optional = tuple(n for n in ("d_k", "n_kv_heads", "d_v") if getattr(self, n) is not None)
+        for name in ("d_model", "d_ff", "n_heads") + optional:  # stored as int
             object.__setattr__(self, name, check_int(f"BlockConfig.{name}", getattr(self, name), 1))
         if self.kind not in _KINDS:
             raise ValueError(f"BlockConfig.kind must be one of {_KINDS}, got {self.kind!r}")
@@ -101,19 +154,41 @@ class BlockConfig:
                 f"BlockConfig.activation must be one of {_ACTIVATIONS}, got {self.activation!r}"
             )
         object.__setattr__(self, "ln_eps", check_eps("BlockConfig.ln_eps", self.ln_eps))
-        for flag in ("bias", "out_proj", "ln_affine", "causal"):
+        for flag in ("bias", "out_proj", "ln_affine", "causal", "gated", "qkv_bias", "rope"):
             check_bool(f"BlockConfig.{flag}", getattr(self, flag))
+        if self.norm_type not in _NORM_TYPES:
+            raise ValueError(f"BlockConfig.norm_type must be one of {_NORM_TYPES}, got {self.norm_type!r}")
+        for name in ("rms_offset", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"BlockConfig.{name} must be a finite float, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if self.rope_theta <= 0:
+            raise ValueError(f"BlockConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rms_offset != 0.0 and not (self.norm_type == "rms" and self.ln_affine):
+            raise ValueError(f"BlockConfig.rms_offset={self.rms_offset!r} needs norm_type='rms' and ln_affine=True "
+                             "(it is added to the RMSNorm scales gamma_1, gamma_2)")
         if self.kind == "attention":
-            for name, default in (("norm", "post"), ("ln_affine", False), ("ln_eps", 0.0), ("activation", "relu")):
+            for name, default in (("norm", "post"), ("ln_affine", False), ("ln_eps", 0.0), ("activation", "relu"),
+                                  ("norm_type", "layer"), ("rms_offset", 0.0), ("gated", False)):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"BlockConfig.{name}={getattr(self, name)!r} has no meaning for kind='attention' "
                         "(the bare attention layer has no LayerNorm and no FFN); use kind='block'"
                     )
-        if self.d_model % self.n_heads:
+        if self.d_v is None and self.d_model % self.n_heads:
             raise ValueError(
-                f"BlockConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+                f"BlockConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                "(or give the value width d_v)"
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"BlockConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"BlockConfig.rope needs an even d_k (rotate-half pairs entries i and i + d_k/2), "
+                             f"got d_k={self.head_dim}")
+        if self.n_heads * self.value_dim != self.d_model and not self.out_proj:
+            raise ValueError(f"BlockConfig: the attention output has n_heads*d_v = {self.n_heads * self.value_dim} "
+                             f"columns, not d_model={self.d_model}: it needs out_proj=True (W_O maps it to d_model)")
 
     @property
     def head_dim(self) -> int:
@@ -122,8 +197,41 @@ class BlockConfig:
 
     @property
     def value_dim(self) -> int:
-        """Value/output width per head, ``d_v = d_model // n_heads``."""
-        return self.d_model // self.n_heads
+        """Value/output width per head, ``d_v`` (defaults to ``d_model // n_heads``)."""
+        return self.d_v if self.d_v is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, ``n_kv_heads`` (defaults to ``n_heads``)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the projections carry ``b_Q, b_K, b_V`` (``bias`` or ``qkv_bias``)."""
+        return self.bias or self.qkv_bias
+
+    @property
+    def llama_options(self) -> tuple[str, ...]:
+        """The options of this config that only the matrix-free path takes (docs/derivations.md §20),
+        each as ``name=value``: RMSNorm, the gated FFN, grouped-query attention (``n_kv_heads`` below
+        ``n_heads``), a value width other than ``d_model/n_heads``, RoPE. Empty for the configs the
+        Kronecker-factor kernels take (those and ``qkv_bias``, ``activation="silu"``). :func:`blockhess.hessian`,
+        :func:`blockhess.jacobian` and :func:`blockhess.input_jacobian` assemble these from exact products
+        and tangents, :func:`blockhess.hessian_operator` takes them; the functions that need the factors
+        (``block.jacobian_factors``, ``block.second_derivative``, a model's dense Hessian) raise
+        ``NotImplementedError`` naming them, the bounds ``ValueError``."""
+        out = []
+        if self.norm_type != "layer":
+            out.append(f"norm_type={self.norm_type!r}")
+        if self.gated:
+            out.append("gated=True")
+        if self.kv_heads != self.n_heads:
+            out.append(f"n_kv_heads={self.n_kv_heads}")
+        if self.d_v is not None and self.d_v * self.n_heads != self.d_model:
+            out.append(f"d_v={self.d_v}")
+        if self.rope:
+            out.append("rope=True")
+        return tuple(out)
 
     @property
     def is_paper(self) -> bool:
@@ -135,9 +243,10 @@ class BlockConfig:
 def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the parameters of ``cfg``, in canonical order (docs/derivations.md §8).
 
-    The order is ``W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O, gamma_1, beta_1, W_1, b_1, W_2,
-    b_2, gamma_2, beta_2``, restricted to the names ``cfg`` has: ``W_Q, W_K`` are
-    ``(d_model, n_heads*d_k)``, ``W_V, W_O`` ``(d_model, d_model)``, ``W_1`` ``(d_model, d_ff)``,
+    The order is ``W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O, gamma_1, beta_1, W_G, b_G, W_1, b_1, W_2,
+    b_2, gamma_2, beta_2``, restricted to the names ``cfg`` has: ``W_Q`` is ``(d_model, n_heads*d_k)``,
+    ``W_K`` ``(d_model, n_kv_heads*d_k)``, ``W_V`` ``(d_model, n_kv_heads*d_v)``, ``W_O``
+    ``(n_heads*d_v, d_model)`` (all ``d_model`` wide by default), ``W_G``, ``W_1`` ``(d_model, d_ff)``,
     ``W_2`` ``(d_ff, d_model)``, vectors ``(n,)``. The paper's setting gives
     ``W_Q, W_K, W_V, W_1, W_2`` (``kind="block"``) or ``W_Q, W_K, W_V`` (``kind="attention"``).
     A :class:`ModelConfig` gives the model's (:func:`model_param_shapes`).
@@ -145,13 +254,16 @@ def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
     if isinstance(cfg, ModelConfig):
         return model_param_shapes(cfg)
     d, dk, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.d_ff
-    b, block = cfg.bias, cfg.kind == "block"
+    kk, kv, o = cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.value_dim, cfg.n_heads * cfg.value_dim
+    b, block, qb = cfg.bias, cfg.kind == "block", cfg.has_qkv_bias
+    nb = block and b and cfg.norm_type == "layer"  # RMSNorm has no shift
     spec = [
-        ("W_Q", (d, dk), True), ("b_Q", (dk,), b), ("W_K", (d, dk), True), ("b_K", (dk,), b),
-        ("W_V", (d, d), True), ("b_V", (d,), b), ("W_O", (d, d), cfg.out_proj), ("b_O", (d,), b and cfg.out_proj),
-        ("gamma_1", (d,), block and cfg.ln_affine), ("beta_1", (d,), block and b),
+        ("W_Q", (d, dk), True), ("b_Q", (dk,), qb), ("W_K", (d, kk), True), ("b_K", (kk,), qb),
+        ("W_V", (d, kv), True), ("b_V", (kv,), qb), ("W_O", (o, d), cfg.out_proj), ("b_O", (d,), b and cfg.out_proj),
+        ("gamma_1", (d,), block and cfg.ln_affine), ("beta_1", (d,), nb),
+        ("W_G", (d, ff), block and cfg.gated), ("b_G", (ff,), block and b and cfg.gated),
         ("W_1", (d, ff), block), ("b_1", (ff,), block and b), ("W_2", (ff, d), block), ("b_2", (d,), block and b),
-        ("gamma_2", (d,), block and cfg.ln_affine), ("beta_2", (d,), block and b),
+        ("gamma_2", (d,), block and cfg.ln_affine), ("beta_2", (d,), nb),
     ]
     return {name: shape for name, shape, present in spec if present}
 
@@ -159,7 +271,7 @@ def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
 #: One-character names of the paper's weights (Theorems 1 and 6), the one table of abbreviations:
 #: the bounds key their ingredients by them (:func:`pair_key`), the scaling study and the report's
 #: figures label blocks with them.
-SHORT_NAMES = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}
+SHORT_NAMES = {"W_Q": "Q", "W_K": "K", "W_V": "V", "W_1": "1", "W_2": "2"}  # no W_G: the paper's bounds have none
 
 
 def pair_key(a: str, b: str) -> str:
@@ -227,9 +339,10 @@ def init_params(
 
     Each matrix ``W`` of shape ``(fan_in, fan_out)`` is drawn i.i.d. ``N(0, 1/fan_in)`` from a
     private ``torch.Generator`` seeded with ``seed`` (the global RNG is left untouched). The
-    paper's matrices ``W_Q, W_K, W_V, W_1, W_2`` are drawn first, then ``W_O``: options that
-    add weights (biases, ``W_O``, affine LayerNorm) leave the paper's matrices unchanged.
-    Vectors take the usual initial values: biases and ``beta`` zero, ``gamma`` one.
+    paper's matrices ``W_Q, W_K, W_V, W_1, W_2`` are drawn first, then ``W_G``, then ``W_O``: options that
+    add weights (biases, ``W_G``, ``W_O``, affine LayerNorm) leave the paper's matrices unchanged.
+    Vectors take the usual initial values: biases and ``beta`` zero, ``gamma`` one (the effective
+    scale: ``1 - rms_offset``, so Gemma's stored ``gamma`` starts at zero).
 
     A :class:`ModelConfig` gives the model's (:func:`init_model_params`).
 
@@ -245,14 +358,16 @@ def init_params(
     gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
     shapes = param_shapes(cfg)
     drawn = {}
-    for name in sorted((k for k, s in shapes.items() if len(s) == 2), key=lambda k: k == "W_O"):  # W_O last
+    late = {"W_G": 1, "W_O": 2}  # after the paper's matrices: W_G, then W_O
+    for name in sorted((k for k, s in shapes.items() if len(s) == 2), key=lambda k: late.get(k, 0)):
         drawn[name] = torch.randn(shapes[name], generator=gen, dtype=torch.float64) / math.sqrt(shapes[name][0])
     params = {}
     for name, shape in shapes.items():
         if name in drawn:
             w = drawn[name]
         else:
-            w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
+            w = torch.full(shape, 1.0 - cfg.rms_offset, dtype=torch.float64) if name.startswith("gamma") \
+                else torch.zeros(shape, dtype=torch.float64)
         params[name] = w.to(dtype=dtype, device=device)
     return params
 

@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import linalg, losses
+from .block import assembled
 from .block import (check_forward, check_inputs, contract_output, forward_cache, jacobian_factors, select_wrt,
                     variable_shapes, work_entries)
 from .result import BlockSum, HessianBlocks
@@ -320,6 +321,8 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig, loss="mse", target=
     params, X, target = detached(params, X, target)
     params, X = {k: v.clone() for k, v in params.items()}, X.clone()
     names = select_wrt((("X",) if wrt_input else ()) + tuple(param_shapes(cfg)), wrt)  # once: wrt may be an iterator
+    if cfg.llama_options:  # no Kronecker factors for these: columns of exact products (docs/derivations.md §20)
+        return assembled.hessian(params, X, cfg, loss, target, names, out)
     chunks = _chunks(cfg, X, loss, names)
     _check_memory(cfg, X, loss, names, chunks, out is None, "the dense {n}x{n} Hessian")
     derivs = None  # the call's loss derivatives, from its own passes below: the parts reuse them

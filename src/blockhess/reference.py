@@ -24,21 +24,37 @@ from .validation import check_bool, check_fits
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
 
 
+def _rotate(t: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``t`` ``(..., L, d_k)`` at positions ``0..L-1``, the rotate-half way:
+    ``t cos + cat(-t2, t1) sin``, angles ``l · theta^(-2i/d_k)`` repeated over both halves."""
+    L, dk = t.shape[-2:]
+    inv = theta ** (-torch.arange(0, dk, 2, dtype=torch.float64) / dk)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv
+    ang = torch.cat([ang, ang], -1).to(dtype=t.dtype, device=t.device)
+    t1, t2 = t[..., : dk // 2], t[..., dk // 2 :]
+    return t * torch.cos(ang) + torch.cat([-t2, t1], -1) * torch.sin(ang)
+
+
 def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
-    """Multi-head self-attention with optional biases, causal mask and output projection."""
-    H, dk = cfg.n_heads, cfg.head_dim
+    """Multi-head self-attention with optional biases, causal mask, output projection, grouped
+    key/value heads (each repeated for its query heads) and rotary embeddings."""
+    H, dk, G = cfg.n_heads, cfg.head_dim, cfg.kv_heads
     L = X.shape[-2]
     Q = X @ p["W_Q"] + (p["b_Q"] if "b_Q" in p else 0)
     K = X @ p["W_K"] + (p["b_K"] if "b_K" in p else 0)
     V = X @ p["W_V"] + (p["b_V"] if "b_V" in p else 0)
     Qh = Q.reshape(*Q.shape[:-1], H, dk).transpose(-2, -3)  # (..., H, L, dk)
-    Kh = K.reshape(*K.shape[:-1], H, dk).transpose(-2, -3)
-    Vh = V.reshape(*V.shape[:-1], H, -1).transpose(-2, -3)
+    Kh = K.reshape(*K.shape[:-1], G, dk).transpose(-2, -3)  # (..., G, L, dk)
+    Vh = V.reshape(*V.shape[:-1], G, -1).transpose(-2, -3)
+    if cfg.rope:
+        Qh, Kh = _rotate(Qh, cfg.rope_theta), _rotate(Kh, cfg.rope_theta)
+    Kh, Vh = Kh.repeat_interleave(H // G, -3), Vh.repeat_interleave(H // G, -3)
     T = Qh @ Kh.transpose(-1, -2) / math.sqrt(dk)
     if cfg.causal:
         mask = torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1)
         T = T.masked_fill(mask, float("-inf"))
-    O = (torch.softmax(T, dim=-1) @ Vh).transpose(-2, -3).reshape(X.shape)
+    O = (torch.softmax(T, dim=-1) @ Vh).transpose(-2, -3)
+    O = O.reshape(*O.shape[:-2], -1)
     if cfg.out_proj:
         O = O @ p["W_O"] + (p["b_O"] if "b_O" in p else 0)
     return O
@@ -48,18 +64,29 @@ def _ln(p: dict, t: torch.Tensor, cfg: BlockConfig, i: int) -> torch.Tensor:
     # gamma and beta applied outside F.layer_norm: in torch 2.13 the double backward of
     # layer_norm's *weight* gradient w.r.t. its input is wrong (d/dx of dℓ/dγ; see
     # docs/derivations.md §9), which would corrupt half of the reference's (γ, ·) blocks.
-    y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.ln_eps)
+    if cfg.norm_type == "rms":
+        y = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.ln_eps)
+    else:
+        y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.ln_eps)
     if f"gamma_{i}" in p:
-        y = y * p[f"gamma_{i}"]
+        y = y * (p[f"gamma_{i}"] + cfg.rms_offset)
     return y + p[f"beta_{i}"] if f"beta_{i}" in p else y
+
+
+def _act(pre: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
+    if cfg.activation == "relu":
+        return torch.relu(pre)
+    if cfg.activation == "silu":
+        return Fn.silu(pre)
+    return Fn.gelu(pre, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
 
 
 def _ffn(p: dict, Y: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     pre = Y @ p["W_1"] + (p["b_1"] if "b_1" in p else 0)
-    if cfg.activation == "relu":
-        h = torch.relu(pre)
+    if cfg.gated:
+        h = _act(Y @ p["W_G"] + (p["b_G"] if "b_G" in p else 0), cfg) * pre
     else:
-        h = Fn.gelu(pre, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        h = _act(pre, cfg)
     return h @ p["W_2"] + (p["b_2"] if "b_2" in p else 0)
 
 

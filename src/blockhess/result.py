@@ -366,18 +366,22 @@ def relabel(module, H: HessianBlocks) -> HessianBlocks:
 
 
 def head_split(cfg: BlockConfig) -> dict[str, tuple[str, tuple, tuple]]:
-    """Internal head-split name → (public name, refined public shape, index into it)."""
+    """Internal head-split name → (public name, refined public shape, index into it). With
+    ``n_kv_heads`` below ``n_heads``, ``W_K#g`` and ``W_V#g`` are the ``n_kv_heads`` key/value heads'
+    column groups (each used by its group of query heads)."""
     H = cfg.n_heads
     if H == 1:
         return {}
     d, dk, dv = cfg.d_model, cfg.head_dim, cfg.value_dim
+    G = getattr(cfg, "kv_heads", H)  # grouped-query attention: W_K#g, W_V#g for the G key/value heads
     out = {}
     for h in range(H):
         nm = attention.head_names(H, h)
         out[nm["W_Q"]] = ("W_Q", (d, H, dk), (slice(None), h, slice(None)))
         out[nm["b_Q"]] = ("b_Q", (H, dk), (h, slice(None)))
-        out[nm["W_K"]] = ("W_K", (d, H, dk), (slice(None), h, slice(None)))
-        out[nm["W_V"]] = ("W_V", (d, H, dv), (slice(None), h, slice(None)))
+        if h < G:
+            out[nm["W_K"]] = ("W_K", (d, G, dk), (slice(None), h, slice(None)))
+            out[nm["W_V"]] = ("W_V", (d, G, dv), (slice(None), h, slice(None)))
     return out
 
 

@@ -36,7 +36,8 @@ from ..config import param_shapes
 from ..layers import layernorm
 from ..layers.linear import add
 from ..validation import check_bool, check_fits
-from .forward_pass import Cache, pre_ln
+from . import assembled
+from .forward_pass import Cache, pre_ln, refuse_llama
 
 __all__ = ["block_diagonal", "diagonal", "work_entries"]
 
@@ -369,6 +370,7 @@ def diagonal(c: Cache, a, omega, wanted, outer: bool = True, functional: bool = 
     ``outer=True``; ``InsufficientMemoryError`` before any work if one chunk of tokens (a single token
     at least, :func:`work_entries`), with a sequence's ``omega(b)``, would not fit.
     """
+    refuse_llama(c.cfg, "blockhess.block.diagonal.diagonal (the per-token walk; block_diagonal takes them)")
     check_bool("outer", outer)
     check_bool("functional", functional)
     if not (outer or functional):
@@ -438,7 +440,11 @@ def block_diagonal(c: Cache, a, loss, target, wanted, outer: bool = True, functi
     ``"ce"``: each sequence's per-token blocks, :func:`blockhess.losses.derivatives` of that sequence
     with the batch mean) at the output ``c.out``; ``target`` as :func:`blockhess.losses.check` returns
     it, with the batch axis. Raises ``NotImplementedError`` for a callable loss (its Hessian may couple
-    tokens, so the per-token walk does not hold), and as :func:`diagonal`."""
+    tokens, so the per-token walk does not hold), and as :func:`diagonal`. A config with
+    :attr:`~blockhess.config.BlockConfig.llama_options` takes :func:`blockhess.block.assembled.diagonal`
+    (exact, from products; any loss)."""
+    if getattr(c.cfg, "llama_options", ()):
+        return assembled.diagonal(c, a, loss, target, wanted, outer, functional)
     B = c.X.shape[0]
     if not isinstance(loss, str):
         raise NotImplementedError("the exact diagonal needs a loss that is a sum over tokens ('mse' or 'ce'); a "

@@ -36,7 +36,7 @@ from ..layers.linear import add
 from ..validation import check_bool, check_fits, check_tensor
 from .forward_pass import Cache, pre_ln
 
-__all__ = ["Adjoints", "adjoints", "hvp", "vjp", "work_entries"]
+__all__ = ["Adjoints", "adjoints", "hvp", "vjp", "jvp", "work_entries"]
 
 
 class Adjoints(NamedTuple):
@@ -52,6 +52,11 @@ class Adjoints(NamedTuple):
     gF: torch.Tensor  # (B, L, d) at the heads' concatenated output O (W_O's input)
     att: attention.Adjoint
     gX1: torch.Tensor | None  # (T, d) pre-LN: LN_1's input adjoint of the attention's input adjoint
+
+
+def _center(cfg) -> bool:
+    """Whether the block's norms centre their rows: LayerNorm (``True``) or RMSNorm (``False``)."""
+    return getattr(cfg, "norm_type", "layer") == "layer"
 
 
 def _none_adjoints() -> Adjoints:
@@ -76,14 +81,14 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
         if pre_ln(cfg):
             gS = gZ
         else:
-            gS = layernorm.adjoint(c.ln2[0], c.r2, gZ, p.get("gamma_2"))
+            gS = layernorm.adjoint(c.ln2[0], c.r2, gZ, p.get("gamma_2"), center=_center(cfg))
         fc = ffn.adjoint(c.fc, gS)
-        gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"))
+        gU = fc.g_Y if pre_ln(cfg) else layernorm.adjoint(c.ln1[0], c.r1, fc.g_Y, p.get("gamma_1"), center=_center(cfg))
         gP = gU.reshape(B, L, d)
     gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
     att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg), n=c.ln1[0] if pre_ln(cfg) else None)
     if pre_ln(cfg):
-        gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"))
+        gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"), center=_center(cfg))
     return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
 
 
@@ -93,14 +98,17 @@ def work_entries(cfg, B: int, L: int, k: int) -> int:
     the directions not: they are the operator's and the caller's). Per token and direction, with
     ``d`` the width, ``d_ff`` the FFN width, ``H`` heads, ``q = H·d_k``: the tangents of ``Q, K`` and
     their adjoints' with temporaries (``6q``), of the scores and weights and their adjoints with the
-    softmax's temporaries (``10HL``), two dozen rows of ``d`` and six of ``d_ff``; per direction,
+    softmax's temporaries (``10HL``), two dozen rows of ``d`` (or of ``H·d_v`` where wider) and six of
+    ``d_ff`` (ten for a gated FFN); per direction,
     four copies of the ``n`` weights (the result, its summands, the directions laid out for one
     matrix product). The coefficients are counts checked against the peaks (docs/derivations.md §18)."""
     d, H = cfg.d_model, cfg.n_heads
     q = H * cfg.head_dim
+    w = max(d, H * getattr(cfg, "value_dim", d // H))  # a row of d, or of the heads' H·d_v outputs if wider
     ff = cfg.d_ff if cfg.kind == "block" else 0
+    ff_rows = 10 if getattr(cfg, "gated", False) else 6  # a gated FFN: the gate's tangent and adjoints as well
     n = sum(math.prod(s) for s in param_shapes(cfg).values())
-    return k * (B * L * (6 * q + 24 * d + 10 * H * L + 6 * ff) + 4 * n)
+    return k * (B * L * (6 * q + 24 * w + 10 * H * L + ff_rows * ff) + 4 * n)
 
 
 def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | None, int]:
@@ -142,7 +150,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
 _ATTENTION = frozenset(("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V"))
 _OUT = frozenset(("W_O", "b_O"))
 _LN1, _LN2 = frozenset(("gamma_1", "beta_1")), frozenset(("gamma_2", "beta_2"))
-_FFN = frozenset(("W_1", "b_1", "W_2", "b_2"))
+_FFN = frozenset(("W_G", "b_G", "W_1", "b_1", "W_2", "b_2"))
 
 
 def _wanted(wanted, shapes: dict) -> frozenset:
@@ -203,7 +211,7 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
         dXa = linear.Scaled(c.ln1[0], p.get("gamma_1"), p.get("beta_1"), dp.get("gamma_1"), dp.get("beta_1"))
     elif pre:
         if dX is not None:
-            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX))
+            ln1 = layernorm.tangent(c.ln1[0], c.r1, tokens(dX), center=_center(cfg))
         dXa = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
         dXa = None if dXa is None else dXa.reshape(k, B, L, d)
     ta = attention.tangent(c.att, p, dp, dXa, m)
@@ -220,11 +228,11 @@ def _tangents(c: Cache, dp: dict, dX, k: int, scaled: bool, m=None) -> _Tangents
             dZ = tf.dS
         else:
             if dU is not None:
-                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU)
+                ln1 = layernorm.tangent(c.ln1[0], c.r1, dU, center=_center(cfg))
             dY = layernorm.affine_tangent(c.ln1[0], ln1[0], p.get("gamma_1"), dp.get("gamma_1"), dp.get("beta_1"))
             tf = ffn.tangent(c.fc, p, dp, dY)
             if tf.dS is not None:
-                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS)
+                ln2 = layernorm.tangent(c.ln2[0], c.r2, tf.dS, center=_center(cfg))
             dZ = layernorm.affine_tangent(c.ln2[0], ln2[0], p.get("gamma_2"), dp.get("gamma_2"), dp.get("beta_2"))
     return _Tangents(dXa, ln1, ln2, ta, tf, dZ)
 
@@ -277,14 +285,16 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
             dgS = dgY = None
             if go_l2 or has(_LN2):
                 dgS, hg, hb = layernorm.second_adjoint(c.ln2[0], c.r2, a.gZ, a.gS, tokens(dgZ), ln2[0], ln2[1],
-                                                       p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2))
+                                                       p.get("gamma_2"), dp.get("gamma_2"), second, go_l2, ln_vars(2),
+                                                       center=_center(cfg))
                 keep({"gamma_2": hg, "beta_2": hb})
             if go_l2:
                 dgY, found = ffn.second_adjoint(c.fc, p, dp, a.fc, tf, dgS, second, go_f, want & _FFN, into)
                 keep(found)
             if go_f:
                 dgU, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, a.fc.g_Y, a.gU, dgY, ln1[0], ln1[1],
-                                                       p.get("gamma_1"), dp.get("gamma_1"), second, go_l1, ln_vars(1))
+                                                       p.get("gamma_1"), dp.get("gamma_1"), second, go_l1, ln_vars(1),
+                                                       center=_center(cfg))
                 keep({"gamma_1": hg, "beta_1": hb})
         dgP = seqs(dgU)
     dgF = dgP
@@ -304,7 +314,8 @@ def _back(c: Cache, a: Adjoints, dp: dict, tg: _Tangents, dgZ, want: frozenset, 
     elif pre and att_input:
         gX = None if a.att.gX is None else a.att.gX.reshape(T, d)
         dgX1, hg, hb = layernorm.second_adjoint(c.ln1[0], c.r1, gX, a.gX1, tokens(dgXa), ln1[0], ln1[1],
-                                                p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1))
+                                                p.get("gamma_1"), dp.get("gamma_1"), second, want_dgX, ln_vars(1),
+                                                center=_center(cfg))
         keep({"gamma_1": hg, "beta_1": hb})
         dgXa = seqs(dgX1)
     dgX = None
@@ -454,3 +465,21 @@ def vjp(c: Cache, W: torch.Tensor, wanted=None, input_adjoint: bool = True) -> t
     hv, dgX = _back(c, _none_adjoints(), {n: None for n in shapes}, _no_tangents(c.cfg), W, want, input_adjoint,
                     False, k)
     return _rows(c, hv, want, shapes, k), dgX
+
+
+def jvp(c: Cache, V: dict, dX=None) -> torch.Tensor:
+    r"""The Jacobian-vector products of ``k`` directions at once: the output's tangent
+    :math:`\dot Z = J_\theta V + J_X\,\dot X`, ``(k, B, L, d)``, the tangent pass of :func:`hvp` alone.
+    ``c``, ``V``, ``dX`` as for :func:`hvp` (at least one direction); exactly zero where no direction
+    reaches the output (``b_K``'s without RoPE). dtype and device of ``c.X``. Source: each layer's
+    ``tangent`` (docs/derivations.md §18). Raises ``ValueError`` as :func:`hvp` for ``c``, ``V``,
+    ``dX``; ``InsufficientMemoryError`` as :func:`hvp`."""
+    if not isinstance(c, Cache):
+        raise ValueError(f"c must be a blockhess.block.Cache (from forward_cache), got {type(c).__name__}")
+    shapes = {n: tuple(s) for n, s in param_shapes(c.cfg).items()}
+    dp, dX, k = _directions(c, V, dX, shapes)
+    B, L, d = c.X.shape
+    check_fits(work_entries(c.cfg, B, L, k) * c.X.element_size(), f"the Jacobian-vector products of {k} directions",
+               c.X.device)
+    dZ = _tangents(c, dp, dX, k, scaled=False).dZ
+    return c.X.new_zeros(k, B, L, d) if dZ is None else dZ.reshape(k, B, L, d)

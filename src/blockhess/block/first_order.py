@@ -27,6 +27,7 @@ from ..layers import attention, ffn
 from ..result import head_split
 from ..threads import serial
 from ..validation import check_fits, check_result
+from . import assembled
 from . import forward_pass  # forward_pass.forward_cache looked up when called: one forward pass to replace in checks
 from .forward_pass import FFN_NAMES, Cache, as_batch, check_forward, check_inputs, pre_ln, select_wrt, work_entries
 
@@ -82,7 +83,9 @@ def _premul(factors: dict, E: torch.Tensor) -> dict:
 
 
 def jacobian_factors(c: Cache) -> Factors:
-    """The :class:`Factors` of a forward pass (Theorem 4 in per-token form)."""
+    """The :class:`Factors` of a forward pass (Theorem 4 in per-token form). Raises
+    ``NotImplementedError`` for a config with :attr:`~blockhess.config.BlockConfig.llama_options`."""
+    forward_pass.refuse_llama(c.cfg, "jacobian_factors (the per-token Kronecker factors)")
     cfg, p = c.cfg, c.params
     d = cfg.d_model
     T = c.P.shape[0]
@@ -162,6 +165,9 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     ``(L, d_model)``, or ``(B, L·d_model, numel)`` for a batch; ``wrt`` (a name or a list)
     restricts the names. dtype and device of ``X``. Holds almost everywhere (ReLU, Lemma 1).
 
+    With :attr:`~blockhess.config.BlockConfig.llama_options` the columns are exact tangents
+    (:func:`blockhess.block.assembled.jacobian`; docs/derivations.md §20).
+
     Raises ``ValueError`` as :func:`forward`, for an unknown name in ``wrt``, and for a
     Jacobian with a NaN or Inf (a value overflowed on finite inputs,
     :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError`` before the forward
@@ -175,6 +181,10 @@ def jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt=None) -> dict[
     e, (B, L) = X.element_size(), as_batch(X).shape[:2]
     result = X.numel() * n * e
     check_fits(result, f"the dense Jacobians ({X.numel()} x {n})", X.device)
+    if cfg.llama_options:  # no Kronecker factors: columns of exact tangents (docs/derivations.md §20)
+        out = assembled.jacobian(params, X, cfg, names)
+        check_result({f"the Jacobian w.r.t. {n}": v for n, v in out.items()})
+        return {n: (v[0] if X.ndim == 2 else v) for n, v in out.items()}
     work = work_entries(cfg, B, L, "factors", names=names) + X.numel() * max(math.prod(shapes[k]) for k in names)
     check_fits(result + work * e, f"the dense Jacobians ({X.numel()} x {n}) with the forward cache and factors of "
                f"{B * L} tokens", X.device)
@@ -194,7 +204,9 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     Rows ``(l, c)`` of ``Z``, columns ``(m, a)`` of ``X`` (``vec_r``); sequences do not mix.
     Closed form: :math:`\partial Z_t/\partial X = J_{Z,t} J_{SY,t} J_{Y,t} (e_t^\top\otimes I + \partial P_t/\partial X)`
     with the attention's ``dF/dX`` (:func:`blockhess.attention.input_jacobian`). dtype and device
-    of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13).
+    of ``X``; valid almost everywhere (ReLU, Lemma 1). Derived here (docs/derivations.md §13). With
+    :attr:`~blockhess.config.BlockConfig.llama_options`: columns of exact tangents
+    (:func:`blockhess.block.assembled.input_jacobian`, §20).
 
     Raises ``ValueError`` as :func:`forward`, and for a result with a NaN or Inf (an overflow
     on finite inputs, :func:`~blockhess.validation.check_result`); ``InsufficientMemoryError``
@@ -205,6 +217,10 @@ def input_jacobian(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     e, (B, L, d) = X.element_size(), as_batch(X).shape
     result = B * (L * d) ** 2 * e
     check_fits(result, f"the {B} dense input Jacobians ({L * d}x{L * d})", X.device)
+    if cfg.llama_options:  # no Kronecker factors: columns of exact tangents (docs/derivations.md §20)
+        J = assembled.input_jacobian(params, X, cfg)
+        check_result({"the input Jacobian": J})
+        return J[0] if X.ndim == 2 else J
     check_fits(result + work_entries(cfg, B, L, "factors", wrt_input=True, names=()) * e,
                f"the {B} dense input Jacobians ({L * d}x{L * d}) with the forward cache and factors of {B * L} tokens",
                X.device)

@@ -20,7 +20,7 @@ from ..layers import attention, ffn, layernorm
 from ..validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor, warn_tf32
 
 __all__ = ["Cache", "FFN_NAMES", "as_batch", "check_forward", "check_inputs", "forward", "forward_cache", "levels",
-           "pre_ln", "select_wrt", "variable_shapes", "work_entries"]
+           "pre_ln", "select_wrt", "variable_shapes", "work_entries", "effective_params", "refuse_llama"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class Cache:
     names: tuple[str, ...]  # public names of the variables (``"X"`` first with wrt_input)
     att: attention.Cache
     out: torch.Tensor  # (B, L, d): Z (block) or P (attention)
-    params: dict
+    params: dict  # the weights, RMSNorm scales as their effective rms_offset + gamma (effective_params)
     X: torch.Tensor  # (B, L, d) block input
     P: torch.Tensor  # (T, d) attention output after W_O
     x_shape: tuple  # shape of X as given: (L, d) or (B, L, d)
@@ -168,21 +168,25 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
     ``E_Z``, ``J_SY``, the LayerNorm Jacobians are ``None``): the output and what
     :func:`check_forward` reads.
     """
-    p = params
+    p = effective_params(params, cfg)
+    plain = plain or bool(cfg.llama_options)  # only the matrix-free path reads these: no per-token Jacobians
     Xb = as_batch(X)
     names = tuple(param_shapes(cfg))
     if wrt_input:
         names = ("X",) + names
     d, eps = cfg.d_model, cfg.ln_eps
     upstream = upstream and not plain
+    center = cfg.norm_type == "layer"
     ln1 = None
     Xa = Xb
     if pre_ln(cfg):
-        n1, r1 = layernorm.normalise(Xb, eps)
-        ln1 = (n1.reshape(-1, d), layernorm.per_token_jacobian(n1, r1).reshape(-1, d, d) if upstream else None)
+        n1, r1 = layernorm.normalise(Xb, eps, center=center)
+        ln1 = (n1.reshape(-1, d), layernorm.per_token_jacobian(n1, r1, center=center).reshape(-1, d, d)
+               if upstream else None)
         Xa = layernorm.affine(n1, p.get("gamma_1"), p.get("beta_1"))
+    rope = cfg.rope_theta if cfg.rope else None
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
-                            cfg.n_heads, cfg.causal)
+                            cfg.n_heads, cfg.causal, cfg.kv_heads, rope)
     P = att.F
     if cfg.out_proj:
         P = P @ p["W_O"]
@@ -192,14 +196,15 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
         return Cache(cfg=cfg, names=names, att=att, out=P, params=p, X=Xb, P=P.reshape(-1, d), x_shape=tuple(X.shape))
     U = (Xb + P).reshape(-1, d)
     g1, g2 = p.get("gamma_1"), p.get("gamma_2")
+    gate = {"W_G": p.get("W_G"), "b_G": p.get("b_G"), "center": center}
     if cfg.norm == "post":
-        y1, r1 = layernorm.normalise(U, eps)
+        y1, r1 = layernorm.normalise(U, eps, center=center)
         fc = ffn.forward(layernorm.affine(y1, g1, p.get("beta_1")), p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"),
-                         cfg.activation)
-        y2, r2 = layernorm.normalise(fc.S, eps)
+                         cfg.activation, **gate)
+        y2, r2 = layernorm.normalise(fc.S, eps, center=center)
         Z = layernorm.affine(y2, g2, p.get("beta_2"))
-        J1 = layernorm.per_token_jacobian(y1, r1) if upstream else None
-        J2 = None if plain else layernorm.per_token_jacobian(y2, r2)
+        J1 = layernorm.per_token_jacobian(y1, r1, center=center) if upstream else None
+        J2 = None if plain else layernorm.per_token_jacobian(y2, r2, center=center)
         E_Y = J1 if g1 is None or J1 is None else g1[:, None] * J1
         E_Z = J2 if g2 is None or J2 is None else g2[:, None] * J2
         ln1, ln2 = (y1, J1), (y2, J2)
@@ -208,11 +213,20 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
                      x_shape=tuple(X.shape), U=U, fc=fc, E_Y=E_Y, E_Z=E_Z, J_SY=J_SY, ln1=ln1, ln2=ln2,
                      r1=r1.reshape(-1, 1), r2=r2.reshape(-1, 1))
     fc = ffn.forward(U, p["W_1"], p["W_2"], p.get("b_1"), p.get("b_2"), cfg.activation, pre_ln=True, ln_eps=eps,
-                     gamma=g2, beta=p.get("beta_2"), jacobian=not plain)
+                     gamma=g2, beta=p.get("beta_2"), jacobian=not plain, **gate)
     eye = None if plain else torch.eye(d, dtype=X.dtype, device=X.device).expand(U.shape[0], d, d)
     J_SY = ffn.input_jacobian(fc) if upstream else None
     return Cache(cfg=cfg, names=names, att=att, out=fc.S.reshape(Xb.shape), params=p, X=Xb, P=P.reshape(-1, d),
                  x_shape=tuple(X.shape), U=U, fc=fc, E_Z=eye, J_SY=J_SY, ln1=ln1, r1=r1.reshape(-1, 1))
+
+
+def effective_params(params: dict, cfg: BlockConfig) -> dict:
+    """``params`` with each RMSNorm scale as the forward uses it, ``rms_offset + gamma`` (Gemma's
+    ``1 + gamma``); ``params`` itself when ``rms_offset`` is 0. The derivatives w.r.t. ``gamma`` are
+    those w.r.t. the effective scale (a shift), so every kernel reads the effective one."""
+    if not cfg.rms_offset:
+        return params
+    return {k: (v + cfg.rms_offset if k in ("gamma_1", "gamma_2") else v) for k, v in params.items()}
 
 
 def check_forward(c: Cache, first: int = 0) -> None:
@@ -222,13 +236,19 @@ def check_forward(c: Cache, first: int = 0) -> None:
     a post-LN output ``gamma * y``, is an error, not a Hessian of NaN. ``first``: the batch index
     of ``c``'s first sequence (a pass over part of a batch), for the rows the errors name."""
     eps, shape = c.cfg.ln_eps, c.x_shape  # rows named as X's: (t,) or (b, t)
+    rms = c.cfg.norm_type == "rms"  # RMSNorm: mean(x²) + eps in place of var + eps
+
+    def rows(name, U, **kw):
+        U = U.reshape(shape)
+        check_ln_variance(name, U, eps, stats=layernorm.rms_stats(U) if rms else None, first=first, **kw)
+
+    norm = "RMSNorm" if rms else "LayerNorm"
     if c.cfg.kind == "block" and c.cfg.norm == "post":
-        check_ln_variance("the LayerNorm-1 input X + SA(X)", c.U.reshape(shape), eps, computed=True, first=first)
-        check_ln_variance("the LayerNorm-2 input Y + FFN(Y)", c.fc.S.reshape(shape), eps, computed=True, first=first)
+        rows(f"the {norm}-1 input X + SA(X)", c.U, computed=True)
+        rows(f"the {norm}-2 input Y + FFN(Y)", c.fc.S, computed=True)
     elif c.cfg.kind == "block":
-        check_ln_variance("X (the LayerNorm-1 input, pre-LN)", c.X.reshape(shape), eps, first=first)
-        check_ln_variance("the LayerNorm-2 input Y = X + SA(LN_1(X)), pre-LN", c.U.reshape(shape), eps, computed=True,
-                          first=first)
+        rows(f"X (the {norm}-1 input, pre-LN)", c.X)
+        rows(f"the {norm}-2 input Y = X + SA(LN_1(X)), pre-LN", c.U, computed=True)
     check_finite({"the block output": c.out}, f": the forward pass overflowed {c.out.dtype} on finite inputs; "
                  "rescale X or the weights")
 
@@ -276,3 +296,12 @@ def variable_shapes(c: Cache) -> dict[str, tuple[int, ...]]:
     """Shapes of the variables of ``c`` (``X`` first when present)."""
     shapes = dict(param_shapes(c.cfg))
     return {"X": c.x_shape, **shapes} if "X" in c.names else shapes
+
+
+def refuse_llama(cfg, what: str) -> None:
+    """Raise ``NotImplementedError`` naming ``what`` and the options of ``cfg`` it does not take
+    (:attr:`~blockhess.config.BlockConfig.llama_options`; docs/derivations.md §20), before any work."""
+    options = getattr(cfg, "llama_options", ())
+    if options:
+        raise NotImplementedError(f"{what} does not take {', '.join(options)} yet (docs/derivations.md §20): "
+                                  "blockhess.hessian and blockhess.hessian_operator's products do")

@@ -246,8 +246,10 @@ def contract_output(c: Cache, g, f: Factors, acc, omega_Z: torch.Tensor | None =
     (``(T, d, d)``, per token) adds the outer term :math:`J^\top \Omega J` on the same pass.
     ``acc`` is a :class:`~blockhess.result.BlockSum` over the public names (or a
     :class:`~blockhess.result.HeadSplitSum` or :class:`~blockhess.result.InputSplitSum` over them,
-    finished by the caller). Theorem 5 contracted (docs/derivations.md §6, §10). No checks (kernel).
+    finished by the caller). Theorem 5 contracted (docs/derivations.md §6, §10). No checks (kernel)
+    but one: ``NotImplementedError`` for :attr:`~blockhess.config.BlockConfig.llama_options`.
     """
+    forward_pass.refuse_llama(c.cfg, "contract_output (Theorem 5's per-token walk)")
     wrap = acc if isinstance(acc, (HeadSplitSum, InputSplitSum)) else HeadSplitSum(acc, c.cfg)
     _walk(c, f, wrap, None if g is None else g.reshape(-1, c.cfg.d_model), omega_Z)
     if wrap is not acc:
@@ -331,6 +333,7 @@ def second_derivative(params: dict, X: torch.Tensor, cfg: BlockConfig, a: str, b
     space of the contractions taken at once (:func:`dense_second_derivative`,
     :func:`work_entries`), would not fit in memory.
     """
+    forward_pass.refuse_llama(cfg, "blockhess.block.second_derivative")
     check_inputs(params, X, cfg)
     if X.ndim != 2:
         raise ValueError(f"X must be one sequence (L, d_model) for a dense second derivative, got {tuple(X.shape)}")

@@ -27,6 +27,14 @@ Second derivatives contracted with an output weight ``G`` (the Φ blocks of §2.
 
 Derivatives w.r.t. the input ``X`` (dense within a sequence): :func:`input_jacobian` and
 :func:`contract_input_hessian`.
+
+Grouped-query attention (``G`` key/value heads, query head ``h`` reading key/value head
+``h // (H/G)``), a value width ``d_v`` with ``H·d_v`` other than the input width, and rotary
+embeddings (:math:`Q_l \mapsto Q_l R_l`, :math:`K_m \mapsto K_m R_m` per head, ``R_l`` the rotate-half
+rotation of token ``l``) have the directional derivatives (:func:`tangent`, :func:`adjoint`,
+:func:`second_adjoint`): the key/value tangents are repeated over each group and the adjoints summed
+over it, the rotation applied to the projections' tangents and its transpose to their adjoints
+(docs/derivations.md §20). The Kronecker-factor functions refuse them by name.
 """
 
 from __future__ import annotations
@@ -61,6 +69,66 @@ class Cache(NamedTuple):
     F: torch.Tensor  # (B, L, d): the concatenated head outputs O
     scale: float  # 1/sqrt(d_k)
     n_heads: int = 1
+    n_kv: int | None = None  # key/value heads G (None: n_heads); K is (B, L, G*d_k), V (B, L, G*d_v)
+    rope: tuple | None = None  # (cos, sin), each (L, d_k): Q and K above are rotated (after the bias)
+
+
+def _plain(c: Cache, what: str) -> None:
+    """Refuse, by name, a Kronecker-factor function on attention it does not cover (docs/derivations.md §20)."""
+    H = c.n_heads
+    options = [o for o, on in (("n_kv_heads", c.n_kv is not None and c.n_kv != H), ("rope", c.rope is not None),
+                               ("d_v", c.F.shape[-1] != c.X.shape[-1])) if on]
+    if options:
+        raise NotImplementedError(f"attention.{what}: the Kronecker factors do not cover {', '.join(options)}; "
+                                  "the matrix-free products (attention.tangent, attention.second_adjoint) do")
+
+
+def rope_tables(L: int, d_k: int, theta: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(L, d_k)`` in ``like``'s dtype and device: HF's default rotary tables at
+    positions ``0..L-1``, angle ``l · theta^(-2i/d_k)`` at entries ``i`` and ``i + d_k/2`` (computed in
+    float64, then cast)."""
+    inv = theta ** (-torch.arange(0, d_k, 2, dtype=torch.float64) / d_k)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(like.dtype).to(like.device), ang.sin().to(like.dtype).to(like.device)
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    h = t.shape[-1] // 2
+    return torch.cat([-t[..., h:], t[..., :h]], -1)
+
+
+def rotate(t, cs):
+    """``t R_l`` per token: ``t ⊙ cos + rotate_half(t) ⊙ sin`` for ``t`` ``(..., L, d_k)`` (``None``: ``None``;
+    ``cs`` ``None``: ``t``)."""
+    if t is None or cs is None:
+        return t
+    return t * cs[0] + _rotate_half(t) * cs[1]
+
+
+def unrotate(t, cs):
+    """The transpose, ``t R_lᵀ``: ``t ⊙ cos - rotate_half(t ⊙ sin)`` (``rotate_half`` is antisymmetric)."""
+    if t is None or cs is None:
+        return t
+    return t * cs[0] - _rotate_half(t * cs[1])
+
+
+def _kv(c: Cache, t):
+    """Key/value rows ``(..., B, L, G·w)`` as the query heads read them, ``(..., B, H, L, w)`` (each of
+    the ``G`` heads repeated for its ``H/G`` query heads); ``None``: ``None``."""
+    if t is None:
+        return None
+    G = c.n_kv or c.n_heads
+    th = _heads(t, G)
+    return th if G == c.n_heads else th.repeat_interleave(c.n_heads // G, dim=-3)
+
+
+def _kv_sum(c: Cache, t):
+    """The adjoint of :func:`_kv` before the merge: ``(..., B, H, L, w) -> (..., B, G, L, w)``, summed over each group."""
+    G = c.n_kv or c.n_heads
+    if t is None or G == c.n_heads:
+        return t
+    return t.reshape(*t.shape[:-3], G, c.n_heads // G, *t.shape[-2:]).sum(-3)
 
 
 class Head(NamedTuple):
@@ -97,11 +165,15 @@ def head(c: Cache, h: int) -> Head:
 
 
 def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, b_Q=None, b_K=None,
-            b_V=None, n_heads: int = 1, causal: bool = False) -> Cache:
+            b_V=None, n_heads: int = 1, causal: bool = False, n_kv_heads: int | None = None,
+            rope_theta: float | None = None) -> Cache:
     """Self-attention on ``X`` of shape ``(B, L, d)``; returns the :class:`Cache` (``.F`` is the
-    concatenated output ``O``). One head, no biases, no mask: the paper's
-    ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``. No checks (kernel)."""
+    concatenated output ``O``, ``(B, L, H·d_v)``). One head, no biases, no mask: the paper's
+    ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``. ``n_kv_heads``: grouped key/value heads;
+    ``rope_theta``: rotary embeddings of that base on the queries and keys (after the biases). No checks (kernel)."""
     H = n_heads
+    if (n_kv_heads is not None and n_kv_heads != H) or rope_theta is not None:
+        return _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H, causal, n_kv_heads or H, rope_theta)
     scale = 1.0 / math.sqrt(W_Q.shape[1] // H)
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
     if b_Q is not None:
@@ -125,6 +197,24 @@ def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
     else:
         F = (A @ V.reshape(B, L, H, -1).transpose(1, 2)).transpose(1, 2).reshape(B, L, -1)
     return Cache(X=X, Q=Q, K=K, V=V, A=A, F=F, scale=scale, n_heads=H)
+
+
+def _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H: int, causal: bool, G: int, theta) -> Cache:
+    """:func:`forward` with ``G`` key/value heads and/or rotary embeddings (``theta`` or ``None``)."""
+    B, L, _ = X.shape
+    dk = W_Q.shape[1] // H
+    scale = 1.0 / math.sqrt(dk)
+    Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+    Q, K, V = (t if b is None else t + b for t, b in ((Q, b_Q), (K, b_K), (V, b_V)))
+    cs = None if theta is None else rope_tables(L, dk, theta, X)
+    Q, K = _merge(rotate(_heads(Q, H), cs)), _merge(rotate(_heads(K, G), cs))
+    c = Cache(X=X, Q=Q, K=K, V=V, A=None, F=None, scale=scale, n_heads=H, n_kv=G, rope=cs)
+    T = _heads(Q, H) @ _kv(c, K).transpose(-1, -2) * scale
+    if causal:
+        T = T.masked_fill(torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1), float("-inf"))
+    A = softmax.forward(T)
+    F = _merge(A @ _kv(c, V))
+    return c._replace(A=A if H > 1 else A[:, 0], F=F)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -154,6 +244,7 @@ def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
     ``(B·L·d_model, numel)`` Jacobian, ``vec_r`` columns). Source: Theorem 1's first
     derivatives (paper §2.2, Ormaniec et al.). Kernel: no checks.
     """
+    _plain(c, "weight_jacobians")
     names = NAMES if names is None else names
     B, L, d = c.X.shape
     eye = torch.eye(d, dtype=c.X.dtype, device=c.X.device)
@@ -189,6 +280,7 @@ def input_jacobian(c: Cache, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
     + (V^\top S_l)_{cm}\, w_{la}`, :math:`\kappa = s K W_Q^\top`, :math:`w = s Q W_K^\top`
     (biases included in ``Q``, ``K``, ``V``). Derived here (docs/derivations.md §4).
     """
+    _plain(c, "input_jacobian")
     B, L, d = c.X.shape
     eye = torch.eye(L, dtype=c.X.dtype, device=c.X.device)
     parts = []
@@ -221,6 +313,7 @@ def contract_hessian(c: Cache, G: torch.Tensor, acc, names=None) -> Contraction:
     :func:`contract_input_hessian`, formed only when the input is a variable).
     Derived here (docs/derivations.md §4). No checks (kernel).
     """
+    _plain(c, "contract_hessian")
     names = NAMES if names is None else names
     for h in range(c.n_heads):
         _contract_head(head(c, h), G[..., head(c, h).cols], acc, head_names(c.n_heads, h), "b_Q" in names)
@@ -279,6 +372,7 @@ def contract_input_hessian(c: Cache, G: torch.Tensor, W_Q, W_K, W_V, names=None,
     + s(\Gamma_T \otimes W_QW_K^\top + \text{transpose})` and the matching terms per weight
     (docs/derivations.md §4). No checks (kernel).
     """
+    _plain(c, "contract_input_hessian")
     names = NAMES if names is None else names
     B, L, d = c.X.shape
     X = c.X
@@ -421,14 +515,19 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
     ignores (exactly zero). A causal mask needs nothing: ``\dot A`` is zero where ``A`` is.
     ``dX`` may be a :class:`~blockhess.layers.linear.Scaled` (the input a LayerNorm's output with
     nothing moving below it). ``m``: :func:`~blockhess.layers.softmax.peaks` of ``A`` (the
-    :class:`Adjoint`'s; computed here when ``None``). Returns the :class:`Tangent`. Kernel: no checks."""
+    :class:`Adjoint`'s; computed here when ``None``). Grouped key/value heads: :math:`\dot K, \dot V`
+    repeated over each group; rotary embeddings: :math:`\dot Q_l R_l`, :math:`\dot K_m R_m` (then ``b_K``'s
+    direction moves the scores of a row by ``b R_m``, different per key: it is kept). Returns the
+    :class:`Tangent` (its ``dK``, ``dV`` per query head, rotated). Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     dQ = linear.tangent(c.X, p["W_Q"], dX, dp.get("W_Q"), dp.get("b_Q"))
-    dK = linear.tangent(c.X, p["W_K"], dX, dp.get("W_K"))
+    dK = linear.tangent(c.X, p["W_K"], dX, dp.get("W_K"), dp.get("b_K") if c.rope is not None else None)
     dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
-    dQ, dK, dV = (None if t is None else _heads(t, H) for t in (dQ, dK, dV))
-    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    dQ = None if dQ is None else rotate(_heads(dQ, H), c.rope)
+    dK = None if dK is None else rotate(_kv(c, dK), c.rope)
+    dV = _kv(c, dV)
+    Qh, Kh, Vh = _heads(c.Q, H), _kv(c, c.K), _kv(c, c.V)
     dT = _products([(dQ, Kh.mT), (Qh, None if dK is None else dK.mT)], alpha=s)
     dA = None
     if dT is not None:
@@ -445,15 +544,18 @@ def adjoint(c: Cache, p: dict, gF: torch.Tensor, want_input: bool = False, n=Non
     :math:`g_X = g_Q W_Q^\top + g_K W_K^\top + g_V W_V^\top`. With ``n`` ``(B·L, d)``, the normalised
     rows of a LayerNorm whose output is the input (``c.X = n ⊙ γ + β``), the projections'
     :func:`~blockhess.layers.linear.moments` for a :class:`~blockhess.layers.linear.Scaled` input
-    direction. Returns the :class:`Adjoint`. Kernel."""
+    direction. Grouped heads and rotary embeddings: ``g_Q``, ``g_K``, ``g_V`` are the projections'
+    (before the rotation: :math:`g R_l^\top`; summed over each group). Returns the :class:`Adjoint`. Kernel."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
     gO = _heads(gF, H)
-    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    Qh, Kh, Vh = _heads(c.Q, H), _kv(c, c.K), _kv(c, c.V)
     m = softmax.peaks(A)
     u = softmax.centred(A, gO @ Vh.transpose(-1, -2), m)
     gT = A * u
-    gQ, gK, gV = _merge(gT @ Kh) * s, _merge(gT.transpose(-1, -2) @ Qh) * s, _merge(A.transpose(-1, -2) @ gO)
+    gQ = _merge(unrotate(gT @ Kh, c.rope)) * s
+    gK = _merge(unrotate(_kv_sum(c, gT.transpose(-1, -2) @ Qh), c.rope)) * s
+    gV = _merge(_kv_sum(c, A.transpose(-1, -2) @ gO))
     gX = None
     if want_input:
         gX = linear.adjoint(p["W_Q"], gQ) + linear.adjoint(p["W_K"], gK) + linear.adjoint(p["W_V"], gV)
@@ -488,8 +590,9 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
     ``None``. Derived in docs/derivations.md §18. Kernel: no checks."""
     H, s = c.n_heads, c.scale
     A = _weights(c)
-    Qh, Kh, Vh = _heads(c.Q, H), _heads(c.K, H), _heads(c.V, H)
+    Qh, Kh, Vh = _heads(c.Q, H), _kv(c, c.K), _kv(c, c.V)
     dgO = None if dgF is None else _heads(dgF, H)
+    rope = c.rope is not None
     m = a.m if a.m is not None else t.m
     if not second:
         t = Tangent(None, None, None, None, t.dF)
@@ -499,7 +602,8 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
 
     want = {n for n in p if n in NAMES + ("b_Q", "b_K", "b_V")} if wanted is None else set(wanted)
     need = {w: want_input or bool(want & {w, b}) for w, b in (("W_Q", "b_Q"), ("W_K", "b_K"), ("W_V", "b_V"))}
-    need["W_K"] = want_input or "W_K" in want  # b_K's rows are exactly zero: they need no pass
+    if not rope:
+        need["W_K"] = want_input or "W_K" in want  # b_K's rows are exactly zero: they need no pass
     dgQ = dgK = dgV = None
     if need["W_Q"] or need["W_K"]:
         dgA = _products([(dgO, Vh.mT), (a.gO, mT(t.dV))])
@@ -507,14 +611,15 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
         if need["W_Q"]:
             dgQ = _products([(dgT, Kh), (a.gT, t.dK)], alpha=s)
         if need["W_K"]:
-            dgK = _products([(mT(dgT), Qh), (mT(a.gT), t.dQ)], alpha=s)
-        dgQ, dgK = (None if v is None else _merge(v) for v in (dgQ, dgK))
+            dgK = _kv_sum(c, _products([(mT(dgT), Qh), (mT(a.gT), t.dQ)], alpha=s))
+        dgQ, dgK = (None if v is None else _merge(unrotate(v, c.rope)) for v in (dgQ, dgK))
     if need["W_V"]:
-        dgV = _products([(A.mT, dgO), (mT(t.dA), a.gO)])
+        dgV = _kv_sum(c, _products([(A.mT, dgO), (mT(t.dA), a.gO)]))
         dgV = None if dgV is None else _merge(dgV)
     hv, dg_X = {}, None
     scaled = isinstance(dX, linear.Scaled)
-    for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", None, a.gK, dgK), ("W_V", "b_V", a.gV, dgV)):
+    for w, b, g, dg in (("W_Q", "b_Q", a.gQ, dgQ), ("W_K", "b_K" if rope else None, a.gK, dgK),
+                        ("W_V", "b_V", a.gV, dgV)):
         if not need[w]:
             continue
         mom = None if not (scaled and second) or a.moments is None else a.moments[w]
@@ -529,6 +634,6 @@ def second_adjoint(c: Cache, p: dict, dp: dict, a: Adjoint, t: Tangent, dgF, dX=
             hv[w] = hv_w
         if b in p and b in want:
             hv[b] = hb
-    if "b_K" in p and "b_K" in want:
+    if "b_K" in p and "b_K" in want and not rope:
         hv["b_K"] = None
     return dg_X, hv

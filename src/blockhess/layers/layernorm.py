@@ -13,6 +13,11 @@ per-token closed forms (paper §2.4–2.5, equivalent to the P·M Kronecker form
     \Big(y_c C_{ab} + y_b C_{ac} + y_a C_{bc} - \frac{3 y_a y_b y_c}{d}\Big).
 
 Both hold for ``eps >= 0``; with ``eps = 0`` each row needs non-zero variance (Assumption 2).
+
+RMSNorm (Llama; :math:`y = x/\sigma`, :math:`\sigma = \sqrt{x^\top x/d + \varepsilon}`) is the same map
+without the centring, :math:`C \to I`: every formula below holds with ``C = I`` (docs/derivations.md
+§20). The kernels :func:`normalise`, :func:`tangent`, :func:`adjoint` and :func:`second_adjoint` take it
+as ``center=False``.
 The public functions check every row as :func:`~blockhess.validation.check_ln_variance` does:
 ``var + eps`` must stand above the rounding of the row's values (else the normalised entries
 carry no correct digit) and above ``tiny/e`` (else ``1/sigma^2`` overflows); and their results
@@ -41,11 +46,19 @@ def _stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.var_mean(X, -1, correction=0, keepdim=True)
 
 
-def normalise(X: torch.Tensor, eps: float, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_stats(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean(x²), 0)`` of the rows, each ``(..., 1)``: the :func:`_stats` of RMSNorm (no centring), as
+    :func:`~blockhess.validation.check_ln_variance` reads them."""
+    ms = X.pow(2).mean(-1, keepdim=True)
+    return ms, torch.zeros_like(ms)
+
+
+def normalise(X: torch.Tensor, eps: float, stats=None, center: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, r)``: the normalised rows ``(..., d)`` of ``X`` ``(..., d)`` and their inverse std
     ``r = 1/sigma = (var + eps)^(-1/2)``, ``(..., 1)`` (biased variance); ``stats``: the rows'
-    ``(var, mean)``, each ``(..., 1)``, if already computed. No checks (kernel)."""
-    var, mean = _stats(X) if stats is None else stats
+    ``(var, mean)``, each ``(..., 1)``, if already computed. ``center=False``: RMSNorm,
+    ``y = x (mean(x²) + eps)^(-1/2)`` (``stats`` then :func:`rms_stats`'s). No checks (kernel)."""
+    var, mean = (_stats(X) if center else rms_stats(X)) if stats is None else stats
     r = torch.rsqrt(var + eps if eps else var)
     return (X - mean) * r, r
 
@@ -86,11 +99,12 @@ def affine(y: torch.Tensor, gamma=None, beta=None) -> torch.Tensor:
     return y if beta is None else y + beta
 
 
-def per_token_jacobian(y: torch.Tensor, r: torch.Tensor, gamma=None) -> torch.Tensor:
+def per_token_jacobian(y: torch.Tensor, r: torch.Tensor, gamma=None, center: bool = True) -> torch.Tensor:
     """Theorem 2 per token from :func:`normalise`'s ``(y, r)``: ``(..., d, d)``, rows scaled by
-    ``gamma`` ``(d,)`` if given. No checks (kernel)."""
+    ``gamma`` ``(d,)`` if given; ``center=False``: RMSNorm's, ``r (I - y yᵀ/d)``. No checks (kernel)."""
     d = y.shape[-1]
-    J = torch.addcmul(_centering(d, y), y[..., :, None], y[..., None, :], value=-1.0 / d) * r[..., None]
+    C = _centering(d, y) if center else torch.eye(d, dtype=y.dtype, device=y.device)
+    J = torch.addcmul(C, y[..., :, None], y[..., None, :], value=-1.0 / d) * r[..., None]
     return J if gamma is None else gamma[:, None] * J
 
 
@@ -226,15 +240,15 @@ def hessian(X: torch.Tensor, eps: float = 0.0, gamma=None, compact: bool = False
     return dense.reshape(*batch, (L * d) ** 2, L * d)
 
 
-def tangent(y: torch.Tensor, r: torch.Tensor, dx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tangent(y: torch.Tensor, r: torch.Tensor, dx: torch.Tensor, center: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(dy, rho)``: the tangent of the normalised rows :math:`\dot y = J\dot x = r(C\dot x) - y\,\rho`
     and :math:`\rho = r\,y^\top\dot x/d` (``= -\dot r/r``, the one number per token that
     :func:`second_adjoint` needs besides ``dy``), for ``dx`` ``(k, ..., d)``; ``y``, ``r`` from
     :func:`normalise` (``(..., d)``, ``(..., 1)``). ``dy`` ``(k, ..., d)``, ``rho`` ``(k, ..., 1)``.
-    Any ``eps >= 0`` (it is in ``r``). Kernel: no checks."""
+    Any ``eps >= 0`` (it is in ``r``). ``center=False``: RMSNorm (``C = I``). Kernel: no checks."""
     d = y.shape[-1]
     rho = r * (y * dx).sum(-1, keepdim=True) / d
-    return r * (dx - dx.mean(-1, keepdim=True)) - y * rho, rho
+    return r * ((dx - dx.mean(-1, keepdim=True)) if center else dx) - y * rho, rho
 
 
 def affine_tangent(y: torch.Tensor, dy=None, gamma=None, dgamma=None, dbeta=None):
@@ -248,17 +262,18 @@ def affine_tangent(y: torch.Tensor, dy=None, gamma=None, dgamma=None, dbeta=None
     return None if out is None else out.expand(out.shape[0], *y.shape)  # a shift alone: every token's
 
 
-def adjoint(y: torch.Tensor, r: torch.Tensor, g: torch.Tensor, gamma=None) -> torch.Tensor:
+def adjoint(y: torch.Tensor, r: torch.Tensor, g: torch.Tensor, gamma=None, center: bool = True) -> torch.Tensor:
     r"""The input adjoint :math:`g_x = J^\top(\gamma\odot g) = r\,(C g_y - y\,y^\top g_y/d)`,
     :math:`g_y = \gamma\odot g`, of the output adjoint ``g`` (any leading axes, ``y``'s last, ``d``);
-    ``J`` is symmetric. Kernel: no checks."""
+    ``J`` is symmetric. ``center=False``: RMSNorm (``C = I``). Kernel: no checks."""
     gy = g if gamma is None else g * gamma
     d = y.shape[-1]
-    return r * (gy - gy.mean(-1, keepdim=True) - y * (y * gy).sum(-1, keepdim=True) / d)
+    return r * ((gy - gy.mean(-1, keepdim=True)) if center else gy) - r * y * (y * gy).sum(-1, keepdim=True) / d
 
 
 def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=None, gamma=None, dgamma=None,
-                   second: bool = True, want_input: bool = True, variables: tuple[bool, bool] = (False, False)):
+                   second: bool = True, want_input: bool = True, variables: tuple[bool, bool] = (False, False),
+                   center: bool = True):
     r"""``(dg_x, hv_gamma, hv_beta)``: the tangent of the input adjoint and the scale's and shift's rows
     of the Hessian-vector product, for :math:`\mathrm{out} = \gamma\odot y + \beta`, :math:`y = \mathrm{norm}(x)`.
 
@@ -275,14 +290,15 @@ def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=No
     from :func:`tangent` (``None``: no input tangent); ``gamma`` ``(d,)`` or ``None``, ``dgamma``
     ``(k, d)`` or ``None``. ``variables``: whether ``(gamma, beta)`` are variables (else their rows
     are ``None``). ``second=False``: the Gauss–Newton product (no bracketed term). Each result is
-    ``None`` when zero (``dg_x`` also with ``want_input=False``). Kernel: no checks."""
+    ``None`` when zero (``dg_x`` also with ``want_input=False``). ``center=False``: RMSNorm (``C = I``;
+    the bracket is the same, docs/derivations.md §20). Kernel: no checks."""
     d = y.shape[-1]
     dg_y = None if dg is None else (dg if gamma is None else dg * gamma)
     if second and dgamma is not None:
         dg_y = add(dg_y, dgamma[:, None, :] * g)
     dg_x = None
     if want_input:
-        dg_x = None if dg_y is None else adjoint(y, r, dg_y)
+        dg_x = None if dg_y is None else adjoint(y, r, dg_y, center=center)
         if second and dy is not None:
             gy = g if gamma is None else g * gamma
             s_g, s_dy = (y * gy).sum(-1, keepdim=True), (dy * gy).sum(-1, keepdim=True)

@@ -422,8 +422,15 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
     overflow; a callable loss's NaN or Inf value, gradient or Hessian (:func:`blockhess.losses.derivatives`);
     ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
-    ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit.
+    ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit; ``NotImplementedError``,
+    first, for blocks with :attr:`~blockhess.config.BlockConfig.llama_options` (their products:
+    :func:`blockhess.hessian_operator`).
     """
+    llama = sorted({o for b in getattr(cfg, "blocks", ()) for o in b.llama_options})
+    if llama:  # before any work: the walk composes the blocks' Kronecker factors (docs/derivations.md §20)
+        raise NotImplementedError(f"blockhess.hessian of a model does not take the block options {', '.join(llama)} "
+                                  "yet: the model walk needs the blocks' Kronecker factors; "
+                                  "blockhess.hessian_operator's products of such a model are exact")
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
     z, t = t.z, None  # the output, for a callable loss's derivatives; the rest of the plain trace goes
     shapes = model_param_shapes(cfg)
