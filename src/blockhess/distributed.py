@@ -69,7 +69,7 @@ from .hessian import hessian as single_hessian
 from .operators import HessianOperator, head_views
 from .operators import hessian_operator as single_operator
 from .model.forward_pass import check_model_inputs, model_input
-from .result import BlockSum, HessianBlocks, pairs
+from .result import BlockSum, HessianBlocks
 from .validation import check_fits, check_int, check_result
 
 __all__ = [
@@ -363,12 +363,7 @@ def _zeros(sh: _Shard, out=None) -> HessianBlocks:
 
 def _wrap(buf: torch.Tensor, sh: _Shard, cfg, parts=None) -> HessianBlocks:
     """A :class:`~blockhess.result.HessianBlocks` over the dense ``buf`` ``(n, n)``: its blocks views of it."""
-    off, sl = 0, {}
-    for k in sh.names:
-        m = int(torch.Size(sh.shapes[k]).numel())
-        sl[k], off = slice(off, off + m), off + m
-    blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(sh.names)}
-    return HessianBlocks(sh.names, {k: sh.shapes[k] for k in sh.names}, blocks, buf, buf, parts, cfg=cfg)
+    return HessianBlocks.from_buffer(sh.names, sh.shapes, buf, parts, cfg=cfg)
 
 
 def _reduce(g: _Group, buf: torch.Tensor, count: int, total: int, what: str) -> torch.Tensor:

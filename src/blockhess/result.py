@@ -275,6 +275,18 @@ class HessianBlocks:
         self._parts = parts
         self._cache: dict[str, HessianBlocks] = {}
 
+    @classmethod
+    def from_buffer(cls, names, shapes, buf: torch.Tensor, parts: Callable[[str], "HessianBlocks"] | None = None,
+                    cfg=None) -> "HessianBlocks":
+        """The blocks of the dense ``buf`` ``(n, n)`` (variables ``names`` in that order, ``vec_r`` of each of
+        ``shapes``), each a view of it; ``parts`` and ``cfg`` as the constructor's."""
+        sl, o = {}, 0
+        for k in names:
+            m = int(torch.Size(shapes[k]).numel())
+            sl[k], o = slice(o, o + m), o + m
+        blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(names)}
+        return cls(names, {k: tuple(shapes[k]) for k in names}, blocks, buf, buf, parts, cfg=cfg)
+
     def _part(self, which: str) -> "HessianBlocks":
         if self._parts is None:
             raise AttributeError(f"this HessianBlocks has no {which} part")

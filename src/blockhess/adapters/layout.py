@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..config import BlockConfig, ModelConfig, model_param_shapes, param_shapes
-from ..result import HessianBlocks, pairs
+from ..result import HessianBlocks
 from ..validation import FLOAT_DTYPES, check_fits
 
 __all__ = ["Stored", "shapes_of", "read", "relabel", "structure"]
@@ -168,14 +168,8 @@ def relabel(H: HessianBlocks, module: torch.nn.Module, cfg, spec: dict) -> Hessi
         unused = unused.to(H.device)
         buf[unused] = 0
         buf[:, unused] = 0
-    sl, o = {}, 0
-    for n in names:
-        k = math.prod(shapes[n])
-        sl[n] = slice(o, o + k)
-        o += k
-    blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(names)}
     parts = None
     if H.has_parts:
         def parts(which):
             return relabel(getattr(H, which), module, cfg, spec)
-    return HessianBlocks(names, shapes, blocks, buf, buf, parts)
+    return HessianBlocks.from_buffer(names, shapes, buf, parts)

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .. import losses
-from ..result import HessianBlocks, pairs
+from ..result import HessianBlocks
 from ..validation import check_fits, check_result
 from . import directional
 from .forward_pass import check_forward, forward_cache, variable_shapes
@@ -78,16 +78,6 @@ def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:
     return buf
 
 
-def _result(buf: torch.Tensor, names, shapes, like, cfg, parts=None) -> HessianBlocks:
-    sl, o = {}, 0
-    for k in names:
-        m = math.prod(shapes[k])
-        sl[k] = slice(o, o + m)
-        o += m
-    blocks = {(a, b): buf[sl[a], sl[b]] for a, b in pairs(names)}
-    return HessianBlocks(tuple(names), {k: tuple(shapes[k]) for k in names}, blocks, like, buf, parts, cfg=cfg)
-
-
 def hessian(params: dict, X: torch.Tensor, cfg, loss, target, names: tuple[str, ...], out=None) -> HessianBlocks:
     r"""The dense loss Hessian of a block over ``names`` (canonical order, ``"X"`` first when the input
     is a variable), column by column from exact products (module docstring); ``.outer`` and
@@ -116,11 +106,11 @@ def hessian(params: dict, X: torch.Tensor, cfg, loss, target, names: tuple[str, 
     def part(which: str) -> HessianBlocks:
         check_fits(n * n * e + directional.work_entries(cfg, B, L, step) * e,
                    f"the {which} part of the Hessian ({n}x{n})", X.device)
-        H = _result(_assemble(c, a, omega, names, shapes, which), names, shapes, c.out, cfg)
+        H = HessianBlocks.from_buffer(names, shapes, _assemble(c, a, omega, names, shapes, which), cfg=cfg)
         check_result({f"the Hessian's {which} part": H.dense()})
         return H
 
-    H = _result(_assemble(c, a, omega, names, shapes, "full", out), names, shapes, c.out, cfg, part)
+    H = HessianBlocks.from_buffer(names, shapes, _assemble(c, a, omega, names, shapes, "full", out), part, cfg=cfg)
     check_result({"the Hessian": H.dense()})
     return H
 
