@@ -669,4 +669,4 @@ def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConf
         return out
 
     return HessianOperator(product, sh.names, {k: sh.shapes[k] for k in sh.names}, like.dtype, like.device,
-                           diagonal=diagonal, split=head_views(cfg), count=total)
+                           diagonal=diagonal, split=head_views(cfg), count=total, cfg=cfg)

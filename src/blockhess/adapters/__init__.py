@@ -10,23 +10,27 @@ and ``to_module(H, module)`` (also ``H.to_module(module)``) maps a
   two maps built from it.
 
 Nothing in the core imports this package; it registers :func:`to_module` on
-:func:`blockhess.result.relabel` for ``torch.nn.Module``. The mapping table is in docs/models.md.
+:func:`blockhess.result.relabel` and :func:`operator_to_module` on
+:func:`blockhess.operators.operator.module_operator` for ``torch.nn.Module``. The mapping table is in docs/models.md.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
+from ..operators.operator import HessianOperator, module_operator
 from ..result import HessianBlocks, relabel
 from ..validation import FLOAT_DTYPES
 from . import hf
 from . import pytorch
-from .layout import read
+from .layout import positions, read, shapes_of, structure
 from .mode import check_deterministic
 from .layout import relabel as relabel_blocks
 
-__all__ = ["from_torch", "to_module", "block_input"]
+__all__ = ["from_torch", "to_module", "operator_to_module", "block_input"]
 
 
 def _describe(module, is_causal: bool = False) -> tuple:
@@ -134,6 +138,110 @@ def to_module(H: HessianBlocks, module: nn.Module) -> HessianBlocks:
     return relabel_blocks(H, module, cfg, spec)
 
 
+def operator_to_module(A: HessianOperator, module: nn.Module) -> HessianOperator:
+    r"""The operator ``A`` in ``module``'s own parameters (also ``A.to_module(module)``): the
+    :class:`~blockhess.operators.HessianOperator` :math:`P^\top A P` over ``module.named_parameters()``
+    (that order, which is ``module.parameters()``'s; a tied tensor, GPT-2's ``wte``/``lm_head``, once),
+    each in its stored shape (``nn.Linear``'s ``(out, in)``, GPT-2's fused ``c_attn`` ``(d, 3d)``,
+    ``in_proj_weight`` ``(3d, d)``, ViT's patch kernel ``(d, C, p, p)``), where :math:`P` is the permutation
+    of :func:`.layout.positions` (a gather of entries by index, no matrix).
+
+    So ``M = A.to_module(model)`` takes what autograd and laplace-torch give: ``M @ [t_1, ..., t_P]``
+    for tensors shaped like ``list(model.parameters())``, each with an optional trailing ``k`` (a list
+    back), and ``M @ v`` for ``v`` ``(m,)`` or ``(m, k)`` in ``torch.nn.utils.parameters_to_vector``'s
+    order (a tensor back); ``M[a, b]`` by module names, ``M.dense()``, ``M.to_scipy()``, the estimators
+    and :func:`~blockhess.operators.solve` as on ``A``. A parameter our model does not use (BERT's and
+    ``ViTModel``'s pooler, ``ViTModel``'s ``mask_token``) has exact zero rows and columns, present when
+    ``A`` covers every parameter of the model. dtype, device, ``count`` and ``max_columns`` of ``A``
+    (inputs must have ``A``'s dtype, not necessarily the module's); the diagonal, where ``A`` has one,
+    is ``A``'s permuted. Each product multiplies ``A``'s engine once, on only the parameters the
+    columns touch and for only the rows wanted.
+
+    Views: ``A`` may be the operator or a square view ``A[names, names]`` of whole parameters; its
+    module operator covers the module parameters whose stored tensors the view covers (as a Hessian
+    over ``wrt=names``). Refused (``ValueError``, before any product): an off-diagonal view (take the
+    view of the module operator instead, ``A.to_module(model)[a, b]``), a view over a head ``W_Q#h``
+    (a head is part of a stored tensor), a view that covers a stored tensor only in part (``c_attn``
+    holds ``W_Q, W_K, W_V``), an ``A`` of another architecture than ``module`` (``A.cfg`` against
+    :func:`from_torch`'s reading, the mask aside), a parameter or shape of ``A`` the module does not
+    have, and the errors of :func:`from_torch` for a module it cannot read.
+    """
+    if not isinstance(A, HessianOperator):
+        raise ValueError(f"operator_to_module maps a HessianOperator, got {type(A).__name__}")
+    cfg, spec = _describe(module)
+    what = type(module).__name__
+    if not A.is_square_view:
+        raise ValueError(f"to_module maps the operator or a square view A[names, names]; this is the off-diagonal "
+                         f"view with rows {list(A.names)} and columns {list(A.in_names)}: take the view of the "
+                         "module operator instead, A.to_module(model)[a, b]")
+    heads = [v for v in A.names if A._vars[v][0] != v]
+    if heads:
+        raise ValueError(f"to_module maps views of whole parameters; {heads} are heads, parts of a stored tensor: "
+                         "take a view of the module operator's stored tensor instead")
+    if A.cfg is not None and structure(A.cfg) != structure(cfg):
+        raise ValueError(f"A is the Hessian operator of {A.cfg}, but module {what} is {cfg} "
+                         "(up to the mask): its products would not be this module's")
+    ours = shapes_of(cfg)
+    wrong = [v for v in A.names if tuple(ours.get(v, ())) != A.param_shapes[v] or v not in ours]
+    if wrong:
+        raise ValueError(f"A's parameters {[(v, A.param_shapes[v]) for v in wrong]} are not parameters of {what} "
+                         f"as from_torch reads it ({cfg})")
+    shapes = {v: A.param_shapes[v] for v in A.names}
+    names, stored, perm = positions(module, cfg, spec, shapes, what="this operator")
+    # every entry of ours lies in exactly one stored tensor (positions: a permutation): its index there
+    sizes = {a: math.prod(stored[a]) for a in names}
+    numel = {v: math.prod(shapes[v]) for v in A.names}
+    n = sum(numel.values())
+    where = torch.full((n,), -1, dtype=torch.long)  # entry of ours -> its index within its stored tensor
+    tensor_of = torch.full((n,), -1, dtype=torch.long)  # entry of ours -> its stored tensor, by position in names
+    off = 0
+    for i, a in enumerate(names):
+        p = perm[off:off + sizes[a]]
+        off += sizes[a]
+        used = p >= 0
+        where[p[used]] = torch.arange(sizes[a])[used]
+        tensor_of[p[used]] = i
+    if bool((where < 0).any()):  # cannot happen for parameters of cfg: each is held by a stored tensor
+        raise ValueError(f"the module {what} holds only part of A's parameters {list(A.names)}")
+    owner, local, holds, o = {}, {}, {a: [] for a in names}, 0
+    for v in A.names:
+        owner[v] = names[int(tensor_of[o])]
+        holds[owner[v]].append(v)
+        local[v] = where[o:o + numel[v]].to(A.device)
+        o += numel[v]
+    engine, dtype, device = A._product, A.dtype, A.device
+
+    def product(V, wanted_out):
+        k = next(iter(V.values())).shape[0]
+        cols = {v: V[owner[v]].reshape(k, -1).index_select(1, local[v]).reshape(k, *shapes[v])
+                for v in A.names if owner[v] in V}
+        rows = tuple(v for a in wanted_out for v in holds[a])
+        out = {}
+        Y = engine(cols, rows) if cols and rows else {}
+        for a in wanted_out:
+            y = torch.zeros(k, sizes[a], dtype=dtype, device=device)
+            for v in holds[a]:
+                if cols:
+                    y.index_copy_(1, local[v], Y[v].reshape(k, -1))
+            out[a] = y.reshape(k, *stored[a])
+        return out
+
+    diagonal = None
+    if A._diagonal is not None:
+        def diagonal(wanted):
+            d = A._diagonal(tuple(v for a in wanted for v in holds[a]))
+            out = {}
+            for a in wanted:
+                y = torch.zeros(sizes[a], dtype=dtype, device=device)
+                for v in holds[a]:
+                    y.index_copy_(0, local[v], d[v].reshape(-1))
+                out[a] = y.reshape(stored[a])
+            return out
+
+    return HessianOperator(product, names, stored, dtype, device, diagonal=diagonal, count=A.count,
+                           max_columns=A.max_columns)
+
+
 def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """A block's (or an ``nn.TransformerEncoder``'s) input ``X`` in the product's layout ``(B, L, d)``
     (or ``(L, d)`` unbatched): ``(L, B, d)`` is transposed for ``batch_first=False`` (a view, same
@@ -150,3 +258,8 @@ def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
 @relabel.register(nn.Module)
 def _relabel_module(module: nn.Module, H: HessianBlocks) -> HessianBlocks:
     return to_module(H, module)
+
+
+@module_operator.register(nn.Module)
+def _module_operator(module: nn.Module, A: HessianOperator) -> HessianOperator:
+    return operator_to_module(A, module)

@@ -4,8 +4,9 @@ A reader (:mod:`.torch`, :mod:`.hf`) describes a module by its config and a *spe
 module's parameter names a :class:`Stored`, the parameters of ours that tensor holds and how (each
 transposed or not, stacked along one axis, the result reshaped to the stored shape). Every stored
 tensor is a permutation of the entries of its parts, so the same :meth:`Stored.join` that would
-build it from our tensors builds, from integer index tensors, the permutation that relabels a
-Hessian (:func:`relabel`). :func:`read` applies :meth:`Stored.split` the other way.
+build it from our tensors builds, from integer index tensors, the permutation between the two
+layouts (:func:`positions`), which relabels a Hessian (:func:`relabel`) and an operator's vectors
+(:func:`blockhess.adapters.operator_to_module`). :func:`read` applies :meth:`Stored.split` the other way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..config import BlockConfig, ModelConfig, model_param_shapes, param_shapes
 from ..result import HessianBlocks
 from ..validation import FLOAT_DTYPES, check_fits
 
-__all__ = ["Stored", "shapes_of", "read", "relabel", "structure"]
+__all__ = ["Stored", "shapes_of", "read", "positions", "relabel", "structure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,56 @@ def structure(cfg):
     return cfg
 
 
+def positions(module: torch.nn.Module, cfg, spec: dict, shapes: dict, what: str = "this Hessian") -> tuple:
+    """Where each entry of ``module``'s stored tensors lies in a vector over our parameters: ``shapes``
+    (``name -> shape``, in the vector's order; each parameter's ``vec_r`` concatenated). Returns
+    ``(names, stored_shapes, perm)``: the module's parameter names (``named_parameters`` order, a tied
+    tensor once) whose stored tensor ``shapes`` covers, their shapes, and ``perm`` ``(m,)`` (int64, ``m``
+    their entries together, row-major in each stored tensor): the index of each in the vector, ``-1``
+    for a parameter our model does not use (``Stored(())``, included when ``shapes`` covers every
+    parameter of ``cfg``). The used entries of ``perm`` are a permutation of ``range(n)`` when ``shapes``
+    holds only parameters of ``cfg`` (every one of ours lies in exactly one stored tensor): the map is a
+    gather, no matrix. ``cfg`` and ``spec`` are the reader's description of ``module``; ``what`` names the
+    vector's owner in errors.
+
+    Raises ``ValueError`` if ``shapes`` covers a stored tensor only in part, if a shape does not match, or
+    if it covers none of the module's parameters.
+    """
+    offsets, off = {}, 0
+    for n, s in shapes.items():
+        offsets[n] = off
+        off += math.prod(s)
+    everything = set(shapes_of(cfg)) <= set(offsets)
+    names, stored, perm = [], {}, []
+    for mname, p in module.named_parameters():
+        s = spec.get(mname)
+        if s is None:
+            raise ValueError(f"{_what(module)}: cannot map parameter {mname!r}: it is not part of the architecture "
+                             "from_torch reads (docs/models.md)")
+        if not s.names:
+            if everything:
+                names.append(mname)
+                stored[mname] = tuple(p.shape)
+                perm.append(torch.full((p.numel(),), -1, dtype=torch.long))
+            continue
+        have = [n for n in s.names if n in offsets]
+        if not have:
+            continue
+        if len(have) < len(s.names):
+            raise ValueError(f"{mname} stores {', '.join(s.names)} together, but {what} has only {', '.join(have)}: "
+                             f"compute it with wrt including all of {list(s.names)}")
+        joined = s.joined_shape(shapes)
+        if math.prod(joined) != p.numel():
+            raise ValueError(f"{mname}: shape {tuple(p.shape)} does not match the Hessian's {joined}")
+        idx = {n: offsets[n] + torch.arange(math.prod(shapes[n])).reshape(shapes[n]) for n in s.names}
+        names.append(mname)
+        stored[mname] = tuple(p.shape)
+        perm.append(s.join(idx, p.shape).reshape(-1))
+    if not names:
+        raise ValueError(f"{what} ({list(shapes)}) covers none of the parameters of {_what(module)}")
+    return names, stored, torch.cat(perm)
+
+
 def relabel(H: HessianBlocks, module: torch.nn.Module, cfg, spec: dict) -> HessianBlocks:
     """``H`` re-keyed by ``module``'s parameter names (``named_parameters`` order), each block
     ``(numel_a, numel_b)`` in the stored tensors' row-major order; ``.outer`` and ``.functional``
@@ -124,39 +175,7 @@ def relabel(H: HessianBlocks, module: torch.nn.Module, cfg, spec: dict) -> Hessi
     if H.cfg is not None and structure(H.cfg) != structure(cfg):
         raise ValueError(f"H is the Hessian of {H.cfg}, but module {_what(module)} is {cfg} "
                          "(up to the mask): its labels would not describe these numbers")
-    offsets, off = {}, 0
-    for n, s in zip(H.names, H.sizes):
-        offsets[n] = off
-        off += s
-    everything = set(shapes_of(cfg)) <= set(offsets)
-    names, shapes, perm = [], {}, []
-    for mname, p in module.named_parameters():
-        s = spec.get(mname)
-        if s is None:
-            raise ValueError(f"{_what(module)}: cannot map parameter {mname!r}: it is not part of the architecture "
-                             "from_torch reads (docs/models.md)")
-        if not s.names:
-            if everything:
-                names.append(mname)
-                shapes[mname] = tuple(p.shape)
-                perm.append(torch.full((p.numel(),), -1, dtype=torch.long))
-            continue
-        have = [n for n in s.names if n in offsets]
-        if not have:
-            continue
-        if len(have) < len(s.names):
-            raise ValueError(f"{mname} stores {', '.join(s.names)} together, but this Hessian has only {', '.join(have)}: "
-                             f"compute it with wrt including all of {list(s.names)}")
-        joined = s.joined_shape(H.shapes)
-        if math.prod(joined) != p.numel():
-            raise ValueError(f"{mname}: shape {tuple(p.shape)} does not match the Hessian's {joined}")
-        idx = {n: offsets[n] + torch.arange(math.prod(H.shapes[n])).reshape(H.shapes[n]) for n in s.names}
-        names.append(mname)
-        shapes[mname] = tuple(p.shape)
-        perm.append(s.join(idx, p.shape).reshape(-1))
-    if not names:
-        raise ValueError(f"this Hessian ({list(H.names)}) covers none of the parameters of {_what(module)}")
-    perm = torch.cat(perm)
+    names, shapes, perm = positions(module, cfg, spec, dict(zip(H.names, (H.shapes[n] for n in H.names))))
     m = perm.numel()
     n = sum(H.sizes)
     check_fits(m * (m + n) * H.dtype.itemsize, f"the {m}x{m} Hessian in {_what(module)}'s parameters (and its "

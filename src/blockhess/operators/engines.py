@@ -113,4 +113,4 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
         return product({n: v for n, v in V.items() if n in names}, wanted_out, into)
 
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
-                           split=head_views(cfg), count=count, writes_into=True)
+                           split=head_views(cfg), count=count, writes_into=True, cfg=cfg)

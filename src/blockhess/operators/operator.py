@@ -13,6 +13,7 @@ curvlinops' minimal operator contract (``@`` on ``(n,)``/``(n, k)`` tensors and 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Protocol, Sequence
@@ -24,7 +25,7 @@ from ..config import BlockConfig, ModelConfig, block_prefix
 from ..result import HessianBlocks, head_split
 from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int
 
-__all__ = ["HessianOperator", "Product", "Diagonal", "mean_operator", "head_views"]
+__all__ = ["HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "module_operator"]
 
 #: columns of the identity multiplied at a time by :meth:`HessianOperator.dense` (without ``max_columns``)
 DENSE_COLUMNS = 512
@@ -103,6 +104,9 @@ class HessianOperator:
         The engine also takes ``product(V, wanted_out, into=...)``: ``into`` maps a parameter to a
         contiguous ``(1, *shape)`` slice of the output of a one-column product, which the engine may
         write that parameter's rows into (and return); rows returned elsewhere are copied there.
+    cfg : BlockConfig or ModelConfig, optional
+        The architecture whose parameters these are (:func:`~blockhess.operators.hessian_operator` sets
+        it); :meth:`to_module` checks a module against it.
 
     Attributes
     ----------
@@ -118,7 +122,7 @@ class HessianOperator:
         spells it ``SELF_ADJOINT``.
     params : tuple of str
         All parameters of the engine (canonical order).
-    dtype, device, count, max_columns
+    dtype, device, count, max_columns, cfg
 
     ``A @ V``: ``V`` a tensor ``(n_in,)`` or ``(n_in, k)`` of the operator's dtype and device (a NumPy
     array is converted and the result returned as NumPy), or a list of tensors of the column
@@ -131,7 +135,8 @@ class HessianOperator:
 
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
                  device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
-                 count: int | None = None, max_columns: int | None = None, writes_into: bool = False):
+                 count: int | None = None, max_columns: int | None = None, writes_into: bool = False,
+                 cfg=None):
         if not callable(product):
             raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
         if diagonal is not None and not callable(diagonal):
@@ -152,6 +157,7 @@ class HessianOperator:
         self.device = torch.device(device)
         self.count = None if count is None else check_int("count", count, 1)
         self.max_columns = None if max_columns is None else check_int("max_columns", max_columns, 1)
+        self.cfg = cfg
         self._vars = {n: (n, s, tuple(slice(None) for _ in s)) for n, s in self.param_shapes.items()}
         for name, (param, ref, idx) in (split or {}).items():
             if param not in self.param_shapes:
@@ -442,6 +448,15 @@ class HessianOperator:
         return LinearOperator(self.shape, matvec=wrap(self), rmatvec=wrap(adj), matmat=wrap(self),
                               rmatmat=wrap(adj), dtype=np_dtype)
 
+    def to_module(self, module) -> "HessianOperator":
+        """This operator in ``module``'s own parameters and storage layouts (:func:`module_operator`, which
+        :func:`blockhess.adapters.operator_to_module` implements for a ``torch.nn.Module``): a
+        :class:`HessianOperator` over ``module.named_parameters()`` (their order, each in its stored shape,
+        a tied tensor once), so ``A.to_module(model) @ [t_1, ..., t_P]`` takes and returns lists shaped like
+        ``list(model.parameters())`` and ``@`` on a flat ``(m,)``/``(m, k)`` tensor takes
+        ``parameters_to_vector``'s order. Raises ``ValueError`` as that function."""
+        return module_operator(module, self)
+
     # ------------------------------------------------------------------ constructors
 
     @classmethod
@@ -456,7 +471,7 @@ class HessianOperator:
             blocks = {(a, b): H[a, b] for a in H.names for b in H.names}
             names, shapes = H.names, H.shapes
             split = head_views(H.cfg) if split is None else split
-            dtype, device = H.dtype, H.device
+            dtype, device, cfg = H.dtype, H.device, H.cfg
         elif isinstance(H, torch.Tensor) and H.ndim == 2 and H.shape[0] == H.shape[1] and H.dtype in FLOAT_DTYPES:
             n = H.shape[0]
             asym = float(torch.linalg.matrix_norm(H - H.T))
@@ -470,7 +485,7 @@ class HessianOperator:
             offs = np.cumsum([0, *sizes])
             blocks = {(a, b): H[offs[i]:offs[i + 1], offs[j]:offs[j + 1]]
                       for i, a in enumerate(names) for j, b in enumerate(names)}
-            dtype, device = H.dtype, H.device
+            dtype, device, cfg = H.dtype, H.device, None
         else:
             raise ValueError(f"H must be a HessianBlocks or a square float32/float64 2-d tensor, got "
                              f"{type(H).__name__}{tuple(H.shape) if isinstance(H, torch.Tensor) else ''}")
@@ -489,7 +504,7 @@ class HessianOperator:
         def diagonal(wanted):
             return {a: torch.diagonal(blocks[(a, a)]).reshape(shapes[a]) for a in wanted}
 
-        return cls(product, names, shapes, dtype, device, diagonal=diagonal, split=split)
+        return cls(product, names, shapes, dtype, device, diagonal=diagonal, split=split, cfg=cfg)
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{n}{list(self.shapes[n])}" for n in self.names)
@@ -584,4 +599,14 @@ def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress
     split = {v: t for v, t in first._vars.items() if v != t[0]}
     return HessianOperator(product, first.params, first.param_shapes, first.dtype, first.device,
                            diagonal=diagonal if has_diag else None, split=split, count=total,
-                           max_columns=first.max_columns)
+                           max_columns=first.max_columns, cfg=first.cfg)
+
+
+@functools.singledispatch
+def module_operator(module, A: HessianOperator) -> HessianOperator:
+    """``A`` in ``module``'s own parameter names and storage layouts (:meth:`HessianOperator.to_module`).
+    One implementation per kind of module, registered by the adapter that reads it
+    (:mod:`blockhess.adapters` registers ``torch.nn.Module``: :func:`~blockhess.adapters.operator_to_module`),
+    so that the core imports no adapter. Raises ``ValueError`` for an object no adapter has registered."""
+    raise ValueError(f"to_module maps an operator to the parameters of a module an adapter reads (a torch.nn.Module: "
+                     f"blockhess.adapters.operator_to_module), got {type(module).__name__}")
