@@ -62,8 +62,8 @@ def _key(names) -> str:
 def check_symmetric(A, who: str = "this estimator") -> None:
     """Raise ``ValueError`` (naming ``who`` and, for a view, its blocks) unless the square operator ``A`` is
     symmetric as :func:`asymmetry` judges it: before any product, for the estimators that assume a
-    symmetric operator (Lanczos, stochastic Lanczos quadrature, Hutch++)."""
+    symmetric operator (Lanczos, stochastic Lanczos quadrature, Hutch++, the solvers)."""
     why = asymmetry(A)
     if why is not None:
         raise ValueError(f"{who} assumes a symmetric operator, but A is not symmetric: {why}; pass a symmetric "
-                         "view A[a, a] (frobenius_norm and hutchinson_diagonal take any operator)")
+                         "view A[a, a] (of the estimators, frobenius_norm and hutchinson_diagonal take any operator)")
