@@ -467,3 +467,52 @@ def test_adversarial_spectra_are_found_or_refused(case):
 def _order_of(vals: torch.Tensor, which: str) -> torch.Tensor:
     return {"LA": vals.argsort(descending=True), "SA": vals.argsort(),
             "LM": vals.abs().argsort(descending=True, stable=True)}[which]
+
+
+# ----------------------------------------------------------------------------- a Kronecker view
+
+
+def _pre_ln_case(loss: str = "mse", norm: str = "pre"):
+    cfg = bh.BlockConfig(d_model=6, d_ff=10, n_heads=2, norm=norm, bias=True, ln_affine=True, ln_eps=1e-5)
+    p = bh.init_params(cfg, seed=3)
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(3, 5, 6, generator=g, dtype=DT)
+    T = torch.randint(0, 6, (3, 5), generator=g) if loss == "ce" else torch.randn(3, 5, 6, generator=g, dtype=DT)
+    return cfg, p, X, T
+
+
+@pytest.mark.parametrize("part", ["full", "outer"])
+@pytest.mark.parametrize("k", [3, 6, 9])
+def test_a_kronecker_view_has_its_spectrum_from_the_factors(part, k):
+    """A pre-LN block's ``W_2`` under MSE is ``(2/BLd) Σ hᵀh ⊗ I_6`` exactly: ``lanczos_eigs`` takes its
+    pairs from the ``10 × 10`` factor, each value 6 times (``k = 9``: the top value's 6 copies, then 3 of
+    the next), against the dense Hessian's eigenvalues, with true residuals at rounding."""
+    cfg, p, X, T = _pre_ln_case()
+    A = bh.hessian_operator(p, X, cfg, loss="mse", target=T, part=part)
+    view = A["W_2", "W_2"]
+    M, d = view.kronecker_factors()
+    assert d == 6 and M.shape == (10, 10)
+    H = bh.hessian(p, X, cfg, loss="mse", target=T, wrt=["W_2"])
+    D = (H if part == "full" else H.outer)["W_2", "W_2"]
+    assert torch.allclose(torch.kron(M, torch.eye(6, dtype=DT)), D, rtol=0, atol=1e-14 * float(D.abs().max()))
+    res = lanczos_eigs(view, k=k, tol=TOL)
+    assert res.method == "kronecker" and res.matvecs == k and res.miss_probability == 0.0
+    _assert_extreme(res, D, k, "LA")
+    mu = torch.linalg.eigvalsh(M).flip(0)
+    top, lam = min(k, 6), res.eigenvalues
+    assert torch.equal(lam[:top], lam[0].expand(top)) and torch.equal(lam[top:], lam[-1].expand(k - top))  # exact copies
+    assert torch.allclose(lam, torch.cat([mu[0].expand(top), mu[1].expand(k - top)]), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("case", ["post-LN", "ce", "functional", "W_1", "W_2 and b_2"])
+def test_no_kronecker_factors_where_the_closed_form_has_none(case):
+    """The rule holds only where ``Z`` is affine in ``W_2`` with nothing after it and the loss Hessian is a
+    multiple of the identity: post-LN (LN_2 after ``W_2``), CE, the functional part (zero there), another
+    weight, a view of ``W_2`` with ``b_2`` (``b_2``'s rows are not ``⊗ I`` of the same factor) — none, and
+    ``lanczos_eigs`` runs Lanczos."""
+    cfg, p, X, T = _pre_ln_case("ce" if case == "ce" else "mse", "post" if case == "post-LN" else "pre")
+    A = bh.hessian_operator(p, X, cfg, loss="ce" if case == "ce" else "mse", target=T,
+                            part="functional" if case == "functional" else "full")
+    view = {"W_1": A["W_1", "W_1"], "W_2 and b_2": A[("W_2", "b_2"), ("W_2", "b_2")]}.get(case, A["W_2", "W_2"])
+    assert view.kronecker_factors() is None
+    assert lanczos_eigs(view, k=2, tol=1e-8).method == "lanczos"

@@ -386,6 +386,9 @@ def _eigs(A: HessianOperator, s: Settings, v0=None) -> tuple[dict, torch.Tensor]
         "n": n, "k": k, "method": r.method,
         "method_reason": (f"n = {n} <= --dense-below {s.dense_below}: dense eigendecomposition of A[b,b] @ I "
                           f"({n} products)" if r.method == "dense" else
+                          "the closed form shows A[b,b] = M kron I exactly (a pre-LN block's W_2 under MSE): the "
+                          "eigenpairs from M's eigendecomposition, each value with its multiplicity"
+                          if r.method == "kronecker" else
                           f"block Lanczos, full reorthogonalisation, Krylov-Schur restarts, to relative residual {s.tol:g} "
                           f"(rel={r.rel!r}: of each |eigenvalue|, or of the scale for one below tol x scale)"),
         "eigenvalues": r.eigenvalues.double().tolist(), "residuals": res.tolist(), "scale": r.scale,

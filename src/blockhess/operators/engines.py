@@ -53,7 +53,18 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
     def diagonal(wanted):
         return block_diagonal(c, a, loss, target, wanted, outer, functional)
 
-    return product, X.shape[0], X.dtype, X.device, diagonal
+    def kronecker(view):
+        r"""``W_2``'s block of a pre-LN block under MSE at its output: ``Z = Y + h W_2 + b_2`` is affine in
+        ``W_2`` with :math:`\partial Z_t/\partial W_2 = h_t \otimes I_d` and the loss Hessian ``(2/(B L d)) I``,
+        so :math:`H_{W_2W_2} = \frac{2}{BLd}\sum_t h_t^\top h_t \otimes I_d` exactly, full and outer alike (the
+        functional term is zero: ``Z`` is linear in ``W_2``); ``None`` for any other view or setting."""
+        if view != ("W_2",) or loss != "mse" or not outer or cfg.kind != "block" or cfg.norm != "pre":
+            return None
+        B, L, d = c.out.shape
+        h = c.fc.h.reshape(-1, c.fc.h.shape[-1])
+        return (2.0 / (B * L * d)) * (h.T @ h), d
+
+    return product, X.shape[0], X.dtype, X.device, diagonal, kronecker
 
 
 def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
@@ -75,7 +86,7 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
                                   "does not carry over; blockhess.operators.hutchinson_diagonal estimates it by "
                                   "sampling")
 
-    return product, inputs.shape[0], like.dtype, like.device, diagonal
+    return product, inputs.shape[0], like.dtype, like.device, diagonal, None
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
@@ -106,11 +117,12 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     outer, functional = part in ("full", "outer"), part in ("full", "functional")
     names = select_wrt(tuple(param_shapes(cfg)), wrt)
     engine = _model_engine if isinstance(cfg, ModelConfig) else _block_engine
-    product, count, dtype, device, diagonal = engine(params, inputs, cfg, loss, target, names, outer, functional)
+    product, count, dtype, device, diagonal, kronecker = engine(params, inputs, cfg, loss, target, names, outer,
+                                                                functional)
     shapes = param_shapes(cfg)
 
     def restricted(V, wanted_out, into=None):  # the operator over names: other parameters have zero directions
         return product({n: v for n, v in V.items() if n in names}, wanted_out, into)
 
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
-                           split=head_views(cfg), count=count, writes_into=True, cfg=cfg)
+                           split=head_views(cfg), count=count, writes_into=True, cfg=cfg, kronecker=kronecker)

@@ -70,7 +70,8 @@ class EigResult:
     products of the iteration, the checks' apart), ``restarts`` (Krylov–Schur restarts, and runs continued from the Ritz vectors),
     ``check_matvecs`` (the checks' share of ``matvecs``), ``check_value`` (the last check's most wanted
     Ritz value on the complement of the found vectors; ``None`` without a check), ``which``, ``method``
-    (``"lanczos"`` or ``"dense"``), ``ncv`` (the basis size used; ``n`` for the dense path),
+    (``"lanczos"``, ``"dense"`` or ``"kronecker"``), ``ncv`` (the basis size used; ``n`` for the dense and
+    Kronecker paths),
     ``miss_probability`` (the check's bound on the probability that an eigenvalue beyond the ``k``-th found
     one was missed: at most ``failure_probability`` when converged with a check, 1 without a check, 0 for
     the dense path). Each eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for
@@ -327,6 +328,27 @@ def _dense_eigs(A, n: int, k: int, which: str, tol: float, rel: str) -> EigResul
                      which, "dense", n, 0.0)
 
 
+def _kronecker_eigs(A, M: torch.Tensor, d: int, k: int, which: str, tol: float, rel: str) -> EigResult:
+    """The ``k`` wanted eigenpairs of ``A = M ⊗ I_d`` (:meth:`~blockhess.operators.HessianOperator.kronecker_factors`)
+    from ``M``'s eigendecomposition: each eigenvalue ``μ_i`` of ``M`` ``d`` times, with eigenvectors
+    ``u_i ⊗ e_j`` (``vec_r``: entry ``(a, j)`` is ``u_i[a]``); the residuals from one product of the ``k``
+    vectors, as on every path (method ``"kronecker"``, no check: the spectrum is known whole)."""
+    mu, U = linalg.eigh((M + M.T) / 2)
+    m = mu.numel()
+    order = _order(mu, which)
+    pick = order[torch.arange(k, device=order.device) // d]  # each of M's values d times, most wanted first
+    cols = torch.arange(k) % d
+    X = torch.zeros(m, d, k, dtype=A.dtype, device=A.device)
+    X[:, cols, torch.arange(k)] = U[:, pick].to(A.dtype)
+    X = X.reshape(m * d, k)
+    lam = mu[pick].to(A.dtype)
+    scale = float(mu.abs().max()) if m else 0.0
+    res = (_mm(A, X) - X * lam).norm(dim=0)
+    bounds = _bounds(lam, scale, tol, rel)
+    return EigResult(lam, X, res, bounds, scale, tol, rel, bool((res <= bounds).all()), k, 0, 0, 0, None, which,
+                     "kronecker", m * d, 0.0)
+
+
 def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
     """How far check Ritz values ``rho`` lie on the found side of the ``k``-th found eigenvalue's
     threshold (``θ_k + b_k`` for ``"LA"``, ``θ_k − b_k`` for ``"SA"``, ``|θ_k| + b_k`` in magnitude for
@@ -389,6 +411,10 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
     block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
     plus random ones. Residuals certify eigenpairs; that they are the extreme ones is the check's to say.
+    *A Kronecker view*: where the operator's closed form shows ``A = M ⊗ I_d`` exactly
+    (:meth:`~blockhess.operators.HessianOperator.kronecker_factors`: a pre-LN block's ``W_2`` under MSE), the
+    pairs come from ``M``'s eigendecomposition, each value ``d`` times with eigenvectors ``u ⊗ e_j``
+    (method ``"kronecker"``, exact multiplicities, ``k`` products for the residuals, no check).
     ``dense_below``: for ``n <= dense_below``, the exact dense eigendecomposition
     of ``A @ I`` (:func:`blockhess.linalg.eigh`, method ``"dense"``, no check).
 
@@ -426,8 +452,12 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         raise ValueError(f"failure_probability must be a float in (0, 1), got {failure_probability!r}")
     failure_probability = float(failure_probability)
     check_bool("allow_unconverged", allow_unconverged)
+    kron = getattr(A, "kronecker_factors", None)
+    factors = kron() if callable(kron) else None
     if n <= check_int("dense_below", dense_below, 0):
         return _finish(_dense_eigs(A, n, k, which, tol, rel), allow_unconverged)
+    if factors is not None:  # the engine's closed form: A = M ⊗ I_d exactly, the spectrum from M's
+        return _finish(_kronecker_eigs(A, factors[0], factors[1], k, which, tol, rel), allow_unconverged)
     p = 1 if block_size is None else check_int("block_size", block_size, 1)
     p = min(p, n)
     if ncv is None:

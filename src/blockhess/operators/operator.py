@@ -100,6 +100,9 @@ class HessianOperator:
         The number of sequences this operator averages over (the weight of :func:`mean_operator`).
     max_columns : int, optional
         At most this many columns are passed to the engine at once (a product with more is split).
+    kronecker : callable, optional
+        ``kronecker(names) -> (M, d) | None``: the engine's rule for a square view over the parameters
+        ``names`` whose Hessian is exactly ``M ⊗ I_d`` (:meth:`kronecker_factors`).
     writes_into : bool, optional
         The engine also takes ``product(V, wanted_out, into=...)``: ``into`` maps a parameter to a
         contiguous ``(1, *shape)`` slice of the output of a one-column product, which the engine may
@@ -136,7 +139,7 @@ class HessianOperator:
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
                  device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
                  count: int | None = None, max_columns: int | None = None, writes_into: bool = False,
-                 cfg=None):
+                 cfg=None, kronecker=None):
         if not callable(product):
             raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
         if diagonal is not None and not callable(diagonal):
@@ -151,6 +154,9 @@ class HessianOperator:
         self._product = product
         self._writes_into = check_bool("writes_into", writes_into)
         self._diagonal = diagonal
+        if kronecker is not None and not callable(kronecker):
+            raise ValueError(f"kronecker must be None or callable as kronecker(names), got {type(kronecker).__name__}")
+        self._kronecker = kronecker
         self.params = names
         self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
         self.dtype = dtype
@@ -422,6 +428,15 @@ class HessianOperator:
                                    f"for {param!r}")
             parts.append((y if var == param else y.reshape(ref)[idx]).reshape(-1))
         return torch.cat(parts)
+
+    def kronecker_factors(self):
+        """``(M, d)`` where the engine's closed form shows this square view's Hessian to be exactly
+        ``M ⊗ I_d`` (``M`` ``(m, m)``, ``n = m·d``, in ``vec_r`` order: the slow index ``M``'s), else ``None``
+        (an engine without the rule, an off-diagonal or head view, a block without that structure).
+        :func:`~blockhess.operators.lanczos_eigs` reads it: the spectrum from ``M``'s, each value ``d`` times."""
+        if self._kronecker is None or not self.is_square_view or any(self._vars[v][0] != v for v in self.names):
+            return None
+        return self._kronecker(tuple(self.names))
 
     def to_scipy(self, dtype=None):
         """A ``scipy.sparse.linalg.LinearOperator`` of this view (products in PyTorch, in the operator's
