@@ -5,6 +5,8 @@ error is bounded by the condition number times the true relative residual the so
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,3 +269,19 @@ def test_influence_refusals():
         influence(A, torch.ones(n, 2, dtype=DT), torch.ones(n, 1, dtype=DT), 0.1)
     with pytest.raises(ValueError, match="train_grads contains NaN or Inf"):
         influence(A, torch.full((n, 2), float("nan"), dtype=DT), torch.ones(n, dtype=DT), 0.1)
+
+
+@pytest.mark.parametrize("method", ["minres", "cg"])
+@pytest.mark.parametrize("scale", [1e-200, 1e-310, 1e200, 1e307])
+def test_a_right_hand_side_at_the_edge_of_the_dtype(method, scale):
+    """``b`` scaled to ``1e-200`` (its squared norm underflows to zero) or ``1e307`` (overflows) came back as
+    ``x = 0`` marked converged, with a relative residual of 0 or NaN. Each column is scaled by a power of two
+    first (exact): the solution is ``scale`` times the unscaled one, its true residual finite."""
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(40, 40, generator=g, dtype=torch.float64)
+    A = M @ M.T + 40 * torch.eye(40, dtype=torch.float64)
+    b = torch.randn(40, generator=g, dtype=torch.float64)
+    r = solve(A, scale * b, tol=1e-10, method=method)
+    want = torch.linalg.solve(A, b)
+    assert r.converged and 0 < r.relative_residual <= 1e-10 and math.isfinite(r.residual_norm)
+    assert float((r.x / scale - want).norm() / want.norm()) <= 1e-9

@@ -212,7 +212,41 @@ def _mm(A, X: torch.Tensor) -> torch.Tensor:
 
 
 def _generator(seed) -> torch.Generator:
-    return torch.Generator().manual_seed(check_int("seed", seed, 0))
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def pow2_scale(T: torch.Tensor, e: int) -> torch.Tensor:
+    """``T · 2^e``, exact (a power of two only moves exponents), in steps that never overflow the factor."""
+    while e:
+        s = max(-1000, min(1000, e))
+        T = T * 2.0**s
+        e -= s
+    return T
+
+
+def pow2_exponent(t: torch.Tensor) -> int:
+    """The binary exponent ``e`` of ``max |t|`` (``2^{e-1} <= max|t| < 2^e``; 0 for zero or non-finite)."""
+    m = float(t.abs().max()) if t.numel() else 0.0
+    return math.frexp(m)[1] if m > 0 and math.isfinite(m) else 0
+
+
+class _Pow2Scaled:
+    """``A`` times ``2^{-e}``, ``e`` fixed by its first product (:func:`pow2_exponent` of it): the same eigenvectors,
+    every eigenvalue, residual and bound scaled exactly, and the iteration's norms and inner products far from
+    under- and overflow whatever ``A``'s scale (entries of ``1e-200`` square to zero in float64)."""
+
+    def __init__(self, A):
+        self.A, self.e = A, None
+        self.shape, self.dtype, self.device = A.shape, A.dtype, A.device
+
+    def __matmul__(self, X: torch.Tensor) -> torch.Tensor:
+        Y = _mm(self.A, X)
+        if self.e is None:
+            self.e = pow2_exponent(Y)
+        return pow2_scale(Y, -self.e)
 
 
 def _gaussian(gen, shape, A) -> torch.Tensor:
@@ -403,8 +437,9 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     :class:`NotConvergedError` where it cannot reach ``failure_probability``: the budget, a basis that
     would not fit, or a bound falling too slowly to get there within four times its products so far
     (a threshold closer to the complement's spectrum than the dtype resolves). With ``check=0`` nothing
-    beyond the residuals is claimed (``miss_probability`` 1). The products it cost are in ``matvecs`` and
-    ``check_matvecs``; its most wanted Ritz value is ``check_value``. Each returned :math:`\theta_i` then
+    beyond the residuals is claimed (``miss_probability`` 1) and the result is never ``converged``:
+    ``NotConvergedError``, or the pairs as they are with ``allow_unconverged=True``. The products it cost
+    are in ``matvecs`` and ``check_matvecs``; its most wanted Ritz value is ``check_value``. Each returned :math:`\theta_i` then
     lies, with probability at least ``1 − miss_probability``, within :math:`b_k + \|R\|_2` of the
     ``i``-th wanted eigenvalue of ``A`` (``R = AX − XΘ``; docs/derivations.md §17).
 
@@ -460,6 +495,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         return _finish(_kronecker_eigs(A, factors[0], factors[1], k, which, tol, rel), allow_unconverged)
     p = 1 if block_size is None else check_int("block_size", block_size, 1)
     p = min(p, n)
+    A = _Pow2Scaled(A)  # exact: the result is scaled back below
     if ncv is None:
         ncv = max(3 * k + 2 * p, NCV_DEFAULT)
     else:
@@ -562,6 +598,9 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             miss = 0.0  # nothing outside the found vectors
             break
         if check == 0:
+            met, why = False, ("check=0: the residuals are met, but nothing rules out an eigenvalue beyond the found "
+                               "ones (a start orthogonal to one never sees it); pass check >= 1, or "
+                               "allow_unconverged=True to take the pairs as they are")
             break
         c = min(check, n - k)
         if matvecs + c > max_matvecs:
@@ -577,12 +616,13 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if not bool(beat.any()):
             if miss > failure_probability:
                 met, why = False, (f"the check could not rule out an eigenvalue beyond the k-th value "
-                                   f"{float(lam[-1]):.6g}: after {cm} products the probability that it missed one is "
+                                   f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}: after {cm} products the probability that it missed one is "
                                    f"bounded only by {miss:.3g} > failure_probability={failure_probability:g} "
                                    f"({short}); raise max_matvecs, or loosen tol or failure_probability")
             break
         if matvecs + k + int(beat.sum()) > max_matvecs:
-            met, why = False, (f"the check found {check_value:.6g}, beyond the k-th value {float(lam[-1]):.6g}, and "
+            met, why = False, (f"the check found {math.ldexp(check_value, A.e or 0):.6g}, beyond the k-th value "
+                               f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}, and "
                                "the budget left no room to take it in")
             break
         start, known = torch.cat([X, Z[:, beat][:, : max(1, wmax - k)]], 1), AX  # take them in, go on
@@ -590,8 +630,10 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     # the check's Ritz values may raise the scale: the bounds with it (looser, so what was met stays met, and
     # the check's threshold, from the smaller bound, certified the stronger statement)
     bounds = _bounds(lam, scale, tol, rel)
-    result = EigResult(lam, X, res, bounds, scale, tol, rel, met, matvecs, iterations, restarts, check_mv,
-                       check_value, which, "lanczos", ncv, miss)
+    e = A.e or 0  # back to A's own scale (exact)
+    result = EigResult(pow2_scale(lam, e), X, pow2_scale(res, e), pow2_scale(bounds, e), math.ldexp(scale, e), tol,
+                       rel, met, matvecs, iterations, restarts, check_mv,
+                       None if check_value is None else math.ldexp(check_value, e), which, "lanczos", ncv, miss)
     return _finish(result, allow_unconverged, why)
 
 

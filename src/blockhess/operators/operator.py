@@ -296,7 +296,7 @@ class HessianOperator:
         if self.max_columns is not None and k > self.max_columns:
             return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
         wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
-        if k == 1 and self._writes_into:
+        if k == 1 and self._writes_into and not X.requires_grad:  # (out= has no autograd: a tracked X is assembled)
             return self._vector(X, wanted)
         out = self._product(self._columns_to_params(X), wanted)
         rows = [self._row(out, var, k).reshape(k, -1).T for var in self.names]

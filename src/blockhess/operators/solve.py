@@ -20,7 +20,7 @@ import torch
 
 from ..validation import check_bool, check_int
 from .checks import check_operator
-from .estimators import NotConvergedError
+from .estimators import NotConvergedError, pow2_exponent, pow2_scale
 
 __all__ = ["SolveResult", "InfluenceResult", "IndefiniteError", "solve", "influence"]
 
@@ -272,10 +272,13 @@ def solve(A, b, damping: float = 0.0, tol: float = 1e-8, *, method: str = "auto"
     general (that needs MINRES-QLP, Choi, Paige & Saunders 2011, not offered).
 
     ``x0``: the start, of ``b``'s kind and shape (default zero). ``max_matvecs``: at most this many columns
-    multiplied in all (default ``k · (2n + 10)``: in exact arithmetic either method ends within ``n`` steps).
+    multiplied in all (default ``k · (10n + 100)``: in exact arithmetic either method ends within ``n`` steps;
+    in floating point, without reorthogonalisation, an ill-conditioned system takes several times that).
     The recurrence's residual stops it; then one product gives the true residual, and where that misses
     ``tol`` (rounding over many steps) the recurrence restarts from the current iterate, at most
-    ``MAX_RESTARTS`` times and only while each restart lowers the true residual.
+    ``MAX_RESTARTS`` times and only while each restart lowers the true residual. Each column of ``b`` (and of
+    ``x0``) is first scaled by a power of two (exact), so a ``b`` of any size the dtype holds is solved
+    alike (norms of entries near ``1e-200`` would underflow in float64).
 
     Returns a :class:`SolveResult`. Raises ``ValueError`` before any product for an operator that is not
     square or says it is not symmetric (an off-diagonal view ``A[a, b]``), a ``b`` or ``x0`` of another
@@ -294,12 +297,18 @@ def solve(A, b, damping: float = 0.0, tol: float = 1e-8, *, method: str = "auto"
     check_bool("allow_unconverged", allow_unconverged)
     Bm, back, kind = _as_columns(A, b, "b")
     k = Bm.shape[1]
-    budget = k * (2 * n + 10) if max_matvecs is None else check_int("max_matvecs", max_matvecs, 1)
+    budget = k * (10 * n + 100) if max_matvecs is None else check_int("max_matvecs", max_matvecs, 1)
     if x0 is not None:
         X0, _, kind0 = _as_columns(A, x0, "x0")
         if kind0 != kind:
             raise ValueError(f"x0 must be of b's kind and shape ({_describe(kind)}), got {_describe(kind0)}")
     run = "minres" if method == "auto" else method
+    # each column scaled by a power of two (exact: (A + λI)(x 2^-c) = b 2^-c), so that the recurrences' inner
+    # products neither underflow nor overflow whatever b's size (entries of 1e-200 square to zero in float64)
+    c = [pow2_exponent(Bm[:, j]) for j in range(k)]
+    Bm = torch.stack([pow2_scale(Bm[:, j], -c[j]) for j in range(k)], 1)
+    if x0 is not None:
+        X0 = torch.stack([pow2_scale(X0[:, j], -c[j]) for j in range(k)], 1)
     op = _Shifted(A, damping, budget)
     bnorm = Bm.norm(dim=0)
     goal = tol * bnorm
@@ -335,6 +344,8 @@ def solve(A, b, damping: float = 0.0, tol: float = 1e-8, *, method: str = "auto"
         true = torch.full((k,), float("inf"), dtype=Bm.dtype, device=Bm.device)
     relres = torch.where(bnorm > 0, true / torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm)), true)
     converged = bool((true <= goal).all()) and not bool(broken.any())
+    X = torch.stack([pow2_scale(X[:, j], c[j]) for j in range(k)], 1)  # back to b's scale
+    true = torch.stack([pow2_scale(true[j], c[j]) for j in range(k)])
     single = kind[0] == "vector" or (kind[0] == "list" and kind[2] is None)
     result = SolveResult(back(X), float(true[0]) if single else true, float(relres[0]) if single else relres,
                          op.matvecs, steps, restarts, converged, run, damping, tol)
@@ -387,5 +398,9 @@ def influence(A, train_grads: torch.Tensor, test_grad: torch.Tensor, damping: fl
         got = tuple(test_grad.shape) if isinstance(test_grad, torch.Tensor) else type(test_grad).__name__
         raise ValueError(f"test_grad must be a tensor ({n},), got {got}")
     _check_tensor(A, train_grads, "train_grads")
-    sol = solve(A, test_grad, damping, tol, method=method, max_matvecs=max_matvecs)
+    try:
+        sol = solve(A, test_grad, damping, tol, method=method, max_matvecs=max_matvecs)
+    except NotConvergedError as e:
+        raise NotConvergedError(str(e).replace(", or pass allow_unconverged=True", " (influence takes no "
+                                "allow_unconverged: a score from an unconverged solve would be wrong)"), e.result) from None
     return InfluenceResult(train_grads.T @ sol.x, sol)
