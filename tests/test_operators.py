@@ -509,6 +509,11 @@ def test_slq_interval_is_stated_by_its_rule():
         r.integral(lambda x: x.sum())
     with pytest.raises(ValueError, match="NaN or Inf"):
         r.integral(lambda x: x.log())  # negative nodes
+    # a probe whose Krylov space is invariant has unused nodes (zero weight, value 0): f is judged at the used ones
+    small = slq_density(torch.diag(torch.tensor([1.0, 2.0, 4.0, 4.0], dtype=DT)), n_probes=2, n_iter=4)
+    assert small.n_iter == 4 and bool((small.weights[:, 3] == 0).all())  # three distinct values: a 3-d Krylov space
+    log_mean = small.integral(lambda x: x.log())
+    assert log_mean.value == pytest.approx(5 * math.log(2) / 4, rel=1e-12)  # diagonal A: each probe the exact measure
     with pytest.raises(ValueError, match="confidence"):
         slq_density(M, confidence=1.0)
 

@@ -16,7 +16,7 @@ reorthogonalisations would then carry about 1e-3 relative error.
   Krylov–Schur restarts, to a stated residual, never silently unconverged (:class:`NotConvergedError`);
   the dense eigendecomposition below a size.
 * :func:`slq_density`: the spectral density by stochastic Lanczos quadrature, with its sampling and
-  quadrature errors.
+  quadrature errors and a pointwise interval; :meth:`SLQResult.integral` any ``tr f(A) / n`` from it.
 * :func:`hutchpp_trace`: the trace by Hutch++, with its standard error and a calibrated interval.
 * :func:`frobenius_norm`: exact from the columns, or estimated the Hutch++ way.
 * :func:`diagonal`: the engine's exact diagonal (never sampled); :func:`hutchinson_diagonal` samples one.
@@ -184,10 +184,12 @@ class SLQResult:
         if not isinstance(fv, torch.Tensor) or fv.shape != self.nodes.shape or not isinstance(fp, torch.Tensor) \
                 or fp.shape != self.nodes.shape:
             raise ValueError(f"f must map the nodes {tuple(self.nodes.shape)} to a tensor of the same shape")
-        if not bool(torch.isfinite(fv).all()) or not bool(torch.isfinite(fp).all()):
+        used, used_prev = self.weights > 0, self.weights_prev > 0  # a probe's rule stops at its invariant space
+        if not bool(torch.isfinite(fv[used]).all()) or not bool(torch.isfinite(fp[used_prev]).all()):
             raise ValueError("f returned NaN or Inf at a node")
         w, wp = self.weights.to(torch.float64), self.weights_prev.to(torch.float64)
-        fv, fp = fv.to(torch.float64), fp.to(torch.float64)
+        fv = torch.where(used, fv, 0).to(torch.float64)
+        fp = torch.where(used_prev, fp, 0).to(torch.float64)
         per = (w * fv).sum(1)
         value = float(per.mean())
         P = per.shape[0]
@@ -198,6 +200,7 @@ class SLQResult:
         delta = self.n * eps * float(self.nodes.abs().max())
         moved = torch.maximum((f(self.nodes + delta).to(torch.float64) - fv).abs(),
                               (f(self.nodes - delta).to(torch.float64) - fv).abs())
+        moved = torch.where(used & torch.isfinite(moved), moved, 0)  # (a node within δ of f's domain's edge: f's own)
         rounding = float((w * moved).sum(1).mean()) + (self.n_iter + P) * eps * float((w * fv.abs()).sum(1).mean())
         half = max(_t_quantile(conf, P - 1) * se + quad, rounding)
         return Estimate(value, se, self.matvecs, False, value - half, value + half, conf)
