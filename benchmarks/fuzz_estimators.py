@@ -6,9 +6,12 @@ Two parts, written into one JSON (``benchmarks/results/fuzz-estimators-<commit>.
    ``hutchpp_trace`` and ``frobenius_norm`` at each budget of ``--budgets``, ``hutchinson_diagonal`` and
    ``slq_density`` at their defaults: how often the stated interval holds the exact value (an estimator
    without ``ci_low``, as before the intervals, is judged by ``value ± 1.96 stderr``), the largest
-   ``|z| = |value − exact| / stderr``, and for SLQ its first two moments (``tr A / n``, ``‖A‖_F² / n``) against
-   their probe standard errors with Student's t, its total mass, and the density against the broadened
-   exact spectrum within ``1.96 stderr + quadrature_error``.
+   ``|z| = |value − exact| / stderr``, and for SLQ its first two moments (``tr A / n``, ``‖A‖_F² / n``) in
+   ``SLQResult.integral``'s intervals, its total mass, and the density against the broadened exact spectrum
+   in ``[ci_low, ci_high]`` at the grid points where the exact density is above 1e-3 of its peak (a tree
+   from before SLQ's intervals: the moments within Student's t times the probes' sample standard error, the
+   density within ``1.96 stderr + quadrature_error``, both also reported for the new tree's ``stderr``).
+   ``--slq-only`` measures SLQ alone.
 2. *Fuzz*: ``--configs`` random configurations (a family, a size ``n`` of 8–600, float64 or float32, a
    budget, a seed, a dense tensor or a ``HessianOperator``), each run through every estimator with checks
    that must hold on every draw (exact results where the budget covers ``n``, intervals that contain their
@@ -134,7 +137,53 @@ def broadened(lam: torch.Tensor, grid: torch.Tensor, sigma: float) -> torch.Tens
     return torch.exp(-0.5 * z * z).sum(1) / (lam.numel() * sigma * math.sqrt(2 * math.pi))
 
 
-def coverage(seeds: int, budgets: list[int], n: int, slq_seeds: int, quiet: bool) -> dict:
+def _slq_coverage(M: torch.Tensor, lam: torch.Tensor, slq_seeds: int) -> dict:
+    """``slq_density`` at its defaults on ``M`` (eigenvalues ``lam``) over ``slq_seeds`` seeds."""
+    n = lam.numel()
+    moments = (lambda x: x, float(lam.mean())), (lambda x: x * x, float((lam * lam).mean()))
+    c, c_sample = [0, 0], [0, 0]
+    mass_err = 0.0
+    dens_in = dens_196 = dens_all = 0
+    zmax_d = 0.0
+    widths = []
+    P = 16
+    q = _t(0.95, P - 1)
+    new = None
+    for s in range(slq_seeds):
+        r = slq_density(M, seed=s)
+        new = getattr(r, "ci_low", None) is not None
+        w, th = r.weights, r.nodes
+        mass_err = max(mass_err, float((w.sum(1) - 1).abs().max()))
+        for i, (f, exact) in enumerate(moments):
+            p = (w * f(th)).sum(1)
+            c_sample[i] += abs(float(p.mean()) - exact) <= q * float(p.std()) / math.sqrt(P)
+            if new:
+                e = r.integral(f)
+                c[i] += e.ci_low <= exact <= e.ci_high
+        exact_d = broadened(lam, r.grid, r.sigma)
+        err = (r.density - exact_d).abs()
+        live = exact_d > 1e-3 * float(exact_d.max())
+        if new:
+            dens_in += int(((r.ci_low <= exact_d) & (exact_d <= r.ci_high))[live].sum())
+            widths.append(float(((r.ci_high - r.ci_low)[live] / exact_d[live]).median()))
+        dens_196 += int((err[live] <= 1.96 * r.stderr[live] + r.quadrature_error[live]).sum())
+        dens_all += int(live.sum())
+        zmax_d = max(zmax_d, float(((err - r.quadrature_error).clamp_min(0)[live] / r.stderr[live].clamp_min(1e-300)).max()))
+    rec = {"seeds": slq_seeds, "n": n, "rule": "ci" if new else "sample", "max_mass_error": mass_err,
+           "moment1_coverage_sample_t": c_sample[0] / slq_seeds, "moment2_coverage_sample_t": c_sample[1] / slq_seeds,
+           "density_pointwise_coverage_1.96_stderr": dens_196 / max(dens_all, 1), "density_points": dens_all,
+           "density_max_z": zmax_d}
+    if new:
+        rec.update({"moment1_coverage": c[0] / slq_seeds, "moment2_coverage": c[1] / slq_seeds,
+                    "density_pointwise_coverage": dens_in / max(dens_all, 1),
+                    "density_median_rel_width": sorted(widths)[len(widths) // 2]})
+    else:
+        rec.update({"moment1_coverage": rec["moment1_coverage_sample_t"], "moment2_coverage": rec["moment2_coverage_sample_t"],
+                    "density_pointwise_coverage": rec["density_pointwise_coverage_1.96_stderr"]})
+    return rec
+
+
+def coverage(seeds: int, budgets: list[int], n: int, slq_seeds: int, quiet: bool, slq_only: bool = False) -> dict:
     out = {}
     cases = [(f, None) for f in FAMILIES] + [("block_hessian", None)]
     for family, _ in cases:
@@ -148,7 +197,7 @@ def coverage(seeds: int, budgets: list[int], n: int, slq_seeds: int, quiet: bool
             M = matrix(lam, g)
         tr, fro = float(lam.sum()), float(lam.norm())
         rec = {"n": int(M.shape[0]), "trace": tr, "frobenius": fro}
-        for N in budgets:
+        for N in ([] if slq_only else budgets):
             for name, fn, exact in (("hutchpp_trace", hutchpp_trace, tr), ("frobenius_norm", frobenius_norm, fro)):
                 inside = inside196 = 0
                 zmax = 0.0
@@ -162,48 +211,27 @@ def coverage(seeds: int, budgets: list[int], n: int, slq_seeds: int, quiet: bool
                     widths.append((hi - lo) / max(abs(exact), 1e-300))
                 rec[f"{name}@{N}"] = {"coverage": inside / seeds, "coverage_1.96_stderr": inside196 / seeds,
                                       "max_abs_z": zmax, "median_rel_width": sorted(widths)[len(widths) // 2]}
-        # hutchinson_diagonal at its default budget: every entry, every seed
-        d = torch.diagonal(M)
-        hits = torch.zeros_like(d)
-        hits196 = torch.zeros_like(d)
-        for s in range(seeds):
-            e = hutchinson_diagonal(M, seed=s)
-            lo, hi = _interval(e)
-            hits += ((lo <= d) & (d <= hi)).to(DT)
-            hits196 += ((e.value - d).abs() <= 1.96 * e.stderr).to(DT)
-        rec["hutchinson_diagonal@30"] = {"coverage": float(hits.mean()) / seeds,
-                                         "worst_entry_coverage": float(hits.min()) / seeds,
-                                         "coverage_1.96_stderr": float(hits196.mean()) / seeds}
-        # slq_density at its defaults
-        m1, m2 = tr / lam.numel(), fro**2 / lam.numel()
-        c1 = c2 = 0
-        mass_err = 0.0
-        dens_in = dens_all = 0
-        zmax_d = 0.0
-        P = 16
-        q = _t(0.95, P - 1)
-        for s in range(slq_seeds):
-            r = slq_density(M, seed=s)
-            w, th = r.weights, r.nodes
-            mass_err = max(mass_err, float((w.sum(1) - 1).abs().max()))
-            p1, p2 = (w * th).sum(1), (w * th * th).sum(1)
-            c1 += abs(float(p1.mean()) - m1) <= q * float(p1.std()) / math.sqrt(P)
-            c2 += abs(float(p2.mean()) - m2) <= q * float(p2.std()) / math.sqrt(P)
-            exact_d = broadened(lam, r.grid, r.sigma)
-            err = (r.density - exact_d).abs()
-            live = r.stderr > 1e-3 * float(r.stderr.max())
-            dens_in += int((err[live] <= 1.96 * r.stderr[live] + r.quadrature_error[live]).sum())
-            dens_all += int(live.sum())
-            zmax_d = max(zmax_d, float(((err - r.quadrature_error).clamp_min(0)[live] / r.stderr[live]).max()))
-        rec["slq_density"] = {"seeds": slq_seeds, "moment1_coverage_t": c1 / slq_seeds, "moment2_coverage_t": c2 / slq_seeds,
-                              "max_mass_error": mass_err, "density_pointwise_coverage_1.96": dens_in / max(dens_all, 1),
-                              "density_max_z": zmax_d}
+        if not slq_only:
+            # hutchinson_diagonal at its default budget: every entry, every seed
+            d = torch.diagonal(M)
+            hits = torch.zeros_like(d)
+            hits196 = torch.zeros_like(d)
+            for s in range(seeds):
+                e = hutchinson_diagonal(M, seed=s)
+                lo, hi = _interval(e)
+                hits += ((lo <= d) & (d <= hi)).to(DT)
+                hits196 += ((e.value - d).abs() <= 1.96 * e.stderr).to(DT)
+            rec["hutchinson_diagonal@30"] = {"coverage": float(hits.mean()) / seeds,
+                                             "worst_entry_coverage": float(hits.min()) / seeds,
+                                             "coverage_1.96_stderr": float(hits196.mean()) / seeds}
+        rec["slq_density"] = _slq_coverage(M, lam, slq_seeds)
         rec["seconds"] = time.perf_counter() - t0
         out[family] = rec
         if not quiet:
             line = " ".join(f"{k}={v['coverage']:.3f}" for k, v in rec.items() if isinstance(v, dict) and "coverage" in v)
-            print(f"[coverage] {family:20s} {line} slq m1={c1 / slq_seeds:.3f} dens={dens_in / max(dens_all, 1):.3f} "
-                  f"({rec['seconds']:.0f}s)", file=sys.stderr, flush=True)
+            sl = rec["slq_density"]
+            print(f"[coverage] {family:20s} {line} slq m1={sl['moment1_coverage']:.3f} m2={sl['moment2_coverage']:.3f} "
+                  f"dens={sl['density_pointwise_coverage']:.3f} ({rec['seconds']:.0f}s)", file=sys.stderr, flush=True)
     return out
 
 
@@ -273,9 +301,17 @@ def one_config(rng: torch.Generator, i: int, lanczos: bool) -> dict:
     r = slq_density(A, n_probes=P, n_iter=m, seed=seed)
     assert float((r.weights.sum(1) - 1).abs().max()) <= 1e3 * eps, "SLQ weights do not sum to 1"
     assert bool(torch.isfinite(r.density).all()) and bool((r.stderr >= 0).all())
-    p1 = (r.weights.double() * r.nodes.double()).sum(1)
-    q = _t(0.95, P - 1)
-    res["slq_m1_in"] = bool(abs(float(p1.mean()) - tr / n) <= q * float(p1.std()) / math.sqrt(P) + 1e3 * eps * scale)
+    assert r.n == n and bool((r.ci_low >= 0).all()) and bool((r.ci_low <= r.density).all()) \
+        and bool((r.density <= r.ci_high).all()), "SLQ's interval does not hold its density"
+    e1 = r.integral(lambda x: x)
+    assert e1.ci_low <= e1.value <= e1.ci_high and math.isfinite(e1.stderr)
+    # the float32 matrix is the float64 one rounded: its eigenvalues move by up to ~ n ε ‖M‖ (Weyl)
+    res["slq_m1_in"] = bool(e1.ci_low - tol * scale <= tr / n <= e1.ci_high + tol * scale)
+    exact_d = broadened(lam, r.grid.double(), r.sigma)
+    live = exact_d > 1e-3 * float(exact_d.max())
+    slack = tol * scale * float(exact_d.max()) / r.sigma  # the same eigenvalue shift through the Gaussian's slope
+    res["slq_density_in_fraction"] = float(((r.ci_low.double() - slack <= exact_d)
+                                            & (exact_d <= r.ci_high.double() + slack))[live].double().mean())
     # the refusals, each by name and before any product
     _expect(lambda: hutchpp_trace(op["a", "b"], N), ValueError, "the off-diagonal view A['a', 'b']")
     _expect(lambda: slq_density(op["a", "b"]), ValueError, "slq_density assumes a symmetric operator")
@@ -325,7 +361,8 @@ def fuzz(configs: int, seed: int, lanczos: bool, quiet: bool) -> dict:
     frac = lambda key: sum(r[key] for r in rows) / max(len(rows), 1)
     summary = {"configs": configs, "completed": len(rows), "failures": len(failures), "seconds": time.perf_counter() - t0,
                "trace_in": frac("trace_in"), "fro_in": frac("fro_in"), "fro_view_in": frac("fro_view_in"),
-               "diag_in_fraction": frac("diag_in_fraction"), "slq_m1_in": frac("slq_m1_in")}
+               "diag_in_fraction": frac("diag_in_fraction"), "slq_m1_in": frac("slq_m1_in"),
+               "slq_density_in_fraction": frac("slq_density_in_fraction")}
     if lanczos:
         for v in ("ok", "not extreme", "raised"):
             summary[f"lanczos_{v}"] = sum(r.get("lanczos") == v for r in rows)
@@ -342,6 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fuzz-seed", type=int, default=0)
     ap.add_argument("--lanczos", action="store_true", help="also fuzz lanczos_eigs (public API)")
     ap.add_argument("--skip-coverage", action="store_true")
+    ap.add_argument("--slq-only", action="store_true", help="coverage of slq_density alone")
     ap.add_argument("--out", default=None, help="the JSON (default benchmarks/results/fuzz-estimators-<commit>.json)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -355,7 +393,7 @@ def main(argv=None) -> int:
               "threads": torch.get_num_threads(), "machine": platform.machine(), "argv": sys.argv[1:],
               "confidence": 0.95}
     if not a.skip_coverage:
-        result["coverage"] = coverage(a.seeds, budgets, a.n, a.slq_seeds, a.quiet)
+        result["coverage"] = coverage(a.seeds, budgets, a.n, a.slq_seeds, a.quiet, a.slq_only)
     if a.configs:
         result["fuzz"] = fuzz(a.configs, a.fuzz_seed, a.lanczos, a.quiet)
     out = pathlib.Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"fuzz-estimators-{commit}.json"

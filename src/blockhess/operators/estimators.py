@@ -16,7 +16,7 @@ reorthogonalisations would then carry about 1e-3 relative error.
   Krylov–Schur restarts, to a stated residual, never silently unconverged (:class:`NotConvergedError`);
   the dense eigendecomposition below a size.
 * :func:`slq_density`: the spectral density by stochastic Lanczos quadrature, with its sampling and
-  quadrature errors.
+  quadrature errors and a pointwise interval; :meth:`SLQResult.integral` any ``tr f(A) / n`` from it.
 * :func:`hutchpp_trace`: the trace by Hutch++, with its standard error and a calibrated interval.
 * :func:`frobenius_norm`: exact from the columns, or estimated the Hutch++ way.
 * :func:`diagonal`: the engine's exact diagonal (never sampled); :func:`hutchinson_diagonal` samples one.
@@ -120,14 +120,23 @@ class SLQResult:
     r"""A spectral density by stochastic Lanczos quadrature (:func:`slq_density`).
 
     ``grid`` ``(G,)``, ``density`` ``(G,)`` the Gaussian-broadened density
-    :math:`\phi(t) = \frac1P\sum_p\sum_j \tau_{pj}\, g_\sigma(t-\theta_{pj})` (unit mass, an estimate of
-    :math:`\frac1n\sum_i g_\sigma(t-\lambda_i)`), ``stderr`` ``(G,)`` its standard error over the probes,
-    ``quadrature_error`` ``(G,)`` the mean over probes of :math:`|\phi_p^{(m)}-\phi_p^{(m-1)}|` (the ``m``- and
-    ``(m−1)``-node Gauss rules; 0 for a probe whose Krylov space became invariant: its rule is exact),
-    ``sigma``; ``nodes``, ``weights`` ``(P, m)`` each probe's Ritz values and squared first components
-    (a probe with an invariant Krylov space of dimension ``L < m`` has zero weights after ``L``),
-    ``nodes_prev``, ``weights_prev`` the ``(m−1)``-node rules, ``n_probes``, ``n_iter`` (``m``),
-    ``matvecs``, ``reorth``. :meth:`broaden` evaluates another grid or width."""
+    :math:`\phi(t) = \frac1P\sum_p \phi_p(t)`, :math:`\phi_p(t) = \sum_j \tau_{pj}\, g_\sigma(t-\theta_{pj})` (unit
+    mass, an unbiased estimate, up to quadrature, of :math:`\phi^*(t) = \frac1n\sum_i g_\sigma(t-\lambda_i)`),
+    ``stderr`` ``(G,)`` :math:`\sqrt{2 s^2(t) / (nP - 2)}`, :math:`s^2(t) = \frac1P\sum_p\sum_j \tau_{pj}
+    (g_\sigma(t-\theta_{pj}) - \phi(t))^2` (from the probes' Gauss rules, no product: an estimate of a bound on
+    the standard deviation of :math:`\phi(t)`, not the probes' sample standard deviation; docs/derivations.md
+    §17), ``quadrature_error`` ``(G,)`` the mean over probes of :math:`|\phi_p^{(m)}-\phi_p^{(m-1)}|` (the ``m``-
+    and ``(m−1)``-node Gauss rules; 0 for a probe whose Krylov space became invariant: its rule is exact),
+    ``sigma``; ``nodes``, ``weights`` ``(P, m)`` each probe's Ritz values and squared first components (a probe
+    with an invariant Krylov space of dimension ``L < m`` has zero weights after ``L``), ``nodes_prev``,
+    ``weights_prev`` the ``(m−1)``-node rules, ``n_probes``, ``n_iter`` (``m``), ``matvecs``, ``reorth``, ``n``
+    (the operator's dimension), and the pointwise interval ``ci_low``, ``ci_high`` ``(G,)`` at ``confidence``:
+    ``density ± max(q · stderr + quadrature_error, rounding)``, ``q`` Student's t quantile with ``P − 1``
+    degrees of freedom, ``rounding`` the change of the density under node errors ``n ε max|θ|`` and the
+    rounding of its sums, ``ci_low`` at least 0 (a density is not negative). Each grid point's interval
+    covers :math:`\phi^*(t)` at about ``confidence`` (pointwise, not simultaneous over the grid; the rule and
+    its measured coverage: docs/derivations.md §17, "Stated errors and intervals"). :meth:`broaden`
+    evaluates another grid or width, :meth:`integral` any :math:`\frac1n \mathrm{tr} f(A)`."""
 
     grid: torch.Tensor
     density: torch.Tensor
@@ -142,10 +151,61 @@ class SLQResult:
     n_iter: int
     matvecs: int
     reorth: str
+    n: int
+    ci_low: torch.Tensor | None = None
+    ci_high: torch.Tensor | None = None
+    confidence: float = 0.95
 
     def broaden(self, grid: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(density, stderr, quadrature_error)`` on ``grid`` ``(G,)`` with Gaussian width ``sigma > 0``."""
-        return _broaden(self.nodes, self.weights, self.nodes_prev, self.weights_prev, grid, sigma)
+        """``(density, stderr, quadrature_error)``, each ``(G,)`` in the nodes' dtype, on ``grid`` ``(G,)`` with
+        Gaussian width ``sigma > 0``, by the rules of the class docstring. Raises ``ValueError`` for a
+        ``grid`` that is not a finite 1-d tensor, a ``sigma`` that is not a finite float ``> 0``."""
+        density, stderr, quad, _ = _broaden(self.nodes, self.weights, self.nodes_prev, self.weights_prev, grid, sigma,
+                                            self.n)
+        return density, stderr, quad
+
+    def integral(self, f: Callable[[torch.Tensor], torch.Tensor], *, confidence: float | None = None) -> Estimate:
+        r"""An :class:`Estimate` of :math:`\frac1n\mathrm{tr} f(A) = \int f\,d\mu` (``f(A)`` for the spectral
+        measure ``μ``; ``f = lambda x: x`` gives ``tr A / n``) from the probes' Gauss rules, no product.
+
+        ``f`` maps a tensor of nodes ``(P, m)`` to values of the same shape (elementwise, real). ``value``
+        :math:`\bar\phi = \frac1P\sum_p\sum_j\tau_{pj}f(\theta_{pj})`, ``stderr`` :math:`\sqrt{2s^2/(nP-2)}`,
+        :math:`s^2 = \frac1P\sum_p\sum_j \tau_{pj}(f(\theta_{pj}) - \bar\phi)^2` (as the density's), the
+        interval ``value ± max(q · stderr + quadrature, rounding)`` with ``q`` Student's t quantile with
+        ``P − 1`` degrees of freedom, ``quadrature`` the mean over probes of the ``m``- vs ``(m−1)``-node rules'
+        difference (0 to rounding for a polynomial of degree ``<= 2m − 3``), ``rounding`` the change of the
+        rule under node errors ``n ε max|θ|`` (``f`` at ``θ ± n ε max|θ|``) and the rounding of its sums.
+        ``confidence`` defaults to the result's. ``matvecs`` the result's; ``exact`` ``False`` (every probe is a
+        sample, an invariant Krylov space included).
+
+        Raises ``ValueError`` when ``f`` returns a tensor of another shape or a non-finite value, for a bad
+        ``confidence``.
+        """
+        conf = self.confidence if confidence is None else _check_confidence(confidence)
+        fv, fp = f(self.nodes), f(self.nodes_prev)
+        if not isinstance(fv, torch.Tensor) or fv.shape != self.nodes.shape or not isinstance(fp, torch.Tensor) \
+                or fp.shape != self.nodes.shape:
+            raise ValueError(f"f must map the nodes {tuple(self.nodes.shape)} to a tensor of the same shape")
+        used, used_prev = self.weights > 0, self.weights_prev > 0  # a probe's rule stops at its invariant space
+        if not bool(torch.isfinite(fv[used]).all()) or not bool(torch.isfinite(fp[used_prev]).all()):
+            raise ValueError("f returned NaN or Inf at a node")
+        w, wp = self.weights.to(torch.float64), self.weights_prev.to(torch.float64)
+        fv = torch.where(used, fv, 0).to(torch.float64)
+        fp = torch.where(used_prev, fp, 0).to(torch.float64)
+        per = (w * fv).sum(1)
+        value = float(per.mean())
+        P = per.shape[0]
+        s2 = float((w * (fv - value) ** 2).sum(1).mean())
+        se = math.sqrt(2 * s2 / max(self.n * P - 2, 1))
+        quad = float(((w * fv).sum(1) - (wp * fp).sum(1)).abs().mean())
+        eps = torch.finfo(self.nodes.dtype).eps
+        delta = self.n * eps * float(self.nodes.abs().max())
+        moved = torch.maximum((f(self.nodes + delta).to(torch.float64) - fv).abs(),
+                              (f(self.nodes - delta).to(torch.float64) - fv).abs())
+        moved = torch.where(used & torch.isfinite(moved), moved, 0)  # (a node within δ of f's domain's edge: f's own)
+        rounding = float((w * moved).sum(1).mean()) + (self.n_iter + P) * eps * float((w * fv.abs()).sum(1).mean())
+        half = max(_t_quantile(conf, P - 1) * se + quad, rounding)
+        return Estimate(value, se, self.matvecs, False, value - half, value + half, conf)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -759,7 +819,7 @@ def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) 
 def _gauss(grid: torch.Tensor, nodes: torch.Tensor, weights: torch.Tensor, sigma: float) -> torch.Tensor:
     """Per probe ``Σ_j w_j g_σ(t − θ_j)`` on ``grid``: ``(P, G)``."""
     z = (grid[None, None, :] - nodes[:, :, None]) / sigma
-    return (weights[:, :, None] * torch.exp(-0.5 * z * z)).sum(1) / (sigma * math.sqrt(2 * math.pi))
+    return (weights[:, :, None] * torch.exp(-0.5 * z * z)).sum(1) * (1 / (sigma * math.sqrt(2 * math.pi)))
 
 
 def _check_grid(grid: torch.Tensor) -> None:
@@ -767,21 +827,39 @@ def _check_grid(grid: torch.Tensor) -> None:
         raise ValueError("grid contains NaN or Inf")
 
 
-def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma):
+def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma, n):
+    """``(density, stderr, quadrature_error, rounding)`` on ``grid`` ``(G,)``: :class:`SLQResult`'s rules for the
+    Gauss rules ``(nodes, weights)`` ``(P, m)`` of an ``(n, n)`` operator."""
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (sigma > 0 and math.isfinite(sigma)):
         raise ValueError(f"sigma must be a finite float > 0, got {sigma!r}")
     if not isinstance(grid, torch.Tensor) or grid.ndim != 1:
         raise ValueError(f"grid must be a 1-d tensor, got {type(grid).__name__}")
     _check_grid(grid)
+    sigma = float(sigma)
     grid = grid.to(dtype=nodes.dtype, device=nodes.device)
-    per = _gauss(grid, nodes, weights, float(sigma))
-    prev = _gauss(grid, nodes_prev, weights_prev, float(sigma))
-    P = per.shape[0]
-    return per.mean(0), per.std(0, correction=1) / math.sqrt(P), (per - prev).abs().mean(0)
+    P, m = nodes.shape
+    x = grid[None, None, :] - nodes[:, :, None]  # (P, m, G)
+    c = 1 / (sigma * math.sqrt(2 * math.pi))
+    z = x / sigma
+    e = torch.exp(-0.5 * z * z)
+    per = (weights[:, :, None] * e).sum(1) * c  # (P, G), _gauss's sums
+    prev = _gauss(grid, nodes_prev, weights_prev, sigma)
+    density = per.mean(0)
+    # s²(t) = mean_p Σ_j τ_pj (g(t − θ_pj) − φ(t))²: the Gauss rules' ‖(F − φ I) v_p‖², F = g_σ(t − A)
+    s2 = (weights[:, :, None] * (e * c - density) ** 2).sum(1).mean(0)
+    stderr = (2 * s2 / max(n * P - 2, 1)).sqrt()
+    # rounding: each node moved by δ = n ε max|θ| (the sup of |g'| over [|x| − δ, |x| + δ]), and the sums' own
+    eps = torch.finfo(nodes.dtype).eps
+    delta = n * eps * float(nodes.abs().max())
+    ax = x.abs()
+    xs = torch.clamp(torch.full_like(ax, sigma), (ax - delta).clamp_min(0), ax + delta)
+    slope = xs / sigma**2 * torch.exp(-0.5 * (xs / sigma) ** 2) * c
+    rounding = delta * (weights[:, :, None] * slope).sum(1).mean(0) + (m + P) * eps * density
+    return density, stderr, (per - prev).abs().mean(0), rounding
 
 
 def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: int | torch.Tensor = 512,
-                sigma: float | None = None, reorth: str = "full") -> SLQResult:
+                sigma: float | None = None, reorth: str = "full", *, confidence: float = 0.95) -> SLQResult:
     r"""The spectral density of a symmetric operator ``A`` ``(n, n)`` by stochastic Lanczos quadrature
     (Lin, Saad & Yang 2016; Ubaru, Chen & Saad 2017): an :class:`SLQResult`.
 
@@ -792,8 +870,13 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     that average broadened by a Gaussian of width ``sigma`` (default: the nodes' spread ``/ n_iter``;
     where every node is one value ``λ``, ``|λ| / n_iter``, and ``1 / n_iter`` for the zero operator;
     stated in the result) on ``grid`` (a number of points over the nodes' range ``± 5σ``, or a tensor).
-    Errors stated: ``stderr`` (the sampling error, over probes) and ``quadrature_error`` (the ``m``- vs
-    ``(m−1)``-node rule). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
+    Errors stated per grid point: ``stderr`` (the sampling error: :math:`\sqrt{2 s^2(t)/(nP-2)}` from the
+    Gauss rules of :math:`(g_\sigma(t - \lambda) - \phi(t))^2`, an estimate of a bound on the Rademacher
+    probes' variance, which is at most a Gaussian probe's; not their sample standard deviation, which a few
+    heavily weighted outliers make small exactly where the estimate is far off), ``quadrature_error``
+    (the ``m``- vs ``(m−1)``-node rule) and the interval ``[ci_low, ci_high]`` at ``confidence``
+    (``density ± max(t_{P−1} · stderr + quadrature_error, rounding)``; pointwise; its rule and measured
+    coverage: docs/derivations.md §17, "Stated errors and intervals"). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
     basis, again where the first pass cancelled more than 1/√2 of its norm (DGKS); memory
     ``n_probes · n_iter · n``) or ``"none"`` (the three-term recurrence only,
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
@@ -801,10 +884,12 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
 
     Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a
     dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_probes < 2``, ``n_iter < 2``, a bad
-    ``seed``, ``grid``, ``sigma`` or ``reorth``; ``InsufficientMemoryError`` when the basis does not fit.
+    ``seed``, ``grid``, ``sigma``, ``reorth`` or ``confidence`` (a float in ``[0.5, 1)``);
+    ``InsufficientMemoryError`` when the basis does not fit.
     """
     n, _ = _check_operator(A, symmetric=True, who="slq_density")
     P = check_int("n_probes", n_probes, 2)
+    confidence = _check_confidence(confidence)
     m = min(check_int("n_iter", n_iter, 2), n)
     if reorth not in ("full", "none"):
         raise ValueError(f"reorth must be 'full' or 'none', got {reorth!r}")
@@ -875,9 +960,11 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if not isinstance(grid, torch.Tensor):
         s = float(sigma) if isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) else 0.0
         grid = torch.linspace(lo - 5 * s, hi + 5 * s, int(grid), dtype=A.dtype, device=A.device)
-    density, stderr, quad = _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma)
+    density, stderr, quad, rounding = _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma, n)
+    half = torch.maximum(_t_quantile(confidence, P - 1) * stderr + quad, rounding)
     return SLQResult(grid.to(dtype=A.dtype, device=A.device), density, stderr, quad, float(sigma), nodes, weights,
-                     nodes_prev, weights_prev, P, m, matvecs, reorth)
+                     nodes_prev, weights_prev, P, m, matvecs, reorth, n, (density - half).clamp_min(0), density + half,
+                     confidence)
 
 
 # ----------------------------------------------------------------------------- trace, norm, diagonal
