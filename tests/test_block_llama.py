@@ -249,6 +249,7 @@ def test_config_shapes_and_errors():
     for kw, msg in ((dict(n_heads=4, n_kv_heads=3, d_k=2), "n_kv_heads=3 must divide n_heads=4"),
                     (dict(rope=True, d_k=3), "rope needs an even d_k"),
                     (dict(rope_theta=0.0), "rope_theta must be > 0"),
+                    (dict(rope=False, rope_theta=500.0), "rope_theta=500.0 has no meaning without rope=True"),
                     (dict(rms_offset=1.0), "rms_offset=1.0 needs norm_type='rms'"),
                     (dict(norm_type="batch"), "norm_type must be one of"),
                     (dict(n_heads=2, d_v=3), "it needs out_proj=True"),

@@ -143,7 +143,7 @@ def llama_cases(draw):
         d_model = draw(st.integers(d_min, 6))
     out_proj = draw(st.booleans()) or (d_v is not None and n_heads * d_v != d_model)  # W_O maps H·d_v to d
     opts = dict(d_model=d_model, d_k=d_k, n_heads=n_heads, n_kv_heads=n_kv, d_v=d_v, kind=kind, rope=rope,
-                rope_theta=draw(st.sampled_from([10.0, 1e4])), qkv_bias=draw(st.booleans()), bias=draw(st.booleans()),
+                rope_theta=draw(st.sampled_from([10.0, 1e4])) if rope else 1e4, qkv_bias=draw(st.booleans()), bias=draw(st.booleans()),
                 out_proj=out_proj, causal=draw(st.booleans()))
     if kind == "block":
         norm_type = draw(st.sampled_from(["layer", "rms"]))

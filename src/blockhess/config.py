@@ -165,6 +165,8 @@ class BlockConfig:
             object.__setattr__(self, name, float(v))
         if self.rope_theta <= 0:
             raise ValueError(f"BlockConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rope and self.rope_theta != 10000.0:
+            raise ValueError(f"BlockConfig.rope_theta={self.rope_theta!r} has no meaning without rope=True")
         if self.rms_offset != 0.0 and not (self.norm_type == "rms" and self.ln_affine):
             raise ValueError(f"BlockConfig.rms_offset={self.rms_offset!r} needs norm_type='rms' and ln_affine=True "
                              "(it is added to the RMSNorm scales gamma_1, gamma_2)")

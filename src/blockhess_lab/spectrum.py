@@ -728,7 +728,8 @@ def markdown(rep: dict) -> str:
                   "Nothing checked.", ""]
     else:
         verdict = {True: "passed", False: "FAILED", None: "not judged (float32)"}[v["passed"]]
-        lines += [f"{len(v['blocks'])} blocks against the dense closed form's block ({v['dense']}): {verdict}; largest "
+        nb = len(v["blocks"])
+        lines += [f"{nb} block{'s' * (nb != 1)} against the dense closed form's block ({v['dense']}): {verdict}; largest "
                   f"|lanczos - dense| / ||A||_2 = {v['max_rel_diff']:.1e} (rule: {v['rule']}).", ""]
     if rep.get("series"):
         t = rep["series"]["matvecs_after_the_first"]
@@ -844,7 +845,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         print(f"blockhess spectrum: the check against dense eigh FAILED (see {out}/spectrum.json, validation)",
               file=sys.stderr)
     if not quiet:
-        v = ("checked " + (f"{len(val['blocks'])} blocks against dense eigh, largest difference "
+        v = ("checked " + (f"{len(val['blocks'])} block{'s' * (len(val['blocks']) != 1)} against dense eigh, largest difference "
                            f"{val['max_rel_diff']:.1e} of ||A||_2" if val["blocks"] else "no block (none small enough)" if
                            not val.get("skipped_why") else "no block (the dense closed form would not fit)"))
         nb, npart = len(keys), len(s.parts)

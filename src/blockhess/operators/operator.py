@@ -57,7 +57,7 @@ def head_views(cfg) -> Split:
     """Per-head sub-variables of a block's (:class:`~blockhess.config.BlockConfig`) or a model's
     (:class:`~blockhess.config.ModelConfig`, names prefixed ``blocks.{i}.``) parameters: name
     ``W_Q#h`` → ``(parameter, refined shape, index)``, :func:`blockhess.result.head_split`; empty for
-    one head or another config. ``b_Q#h`` is included; :class:`HessianOperator` drops the entries of
+    one head or ``None``; ``ValueError`` for anything else. ``b_Q#h`` is included; :class:`HessianOperator` drops the entries of
     parameters it does not have."""
     if isinstance(cfg, BlockConfig):
         return dict(head_split(cfg))
@@ -67,7 +67,9 @@ def head_views(cfg) -> Split:
             pre = block_prefix(i)
             out.update({pre + k: (pre + p, ref, idx) for k, (p, ref, idx) in head_split(block).items()})
         return out
-    return {}
+    if cfg is None:
+        return {}
+    raise ValueError(f"head_views takes a BlockConfig, a ModelConfig or None, got {type(cfg).__name__}")
 
 
 def _numel(shape) -> int:
