@@ -1080,7 +1080,7 @@ def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0, *, confidence: fl
     Rademacher vectors, unbiased, ``stderr`` ``(n,)`` the per-entry sample standard deviation ``/ √N``
     (each entry's samples :math:`A_{jj} + \sum_{l \ne j} A_{jl} g_j g_l` are symmetric about the mean), the
     interval ``(n,)`` each ``value ± q · stderr`` with ``q`` Student's t quantile with ``N − 1`` degrees of
-    freedom (per entry, not simultaneous). A sampled estimate, never the exact diagonal (that is
+    freedom (per entry, not simultaneous), never narrower than the mean's rounding ``(N + 1) ε max_i |x_i|``. A sampled estimate, never the exact diagonal (that is
     :func:`diagonal`).
 
     Raises ``ValueError`` for ``n_matvecs < 2``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
@@ -1091,7 +1091,10 @@ def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0, *, confidence: fl
     G = _rademacher(_generator(seed), (n, N), A)
     x = G * _mm(A, G)
     value, se = x.mean(1), x.std(1, correction=1) / math.sqrt(N)
-    half = _t_quantile(confidence, N - 1) * se
+    # never narrower than the rounding of the mean of N samples: an exactly diagonal A gives equal samples,
+    # a zero spread, and a point interval its rounded mean misses by an ulp
+    floor = (N + 1) * torch.finfo(x.dtype).eps * x.abs().amax(1)
+    half = torch.maximum(_t_quantile(confidence, N - 1) * se, floor)
     return Estimate(value, se, N, False, value - half, value + half, confidence)
 
 
