@@ -135,7 +135,7 @@ class SLQResult:
     degrees of freedom, ``rounding`` the change of the density under node errors ``n ε max|θ|`` and the
     rounding of its sums, ``ci_low`` at least 0 (a density is not negative). Each grid point's interval
     covers :math:`\phi^*(t)` at about ``confidence`` (pointwise, not simultaneous over the grid; the rule and
-    its measured coverage: docs/derivations.md §17, "Stated errors and intervals"). :meth:`broaden`
+    its coverage: docs/derivations.md §17, "Stated errors and intervals"). :meth:`broaden`
     evaluates another grid or width, :meth:`integral` any :math:`\frac1n \mathrm{tr} f(A)`."""
 
     grid: torch.Tensor
@@ -875,8 +875,8 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     probes' variance, which is at most a Gaussian probe's; not their sample standard deviation, which a few
     heavily weighted outliers make small exactly where the estimate is far off), ``quadrature_error``
     (the ``m``- vs ``(m−1)``-node rule) and the interval ``[ci_low, ci_high]`` at ``confidence``
-    (``density ± max(t_{P−1} · stderr + quadrature_error, rounding)``; pointwise; its rule and measured
-    coverage: docs/derivations.md §17, "Stated errors and intervals"). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
+    (``density ± max(t_{P−1} · stderr + quadrature_error, rounding)``; pointwise; its rule and coverage:
+    docs/derivations.md §17, "Stated errors and intervals"). ``reorth``: ``"full"`` (each Lanczos vector orthogonalised against its probe's
     basis, again where the first pass cancelled more than 1/√2 of its norm (DGKS); memory
     ``n_probes · n_iter · n``) or ``"none"`` (the three-term recurrence only,
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
