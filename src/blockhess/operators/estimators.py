@@ -34,7 +34,7 @@ import torch
 
 from .. import linalg
 from ..validation import InsufficientMemoryError, check_bool, check_fits, check_int
-from .checks import asymmetry as _asymmetry, check_operator as _check_operator, check_symmetric as _check_symmetric
+from .checks import asymmetry, check_operator, check_symmetric
 
 __all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace",
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
@@ -528,7 +528,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); M. E. Hochstenbach, J. Sci. Comput. 57
     (2013), "Probabilistic upper bounds for the matrix two-norm" (the check's bound).
     """
-    n, _ = _check_operator(A, symmetric=True, who="lanczos_eigs")
+    n, _ = check_operator(A, symmetric=True, who="lanczos_eigs")
     k = check_int("k", k, 1)
     if k > n:
         raise ValueError(f"k must be at most n = {n}, got {k}")
@@ -887,7 +887,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     ``seed``, ``grid``, ``sigma``, ``reorth`` or ``confidence`` (a float in ``[0.5, 1)``);
     ``InsufficientMemoryError`` when the basis does not fit.
     """
-    n, _ = _check_operator(A, symmetric=True, who="slq_density")
+    n, _ = check_operator(A, symmetric=True, who="slq_density")
     P = check_int("n_probes", n_probes, 2)
     confidence = _check_confidence(confidence)
     m = min(check_int("n_iter", n_iter, 2), n)
@@ -992,7 +992,7 @@ def hutchpp_trace(A, n_matvecs: int = 30, seed: int = 0, *, confidence: float = 
     tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_matvecs < 4``, a bad ``seed`` or
     ``confidence`` (a float in ``[0.5, 1)``).
     """
-    n, _ = _check_operator(A, symmetric=True, who="hutchpp_trace")
+    n, _ = check_operator(A, symmetric=True, who="hutchpp_trace")
     N = check_int("n_matvecs", n_matvecs, 4)
     confidence = _check_confidence(confidence)
     gen = _generator(seed)
@@ -1040,7 +1040,7 @@ def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0, *, confidence
 
     Raises ``ValueError`` for ``n_matvecs < 4``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
     """
-    n_out, n_in = _check_operator(A, square=False)
+    n_out, n_in = check_operator(A, square=False)
     confidence = _check_confidence(confidence)
     gen = _generator(seed)
     if n_matvecs is None or check_int("n_matvecs", n_matvecs, 4) >= n_in:
@@ -1049,7 +1049,7 @@ def frobenius_norm(A, n_matvecs: int | None = None, seed: int = 0, *, confidence
     N = n_matvecs
     s = N // 3
     g = N - 2 * s
-    if n_out == n_in and _asymmetry(A) is None:
+    if n_out == n_in and asymmetry(A) is None:
         Q = torch.linalg.qr(_mm(A, _rademacher(gen, (n_in, s), A))).Q
     else:
         At = A.T
@@ -1085,7 +1085,7 @@ def hutchinson_diagonal(A, n_matvecs: int = 30, seed: int = 0, *, confidence: fl
 
     Raises ``ValueError`` for ``n_matvecs < 2``, a bad ``seed`` or ``confidence`` (a float in ``[0.5, 1)``).
     """
-    n, _ = _check_operator(A)
+    n, _ = check_operator(A)
     N = check_int("n_matvecs", n_matvecs, 2)
     confidence = _check_confidence(confidence)
     G = _rademacher(_generator(seed), (n, N), A)
@@ -1103,7 +1103,7 @@ def diagonal(A) -> torch.Tensor:
     (a :class:`~blockhess.operators.HessianOperator` or a view ``A[a, a]``; a dense tensor's own
     diagonal). Never sampled: raises ``NotImplementedError`` for an operator with no closed-form
     diagonal (:func:`hutchinson_diagonal` estimates one), ``ValueError`` for a non-square one."""
-    n_out, n_in = _check_operator(A, square=False)
+    n_out, n_in = check_operator(A, square=False)
     if n_out != n_in:
         raise ValueError(f"the diagonal is defined for a square operator, got shape {tuple(A.shape)}")
     if isinstance(A, torch.Tensor):
@@ -1140,5 +1140,5 @@ def per_block(A, estimator: Callable, blocks=None, pairs: bool = False, **kwargs
     base = getattr(estimator, "func", estimator)  # a functools.partial of one
     if base in (lanczos_eigs, slq_density, hutchpp_trace):  # every view checked before any product
         for view in views.values():
-            _check_symmetric(view, f"{base.__name__} (per_block{', pairs=True' if pairs else ''})")
+            check_symmetric(view, f"{base.__name__} (per_block{', pairs=True' if pairs else ''})")
     return {key: estimator(view, **kwargs) for key, view in views.items()}
