@@ -746,8 +746,9 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     W = _project_out(X, W)[0]  # twice: the start is uniform on the complement's unit sphere to rounding
     V[:, k : k + 1] = W / W.norm()
     T = torch.zeros(0, 0, dtype=torch.float64, device=V.device)
-    m, products, log_beta, bound, why = 0, 0, 0.0, 1.0, None
+    m, products, log_beta, bound, why, seen = 0, 0, 0.0, 1.0, None, 0.0
     grown_at, log_bound_then = 0, 0.0
+    rho = T.new_zeros(0)
     while True:
         AB = _mm(A, V[:, k + m : k + m + 1])
         products += 1
@@ -758,10 +759,15 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         T2[:, m] = C
         T2[m, :] = C
         T, m = T2, m + 1
-        rho = torch.linalg.eigvalsh(T)
         beta = float(W.norm())
-        invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(float(AB.norm()), float(rho.abs().max()))
-        if products >= c or invariant:
+        invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(float(AB.norm()), seen)
+        full = k + m + 1 > V.shape[1]  # the basis fills: the progress is judged below
+        # T's eigenvalues each step while the basis is small, then every m/16 steps (the bound is judged a few
+        # steps late at most; an eigvalsh per step would cost O(m^4) over a long check)
+        if invariant or full or (products >= c and (m <= 64 or m % (m // 16) == 0)):
+            rho = torch.linalg.eigvalsh(T)
+            seen = max(seen, float(rho.abs().max()))
+        if (products >= c or invariant) and rho.numel() == m:
             if bool((_margin(rho, theta_k, bound_k, which) < 0).any()):
                 bound = 1.0  # beaten: the caller takes the Ritz vectors beyond the threshold in
                 break
@@ -778,7 +784,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         if beta < 0.5 * ortho:  # dividing by a small β magnifies W's rounding along the basis: once more
             u = _project_out(V[:, : k + m], u)[0]
             u = u / u.norm()
-        if k + m + 1 > V.shape[1]:  # the basis is full: judge the progress, then grow it
+        if full:  # the basis is full: judge the progress, then grow it
             lb = math.log(max(_check_bound(log_beta, rho, theta_k, bound_k, which, N), 1e-300))
             if grown_at and N - m > 4 * m and (lb >= log_bound_then or  # (spanning the complement ends it too)
                                                (math.log(failure) - lb) / ((lb - log_bound_then) / (m - grown_at)) > 4 * m):
