@@ -240,7 +240,7 @@ def check_forward(c: Cache, first: int = 0) -> None:
 
     def rows(name, U, **kw):
         U = U.reshape(shape)
-        check_ln_variance(name, U, eps, stats=layernorm.rms_stats(U) if rms else None, first=first, **kw)
+        check_ln_variance(name, U, eps, stats=layernorm.rms_stats(U) if rms else None, first=first, rms=rms, **kw)
 
     norm = "RMSNorm" if rms else "LayerNorm"
     if c.cfg.kind == "block" and c.cfg.norm == "post":
