@@ -26,7 +26,7 @@ from ..result import HessianBlocks, relabel
 from ..validation import FLOAT_DTYPES
 from . import hf
 from . import pytorch
-from .layout import positions, read, shapes_of, structure
+from .layout import difference, positions, read, shapes_of, structure
 from .mode import check_deterministic
 from .layout import relabel as relabel_blocks
 
@@ -179,8 +179,8 @@ def operator_to_module(A: HessianOperator, module: nn.Module) -> HessianOperator
         raise ValueError(f"to_module maps views of whole parameters; {heads} are heads, parts of a stored tensor: "
                          "take a view of the module operator's stored tensor instead")
     if A.cfg is not None and structure(A.cfg) != structure(cfg):
-        raise ValueError(f"A is the Hessian operator of {A.cfg}, but module {what} is {cfg} "
-                         "(up to the mask): its products would not be this module's")
+        raise ValueError(f"A is the Hessian operator of another architecture than module {what} (A's vs the module's: "
+                         f"{difference(A.cfg, cfg)}): its products would not be this module's")
     ours = shapes_of(cfg)
     wrong = [v for v in A.names if tuple(ours.get(v, ())) != A.param_shapes[v] or v not in ours]
     if wrong:
