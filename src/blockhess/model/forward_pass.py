@@ -48,9 +48,32 @@ def _integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
+def _keyword_inputs(inputs: dict) -> torch.Tensor:
+    """A forward's keyword arguments ``{"input_ids": ids, "attention_mask": mask}`` as the ids: a mask
+    of ones only (it changes nothing); a mask with a zero (a padded batch) and any other key are
+    refused by name (``ValueError``)."""
+    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if unknown or "input_ids" not in inputs:
+        raise ValueError(f"inputs as a dict takes the keys 'input_ids' and 'attention_mask' (all ones), got "
+                         f"{sorted(inputs)}")
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor) or mask.shape != ids.shape:
+            raise ValueError(f"inputs['attention_mask'] must be a tensor shaped like input_ids "
+                             f"{tuple(getattr(ids, 'shape', ()))}, got {getattr(mask, 'shape', type(mask).__name__)}")
+        if not bool((mask == 1).all()):
+            raise ValueError("inputs['attention_mask'] has zeros: padded batches: not yet for this reader "
+                             "(a mask of all ones is taken)")
+    return ids
+
+
 def model_input(cfg: ModelConfig, inputs) -> tuple[torch.Tensor, bool]:
     """``inputs`` with a batch axis, and whether one was added (one sequence given); token ids of
-    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask)."""
+    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask); a dict of
+    the forward's keyword arguments as its ``input_ids`` (:func:`_keyword_inputs`: an ``attention_mask``
+    of ones only)."""
+    if isinstance(inputs, dict):
+        inputs = _keyword_inputs(inputs)
     single = {"token": 1, "patch": 3}.get(cfg.embedding, 2)
     if cfg.embedding == "token" and isinstance(inputs, torch.Tensor) and _integer(inputs):
         inputs = inputs.long()
