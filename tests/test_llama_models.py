@@ -239,15 +239,15 @@ def test_qwen2_sliding_layers():
 
 
 REFUSED = [
-    ("Llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear'"),
-    ("Llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type='dynamic'"),
-    ("Llama", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "rope_type='yarn'"),
+    ("Llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type='linear' is not supported"),
+    ("Llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type='dynamic' is not supported"),
+    ("Llama", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "rope_type='yarn' is not supported"),
     ("Llama", dict(rope_parameters={"rope_type": "llama3", "factor": 2.0, "rope_theta": 1e4, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-     "rope_type='llama3'"),
+     "rope_type='llama3' is not supported"),
     ("Llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
                                     "long_factor": [1.0], "original_max_position_embeddings": 16}),
-     "rope_type='longrope'"),
+     "rope_type='longrope' is not supported"),
     ("Llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor=0.5"),
     ("Llama", dict(attention_bias=True), "an o_proj bias without the MLP's"),

@@ -495,10 +495,6 @@ def _llama_model(model, mprefix: str = "") -> tuple:
     if len(model.layers) != config.num_hidden_layers:
         raise ValueError(f"{mprefix}layers: {len(model.layers)} layers but config.num_hidden_layers="
                          f"{config.num_hidden_layers} (the forward runs that many)")
-    rot = model.rotary_emb
-    if getattr(rot, "rope_type", "default") != "default" or getattr(rot, "attention_scaling", 1.0) != 1.0:
-        raise ValueError(f"{mprefix}rotary_emb: rope_type={getattr(rot, 'rope_type', None)!r} with attention_scaling="
-                         f"{getattr(rot, 'attention_scaling', None)}: only the default rotary embedding is supported")
     blocks, spec = [], {}
     for i, layer in enumerate(model.layers):
         if not _is(layer, f"{family}DecoderLayer"):
@@ -506,6 +502,10 @@ def _llama_model(model, mprefix: str = "") -> tuple:
         cfg, s = _llama_layer(layer, f"{mprefix}layers.{i}: ", f"{mprefix}layers.{i}.", block_prefix(i))
         blocks.append(cfg)
         spec.update(s)
+    rot = model.rotary_emb  # the layers' config read already: this is the module's own state
+    if getattr(rot, "rope_type", "default") != "default" or getattr(rot, "attention_scaling", 1.0) != 1.0:
+        raise ValueError(f"{mprefix}rotary_emb: rope_type={getattr(rot, 'rope_type', None)!r} with attention_scaling="
+                         f"{getattr(rot, 'attention_scaling', None)}: only the default rotary embedding is supported")
     eps, off = _rms_norm(model.norm, family, blocks[0].d_model, f"{mprefix}norm: ")
     spec.update(_spec(model, {"embed_tokens.weight": Stored(("W_E",)), "norm.weight": Stored(("gamma_F",))}, mprefix, ""))
     kw = dict(blocks=tuple(blocks), embedding="token", vocab=emb.num_embeddings, final_norm=True, norm_type="rms",
