@@ -37,14 +37,16 @@ def _columns(cfg, B: int, L: int, n: int, e: int) -> int:
     return max(1, min(n, CHUNK_BYTES // per))
 
 
-def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=None) -> torch.Tensor:
+def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=None, lower: bool = False) -> torch.Tensor:
     """The ``(n, n)`` matrix whose column ``j`` is ``product`` along the ``j``-th canonical direction over
     ``names`` (sizes ``sizes``), ``step`` columns at a time, symmetrised (the mean with its transpose, one
     ``n × n`` temporary: the exact matrix is symmetric, the two triangles differ by rounding only).
-    ``product(V)`` takes ``{name: (k, numel)}`` (the names the chunk's columns touch; the others' are
-    zero) and returns every name's rows ``{name: (k, ...)}`` of ``numel`` entries each; ``out``: the buffer
-    written, else a new one in ``like``'s dtype and device. Used for a block (:func:`hessian`) and for a
-    model (:func:`blockhess.model.walk.hessian`)."""
+    ``product(V, rows)`` takes ``{name: (k, numel)}`` (the names the chunk's columns touch; the others' are
+    zero) and returns the rows ``{name: (k, ...)}`` of ``numel`` entries each of the names ``rows``: every
+    name, or with ``lower`` those from the chunk's first name on (the block lower triangle; the blocks
+    above it are the transposes of those below, the diagonal blocks the mean of theirs). ``out``: the
+    buffer written, else a new one in ``like``'s dtype and device. Used for a block (:func:`hessian`) and
+    for a model (:func:`blockhess.model.walk.hessian`)."""
     n = sum(sizes[k] for k in names)
     buf = out if out is not None else like.new_empty(n, n)
     offsets, o = {}, 0
@@ -63,11 +65,21 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
             basis = like.new_zeros(k, sizes[name])
             basis[torch.arange(a0 - j0, a1 - j0), torch.arange(a0 - lo, a1 - lo)] = 1.0
             V[name] = basis
-        rows = product(V)
-        for name in names:
+        wanted = tuple(names[names.index(next(iter(V))):]) if lower else tuple(names)
+        rows = product(V, wanted)
+        for name in wanted:
             buf[offsets[name]:offsets[name] + sizes[name], j0:j1] = rows[name].reshape(k, -1).T
         del rows, V
-    buf.add_(buf.T.clone()).mul_(0.5)
+    if not lower:
+        buf.add_(buf.T.clone()).mul_(0.5)
+        return buf
+    for i, a in enumerate(names):
+        ra = slice(offsets[a], offsets[a] + sizes[a])
+        D = buf[ra, ra]
+        D.add_(D.T.clone()).mul_(0.5)
+        for b in names[i + 1:]:
+            rb = slice(offsets[b], offsets[b] + sizes[b])
+            buf[ra, rb] = buf[rb, ra].T
     return buf
 
 
@@ -81,7 +93,7 @@ def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:
     has_x = "X" in names
     outer, functional = which in ("full", "outer"), which in ("full", "functional")
 
-    def product(V):
+    def product(V, rows):
         k = next(iter(V.values())).shape[0]
         dX = V.pop("X").reshape(k, B, L, d) if "X" in V else None
         V = {name: v.reshape(k, *shapes[name]) for name, v in V.items()}

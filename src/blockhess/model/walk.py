@@ -478,8 +478,9 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
     column ``j`` is the model's exact product :math:`H e_j` (:class:`~.directional.ModelProduct`, the
     engine of :func:`blockhess.hessian_operator`: tangents up the stages, second-order adjoints down, no
     autograd), ``k`` columns at a time (:data:`blockhess.block.assembled.CHUNK_BYTES`,
-    :func:`_product_entries`), written into the ``n × n`` result and symmetrised
-    (:func:`blockhess.block.assembled.assemble`). ``.outer`` and ``.functional`` by their own products
+    :func:`_product_entries`), each product forming only the rows of the chunk's variable and the later
+    ones (restricted: the tangents start at the chunk's stage, the adjoints stop there), written into the
+    block lower triangle of the ``n × n`` result and mirrored (:func:`blockhess.block.assembled.assemble`). ``.outer`` and ``.functional`` by their own products
     (the output's loss Hessian kept, the second-order terms dropped; and the reverse), so
     ``outer + functional == full`` is a check. The tied ``W_E``'s two uses are summed in each product.
     Raises as :func:`hessian`; ``InsufficientMemoryError`` before any product if the result, its
@@ -501,17 +502,17 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
     del t
     prod = ModelProduct(st, top, cfg.d_model, hvp)
     internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
-    rows = tuple(names) + ((TIED_HEAD,) if cfg.tied and "W_E" in names else ())
 
     def matrix(which: str) -> torch.Tensor:
         outer, functional = which in ("full", "outer"), which in ("full", "functional")
 
-        def product(V):
+        def product(V, rows):  # the rows of the chunk's variables and the later ones: the products restricted
             k = next(iter(V.values())).shape[0]
             V = fold_tied({m: v.reshape(k, *shapes[m]) for m, v in V.items()}, internal)
+            rows = tuple(rows) + ((TIED_HEAD,) if cfg.tied and "W_E" in rows else ())
             return unfold_tied(prod(V, rows, outer=outer, functional=functional))
 
-        return assemble(product, names, sizes, like, step)
+        return assemble(product, names, sizes, like, step, lower=True)
 
     def part(which: str) -> HessianBlocks:
         check_fits(need, f"the {which} part of the Hessian ({n}x{n}) from exact products", like.device)
