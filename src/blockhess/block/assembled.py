@@ -43,8 +43,9 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
     ``n × n`` temporary: the exact matrix is symmetric, the two triangles differ by rounding only).
     ``product(V, rows)`` takes ``{name: (k, numel)}`` (the names the chunk's columns touch; the others' are
     zero) and returns the rows ``{name: (k, ...)}`` of ``numel`` entries each of the names ``rows``: every
-    name, or with ``lower`` those from the chunk's first name on (the block lower triangle; the blocks
-    above it are the transposes of those below, the diagonal blocks the mean of theirs). ``out``: the
+    name, or with ``lower`` those from the chunk's first name on (the block upper triangle, as ``H e_j``
+    is row ``j`` too; the blocks below it are the transposes of those above, the diagonal blocks the
+    mean of theirs). ``out``: the
     buffer written, else a new one in ``like``'s dtype and device. Used for a block (:func:`hessian`) and
     for a model (:func:`blockhess.model.walk.hessian`)."""
     n = sum(sizes[k] for k in names)
@@ -67,19 +68,19 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
             V[name] = basis
         wanted = tuple(names[names.index(next(iter(V))):]) if lower else tuple(names)
         rows = product(V, wanted)
-        for name in wanted:
-            buf[offsets[name]:offsets[name] + sizes[name], j0:j1] = rows[name].reshape(k, -1).T
+        for name in wanted:  # H e_j is row j too (H symmetric): written as rows, contiguous
+            buf[j0:j1, offsets[name]:offsets[name] + sizes[name]] = rows[name].reshape(k, -1)
         del rows, V
     if not lower:
         buf.add_(buf.T.clone()).mul_(0.5)
         return buf
-    for i, a in enumerate(names):
+    for i, a in enumerate(names):  # the block upper triangle written: the diagonal blocks' mean, the rest mirrored
         ra = slice(offsets[a], offsets[a] + sizes[a])
         D = buf[ra, ra]
         D.add_(D.T.clone()).mul_(0.5)
         for b in names[i + 1:]:
             rb = slice(offsets[b], offsets[b] + sizes[b])
-            buf[ra, rb] = buf[rb, ra].T
+            buf[rb, ra] = buf[ra, rb].T
     return buf
 
 
