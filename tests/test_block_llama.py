@@ -328,3 +328,14 @@ def test_model_config_llama_fields_refused():
         ModelConfig(blocks=(block,), d_in=3, embed_scale=2.0)
     with pytest.raises(ValueError, match="sliding_window=4 needs causal=True"):
         bh.BlockConfig(d_model=4, d_ff=5, sliding_window=4)
+
+
+def test_model_of_llama_blocks_dense_memory_refused():
+    """The dense Hessian of a model of Llama blocks whose n × n result cannot fit is refused before any product."""
+    from blockhess.config import ModelConfig
+    block = bh.BlockConfig(d_model=4, d_ff=3, **dict(LLAMA, d_k=2, d_v=2))
+    cfg = ModelConfig(blocks=(block,), embedding="token", vocab=200_000, head=None)
+    p = bh.init_params(cfg, seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 800\d+x800\d+ Hessian"):
+        bh.hessian(p, ids, cfg, loss="mse", target=torch.zeros(1, 3, 4, dtype=torch.float64))

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` models: GPT-2, ViT and BERT (and their blocks) read into a config and
+"""Hugging Face ``transformers`` models: GPT-2, ViT, BERT and the Llama family (and their blocks) read into a config and
 a spec (:mod:`.layout`); docs/models.md has the mapping table.
 
 Modules are recognised by their class name and module (``type(m).__name__``,
@@ -23,6 +23,15 @@ parameters are laid out otherwise is refused by name, never guessed at.
   ``intermediate.dense``, ``output.dense`` + ``.LayerNorm``); the output is ``last_hidden_state``, so
   the pooler's parameters do not affect it: they are read as parameters our model does not use
   (zero Hessian blocks; ``ViTModel``'s pooler and ``mask_token`` likewise).
+* Llama, Qwen2, Mistral, Gemma (``{F}ForCausalLM``, ``{F}Model``, ``{F}DecoderLayer``, checked against 5.x's
+  ``modeling_llama.py`` and the others): pre-norm RMSNorm blocks (``input_layernorm``,
+  ``post_attention_layernorm``; Gemma's ``GemmaRMSNorm`` is ``(1 + weight) · x̂``: ``rms_offset=1.0``),
+  ``self_attn.q_proj/k_proj/v_proj/o_proj`` (``nn.Linear``, transposed; ``num_key_value_heads`` K/V heads of
+  ``head_dim``), the default rotary embedding (``rope_parameters["rope_theta"]``), causal, the gated
+  ``mlp.gate_proj/up_proj/down_proj`` = ``W_G, W_1, W_2``; biases none, q/k/v only (Qwen2) or every
+  projection's (Llama's ``attention_bias`` with ``mlp_bias``); Mistral's ``sliding_window`` and Qwen2's
+  sliding layers as ``BlockConfig.sliding_window``; ``embed_tokens`` = ``W_E`` (Gemma's scaled by its
+  ``embed_scale`` buffer's value), ``norm`` the final RMSNorm, ``lm_head`` untied ``W_H`` or tied to ``W_E``.
 """
 
 from __future__ import annotations
