@@ -104,7 +104,8 @@ def structure(cfg):
     if isinstance(cfg, ModelConfig):
         return dataclasses.replace(cfg, blocks=tuple(structure(b) for b in cfg.blocks))
     if isinstance(cfg, BlockConfig):
-        return dataclasses.replace(cfg, causal=False, d_k=cfg.head_dim, d_ff=cfg.d_ff if cfg.kind == "block" else 1)
+        return dataclasses.replace(cfg, causal=False, sliding_window=None, d_k=cfg.head_dim,
+                                   d_ff=cfg.d_ff if cfg.kind == "block" else 1)
     return cfg
 
 
