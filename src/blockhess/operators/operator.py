@@ -25,7 +25,7 @@ from ..config import BlockConfig, ModelConfig, block_prefix
 from ..result import HessianBlocks, head_split
 from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int
 
-__all__ = ["HessianOperator", "BlockDiagonalOperator", "Product", "Diagonal", "mean_operator", "head_views",
+__all__ = ["HessianOperator", "BlockDiagonalOperator", "Product", "Products", "Diagonal", "mean_operator", "head_views",
            "module_operator"]
 
 #: columns of the identity multiplied at a time by :meth:`HessianOperator.dense` (without ``max_columns``)
