@@ -35,6 +35,7 @@ class Blockwise:
 
     results: dict
     matvecs: dict
+    calls: dict
     products: int
 
     def __getitem__(self, block):
@@ -58,7 +59,7 @@ class _Stand:
         self.names = view.names
         self.is_symmetric = self.SELF_ADJOINT = True
         self.kronecker_factors = view.kronecker_factors
-        self.matvecs = 0
+        self.matvecs = self.calls = 0
 
     def __matmul__(self, X):
         if not isinstance(X, torch.Tensor) or X.ndim not in (1, 2) or X.shape[0] != self.shape[1]:
@@ -69,6 +70,7 @@ class _Stand:
         if X.shape[1] == 0:
             return X.new_zeros(self.shape[0], 0)
         self.matvecs += X.shape[1]
+        self.calls += 1
         Y = self.step.request(self.j, X)
         return Y[:, 0] if one else Y
 
@@ -147,7 +149,7 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict) -> Blockwis
         e.add_note(f"(in the lock-step estimator of block {D.blocks[j]!r})")
         raise e
     return Blockwise({D.blocks[j]: results[j] for j in range(m)}, {D.blocks[j]: stands[j].matvecs for j in range(m)},
-                     step.products)
+                     {D.blocks[j]: stands[j].calls for j in range(m)}, step.products)
 
 
 def _warm_starts(D: BlockDiagonalOperator, v0) -> dict:
