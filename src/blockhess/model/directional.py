@@ -122,16 +122,20 @@ class ModelProduct:
             parts = [held[g] if g in held else like.new_zeros(ks[g], *like.shape[1:]) for g in gs]
             return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+        def up(k: int, calls: list, dys: list, held: dict) -> list:
+            """The adjoint tangents at stage ``k``'s output of its calls' output tangents ``dys``: the loss's
+            Hessian applied to each call's directly above the last stage (per row: no stacking needed), else
+            the stages above, by :func:`run`, for every call's groups at once (their rows into ``held``)."""
+            if k + 1 == n:
+                return [self.top.omega(dy) if outer else torch.zeros_like(dy) for dy in dys]
+            held.update(run(k + 1, [(g, t) for (gs, *_), dy in zip(calls, dys) for g, t in zip(gs, split(dy, gs))]))
+            return [adjoint_of(held, gs, dy) for (gs, *_), dy in zip(calls, dys)]
+
         def run(k: int, items: list) -> dict:
-            """Stage ``k`` for the groups ``items`` ``[(g, dx)]`` whose tangent has reached it (``dx`` its
+            """Stage ``k`` (``k < n``: the loss is applied by :func:`up`) for the groups ``items`` ``[(g, dx)]`` whose tangent has reached it (``dx`` its
             input tangent) and those starting here, the stages above by recursion; returns ``{g: the adjoint
             tangent at its input}`` for the groups with a wanted row below."""
             items = items + [(g, None) for g in range(G) if s0[g] == k]
-            if k == n:
-                dz = torch.cat([dx for _, dx in items])
-                dg = self.top.omega(dz) if outer else torch.zeros_like(dz)
-                gs = [g for g, _ in items]
-                return dict(zip(gs, split(dg, gs)))
             st = self.stages[k]
             calls = calls_at(st, k, items)
             found: dict = {}
@@ -139,19 +143,19 @@ class ModelProduct:
             if isinstance(st, BlockStage):
                 p = len(st.prefix)
                 results: list = [None] * len(calls)
+                dgs: list = []
 
                 def nest(i: int, dZs: list) -> None:
                     """Call ``i`` of this block, its ``omega`` running the next call (the last: the stages
                     above, once for every call's tangent)."""
                     if i == len(calls):
-                        held.update(run(k + 1, [(g, t) for (gs, *_), dZ in zip(calls, dZs)
-                                                for g, t in zip(gs, split(dZ, gs))]))
+                        dgs[:] = up(k, calls, dZs, held)
                         return
                     gs, dx, Vk, here, below = calls[i]
 
                     def omega(dZ):
                         nest(i + 1, dZs + [dZ])
-                        return adjoint_of(held, gs, dZ)
+                        return dgs[i]
 
                     dest = into[gs[0]] if len(gs) == 1 else {}
                     results[i] = self.block_hvp(st.c, self.adj[k] if functional else None,
@@ -170,11 +174,11 @@ class ModelProduct:
                         found.update(zip(gs, split(dg, gs)))
             else:
                 dys = [st.tangent(dx, Vk, sum(ks[g] for g in gs)) for gs, dx, Vk, _, _ in calls]
-                held.update(run(k + 1, [(g, t) for (gs, *_), dy in zip(calls, dys) for g, t in zip(gs, split(dy, gs))]))
-                for (gs, dx, Vk, here, below), dy in zip(calls, dys):
+                dgs = up(k, calls, dys, held)
+                for (gs, dx, Vk, here, below), dg_out in zip(calls, dgs):
                     if not (below or here):
                         continue
-                    dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, adjoint_of(held, gs, dy), here, functional,
+                    dg_in, HV = st.adjoint2(self.grads[k], dx, Vk, dg_out, here, functional,
                                             into=stage_into(st, gs[0]) if here else None)
                     if here:
                         outs[gs[0]].update(HV)

@@ -664,7 +664,8 @@ class BlockDiagonalOperator:
             raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
         if V.dtype != self.dtype or V.device != self.device:
             raise ValueError(f"V must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
-        if V.numel() and not bool(torch.isfinite(V).all()):
+        finite = not V.numel() or bool(torch.isfinite(V.reshape(V.shape[0], -1).sum(0)).all())  # one pass (a NaN
+        if not finite and not bool(torch.isfinite(V).all()):  # or Inf makes its column's sum one), then look
             row = int((~torch.isfinite(V.reshape(V.shape[0], -1))).any(1).nonzero()[0, 0])
             j = int(np.searchsorted(self.offsets, row, side="right")) - 1
             raise ValueError(f"V contains NaN or Inf (in the entries of block {self.blocks[j]!r})")
