@@ -246,7 +246,7 @@ def test_without_a_mask_and_with_one_that_pads_nothing_is_the_tensor_call():
 
 def test_the_mean_is_over_the_counted_tokens_of_the_whole_batch():
     """A sequence weighs by its counted tokens: the batch's Hessian is the counts-weighted mean of the
-    sequences' own (docs/derivations.md §21), not their plain mean."""
+    sequences' own (docs/derivations.md §22), not their plain mean."""
     cfg, p = bh.from_torch(gpt2("eager", seed=6))
     ids = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(10))
     y = labels_of(RIGHT)
@@ -257,3 +257,19 @@ def test_the_mean_is_over_the_counted_tokens_of_the_whole_batch():
              for b in range(B)]
     assert_close(H, sum(int(n[b]) * parts[b] for b in range(B)) / int(n.sum()), what="counts-weighted mean")
     assert float(rel_error(H, sum(parts) / B)) > 1e-3  # the counts differ (2 and 4)
+
+
+def test_transformer_encoder_takes_its_key_padding_mask_with_the_inputs():
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True, dtype=DT)
+    model = randomise(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), seed=7)
+    cfg, p = bh.from_torch(model)
+    g = torch.Generator().manual_seed(11)
+    X = torch.randn(B, L, 4, generator=g, dtype=DT)
+    pad = RIGHT == 0  # PyTorch's convention: True = padding
+    inputs = {"src": X, "src_key_padding_mask": pad}
+    T = torch.randn(B, L, 4, generator=g, dtype=DT)
+    with torch.no_grad():
+        out = model(X, src_key_padding_mask=pad)
+    assert_close(bh.forward(p, inputs, cfg)[~pad], out[~pad], tol=FORWARD_TOL, what="forward on the real tokens")
+    R = module_hessian(model, lambda out: ((out - T) ** 2).mean(), {"src": X, "src_key_padding_mask": pad})
+    assert_close(bh.hessian(p, inputs, cfg, loss="mse", target=T).to_module(model).dense(), R, what="encoder Hessian")

@@ -11,7 +11,7 @@ the per-sequence Hessians. Per sequence ``Z`` of shape ``(L, d)``:
   not counted and the batch loss is the mean over the ``N`` counted tokens of the whole batch, as
   ``torch.nn.functional.cross_entropy(ignore_index=-100)``: each counted token's ``1/L`` above becomes
   ``1/N`` over the batch (``N = B·L`` without ignored tokens: the mean over sequences), an ignored
-  token's derivatives are zero (docs/derivations.md §21);
+  token's derivatives are zero (docs/derivations.md §22);
 * a callable ``loss(Z, target) -> scalar`` applied to one sequence, twice differentiable
   in ``Z``: gradient and Hessian from ``torch.func`` on the loss alone (cheap; not the
   paper's subject), vmapped over the batch.
@@ -292,7 +292,7 @@ def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
     """The batch loss, a 0-dim tensor of ``Z``'s dtype: the mean over sequences of the
     per-sequence loss; ``Z`` is ``(B, L, d)``, ``target`` as :func:`check` returns it (the
     arguments are not checked here). MSE: mean over entries; CE: mean over tokens, those of
-    target :data:`IGNORE` not counted (paper §1.3; docs/derivations.md §8, §21)."""
+    target :data:`IGNORE` not counted (paper §1.3; docs/derivations.md §8, §22)."""
     B, L, d = Z.shape
     if loss == "mse":
         return ((Z - target) ** 2).mean()

@@ -8,7 +8,7 @@ one-head notation). Notation per head: :math:`S_l = \mathrm{diag}(a_l) - a_l a_l
 (softmax Jacobian of row ``l``), :math:`s = 1/\sqrt{d_k}`. A mask (causal: ``m > l``; a key padding
 mask; any boolean ``(B, L, L)`` of the pairs allowed) sets ``a_lm = 0`` on the pairs it masks; every
 formula below holds unchanged (``S_l`` and ``Ψ_l`` vanish on masked entries). A query row with no key
-allowed has ``a_l = 0`` (its output is zero, ``b_V``'s too; docs/derivations.md §21).
+allowed has ``a_l = 0`` (its output is zero, ``b_V``'s too; docs/derivations.md §22).
 
 First derivatives (Noci et al. Lemma A.2 as in the paper, §2.2), per output token ``l``,
 rows of head ``h``'s output block:
@@ -183,7 +183,7 @@ def allowed(L: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Te
 def masked_softmax(T: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``softmax(T)`` over the keys ``mask`` allows (``(B, L, L)`` or ``(L, L)``, broadcast over the heads of
     ``T`` ``(B, L, L)`` or ``(B, H, L, L)``), exactly 0 elsewhere; a row with no key allowed is all zeros
-    (its output ``A V`` is zero; docs/derivations.md §21). Kernel: no checks."""
+    (its output ``A V`` is zero; docs/derivations.md §22). Kernel: no checks."""
     if mask is None:
         return softmax.forward(T)
     m = mask if T.ndim == 3 or mask.ndim == 2 else mask[:, None]

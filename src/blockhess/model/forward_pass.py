@@ -297,7 +297,7 @@ def attention_mask(keys: torch.Tensor | None, L: int) -> torch.Tensor | None:
 
 def live_rows(cfg: ModelConfig, keys: torch.Tensor | None, L: int) -> torch.Tensor | None:
     """``(B, L)`` bool: the tokens whose attention row has a key to attend to in every block (a row with
-    none has a zero attention output, docs/derivations.md §21: left padding under a causal mask);
+    none has a zero attention output, docs/derivations.md §22: left padding under a causal mask);
     ``None`` where every row does."""
     if keys is None:
         return None
