@@ -356,11 +356,13 @@ def output(cfg: ModelConfig, z: torch.Tensor, single: bool) -> torch.Tensor:
     return out[0] if single else out
 
 
-def forward(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def forward(params: dict, inputs, cfg: ModelConfig) -> torch.Tensor:
     """The model's output: ``(B, n_out)`` with a pooling, ``(B, L, n_out)`` without (``n_out`` the
     head's width, or ``d_model``); no batch axis for one sequence. dtype and device of the params.
+    ``inputs``: the tensor the model takes first or its forward's keyword arguments (:func:`model_input`);
+    a query with no key to attend to gets a zero attention output (docs/derivations.md §22).
 
-    Raises ``ValueError`` as :func:`check_model_inputs` and :func:`trace` (a LayerNorm input row it
+    Raises ``ValueError`` as :func:`model_input`, :func:`check_model_inputs` and :func:`trace` (a LayerNorm input row it
     cannot take, an overflow).
     """
     inputs, single = model_input(cfg, inputs)

@@ -418,10 +418,12 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     back-propagation in closed form (module docstring; :func:`blockhess.hessian` for a model).
 
     ``inputs``: what the model takes first (:func:`~.forward_pass.check_model_inputs`), a batch or one
-    sequence. ``loss``: ``"ce"`` (pooled: classes ``(B,)``; per token: ``(B, L)``, no shift), ``"mse"``
-    (mean over the output's entries; target shaped as the output) or a callable on one sequence's
-    output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the batch loss is
-    the mean over sequences (per-token CE: over every token). Returns a
+    sequence, or the forward's keyword arguments as a dict (:func:`~.forward_pass.model_input`:
+    ``attention_mask``, ``position_ids``, ``token_type_ids``; docs/derivations.md §22). ``loss``:
+    ``"ce"`` (pooled: classes ``(B,)``; per token: ``(B, L)``, no shift; targets of -100 ignored),
+    ``"mse"`` (mean over the output's entries; target shaped as the output) or a callable on one
+    sequence's output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the
+    batch loss is the mean over sequences (CE: over the batch's counted tokens). Returns a
     :class:`~blockhess.result.HessianBlocks` over the public names in canonical order, dtype and device
     of the parameters, ``.outer`` and ``.functional`` on first access (their own passes) from a
     snapshot of the call: copies of ``params``, ``inputs`` and ``target``, and a callable loss's
@@ -430,8 +432,9 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     over, a head's weights, may change after the call). A parameter used twice (the tied ``W_E``) has
     both uses.
 
-    Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.check_model_inputs`), a target of the
-    wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
+    Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.model_input`,
+    :func:`~.forward_pass.check_model_inputs`), a target of the wrong shape or class range, labels that
+    count no token, a counted token that attends to nothing (:func:`~.forward_pass.check_counted`), an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
     overflow; a callable loss's NaN or Inf value, gradient or Hessian (:func:`blockhess.losses.derivatives`);
     ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
     ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit; ``NotImplementedError``,
