@@ -165,9 +165,9 @@ def model_input(cfg: ModelConfig, inputs) -> tuple[Batch, bool]:
         x = x[None]
     rest = {k: v for k, v in inputs.items() if k != keys[0] and v is not None}
     rest = {k: (v[None] if one and isinstance(v, torch.Tensor) else v) for k, v in rest.items()}
-    if rest and (x.ndim != (2 if cfg.embedding == "token" else 3) or x.shape[0] < 1 or x.shape[1] < 1):
+    if rest and (x.ndim != (2 if cfg.embedding == "token" else 3) or x.shape[1] < 1):  # B = 0: a rank's empty shard
         want = "(B, L) or (L,)" if cfg.embedding == "token" else "(B, L, d) or (L, d)"
-        raise ValueError(f"inputs[{keys[0]!r}] must have shape {want} with B, L >= 1, got {tuple(x.shape)}")
+        raise ValueError(f"inputs[{keys[0]!r}] must have shape {want} with L >= 1, got {tuple(x.shape)}")
     if rest and cfg.cls_token:
         raise ValueError(f"inputs: {list(rest)} are not taken by a model with a cls token (its tokens are one more "
                          "than the inputs')")
