@@ -101,11 +101,14 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig, keys=None, position
     """Plain forward of the block (paper §1.3, with the options of docs/derivations.md §10–§13) or bare attention layer; no checks.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; returns the same shape. A :class:`ModelConfig`:
-    the model's output for batched inputs, ``(B, P, n_out)`` (``P = 1`` pooled; :func:`_model_forward`).
-    ``keys``, ``positions``: the attention's keys attended and rotary positions (:func:`_attention`).
+    the model's output for batched inputs (a tensor or the forward's keyword arguments), ``(B, P, n_out)``
+    (``P = 1`` pooled; :func:`_model_forward`). ``keys``, ``positions``: the attention's keys attended and rotary positions (:func:`_attention`).
     """
     p = params
     if isinstance(cfg, ModelConfig):
+        if isinstance(X, dict):  # the forward's keyword arguments, read as the closed form reads them
+            from .model.forward_pass import model_input
+            X = model_input(cfg, X)[0]
         return _model_forward(p, X, cfg)
     kw = {"keys": keys, "positions": positions}
     if cfg.kind == "attention":
