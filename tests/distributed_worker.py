@@ -26,6 +26,9 @@ SPLIT = (3, 2)
 
 BLOCK = bh.BlockConfig(d_model=6, d_ff=8, d_k=4, n_heads=2, bias=True, ln_affine=True, ln_eps=1e-5)
 SMALL = bh.BlockConfig(d_model=4, d_ff=6, d_k=3, ln_eps=1e-5)  # n = 4·3·2 + 16 + 24·2 = 88 > 64: Lanczos or eigvalsh
+#: a token model with a causal block, fed padded batches (left padding, -100 targets: unequal counted tokens)
+MASKED = ModelConfig(blocks=(bh.BlockConfig(d_model=4, d_ff=6, d_k=2, ln_eps=1e-5, causal=True, bias=True),),
+                     embedding="token", vocab=5, positions="learned", n_positions=4, final_norm=True, head=5)
 MODEL = ModelConfig(blocks=(bh.BlockConfig(d_model=4, d_ff=6, d_k=2, ln_eps=1e-5),), embedding="linear", d_in=3,
                     positions="sinusoidal", pool="mean", head=3)
 
@@ -39,6 +42,13 @@ def case(name: str) -> dict:
     """The whole data of a case: ``params``, ``X``, ``cfg``, ``loss``, ``target``, ``wrt`` (seeded)."""
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     N = sum(SPLIT)
+    if name == "masked":
+        ids = torch.randint(0, 5, (N, 4), generator=g)
+        mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 1]])
+        y = torch.randint(0, 5, (N, 4), generator=g).masked_fill(mask == 0, -100)
+        y[0, :3] = -100  # rank 0 (sequences 0-2) counts 6 tokens, rank 1 (3-4) counts 4
+        return {"params": init_model_params(MASKED, seed=3), "X": {"input_ids": ids, "attention_mask": mask},
+                "cfg": MASKED, "loss": "ce", "target": y, "wrt": None}
     if name == "model":
         cfg = MODEL
         return {"params": init_model_params(cfg, seed=1), "X": torch.randn(N, 5, 3, generator=g, dtype=DT), "cfg": cfg,
@@ -59,7 +69,8 @@ def part(c: dict, rank: int, split=SPLIT) -> dict:
     """Rank ``rank``'s shard of case ``c``: its rows of ``X`` and ``target`` by ``split``."""
     lo = sum(split[:rank])
     rows = slice(lo, lo + split[rank])
-    return {**c, "X": c["X"][rows], "target": c["target"][rows]}
+    X = {k: v[rows] for k, v in c["X"].items()} if isinstance(c["X"], dict) else c["X"][rows]
+    return {**c, "X": X, "target": c["target"][rows]}
 
 
 def args(c: dict) -> tuple:
@@ -88,7 +99,7 @@ def _main(rank: int) -> dict:
     import blockhess.distributed as bhd
 
     s = {}
-    for name in ("block", "ce", "callable", "model"):
+    for name in ("block", "ce", "callable", "model", "masked"):
         s[name] = lambda name=name: _hessian_with_parts(part(case(name), rank))
     s["one-sequence"] = lambda: _hessian_with_parts({**part(case("ce"), rank, (2, 1)), **(
         {"X": case("ce")["X"][2], "target": case("ce")["target"][2]} if rank == 1 else {})})
@@ -112,7 +123,7 @@ def _main(rank: int) -> dict:
             out["diagonal"] = f"NotImplementedError: {exc}"
         return out
 
-    for name in ("block", "model"):
+    for name in ("block", "model", "masked"):
         s[f"operator-{name}"] = lambda name=name: operator(name)
     s["operator-empty"] = lambda: operator("block", (0, 5))
 

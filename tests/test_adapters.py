@@ -229,7 +229,7 @@ def test_unsupported_settings_are_named():
     assert bh.from_torch(layer, src_key_padding_mask=pads.to(DT))[0] == bh.from_torch(layer)[0]  # additive, all 0
     pads[1, 2] = True
     for mask in (pads, pads.to(DT).masked_fill(pads, float("-inf"))):
-        with pytest.raises(ValueError, match=r"src_key_padding_mask: a mask that pads is not supported.*at its own length"):
+        with pytest.raises(ValueError, match=r"src_key_padding_mask: a mask that pads is a batch's.*with the inputs"):
             bh.from_torch(layer, src_key_padding_mask=mask)
     other = make_layer(False, "relu", True, 2, 1e-5, True)
     other.norm2.eps = 1e-3

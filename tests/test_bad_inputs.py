@@ -68,6 +68,19 @@ IDS = torch.tensor([[1, 2, 3], [0, 4, 2]])  # 2 sequences of 3 tokens
 CLASSES = torch.tensor([0, 2])
 
 
+# a padded batch's model: token ids, a causal block, 4 learned positions, 2 token types, a 3-class head per token
+PADDED = bh.ModelConfig(blocks=(bh.BlockConfig(d_model=4, d_ff=5, causal=True),), embedding="token", vocab=5,
+                        positions="learned", n_positions=4, token_types=2, head=3)
+LEFT = torch.tensor([[0, 1, 1], [1, 1, 1]])  # the first sequence left-padded
+LABELS = torch.tensor([[-100, 1, 2], [0, 2, 1]])
+
+
+def padded(target=LABELS, **inputs):
+    """The padded model's CE Hessian on ``{"input_ids": IDS, "attention_mask": LEFT, **inputs}`` (``None``: dropped)."""
+    inputs = {k: v for k, v in {"input_ids": IDS, "attention_mask": LEFT, **inputs}.items() if v is not None}
+    return bh.hessian(weights(PADDED), inputs, PADDED, loss="ce", target=target)
+
+
 def weights(cfg: bh.ModelConfig, **changed) -> dict:
     """The model's parameters (seed 0), with ``changed`` ones."""
     return {**bh.init_params(cfg, seed=0), **changed}
@@ -248,12 +261,6 @@ ROWS = [
     Row("bh.bounds.exact_norms", "argument", "something other than a full Hessian", lambda c: bh.bounds.exact_norms(3),
         ValueError, "H must be a full Hessian from blockhess.hessian"),
     # model inputs
-    Row("bh.hessian", "model input", "a dict of inputs whose attention_mask pads (a zero)",
-        lambda c: tokens({"input_ids": IDS, "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}), ValueError,
-        "padded batches: not yet for this reader"),
-    Row("bh.hessian", "model input", "a dict of inputs with a key other than input_ids and attention_mask",
-        lambda c: tokens({"input_ids": IDS, "position_ids": IDS}), ValueError,
-        "inputs as a dict takes the keys 'input_ids' and 'attention_mask'"),
     Row("bh.hessian", "model input", "a sequence longer than a block's sliding_window (Mistral's)",
         lambda c: bh.hessian(weights(WINDOWED), IDS, WINDOWED, loss="ce", target=IDS), NotImplementedError,
         "a sequence of 3 tokens is longer than blocks[0].sliding_window=2"),
@@ -287,6 +294,63 @@ ROWS = [
     Row("bh.reference.hessian", "model input", "a token id >= vocab",
         lambda c: bh.reference.hessian(weights(TOKENS), IDS + 1, TOKENS, loss="ce", target=CLASSES), ValueError,
         "is out of range [0, 5)"),
+    # padded batches
+    Row("bh.hessian", "padded batch", "an attention mask of another shape than the ids",
+        lambda c: padded(attention_mask=LEFT[:, :2]), ValueError,
+        "inputs['attention_mask'] must be a tensor of shape (2, 3) of 1 (attend) and 0 (padding), bool, integer or "
+        "float (one entry per token; a 4-D mask is not taken), got shape (2, 2)"),
+    Row("bh.hessian", "padded batch", "an attention mask of 0.5s", lambda c: padded(attention_mask=LEFT * 0.5),
+        ValueError, "inputs['attention_mask'] must hold only 0 and 1, got 0.5 at (0, 1)"),
+    Row("bh.hessian", "padded batch", "a complex attention mask", lambda c: padded(attention_mask=LEFT.to(torch.cfloat)),
+        ValueError, "inputs['attention_mask'] must be a tensor of shape (2, 3) of 1 (attend) and 0 (padding)"),
+    Row("bh.hessian", "padded batch", "an attention mask on another device than the ids",
+        lambda c: padded(attention_mask=LEFT.to("meta")), ValueError,
+        "inputs['attention_mask'] is on meta but the inputs are on cpu"),
+    Row("bh.hessian", "padded batch", "a sequence whose every key is masked",
+        lambda c: padded(attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])), ValueError,
+        "inputs['attention_mask']: sequence 1 has every key masked (no token to attend to)"),
+    Row("bh.hessian", "padded batch", "a counted token with no key to attend to (left padding, causal)",
+        lambda c: padded(target=LABELS.clamp(min=0)), ValueError,
+        "inputs['attention_mask']: token 0 of sequence 0 has no key to attend to (padding before it under a causal "
+        "mask) but the loss counts its output; give it the target -100"),
+    Row("bh.hessian", "padded batch", "labels that are all -100", lambda c: padded(target=torch.full((2, 3), -100)),
+        ValueError, "target: every token is -100 (ignored) for loss='ce': the mean over counted tokens has no token"),
+    Row("bh.hessian", "padded batch", "a token id >= vocab in the dict", lambda c: padded(input_ids=IDS + 1),
+        ValueError, "inputs: token id 5 at (1, 1) is out of range [0, 5)"),
+    Row("bh.hessian", "padded batch", "a token type outside the 2 of W_T",
+        lambda c: padded(token_type_ids=torch.tensor([[0, 1, 2], [0, 0, 0]])), ValueError,
+        "inputs['token_type_ids']: 2 at (0, 2) is out of range [0, 2) (rows of W_T)"),
+    Row("bh.hessian", "padded batch", "a position id beyond the 4 learned positions",
+        lambda c: padded(position_ids=torch.tensor([[0, 1, 4], [0, 1, 2]])), ValueError,
+        "inputs['position_ids']: 4 at (0, 2) is out of range [0, 4) (rows of W_P, 4 of them)"),
+    Row("bh.hessian", "padded batch", "float position ids", lambda c: padded(position_ids=torch.zeros(2, 3)),
+        ValueError, "inputs['position_ids'] must be an integer tensor of rows of W_P, 4 of them, got torch.float32"),
+    Row("bh.forward", "padded batch", "position ids for a model without positions",
+        lambda c: bh.forward(weights(model_config(embedding="token", vocab=5)), {"input_ids": IDS, "position_ids": IDS},
+                             model_config(embedding="token", vocab=5)), ValueError,
+        "inputs['position_ids']: this model has no learned or rotary positions to take them"),
+    Row("bh.forward", "padded batch", "token types for a model without a token-type table",
+        lambda c: bh.forward(weights(model_config(embedding="token", vocab=5)), {"input_ids": IDS, "token_type_ids": IDS},
+                             model_config(embedding="token", vocab=5)), ValueError,
+        "inputs['token_type_ids']: this model has no token-type table"),
+    Row("bh.hessian", "padded batch", "inputs_embeds in place of input_ids",
+        lambda c: padded(input_ids=None, inputs_embeds=c.X), ValueError,
+        "inputs: unknown key ['inputs_embeds']; this model's forward takes ['input_ids', 'attention_mask', "
+        "'position_ids', 'token_type_ids']; inputs_embeds is not taken: pass input_ids"),
+    Row("bh.forward", "padded batch", "an attention mask for a patch model",
+        lambda c: bh.forward(weights(IMAGES), {"pixel_values": torch.randn(2, 1, 4, 4, dtype=DT),
+                                               "attention_mask": LEFT}, IMAGES), ValueError,
+        "a patch model takes no mask"),
+    Row("bh.forward", "padded batch", "a mask for a model with a cls token",
+        lambda c: bh.forward(weights(TOKENS), {"input_ids": IDS, "attention_mask": LEFT}, TOKENS), ValueError,
+        "are not taken by a model with a cls token"),
+    Row("bh.forward", "padded batch", "a float src_key_padding_mask",
+        lambda c: bh.forward(weights(FEATURES), {"src": c.X[..., :3], "src_key_padding_mask": torch.zeros(2, 3)},
+                             FEATURES), ValueError,
+        "inputs['src_key_padding_mask'] must be a bool tensor of shape (2, 3) (True = padding), got torch.float32"),
+    Row("bh.hessian", "padded batch", "a target of -100 for a block (not a model)",
+        lambda c: bh.hessian(c.p, c.X, c.cfg, loss="ce", target=torch.full((2, 3), -100)), ValueError,
+        "targets of -100 (ignored) are taken by a model's blockhess.hessian and hessian_operator"),
     # model targets
     Row("bh.hessian", "model target", "a pooled model's CE target with one class per token",
         lambda c: tokens(target=torch.zeros(2, 3, dtype=torch.long)), ValueError,
@@ -543,6 +607,7 @@ SECTIONS = {
     "LayerNorm row": "Degenerate LayerNorm rows", "eps": "LayerNorm eps", "target": "Losses and targets",
     "argument": "Other arguments", "model input": "Model inputs and weights", "model target": "Model targets",
     "model argument": "Model arguments", "model config": "Model configurations",
+    "padded batch": "Padded batches: masks, ignored targets, positions, token types",
     "estimator": "Estimators on operators", "memory": "Requests that would not fit in memory",
 }
 
@@ -559,7 +624,9 @@ def render() -> str:
         "inputs are a post-LN block with `d_model = 4`, `d_ff = 5` and a batch of 2 sequences of 3 tokens",
         "(a pre-LN block for the LayerNorm rows). The model rows take models of such blocks: token ids",
         "with a cls token, 4 learned positions and a 3-class head on the cls token; 4x4 images in 2x2",
-        "patches, mean-pooled into a 3-wide head; features of width 3 into a 2-wide head per token.",
+        "patches, mean-pooled into a 3-wide head; features of width 3 into a 2-wide head per token. The",
+        "padded batches take a causal block on token ids with 4 learned positions, 2 token types and a",
+        "3-class head per token; its first sequence left-padded (`attention_mask` `[[0, 1, 1], [1, 1, 1]]`).",
         "\"Message says\" is a part of the message.",
         "",
     ]

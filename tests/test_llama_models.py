@@ -275,15 +275,31 @@ def test_dropout_in_training_refused():
         bh.from_torch(model)
 
 
-def test_padded_batch_refused():
-    model = build("Llama", seed=0)
+@pytest.mark.parametrize("family,side", [("Llama", "left"), ("Qwen2", "right"), ("Mistral", "left"), ("Gemma", "right")])
+def test_padded_batch(float64_hf, family, side):
+    """A padded batch (``attention_mask`` with zeros, left or right; the padding's labels -100, HF's loss the
+    mean over the counted tokens): the forward at the counted tokens, and the Hessian against double backward
+    through the module with the same keyword arguments; with ``position_ids`` (left padding's positions
+    counted from each sequence's first token) too."""
+    model = build(family, seed=7)
     cfg, p = bh.from_torch(model)
-    ids, y = ids_and_labels(0)
+    ids, y = ids_and_labels(8)
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    for call in (lambda: bh.forward(p, {"input_ids": ids, "attention_mask": mask}, cfg),
-                 lambda: bh.hessian(p, {"input_ids": ids, "attention_mask": mask}, cfg, loss="ce", target=y)):
-        with pytest.raises(ValueError, match="padded batches: not yet for this reader"):
-            call()
-    with pytest.raises(ValueError, match="takes the keys 'input_ids' and 'attention_mask'"):
-        bh.forward(p, {"input_ids": ids, "position_ids": ids}, cfg)
+    pad = slice(0, 2) if side == "left" else slice(L - 2, L)
+    mask[0, pad] = 0
+    y = y.masked_fill(mask == 0, -100)
+    counted = mask.bool()
+    for extra in ({}, {"position_ids": (mask.cumsum(1) - 1).clamp(min=0)}):
+        args = {"input_ids": ids, "attention_mask": mask, **extra}
+        with torch.no_grad():
+            out = model(**args, use_cache=False).logits
+        assert_close(bh.forward(p, args, cfg)[counted], out[counted], tol=FORWARD_TOL, what="forward (counted)")
+        wrt = ["blocks.0.W_Q", "blocks.0.W_K", "blocks.1.W_V", "blocks.1.W_G", "gamma_F"]
+        Hm = bh.hessian(p, args, cfg, loss="ce", target=y, wrt=wrt).to_module(model)
+        loss = lambda o: F.cross_entropy(o.logits.reshape(-1, V), y.reshape(-1), ignore_index=-100)
+        R = module_hessian(model, loss, args, list(Hm.names))
+        D = Hm.dense()
+        assert_close(D, R, tol=TOL, what=f"{family} padded ({side}) Hessian vs double backward")
+        A = bh.hessian_operator(p, args, cfg, loss="ce", target=y, wrt=wrt).to_module(model)
+        Vs = torch.randn(D.shape[0], 2, generator=torch.Generator().manual_seed(9), dtype=DT)
+        assert_close(A @ Vs, D @ Vs, tol=PRODUCT_TOL, what="operator products (padded)")

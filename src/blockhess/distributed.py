@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from . import convergence as cv
+from . import losses
 from .block import check_inputs, select_wrt
 from .config import BlockConfig, ModelConfig, model_param_shapes, param_shapes
 from .hessian import hessian as single_hessian
@@ -268,6 +269,7 @@ class _Shard(NamedTuple):
     shapes: dict  # name -> shape of every parameter of cfg
     like: torch.Tensor  # dtype and device of the result (X for a block, the parameters for a model)
     fingerprint: dict
+    weight: int = 0  # what the shard counts in the global mean: a model's CE targets other than -100, else its sequences
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -297,12 +299,13 @@ def _check_shard(params, X, cfg) -> tuple[int, bool, tuple]:
     the shape of one sequence)``. An empty shard (a batch of 0 sequences) is checked as one
     sequence of zeros of its shape."""
     if isinstance(cfg, ModelConfig):
-        inputs, single = model_input(cfg, X)
-        if isinstance(inputs, torch.Tensor) and inputs.ndim >= 1 and inputs.shape[0] == 0:
-            check_model_inputs(params, inputs.new_zeros((1,) + tuple(inputs.shape[1:])), cfg)
+        batch, single = model_input(cfg, X)
+        x = batch.x
+        if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == 0:
+            check_model_inputs(params, x.new_zeros((1,) + tuple(x.shape[1:])), cfg)
         else:
-            check_model_inputs(params, inputs, cfg)
-        return inputs.shape[0], single, tuple(inputs.shape[1:])
+            check_model_inputs(params, batch, cfg)
+        return x.shape[0], single, tuple(x.shape[1:])
     if not isinstance(cfg, BlockConfig):
         raise ValueError(f"cfg must be a BlockConfig or a ModelConfig, got {type(cfg).__name__}")
     if isinstance(X, torch.Tensor) and X.ndim == 3 and X.shape[0] == 0:
@@ -316,7 +319,8 @@ def _prepare(g: _Group, function: str, params, X, cfg, loss, target, wrt, option
              refuse: str | None = None):
     """Step 1 (module docstring): this rank's shard checked and described, agreed with every rank;
     ``refuse``: a ``ValueError`` message of an argument this rank was given and may not be.
-    Returns ``(_Shard, counts of every rank)``."""
+    Returns ``(_Shard, counts, weights)`` of every rank (its sequences; its weight): each rank's share of the global mean is its weight over
+    their sum (:func:`_weight`: its sequences, or a model's CE targets counted)."""
     def local() -> _Shard:
         if refuse is not None:
             raise ValueError(refuse)
@@ -338,13 +342,31 @@ def _prepare(g: _Group, function: str, params, X, cfg, loss, target, wrt, option
             fp["the target (dtype, shape for one sequence)"] = _target_spec(target, single)
         for k, v in params.items():
             fp[f"params[{k!r}] (shape, dtype, SHA-256 of its values)"] = (tuple(v.shape), str(v.dtype), _digest(v))
-        return _Shard(count, names, shapes, like, fp)
+        return _Shard(count, names, shapes, like, fp, _weight(cfg, loss, target, count))
 
     sh, counts = g.agree(f"blockhess.distributed.{function}: the inputs", local, lambda s: s.fingerprint,
                          lambda s: s.count)
     if sum(counts) == 0:
         raise DistributedInputError(f"blockhess.distributed.{function}: every rank's shard is empty (0 sequences in all)")
-    return sh, counts
+    weights = counts
+    if isinstance(cfg, ModelConfig) and isinstance(loss, str) and loss == "ce":  # shares by the counted targets
+        weights = g.gather_objects(sh.weight, f"blockhess.distributed.{function}: the counted targets")
+        if sum(weights) == 0:
+            raise DistributedInputError(f"blockhess.distributed.{function}: every rank's targets are -100 (ignored): "
+                                        "the mean over counted tokens has no token to count")
+    return sh, counts, weights
+
+
+def _weight(cfg, loss, target, count: int) -> int:
+    """What a shard weighs in the global mean: a model's cross-entropy is the mean over the counted targets
+    of the whole batch (those other than -100, :func:`blockhess.losses.counted`), so a shard's share is its
+    counted targets' (with none ignored, ``L`` per sequence: its sequences'); another loss, its sequences."""
+    if not (count and isinstance(cfg, ModelConfig) and isinstance(loss, str) and loss == "ce" and target is not None):
+        return count
+    try:
+        return losses.counted(torch.as_tensor(target))
+    except (TypeError, ValueError, RuntimeError):
+        return count  # not classes: the local call says so
 
 
 # ----------------------------------------------------------------------------- the Hessian
@@ -429,23 +451,23 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConfig, loss:
     refuse = None if wrt_input is False else ("wrt_input must be False in blockhess.distributed.hessian: the block "
                                               "input is sharded over the ranks (for the Hessian w.r.t. X, call "
                                               "blockhess.hessian in one process)")
-    sh, counts = _prepare(g, "hessian", params, X, cfg, loss, target, wrt, {}, refuse=refuse)
-    total = sum(counts)
+    sh, _, weights = _prepare(g, "hessian", params, X, cfg, loss, target, wrt, {}, refuse=refuse)
+    total = sum(weights)
     state: dict = {"local": None, "made": set()}  # this rank's own result, for its parts
 
     def local() -> torch.Tensor:
-        if sh.count == 0:
+        if sh.weight == 0:  # no sequence, or every target ignored: no share of the mean
             return _zeros(sh, out).dense()
         kw = {} if out is None else {"out": out}
         state["local"] = single_hessian(params, X, cfg, loss=loss, target=target, wrt=sh.names, **kw)
         return state["local"].dense()
 
     buf, _ = g.agree("blockhess.distributed.hessian: the local Hessians", local)
-    buf = _reduce(g, buf, sh.count, total, "the Hessian")
+    buf = _reduce(g, buf, sh.weight, total, "the Hessian")
 
     def part(which: str) -> HessianBlocks:
         def local_part() -> torch.Tensor:
-            if sh.count == 0:
+            if sh.weight == 0:
                 return _zeros(sh).dense()
             return getattr(state["local"], which).dense()
 
@@ -455,7 +477,7 @@ def hessian(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConfig, loss:
         state["made"].add(which)
         if state["made"] == {"outer", "functional"}:
             state["local"] = None  # both parts made: the local result (and its cached parts) is no longer needed
-        return _wrap(_reduce(g, pb, sh.count, total, f"the Hessian's {which} part"), sh, cfg)
+        return _wrap(_reduce(g, pb, sh.weight, total, f"the Hessian's {which} part"), sh, cfg)
 
     return _wrap(buf, sh, cfg, part)
 
@@ -470,7 +492,7 @@ def _per_sample(function: str, params, X, cfg, loss, target, wrt, options: dict,
     on ``sh.like``'s device otherwise; every rank's rows gathered in rank order (the padded shards
     and the result: about ``2 N`` rows on each rank)."""
     g = _Group(group)
-    sh, counts = _prepare(g, function, params, X, cfg, loss, target, wrt, options, block_only=True)
+    sh, counts, _ = _prepare(g, function, params, X, cfg, loss, target, wrt, options, block_only=True)
 
     def local() -> torch.Tensor:
         if sh.count == 0:
@@ -628,11 +650,11 @@ def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConf
     Raises as :func:`hessian` (before any product).
     """
     g = _Group(group)
-    sh, counts = _prepare(g, "hessian_operator", params, X, cfg, loss, target, wrt, {"part": part})
-    total = sum(counts)
+    sh, counts, weights = _prepare(g, "hessian_operator", params, X, cfg, loss, target, wrt, {"part": part})
+    total = sum(weights)
 
     def local():
-        return single_operator(params, X, cfg, loss=loss, target=target, wrt=sh.names, part=part) if sh.count else None
+        return single_operator(params, X, cfg, loss=loss, target=target, wrt=sh.names, part=part) if sh.weight else None
 
     op, _ = g.agree("blockhess.distributed.hessian_operator: the local operators", local)
     like = sh.like
@@ -645,7 +667,7 @@ def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConf
         def local_rows():
             cols_of = tuple(a for a in sh.names if a in V)  # the view's columns: the product skips the rest
             cols = torch.cat([V[a].reshape(k, -1) for a in cols_of], 1)
-            return (op[tuple(wanted_out), cols_of] @ cols.T.contiguous() * (sh.count / total)).reshape(-1)
+            return (op[tuple(wanted_out), cols_of] @ cols.T.contiguous() * (sh.weight / total)).reshape(-1)
 
         rows = _all_reduced(g, like, n_out * k, local_rows if op is not None else None,
                             "a Hessian-vector product").reshape(n_out, k)
@@ -659,7 +681,7 @@ def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConf
         n_out = sum(sizes[a] for a in wanted)
 
         def local_diagonal():
-            return op[tuple(wanted), tuple(wanted)].diagonal() * (sh.count / total)
+            return op[tuple(wanted), tuple(wanted)].diagonal() * (sh.weight / total)
 
         buf = _all_reduced(g, like, n_out, local_diagonal if op is not None else None, "the exact diagonal")
         out, off = {}, 0
@@ -669,4 +691,4 @@ def hessian_operator(params: dict, X: torch.Tensor, cfg: BlockConfig | ModelConf
         return out
 
     return HessianOperator(product, sh.names, {k: sh.shapes[k] for k in sh.names}, like.dtype, like.device,
-                           diagonal=diagonal, split=head_views(cfg), count=total, cfg=cfg)
+                           diagonal=diagonal, split=head_views(cfg), count=sum(counts), cfg=cfg)

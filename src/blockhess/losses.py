@@ -7,6 +7,11 @@ the per-sequence Hessians. Per sequence ``Z`` of shape ``(L, d)``:
   :math:`\nabla\ell = \frac{2}{Ld}(Z - T)`, :math:`\nabla^2\ell = \frac{2}{Ld} I`;
 * ``"ce"``: rows of ``Z`` are logits over ``d`` classes, integer targets ``(L,)``, mean over
   tokens: :math:`\nabla_{z_t}\ell = (p_t - e_{y_t})/L`, :math:`\nabla^2_{z_t}\ell = (\mathrm{diag}\,p_t - p_t p_t^\top)/L`;
+  where the caller allows it (``check(..., ignore=True)``), targets of :data:`IGNORE` (``-100``) are
+  not counted and the batch loss is the mean over the ``N`` counted tokens of the whole batch, as
+  ``torch.nn.functional.cross_entropy(ignore_index=-100)``: each counted token's ``1/L`` above becomes
+  ``1/N`` over the batch (``N = B·L`` without ignored tokens: the mean over sequences), an ignored
+  token's derivatives are zero (docs/derivations.md §22);
 * a callable ``loss(Z, target) -> scalar`` applied to one sequence, twice differentiable
   in ``Z``: gradient and Hessian from ``torch.func`` on the loss alone (cheap; not the
   paper's subject), vmapped over the batch.
@@ -25,7 +30,16 @@ import torch
 
 from .validation import check_fits, check_tensor, saved_bytes
 
-__all__ = ["LossDerivatives", "check", "derivatives", "directional", "value", "hessian_work_bytes", "saved_loss_bytes"]
+__all__ = ["IGNORE", "LossDerivatives", "counted", "check", "derivatives", "directional", "value", "hessian_work_bytes", "saved_loss_bytes"]
+
+
+#: the cross-entropy target of a token the loss does not count (Hugging Face's and PyTorch's ``ignore_index``)
+IGNORE = -100
+
+
+def counted(target) -> int:
+    """The tokens a cross-entropy ``target`` counts: its entries other than :data:`IGNORE`."""
+    return int((target != IGNORE).sum())
 
 
 class LossDerivatives(NamedTuple):
@@ -50,7 +64,7 @@ class LossDerivatives(NamedTuple):
         return LossDerivatives(self.grad[b : b + 1] * B, hess * B, self.per_token)
 
 
-def check(loss, target, Z: torch.Tensor, single: bool = False):
+def check(loss, target, Z: torch.Tensor, single: bool = False, ignore: bool = False):
     """Validate ``loss`` and ``target`` against the output ``Z`` of shape ``(B, L, d)``; returns
     ``target`` as the kernels take it (``"ce"``: class indices of any integer dtype as int64).
 
@@ -64,7 +78,8 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
 
     Raises ``ValueError``: unknown loss; mse target not shaped like ``Z`` or not finite or of
     another dtype; ce target not integer (a list or NumPy array of ints is made a tensor), of
-    the wrong shape, or a class outside ``[0, d)``;
+    the wrong shape, or a class outside ``[0, d)`` (with ``ignore``: or :data:`IGNORE`, and then at least
+    one token counted; the callers that pass it normalise by :func:`counted`);
     a callable's batch target that is not a tensor or array-like with one entry per sequence,
     or a callable returning a non-scalar.
     """
@@ -98,11 +113,17 @@ def check(loss, target, Z: torch.Tensor, single: bool = False):
         if target.device != Z.device:
             raise ValueError(f"target is on {target.device} but X is on {Z.device}")
         d = Z.shape[-1]
-        if target.numel() and (target.min() < 0 or target.max() >= d):
+        kept = target[target != IGNORE] if ignore and not wrapped else target
+        if kept.numel() and (kept.min() < 0 or kept.max() >= d):
             got = ("a class of 2**63 or more" if wrapped and target.min() < 0
-                   else f"range [{int(target.min())}, {int(target.max())}]")
-            raise ValueError(f"target classes must lie in [0, {d - 1}] ({d} logits: the output's last axis) for loss='ce', "
-                             f"got {got}")
+                   else f"range [{int(kept.min())}, {int(kept.max())}]")
+            also = (" or -100 (ignored)" if ignore else
+                    "; targets of -100 (ignored) are taken by a model's blockhess.hessian and hessian_operator")
+            raise ValueError(f"target classes must lie in [0, {d - 1}] ({d} logits: the output's last axis){also} for "
+                             f"loss='ce', got {got}")
+        if ignore and target.numel() and not kept.numel():
+            raise ValueError("target: every token is -100 (ignored) for loss='ce': the mean over counted tokens has "
+                             "no token to count")
         return target
     elif callable(loss):
         if target is not None and not isinstance(target, torch.Tensor) and not single:
@@ -160,7 +181,28 @@ def saved_loss_bytes(loss, target, Z: torch.Tensor) -> int:
     return saved_bytes(loss, z, target[0] if isinstance(target, torch.Tensor) else target)[1]
 
 
-def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: int = 0) -> LossDerivatives:
+def _ce_terms(target, Z: torch.Tensor, batch: int | None, tokens: int | None):
+    """``(p, y, n)`` of the cross-entropy: the probabilities with an ignored token's row zeroed (so that
+    ``diag(p) - p pᵀ`` and ``p - y`` vanish there: the weight is 0 or 1), the one-hot targets likewise, and
+    the normaliser: ``tokens`` (the counted tokens of the whole batch; default ``L·batch`` without ignored
+    targets, :func:`counted` of ``target`` when it is the whole batch)."""
+    B, L, d = Z.shape
+    p = torch.softmax(Z, -1)
+    keep = target != IGNORE
+    every = bool(keep.all())
+    if tokens is None:
+        if batch is not None and batch != B and not every:
+            raise RuntimeError("losses: the counted tokens of the whole batch (tokens=) are needed for a part of it "
+                               "with ignored targets")
+        tokens = L * (B if batch is None else batch) if every else int(keep.sum())
+    if every:
+        return p, torch.nn.functional.one_hot(target, d).to(Z.dtype), tokens
+    w = keep.to(Z.dtype)[..., None]
+    return p * w, torch.nn.functional.one_hot(target.clamp(min=0), d).to(Z.dtype) * w, tokens
+
+
+def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: int = 0,
+                tokens: int | None = None) -> LossDerivatives:
     """Gradient and Hessian of the mean-over-sequences loss w.r.t. ``Z`` of shape ``(B, L, d)``.
 
     ``target`` as for :func:`check`, with a leading batch axis matching ``Z``'s (for a
@@ -176,6 +218,8 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
     ``.item()``; running out of memory is not re-labelled); ``InsufficientMemoryError`` before a
     callable's ``B`` per-sequence ``(L·d)²`` Hessians and the work space of one group of
     sequences, if they would not fit. The other arguments are not checked here (:func:`check`).
+    ``tokens``: CE's counted tokens of the whole batch (:func:`counted`; needed for a part of a batch
+    with ignored targets).
     """
     B, L, d = Z.shape
     mean_over = B if batch is None else batch
@@ -184,11 +228,10 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
         eye = torch.eye(d, dtype=Z.dtype, device=Z.device)
         return LossDerivatives(c * (Z - target), (c * eye).expand(B * L, d, d), True)
     if loss == "ce":
-        p = torch.softmax(Z, -1)
-        onehot = torch.nn.functional.one_hot(target, d).to(Z.dtype)
+        p, onehot, n = _ce_terms(target, Z, batch, tokens)
         p_t = p.reshape(B * L, d)
-        hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / (L * mean_over)
-        return LossDerivatives((p - onehot) / (L * mean_over), hess, True)
+        hess = (torch.diag_embed(p_t) - p_t[:, :, None] * p_t[:, None, :]) / n
+        return LossDerivatives((p - onehot) / n, hess, True)
     in_dims = _in_dims(target)
     m = L * d
     out_bytes = B * m * m * Z.element_size()
@@ -226,7 +269,7 @@ def derivatives(loss, target, Z: torch.Tensor, batch: int | None = None, first: 
     return LossDerivatives(grad.div_(mean_over), hess.reshape(B, L * d, L * d).div_(mean_over), False)  # our buffers
 
 
-def directional(loss, target, Z: torch.Tensor, batch: int | None = None):
+def directional(loss, target, Z: torch.Tensor, batch: int | None = None, tokens: int | None = None):
     r"""``(grad, omega)``: the gradient of the mean-over-sequences loss w.r.t. ``Z`` ``(B, L, d)`` (as
     :func:`derivatives`) and ``omega(dZ)``, its Hessian applied to tangents ``dZ`` ``(k, B, L, d)``,
     without forming a per-token ``d × d`` matrix for MSE (a scaling) and CE
@@ -238,10 +281,8 @@ def directional(loss, target, Z: torch.Tensor, batch: int | None = None):
         c = 2.0 / (L * d * mean_over)
         return c * (Z - target), lambda dZ: c * dZ
     if loss == "ce":
-        p = torch.softmax(Z, -1)
-        n = L * mean_over
-        grad = (p - torch.nn.functional.one_hot(target, d).to(Z.dtype)) / n
-        return grad, lambda dZ: (p * dZ - p * (p * dZ).sum(-1, keepdim=True)) / n
+        p, onehot, n = _ce_terms(target, Z, batch, tokens)
+        return (p - onehot) / n, lambda dZ: (p * dZ - p * (p * dZ).sum(-1, keepdim=True)) / n
     ld = derivatives(loss, target, Z, batch, 0)
     H = ld.hess  # (B, L·d, L·d)
     return ld.grad, lambda dZ: torch.einsum("bij,kbj->kbi", H, dZ.reshape(dZ.shape[0], B, L * d)).reshape(dZ.shape)
@@ -250,12 +291,12 @@ def directional(loss, target, Z: torch.Tensor, batch: int | None = None):
 def value(loss, target, Z: torch.Tensor) -> torch.Tensor:
     """The batch loss, a 0-dim tensor of ``Z``'s dtype: the mean over sequences of the
     per-sequence loss; ``Z`` is ``(B, L, d)``, ``target`` as :func:`check` returns it (the
-    arguments are not checked here). MSE: mean over entries; CE: mean over tokens (paper
-    §1.3; docs/derivations.md §8)."""
+    arguments are not checked here). MSE: mean over entries; CE: mean over tokens, those of
+    target :data:`IGNORE` not counted (paper §1.3; docs/derivations.md §8, §22)."""
     B, L, d = Z.shape
     if loss == "mse":
         return ((Z - target) ** 2).mean()
     if loss == "ce":
-        return torch.nn.functional.cross_entropy(Z.reshape(-1, d), target.reshape(-1))
+        return torch.nn.functional.cross_entropy(Z.reshape(-1, d), target.reshape(-1), ignore_index=IGNORE)
     in_dims = _in_dims(target)
     return torch.func.vmap(loss, in_dims=in_dims)(Z, target).mean()

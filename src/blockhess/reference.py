@@ -24,20 +24,24 @@ from .validation import check_bool, check_fits
 __all__ = ["forward", "jacobian", "input_jacobian", "hessian"]
 
 
-def _rotate(t: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``t`` ``(..., L, d_k)`` at positions ``0..L-1``, the rotate-half way:
-    ``t cos + cat(-t2, t1) sin``, angles ``l · theta^(-2i/d_k)`` repeated over both halves."""
+def _rotate(t: torch.Tensor, theta: float, positions=None) -> torch.Tensor:
+    """Rotary embedding of ``t`` ``(..., L, d_k)`` at positions ``0..L-1`` (or ``positions`` ``(B, L)``,
+    ``t`` then ``(B, H, L, d_k)``), the rotate-half way: ``t cos + cat(-t2, t1) sin``, angles
+    ``l · theta^(-2i/d_k)`` repeated over both halves."""
     L, dk = t.shape[-2:]
     inv = theta ** (-torch.arange(0, dk, 2, dtype=torch.float64) / dk)
-    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv
+    pos = torch.arange(L, dtype=torch.float64) if positions is None else positions.double().cpu()[:, None, :]
+    ang = pos[..., None] * inv
     ang = torch.cat([ang, ang], -1).to(dtype=t.dtype, device=t.device)
     t1, t2 = t[..., : dk // 2], t[..., dk // 2 :]
     return t * torch.cos(ang) + torch.cat([-t2, t1], -1) * torch.sin(ang)
 
 
-def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
+def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig, keys=None, positions=None) -> torch.Tensor:
     """Multi-head self-attention with optional biases, causal mask, output projection, grouped
-    key/value heads (each repeated for its query heads), rotary embeddings and a sliding window."""
+    key/value heads (each repeated for its query heads), rotary embeddings and a sliding window; ``keys``
+    ``(B, L)`` bool, the keys attended (a query row with none: zero weights), ``positions`` ``(B, L)`` the
+    rotary ones."""
     H, dk, G = cfg.n_heads, cfg.head_dim, cfg.kv_heads
     L = X.shape[-2]
     Q = X @ p["W_Q"] + (p["b_Q"] if "b_Q" in p else 0)
@@ -47,15 +51,19 @@ def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     Kh = K.reshape(*K.shape[:-1], G, dk).transpose(-2, -3)  # (..., G, L, dk)
     Vh = V.reshape(*V.shape[:-1], G, -1).transpose(-2, -3)
     if cfg.rope:
-        Qh, Kh = _rotate(Qh, cfg.rope_theta), _rotate(Kh, cfg.rope_theta)
+        Qh, Kh = _rotate(Qh, cfg.rope_theta, positions), _rotate(Kh, cfg.rope_theta, positions)
     Kh, Vh = Kh.repeat_interleave(H // G, -3), Vh.repeat_interleave(H // G, -3)
     T = Qh @ Kh.transpose(-1, -2) / math.sqrt(dk)
+    masked = torch.zeros(L, L, dtype=torch.bool, device=X.device)
     if cfg.causal:
-        mask = torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1)
+        masked = torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1)
         if cfg.sliding_window is not None:  # token l attends to m with l - m < window (HF's sliding window)
-            mask = mask | torch.ones(L, L, dtype=torch.bool, device=X.device).tril(-cfg.sliding_window)
-        T = T.masked_fill(mask, float("-inf"))
-    O = (torch.softmax(T, dim=-1) @ Vh).transpose(-2, -3)
+            masked = masked | torch.ones(L, L, dtype=torch.bool, device=X.device).tril(-cfg.sliding_window)
+    if keys is not None:
+        masked = masked | ~keys[:, None, None, :]  # (B, 1, L, L): over the heads
+    none = masked.all(-1, keepdim=True)  # a query with no key: weights 0 (its scores unmasked, then dropped)
+    W = torch.softmax(T.masked_fill(masked & ~none, float("-inf")), dim=-1) * (~none).to(T.dtype)
+    O = (W @ Vh).transpose(-2, -3)
     O = O.reshape(*O.shape[:-2], -1)
     if cfg.out_proj:
         O = O @ p["W_O"] + (p["b_O"] if "b_O" in p else 0)
@@ -92,21 +100,26 @@ def _ffn(p: dict, Y: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     return h @ p["W_2"] + (p["b_2"] if "b_2" in p else 0)
 
 
-def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
+def forward(params: dict, X: torch.Tensor, cfg: BlockConfig, keys=None, positions=None) -> torch.Tensor:
     """Plain forward of the block (paper §1.3, with the options of docs/derivations.md §10–§13) or bare attention layer; no checks.
 
     ``X``: ``(L, d_model)`` or ``(B, L, d_model)``; returns the same shape. A :class:`ModelConfig`:
-    the model's output for batched inputs, ``(B, P, n_out)`` (``P = 1`` pooled; :func:`_model_forward`).
+    the model's output for batched inputs (a tensor or the forward's keyword arguments), ``(B, P, n_out)``
+    (``P = 1`` pooled; :func:`_model_forward`). ``keys``, ``positions``: the attention's keys attended and rotary positions (:func:`_attention`).
     """
     p = params
     if isinstance(cfg, ModelConfig):
+        if isinstance(X, dict):  # the forward's keyword arguments, read as the closed form reads them
+            from .model.forward_pass import model_input
+            X = model_input(cfg, X)[0]
         return _model_forward(p, X, cfg)
+    kw = {"keys": keys, "positions": positions}
     if cfg.kind == "attention":
-        return _attention(p, X, cfg)
+        return _attention(p, X, cfg, **kw)
     if cfg.norm == "post":
-        Y = _ln(p, X + _attention(p, X, cfg), cfg, 1)
+        Y = _ln(p, X + _attention(p, X, cfg, **kw), cfg, 1)
         return _ln(p, Y + _ffn(p, Y, cfg), cfg, 2)
-    Y = X + _attention(p, _ln(p, X, cfg, 1), cfg)
+    Y = X + _attention(p, _ln(p, X, cfg, 1), cfg, **kw)
     return Y + _ffn(p, _ln(p, Y, cfg, 2), cfg)
 
 
@@ -119,10 +132,13 @@ def _model_norm(p: dict, t: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Ten
     return y + p[f"beta_{s}"] if f"beta_{s}" in p else y
 
 
-def _model_forward(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Plain forward of a whole model (:class:`~blockhess.config.ModelConfig`) on batched inputs:
-    ``(B, P, n_out)``. Patches by ``Fn.unfold``, tokens by ``Fn.embedding``; no checks."""
+def _model_forward(p: dict, inputs, cfg: ModelConfig) -> torch.Tensor:
+    """Plain forward of a whole model (:class:`~blockhess.config.ModelConfig`) on batched inputs (a
+    :class:`~blockhess.model.forward_pass.Batch` or its tensor): ``(B, P, n_out)``. Patches by
+    ``Fn.unfold``, tokens, positions and token types by ``Fn.embedding``; no checks."""
     d = cfg.d_model
+    x = getattr(inputs, "x", inputs)
+    keys, pos, types = (getattr(inputs, k, None) for k in ("keys", "positions", "types"))
     if cfg.embedding == "none":
         X = x
     elif cfg.embedding == "token":
@@ -137,16 +153,16 @@ def _model_forward(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         X = torch.cat([p["cls"].expand(X.shape[0], 1, d), X], 1)
     L = X.shape[1]
     if cfg.positions == "learned":
-        X = X + p["W_P"][:L]
+        X = X + (p["W_P"][:L] if pos is None else Fn.embedding(pos, p["W_P"]))
     elif cfg.positions == "sinusoidal":
         X = X + sinusoidal_positions(L, d, X.dtype, X.device)
     if cfg.token_types:
-        X = X + p["W_T"][0]
+        X = X + (p["W_T"][0] if types is None else Fn.embedding(types, p["W_T"]))
     if cfg.embed_norm:
         X = _model_norm(p, X, cfg, "E")
     for i, bc in enumerate(cfg.blocks):
         pre = block_prefix(i)
-        X = forward({k[len(pre):]: v for k, v in p.items() if k.startswith(pre)}, X, bc)
+        X = forward({k[len(pre):]: v for k, v in p.items() if k.startswith(pre)}, X, bc, keys, pos)
     if cfg.final_norm:
         X = _model_norm(p, X, cfg, "F")
     h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "none": lambda: X}[cfg.pool]()
@@ -155,7 +171,7 @@ def _model_forward(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return h @ (p["W_E"].T if cfg.tied else p["W_H"]) + (p["b_H"] if "b_H" in p else 0)
 
 
-def _model_hessian(params: dict, inputs: torch.Tensor, cfg: ModelConfig, loss, target, wrt) -> HessianBlocks:
+def _model_hessian(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> HessianBlocks:
     """:func:`hessian` for a model: ``torch.func.hessian`` of the batch loss through
     :func:`_model_forward` w.r.t. the ``wrt`` parameters, the outer term ``J^T (∇²_z ℓ) J`` from
     ``jacrev`` and the functional term as the difference; the whole batch at once (small models)."""
@@ -171,7 +187,7 @@ def _model_hessian(params: dict, inputs: torch.Tensor, cfg: ModelConfig, loss, t
     like = params[names[0]]
     z0 = _model_forward(params, inputs, cfg)
     loss3, target3 = sequence_loss(cfg, loss, target, z0)
-    target3 = losses.check(loss3, target3, z0)
+    target3 = losses.check(loss3, target3, z0, ignore=True)
     B, P, C = z0.shape
     check_fits((4 * n * n + 3 * B * P * C * n + B * (P * C) ** 2) * like.element_size(),
                f"torch.func.hessian of the model's loss over {n} variables with the Jacobian and the parts", like.device)
@@ -184,8 +200,14 @@ def _model_hessian(params: dict, inputs: torch.Tensor, cfg: ModelConfig, loss, t
     Hf = torch.func.hessian(lambda s: losses.value(loss3, target3, out(s)))(sel)
     in_dims = (0, 0 if isinstance(target3, torch.Tensor) else None)
 
-    def per_sequence(zb, t):
-        return losses.value(loss3, t[None] if isinstance(t, torch.Tensor) else t, zb[None]) / B
+    if isinstance(loss3, str) and loss3 == "ce":  # the mean over the batch's counted tokens (-100 ignored)
+        N = int((target3 != -100).sum())
+
+        def per_sequence(zb, t):
+            return Fn.cross_entropy(zb, t, ignore_index=-100, reduction="sum") / N
+    else:
+        def per_sequence(zb, t):
+            return losses.value(loss3, t[None] if isinstance(t, torch.Tensor) else t, zb[None]) / B
 
     H_z = torch.func.vmap(torch.func.hessian(per_sequence), in_dims=in_dims)(z0, target3).reshape(B, P * C, P * C)
     J = torch.func.jacrev(out)(sel)

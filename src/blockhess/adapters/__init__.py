@@ -80,9 +80,11 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     ``src_mask`` equal to ``nn.Transformer.generate_square_subsequent_mask(L)`` or its boolean form)
     gives ``causal=True`` (for the encoder, every block), at whatever length the input has later;
     ``is_causal=True`` alone applies the mask here, whereas PyTorch's layer takes it only as a hint
-    about a ``src_mask`` it must also be given. A key padding mask that pads nothing is accepted, one
-    that pads is refused: a padded batch's Hessian is the mean of each sequence's Hessian at its own
-    length. ``batch_first=False`` only changes the input layout (:func:`block_input`).
+    about a ``src_mask`` it must also be given. A key padding mask that pads nothing is accepted here,
+    one that pads is refused: a batch's padding is not part of the module but of its inputs, passed
+    with them (``inputs={"src": X, "src_key_padding_mask": pad}``, ``{"input_ids": ids,
+    "attention_mask": mask}``; docs/models.md, "Padded batches"). ``batch_first=False`` only changes the
+    input layout (:func:`block_input`).
 
     Raises ``ValueError`` naming the module and the setting for what the closed form does not cover:
     dropout > 0 in training mode in any submodule, by its qualified name and ``p``, whatever mode the

@@ -17,8 +17,9 @@ parameters are laid out otherwise is refused by name, never guessed at.
   = ``W_E^T`` reshaped, ``cls_token`` ``(1, 1, d)`` = ``cls``, ``position_embeddings`` ``(1, n+1, d)``
   = ``W_P``; pre-LN (``layernorm_before``, ``layernorm_after``), ``attention.q_proj/k_proj/v_proj/o_proj``,
   ``mlp.fc1/fc2``; ``vit.layernorm`` final; the classifier on the CLS token (``pool="first"``).
-* BERT (``BertModel``, ``BertLayer``): word, position and token-type embeddings (every token type 0:
-  ``token_types = type_vocab_size``, row 0 added), ``embeddings.LayerNorm`` = ``embed_norm``; post-LN
+* BERT (``BertModel``, ``BertLayer``): word, position and token-type embeddings (``token_types =
+  type_vocab_size``; the rows of ``token_type_ids`` passed with the inputs, row 0 without them),
+  ``embeddings.LayerNorm`` = ``embed_norm``; post-LN
   layers (``attention.self.query/key/value``, ``attention.output.dense`` + ``.LayerNorm``,
   ``intermediate.dense``, ``output.dense`` + ``.LayerNorm``); the output is ``last_hidden_state``, so
   the pooler's parameters do not affect it: they are read as parameters our model does not use

@@ -66,9 +66,9 @@ def causal_from_masks(src_mask, is_causal, src_key_padding_mask) -> bool:
     """Whether the masks :func:`~blockhess.adapters.from_torch` was given make the attention causal.
     Raises ``ValueError`` for a mask other than the causal one and a key padding mask that pads."""
     if src_key_padding_mask is not None and bool(torch.as_tensor(src_key_padding_mask).ne(0).any()):
-        raise ValueError("src_key_padding_mask: a mask that pads is not supported (only the causal mask is); "
-                         "compute each sequence's Hessian at its own length, bh.hessian(params, X[b, :L_b], ...), "
-                         "and average them (a batch's loss is the mean over sequences)")
+        raise ValueError("src_key_padding_mask: a mask that pads is a batch's, not the module's: pass it with the "
+                         "inputs, bh.hessian(params, {'src': X, 'src_key_padding_mask': mask}, cfg, ...), and give "
+                         "from_torch only the causal mask (src_mask or is_causal)")
     if src_mask is not None:
         if not isinstance(src_mask, torch.Tensor) or not _is_causal_mask(src_mask):
             raise ValueError("src_mask: only the causal mask (-inf or True above the diagonal) is supported")

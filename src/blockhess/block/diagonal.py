@@ -289,7 +289,8 @@ def _attention_stage(c: Cache, a, acc: _Acc, b: int, t: slice, M_P, fun: bool):
         dMo = None if Moh is None else torch.diagonal(Moh, dim1=-2, dim2=-1)
         if dMo is not None:
             acc.add("W_V", _sq_gemm(AX, dMo), (slice(None), cols))
-            acc.add("b_V", dMo.sum(0), cols)
+            live = None if att.mask is None else att.mask.expand(*att.A.shape[:1], *att.mask.shape[-2:])[b, t].any(-1)
+            acc.add("b_V", (dMo if live is None else dMo * live.to(dMo.dtype)[:, None]).sum(0), cols)  # empty rows: 0
         if not want_qk:
             continue
         L = K.shape[0]  # the keys seen

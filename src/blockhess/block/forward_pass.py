@@ -157,7 +157,7 @@ def work_entries(cfg: BlockConfig, B: int, L: int, mode: str = "hessian", wrt_in
 
 
 def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bool = False, upstream: bool = True,
-                  plain: bool = False) -> Cache:
+                  plain: bool = False, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Cache:
     """The block's forward pass on ``X`` (``(L, d_model)`` or ``(B, L, d_model)``), keeping what the
     derivatives need: the :class:`Cache` (``.out`` is the output, ``(B, L, d_model)``), in ``X``'s dtype
     and device. The one forward pass of the closed form (:func:`forward`, :func:`blockhess.hessian`,
@@ -168,7 +168,10 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
     Jacobians the chain needs for earlier ones (``J_Y``, ``J_SY``) are not formed (``None``).
     ``plain=True``: nothing will be differentiated; no per-token Jacobian is formed (``E_Y``,
     ``E_Z``, ``J_SY``, the LayerNorm Jacobians are ``None``): the output and what
-    :func:`check_forward` reads.
+    :func:`check_forward` reads. ``mask``: the attention's pairs attended, boolean ``(B, L, L)`` (True =
+    attend), with ``cfg.causal``'s too (:func:`blockhess.layers.attention.allowed`); ``positions``: the
+    rotary positions ``(B, L)`` of a block with ``rope`` (``None``: ``0..L-1``). A model's walk passes
+    them (:func:`blockhess.model.forward_pass.trace`).
     """
     p = effective_params(params, cfg)
     plain = plain or bool(cfg.llama_options)  # only the matrix-free path reads these: no per-token Jacobians
@@ -188,7 +191,7 @@ def forward_cache(params: dict, X: torch.Tensor, cfg: BlockConfig, wrt_input: bo
         Xa = layernorm.affine(n1, p.get("gamma_1"), p.get("beta_1"))
     rope = cfg.rope_theta if cfg.rope else None
     att = attention.forward(Xa, p["W_Q"], p["W_K"], p["W_V"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
-                            cfg.n_heads, cfg.causal, cfg.kv_heads, rope)
+                            cfg.n_heads, cfg.causal, cfg.kv_heads, rope, mask=mask, positions=positions)
     P = att.F
     if cfg.out_proj:
         P = P @ p["W_O"]

@@ -5,8 +5,10 @@ Per head ``h`` (columns ``h·d_k:(h+1)·d_k`` of ``W_Q, W_K``, ``h·d_v:(h+1)·d
 :math:`T_h = Q_h K_h^\top/\sqrt{d_k}`, :math:`Q = XW_Q + b_Q`, :math:`K = XW_K + b_K`,
 :math:`V = XW_V + b_V`; the output ``O`` concatenates the heads (``F`` in the paper's
 one-head notation). Notation per head: :math:`S_l = \mathrm{diag}(a_l) - a_l a_l^\top`
-(softmax Jacobian of row ``l``), :math:`s = 1/\sqrt{d_k}`. A causal mask sets ``a_lm = 0`` for
-``m > l``; every formula below holds unchanged (``S_l`` and ``Ψ_l`` vanish on masked entries).
+(softmax Jacobian of row ``l``), :math:`s = 1/\sqrt{d_k}`. A mask (causal: ``m > l``; a key padding
+mask; any boolean ``(B, L, L)`` of the pairs allowed) sets ``a_lm = 0`` on the pairs it masks; every
+formula below holds unchanged (``S_l`` and ``Ψ_l`` vanish on masked entries). A query row with no key
+allowed has ``a_l = 0`` (its output is zero, ``b_V``'s too; docs/derivations.md §22).
 
 First derivatives (Noci et al. Lemma A.2 as in the paper, §2.2), per output token ``l``,
 rows of head ``h``'s output block:
@@ -31,7 +33,7 @@ Derivatives w.r.t. the input ``X`` (dense within a sequence): :func:`input_jacob
 Grouped-query attention (``G`` key/value heads, query head ``h`` reading key/value head
 ``h // (H/G)``), a value width ``d_v`` with ``H·d_v`` other than the input width, and rotary
 embeddings (:math:`Q_l \mapsto Q_l R_l`, :math:`K_m \mapsto K_m R_m` per head, ``R_l`` the rotate-half
-rotation of token ``l``) have the directional derivatives (:func:`tangent`, :func:`adjoint`,
+rotation of token ``l`` at its position) have the directional derivatives (:func:`tangent`, :func:`adjoint`,
 :func:`second_adjoint`): the key/value tangents are repeated over each group and the adjoints summed
 over it, the rotation applied to the projections' tangents and its transpose to their adjoints
 (docs/derivations.md §20). The Kronecker-factor functions refuse them by name.
@@ -50,7 +52,7 @@ from . import linear, softmax
 from .linear import add
 from .protocol import Contraction
 
-__all__ = ["Cache", "forward", "weight_jacobians", "input_jacobian", "contract_hessian",
+__all__ = ["Cache", "forward", "allowed", "masked_softmax", "rope_tables", "weight_jacobians", "input_jacobian", "contract_hessian",
            "contract_input_hessian", "head_names", "NAMES",
            # directional derivatives, for a matrix-free product (docs/derivations.md §18)
            "Tangent", "Adjoint", "tangent", "adjoint", "second_adjoint"]
@@ -70,7 +72,8 @@ class Cache(NamedTuple):
     scale: float  # 1/sqrt(d_k)
     n_heads: int = 1
     n_kv: int | None = None  # key/value heads G (None: n_heads); K is (B, L, G*d_k), V (B, L, G*d_v)
-    rope: tuple | None = None  # (cos, sin), each (L, d_k): Q and K above are rotated (after the bias)
+    rope: tuple | None = None  # (cos, sin), each (L, d_k) or (B, 1, L, d_k): Q and K above are rotated (after the bias)
+    mask: torch.Tensor | None = None  # (B, L, L) or (L, L) bool, True where query l may attend to key m; None: every pair
 
 
 def _plain(c: Cache, what: str) -> None:
@@ -83,12 +86,15 @@ def _plain(c: Cache, what: str) -> None:
                                   "the matrix-free products (attention.tangent, attention.second_adjoint) do")
 
 
-def rope_tables(L: int, d_k: int, theta: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``(L, d_k)`` in ``like``'s dtype and device: HF's default rotary tables at
-    positions ``0..L-1``, angle ``l · theta^(-2i/d_k)`` at entries ``i`` and ``i + d_k/2`` (computed in
-    float64, then cast)."""
+def rope_tables(L: int, d_k: int, theta: float, like: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` in ``like``'s dtype and device: HF's default rotary tables, angle
+    ``l · theta^(-2i/d_k)`` at entries ``i`` and ``i + d_k/2`` of a token at position ``l`` (computed
+    in float64, then cast); each ``(L, d_k)`` at positions ``0..L-1``, or ``(B, 1, L, d_k)`` (broadcast
+    over the heads) at the integer ``positions`` ``(B, L)``."""
     inv = theta ** (-torch.arange(0, d_k, 2, dtype=torch.float64) / d_k)
-    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv[None]
+    pos = torch.arange(L, dtype=torch.float64) if positions is None else positions.to(torch.float64).cpu()[:, None]
+    ang = pos[..., None] * inv
     ang = torch.cat([ang, ang], -1)
     return ang.cos().to(like.dtype).to(like.device), ang.sin().to(like.dtype).to(like.device)
 
@@ -164,16 +170,43 @@ def head(c: Cache, h: int) -> Head:
                 qk=qk)
 
 
+def allowed(L: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The boolean ``(…, L, L)`` of the pairs (query ``l``, key ``m``) attended: ``mask`` (``(B, L, L)`` or
+    ``(L, L)``, True = attend; ``None``: every pair) and, with ``causal``, ``m <= l``; ``None`` when every
+    pair is. Kernel: no checks."""
+    if causal:
+        tril = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+        return tril if mask is None else mask & tril
+    return mask
+
+
+def masked_softmax(T: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(T)`` over the keys ``mask`` allows (``(B, L, L)`` or ``(L, L)``, broadcast over the heads of
+    ``T`` ``(B, L, L)`` or ``(B, H, L, L)``), exactly 0 elsewhere; a row with no key allowed is all zeros
+    (its output ``A V`` is zero; docs/derivations.md §22). Kernel: no checks."""
+    if mask is None:
+        return softmax.forward(T)
+    m = mask if T.ndim == 3 or mask.ndim == 2 else mask[:, None]
+    empty = ~m.any(-1, keepdim=True)
+    A = softmax.forward(T.masked_fill(~(m | empty), float("-inf")))  # an empty row: a finite softmax, zeroed below
+    return A.masked_fill(empty, 0.0) if bool(empty.any()) else A
+
+
 def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, b_Q=None, b_K=None,
             b_V=None, n_heads: int = 1, causal: bool = False, n_kv_heads: int | None = None,
-            rope_theta: float | None = None) -> Cache:
+            rope_theta: float | None = None, mask: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None) -> Cache:
     """Self-attention on ``X`` of shape ``(B, L, d)``; returns the :class:`Cache` (``.F`` is the
     concatenated output ``O``, ``(B, L, H·d_v)``). One head, no biases, no mask: the paper's
     ``F = softmax(X W_Q W_K^T X^T / sqrt(d_k)) X W_V``. ``n_kv_heads``: grouped key/value heads;
-    ``rope_theta``: rotary embeddings of that base on the queries and keys (after the biases). No checks (kernel)."""
+    ``rope_theta``: rotary embeddings of that base on the queries and keys (after the biases), at
+    ``positions`` ``(B, L)`` (integers; ``None``: ``0..L-1``). ``mask``: the pairs attended, boolean
+    ``(B, L, L)`` or ``(L, L)`` (True = attend), with ``causal`` too where set (:func:`allowed`,
+    :func:`masked_softmax`). No checks (kernel)."""
     H = n_heads
+    mask = allowed(X.shape[1], causal, mask, X.device)
     if (n_kv_heads is not None and n_kv_heads != H) or rope_theta is not None:
-        return _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H, causal, n_kv_heads or H, rope_theta)
+        return _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H, mask, n_kv_heads or H, rope_theta, positions)
     scale = 1.0 / math.sqrt(W_Q.shape[1] // H)
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
     if b_Q is not None:
@@ -189,30 +222,26 @@ def forward(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Te
         Qh = Q.reshape(B, L, H, -1).transpose(1, 2)
         Kh = K.reshape(B, L, H, -1).transpose(1, 2)
         T = Qh @ Kh.transpose(-1, -2) * scale
-    if causal:
-        T = T.masked_fill(torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1), float("-inf"))
-    A = softmax.forward(T)
+    A = masked_softmax(T, mask)
     if H == 1:
         F = A @ V
     else:
         F = (A @ V.reshape(B, L, H, -1).transpose(1, 2)).transpose(1, 2).reshape(B, L, -1)
-    return Cache(X=X, Q=Q, K=K, V=V, A=A, F=F, scale=scale, n_heads=H)
+    return Cache(X=X, Q=Q, K=K, V=V, A=A, F=F, scale=scale, n_heads=H, mask=mask)
 
 
-def _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H: int, causal: bool, G: int, theta) -> Cache:
+def _forward_general(X, W_Q, W_K, W_V, b_Q, b_K, b_V, H: int, mask, G: int, theta, positions) -> Cache:
     """:func:`forward` with ``G`` key/value heads and/or rotary embeddings (``theta`` or ``None``)."""
     B, L, _ = X.shape
     dk = W_Q.shape[1] // H
     scale = 1.0 / math.sqrt(dk)
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
     Q, K, V = (t if b is None else t + b for t, b in ((Q, b_Q), (K, b_K), (V, b_V)))
-    cs = None if theta is None else rope_tables(L, dk, theta, X)
+    cs = None if theta is None else rope_tables(L, dk, theta, X, positions)
     Q, K = _merge(rotate(_heads(Q, H), cs)), _merge(rotate(_heads(K, G), cs))
-    c = Cache(X=X, Q=Q, K=K, V=V, A=None, F=None, scale=scale, n_heads=H, n_kv=G, rope=cs)
+    c = Cache(X=X, Q=Q, K=K, V=V, A=None, F=None, scale=scale, n_heads=H, n_kv=G, rope=cs, mask=mask)
     T = _heads(Q, H) @ _kv(c, K).transpose(-1, -2) * scale
-    if causal:
-        T = T.masked_fill(torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1), float("-inf"))
-    A = softmax.forward(T)
+    A = masked_softmax(T, mask)
     F = _merge(A @ _kv(c, V))
     return c._replace(A=A if H > 1 else A[:, 0], F=F)
 
@@ -262,7 +291,11 @@ def weight_jacobians(c: Cache, names=None) -> dict[str, TokenKron]:
             out[nm["W_V"]] = TokenKron("left", _flat(hd.A @ c.X),
                                        eye[:, hd.cols].expand(B * L, d, hd.cols.stop - hd.cols.start))
     if "b_V" in names:
-        out["b_V"] = TokenKron("vector", None, eye.expand(B * L, d, d))
+        bV = eye.expand(B * L, d, d)
+        if c.mask is not None:  # a row with no key allowed has a zero output, b_V's part of it too
+            live = c.mask.expand(B, L, L).any(-1).reshape(-1)
+            bV = bV if bool(live.all()) else bV * live.to(eye.dtype)[:, None, None]
+        out["b_V"] = TokenKron("vector", None, bV)
     return out
 
 

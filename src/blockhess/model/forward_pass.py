@@ -12,13 +12,15 @@ import dataclasses
 
 import torch
 
+from .. import losses
 from ..block import check_forward, forward_cache
 from ..config import ModelConfig, block_prefix, check_window, model_param_shapes, sinusoidal_positions
 from ..layers import layernorm
+from ..layers.attention import allowed
 from ..validation import check_finite, check_ln_variance, check_params, check_tensor, warn_tf32
 
-__all__ = ["Trace", "block_params", "check_model_inputs", "forward", "model_input", "patches", "trace", "n_tokens",
-           "embed_scale", "norm_scale"]
+__all__ = ["Batch", "Trace", "attention_mask", "block_params", "check_counted", "check_model_inputs", "embed_scale",
+           "forward", "live_rows", "model_input", "n_tokens", "norm_scale", "patches", "trace"]
 
 
 def patches(images: torch.Tensor, p: int) -> torch.Tensor:
@@ -29,12 +31,14 @@ def patches(images: torch.Tensor, p: int) -> torch.Tensor:
     return x.reshape(B, (H // p) * (W // p), C * p * p)
 
 
-def n_tokens(cfg: ModelConfig, inputs: torch.Tensor) -> int:
-    """Tokens per sequence of the blocks (the ``cls`` token included) for batched ``inputs``."""
+def n_tokens(cfg: ModelConfig, inputs) -> int:
+    """Tokens per sequence of the blocks (the ``cls`` token included) for batched ``inputs`` (a :class:`Batch`
+    or its tensor)."""
+    x = inputs.x if isinstance(inputs, Batch) else inputs
     if cfg.embedding == "patch":
         L = (cfg.image[1] // cfg.patch) * (cfg.image[2] // cfg.patch)
     else:
-        L = inputs.shape[1]
+        L = x.shape[1]
     return L + int(cfg.cls_token)
 
 
@@ -48,54 +52,169 @@ def _integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-def _keyword_inputs(inputs: dict) -> torch.Tensor:
-    """A forward's keyword arguments ``{"input_ids": ids, "attention_mask": mask}`` as the ids: a mask
-    of ones only (it changes nothing); a mask with a zero (a padded batch) and any other key are
-    refused by name (``ValueError``)."""
-    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
-    if unknown or "input_ids" not in inputs:
-        raise ValueError(f"inputs as a dict takes the keys 'input_ids' and 'attention_mask' (all ones), got "
-                         f"{sorted(inputs)}")
-    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor) or mask.shape != ids.shape:
-            raise ValueError(f"inputs['attention_mask'] must be a tensor shaped like input_ids "
-                             f"{tuple(getattr(ids, 'shape', ()))}, got {getattr(mask, 'shape', type(mask).__name__)}")
-        if not bool((mask == 1).all()):
-            raise ValueError("inputs['attention_mask'] has zeros: padded batches: not yet for this reader "
-                             "(a mask of all ones is taken)")
-    return ids
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A model's batched inputs, as :func:`model_input` reads them from the forward's keyword arguments.
+
+    ``x``: token ids ``(B, L)`` (int64), features ``(B, L, d_in)``, images ``(B, C, H, W)`` or ``X_0``;
+    ``keys``: ``(B, L)`` bool, True where a key may be attended (``attention_mask != 0``; ``None``: every
+    key); ``positions``: ``(B, L)`` int64 position ids (``None``: ``0..L-1``, what GPT-2 and BERT compute
+    without them); ``types``: ``(B, L)`` int64 token types (``None``: type 0 everywhere)."""
+
+    x: torch.Tensor
+    keys: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    types: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, rows) -> "Batch":
+        """The sequences ``rows`` (a slice) of every field."""
+        return Batch(*(None if t is None else t[rows] for t in (self.x, self.keys, self.positions, self.types)))
+
+    def clone(self) -> "Batch":
+        return Batch(*(None if t is None else t.clone() for t in (self.x, self.keys, self.positions, self.types)))
 
 
-def model_input(cfg: ModelConfig, inputs) -> tuple[torch.Tensor, bool]:
-    """``inputs`` with a batch axis, and whether one was added (one sequence given); token ids of
-    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask); a dict of
-    the forward's keyword arguments as its ``input_ids`` (:func:`_keyword_inputs`: an ``attention_mask``
-    of ones only)."""
-    if isinstance(inputs, dict):
-        inputs = _keyword_inputs(inputs)
-    single = {"token": 1, "patch": 3}.get(cfg.embedding, 2)
-    if cfg.embedding == "token" and isinstance(inputs, torch.Tensor) and _integer(inputs):
-        inputs = inputs.long()
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == single:
-        return inputs[None], True
-    return inputs, False
+#: the keyword arguments a model's forward takes, by embedding: the first is the input itself
+_KEYS = {"token": ("input_ids", "attention_mask", "position_ids", "token_type_ids"),
+         "patch": ("pixel_values",), "linear": ("src", "src_key_padding_mask"), "none": ("src", "src_key_padding_mask")}
+
+
+def _as_mask(name: str, m, like: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """``m`` as a ``(B, L)`` bool of the keys attended: ``attention_mask`` (1 attend, 0 padding; bool,
+    integer or float of 0s and 1s, as Hugging Face's) or, ``pad``, PyTorch's ``src_key_padding_mask``
+    (bool, True = padding). Raises ``ValueError`` naming ``name``."""
+    want = (f"a bool tensor of shape {tuple(like.shape[:2])} (True = padding)" if pad else
+            f"a tensor of shape {tuple(like.shape[:2])} of 1 (attend) and 0 (padding), bool, integer or float")
+    if not isinstance(m, torch.Tensor) or m.dtype.is_complex or (pad and m.dtype != torch.bool):
+        got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
+        raise ValueError(f"inputs[{name!r}] must be {want}, got {got}")
+    if tuple(m.shape) != tuple(like.shape[:2]):
+        raise ValueError(f"inputs[{name!r}] must be {want} (one entry per token; a 4-D mask is not taken), got shape "
+                         f"{tuple(m.shape)}")
+    if m.device != like.device:
+        raise ValueError(f"inputs[{name!r}] is on {m.device} but the inputs are on {like.device}")
+    if m.dtype != torch.bool:
+        ok = (m == 0) | (m == 1)
+        if m.numel() and not bool(ok.all()):
+            bad = tuple((~ok).nonzero()[0].tolist())
+            raise ValueError(f"inputs[{name!r}] must hold only 0 and 1, got {m[bad].item()} at {bad}")
+        m = m != 0
+    return ~m if pad else m
+
+
+def _index(name: str, t, like: torch.Tensor, hi: int | None, what: str) -> torch.Tensor:
+    """``t`` as ``(B, L)`` int64 in ``[0, hi)`` (``hi`` ``None``: ``>= 0``). Raises ``ValueError`` naming ``name``."""
+    if not isinstance(t, torch.Tensor) or not _integer(t):
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"inputs[{name!r}] must be an integer tensor of {what}, got {got}")
+    if tuple(t.shape) != tuple(like.shape[:2]):
+        raise ValueError(f"inputs[{name!r}] must have the shape of the tokens {tuple(like.shape[:2])}, got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"inputs[{name!r}] is on {t.device} but the inputs are on {like.device}")
+    t = t.long()
+    bad = (t < 0) if hi is None else (t < 0) | (t >= hi)
+    if t.numel() and bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        rng = "[0, inf)" if hi is None else f"[0, {hi})"
+        raise ValueError(f"inputs[{name!r}]: {int(t[at])} at {at} is out of range {rng} ({what})")
+    return t
+
+
+def model_input(cfg: ModelConfig, inputs) -> tuple[Batch, bool]:
+    """``inputs`` as a :class:`Batch` with a batch axis, and whether one was added (one sequence given).
+
+    ``inputs``: the tensor the model's forward takes first, or a dict of the forward's keyword arguments:
+    token models ``{"input_ids", "attention_mask", "position_ids", "token_type_ids"}`` (Hugging Face's
+    names and meanings; ``position_ids`` where the model has learned or rotary positions,
+    ``token_type_ids`` where it has a token-type table), patch models ``{"pixel_values"}``, feature models
+    (``nn.TransformerEncoder``) ``{"src", "src_key_padding_mask"}`` (PyTorch's: True = padding). Token ids
+    of any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask).
+
+    Raises ``ValueError`` for another key (``inputs_embeds``: the lookup is part of the model), the input
+    missing, a mask of the wrong shape, dtype or values or one masking every key of a sequence, position
+    ids or token types of the wrong shape or dtype or out of range (learned positions: ``[0, n_positions)``;
+    rotary: ``>= 0``; types: ``[0, token_types)``); the input itself is checked by :func:`check_model_inputs`."""
+    if not isinstance(inputs, dict) or not isinstance(cfg, ModelConfig):
+        x = inputs
+        if isinstance(cfg, ModelConfig) and cfg.embedding == "token" and isinstance(x, torch.Tensor) and _integer(x):
+            x = x.long()
+        single = {"token": 1, "patch": 3}.get(getattr(cfg, "embedding", None), 2)
+        if isinstance(x, torch.Tensor) and x.ndim == single:
+            return Batch(x[None]), True
+        return Batch(x), False
+    keys = _KEYS[cfg.embedding]
+    unknown = [k for k in inputs if k not in keys]
+    if unknown:
+        hint = ("; inputs_embeds is not taken: pass input_ids (W_E's lookup is part of the model)"
+                if "inputs_embeds" in unknown else "")
+        if cfg.embedding == "patch" and {"attention_mask", "src_key_padding_mask", "bool_masked_pos"} & set(unknown):
+            hint += "; a patch model takes no mask (every patch attends to every patch)"
+        raise ValueError(f"inputs: unknown key{'s' if len(unknown) > 1 else ''} {unknown!r}; this model's forward "
+                         f"takes {list(keys)}{hint}")
+    if keys[0] not in inputs:
+        raise ValueError(f"inputs must hold {keys[0]!r} (the model's input), got the keys {list(inputs)}")
+    x = inputs[keys[0]]
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"inputs[{keys[0]!r}] must be a torch.Tensor, got {type(x).__name__}")
+    if cfg.embedding == "token" and _integer(x):
+        x = x.long()
+    one = x.ndim == {"token": 1, "patch": 3}.get(cfg.embedding, 2)
+    if one:
+        x = x[None]
+    rest = {k: v for k, v in inputs.items() if k != keys[0] and v is not None}
+    rest = {k: (v[None] if one and isinstance(v, torch.Tensor) else v) for k, v in rest.items()}
+    if rest and (x.ndim != (2 if cfg.embedding == "token" else 3) or x.shape[1] < 1):  # B = 0: a rank's empty shard
+        want = "(B, L) or (L,)" if cfg.embedding == "token" else "(B, L, d) or (L, d)"
+        raise ValueError(f"inputs[{keys[0]!r}] must have shape {want} with L >= 1, got {tuple(x.shape)}")
+    if rest and cfg.cls_token:
+        raise ValueError(f"inputs: {list(rest)} are not taken by a model with a cls token (its tokens are one more "
+                         "than the inputs')")
+    mask = pos = types = None
+    for k in ("attention_mask", "src_key_padding_mask"):
+        if k in rest:
+            mask = _as_mask(k, rest[k], x, pad=k == "src_key_padding_mask")
+            empty = ~mask.any(1)
+            if bool(empty.any()):
+                raise ValueError(f"inputs[{k!r}]: sequence {int(empty.nonzero()[0])} has every key masked "
+                                 "(no token to attend to)")
+            if bool(mask.all()):
+                mask = None  # pads nothing
+    if "position_ids" in rest:
+        learned = cfg.positions == "learned"
+        if not learned and not any(b.rope for b in cfg.blocks):
+            raise ValueError("inputs['position_ids']: this model has no learned or rotary positions to take them "
+                             f"(ModelConfig.positions={cfg.positions!r}, no block with rope)")
+        pos = _index("position_ids", rest["position_ids"], x, cfg.n_positions if learned else None,
+                     f"rows of W_P, {cfg.n_positions} of them" if learned else "rotary positions")
+    if "token_type_ids" in rest:
+        if not cfg.token_types:
+            raise ValueError("inputs['token_type_ids']: this model has no token-type table (ModelConfig.token_types "
+                             "is 0; GPT-2's token types, rows of its word embedding, are not taken)")
+        types = _index("token_type_ids", rest["token_type_ids"], x, cfg.token_types, "rows of W_T")
+    return Batch(x, mask, pos, types), one
 
 
 def _like(params: dict) -> torch.Tensor:
     return next(iter(params.values())) if isinstance(params, dict) and params else None
 
 
-def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> None:
-    """Validate ``inputs`` against ``cfg`` (shape; finite features; token ids integer, on the
-    parameters' device and in ``[0, vocab)``; the sequence no longer than the positions) and
-    ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming
-    the argument and what was expected; ``NotImplementedError`` for a sequence longer than a block's
+def check_model_inputs(params: dict, inputs, cfg: ModelConfig) -> None:
+    """Validate ``inputs`` (a :class:`Batch` from :func:`model_input`, or its tensor) against ``cfg``
+    (shape; finite features; token ids integer, on the parameters' device and in ``[0, vocab)``; the
+    sequence no longer than the positions; masks, positions, types as :func:`model_input` read them) and
+    ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming the
+    argument and what was expected; ``NotImplementedError`` for a sequence longer than a block's
     ``sliding_window`` (:func:`~blockhess.config.check_window`)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    batch = inputs if isinstance(inputs, Batch) else Batch(inputs)
+    inputs = batch.x
     if not isinstance(inputs, torch.Tensor):
-        raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        raise ValueError(f"inputs must be a torch.Tensor or a dict of the forward's keyword arguments, got "
+                         f"{type(inputs).__name__}")
     d = cfg.d_model
     if cfg.embedding == "token":
         if not _integer(inputs) or inputs.ndim != 2:
@@ -126,7 +245,7 @@ def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> 
         like, like_name = inputs, "inputs"
     L = n_tokens(cfg, inputs)
     check_window(cfg, L)
-    if cfg.positions == "learned" and L > cfg.n_positions:
+    if cfg.positions == "learned" and batch.positions is None and L > cfg.n_positions:
         raise ValueError(f"inputs: {L} tokens{' (the cls token included)' if cfg.cls_token else ''} exceed the "
                          f"{cfg.n_positions} learned positions (W_P rows)")
     check_params(params, model_param_shapes(cfg), like, like_name)  # and the inputs finite
@@ -140,6 +259,9 @@ class Trace:
     cfg: ModelConfig
     params: dict
     inputs: torch.Tensor  # features (B, L, d_in) (patches cut), token ids (B, L), or X_0
+    keys: torch.Tensor | None  # (B, L) bool: the keys attended (Batch.keys); None: every key
+    positions: torch.Tensor | None  # (B, L) int64: the position ids (learned rows of W_P, rotary angles); None: 0..L-1
+    types: torch.Tensor | None  # (B, L) int64: the token types (rows of W_T); None: type 0
     X0: torch.Tensor  # (B, L, d) the embedding's output before LN_E (the blocks' input without LN_E)
     blocks: tuple  # block caches (blockhess.block.Cache), the input of block 0 being LN_E(X0) or X0
     XN: torch.Tensor  # (B, L, d) the last block's output
@@ -148,7 +270,7 @@ class Trace:
     z: torch.Tensor  # (B, P, n_out) the output (h without a head)
 
 
-def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig, positions=None, types=None) -> torch.Tensor:
     d = cfg.d_model
     if cfg.embedding == "none":
         X = x
@@ -164,11 +286,11 @@ def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         X = torch.cat([p["cls"].expand(X.shape[0], 1, d), X], 1)
     L = X.shape[1]
     if cfg.positions == "learned":
-        X = X + p["W_P"][:L]
+        X = X + (p["W_P"][:L] if positions is None else p["W_P"][positions])
     elif cfg.positions == "sinusoidal":
         X = X + sinusoidal_positions(L, d, X.dtype, X.device)
     if cfg.token_types:
-        X = X + p["W_T"][0]
+        X = X + (p["W_T"][0] if types is None else p["W_T"][types])
     return X
 
 
@@ -184,6 +306,25 @@ def norm_scale(p: dict, cfg: ModelConfig, s: str):
     return g + cfg.rms_offset if g is not None and cfg.rms_offset else g
 
 
+def attention_mask(keys: torch.Tensor | None, L: int) -> torch.Tensor | None:
+    """The key padding ``keys`` ``(B, L)`` (True = attended; ``None``: every key) as the blocks' boolean
+    ``(B, L, L)`` of the pairs attended (each block adds its causal mask); ``None`` for ``None``."""
+    return None if keys is None else keys[:, None, :].expand(keys.shape[0], L, L)
+
+
+def live_rows(cfg: ModelConfig, keys: torch.Tensor | None, L: int) -> torch.Tensor | None:
+    """``(B, L)`` bool: the tokens whose attention row has a key to attend to in every block (a row with
+    none has a zero attention output, docs/derivations.md §22: left padding under a causal mask);
+    ``None`` where every row does."""
+    if keys is None:
+        return None
+    live = None
+    for bc in cfg.blocks:
+        rows = allowed(L, bc.causal, attention_mask(keys, L), keys.device).any(-1)
+        live = rows if live is None else live & rows
+    return None if bool(live.all()) else live
+
+
 def _norm(p: dict, X: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
     y = layernorm.normalise(X, cfg.norm_eps, center=cfg.norm_type == "layer")[0]
     return layernorm.affine(y, norm_scale(p, cfg, s), p.get(f"beta_{s}"))
@@ -194,22 +335,25 @@ def _check_norm(name: str, X: torch.Tensor, cfg: ModelConfig, first: int) -> Non
     check_ln_variance(name, X, cfg.norm_eps, stats=stats, computed=True, first=first)
 
 
-def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: bool = True, first: int = 0,
+def trace(params: dict, inputs, cfg: ModelConfig, derivatives: bool = True, first: int = 0,
           wrt_input: bool = True) -> Trace:
-    """The forward pass over batched, checked ``inputs``; every LayerNorm input row is checked
+    """The forward pass over batched, checked ``inputs`` (a :class:`Batch`, or its tensor); every LayerNorm input row is checked
     (:func:`~blockhess.validation.check_ln_variance`), the blocks' too (:func:`~blockhess.block.check_forward`),
     and the output must be finite. ``derivatives``: the blocks' caches keep their per-token Jacobians
     and, with ``wrt_input``, the input ``X`` as a variable (``False``: a plain forward). ``first``: the
     batch index of the first sequence (for the rows errors name). Raises ``ValueError``."""
-    x = patches(inputs, cfg.patch) if cfg.embedding == "patch" else inputs
-    X0 = _embed(params, x, cfg)
+    batch = inputs if isinstance(inputs, Batch) else Batch(inputs)
+    x = patches(batch.x, cfg.patch) if cfg.embedding == "patch" else batch.x
+    X0 = _embed(params, x, cfg, batch.positions, batch.types)
+    mask = attention_mask(batch.keys, X0.shape[1])
     X = X0
     if cfg.embed_norm:
         _check_norm("the embedding norm input", X0, cfg, first)
         X = _norm(params, X0, cfg, "E")
     caches = []
     for i, bc in enumerate(cfg.blocks):
-        c = forward_cache(block_params(params, cfg, i), X, bc, wrt_input=derivatives and wrt_input, plain=not derivatives)
+        c = forward_cache(block_params(params, cfg, i), X, bc, wrt_input=derivatives and wrt_input, plain=not derivatives,
+                          mask=mask, positions=batch.positions if bc.rope else None)
         check_forward(c, first=first)
         caches.append(c)
         X = c.out
@@ -225,7 +369,7 @@ def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: boo
             z = z + params["b_H"]
     check_finite({"the model output": z}, f": the forward pass overflowed {z.dtype} on finite inputs; "
                  "rescale the inputs or the weights")
-    return Trace(cfg=cfg, params=params, inputs=x, X0=X0, blocks=tuple(caches), XN=X, u=u, h=h, z=z)
+    return Trace(cfg=cfg, params=params, inputs=x, keys=batch.keys, positions=batch.positions, types=batch.types, X0=X0, blocks=tuple(caches), XN=X, u=u, h=h, z=z)
 
 
 def output(cfg: ModelConfig, z: torch.Tensor, single: bool) -> torch.Tensor:
@@ -234,16 +378,39 @@ def output(cfg: ModelConfig, z: torch.Tensor, single: bool) -> torch.Tensor:
     return out[0] if single else out
 
 
-def forward(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def forward(params: dict, inputs, cfg: ModelConfig) -> torch.Tensor:
     """The model's output: ``(B, n_out)`` with a pooling, ``(B, L, n_out)`` without (``n_out`` the
     head's width, or ``d_model``); no batch axis for one sequence. dtype and device of the params.
+    ``inputs``: the tensor the model takes first or its forward's keyword arguments (:func:`model_input`);
+    a query with no key to attend to gets a zero attention output (docs/derivations.md §22).
 
-    Raises ``ValueError`` as :func:`check_model_inputs` and :func:`trace` (a LayerNorm input row it
+    Raises ``ValueError`` as :func:`model_input`, :func:`check_model_inputs` and :func:`trace` (a LayerNorm input row it
     cannot take, an overflow).
     """
     inputs, single = model_input(cfg, inputs)
     check_model_inputs(params, inputs, cfg)
     return output(cfg, trace(params, inputs, cfg, derivatives=False).z, single)
+
+
+def check_counted(cfg: ModelConfig, batch: Batch, loss, target) -> None:
+    """Every token whose output the loss counts must have a key to attend to in every block
+    (:func:`live_rows`): per token, all of them for MSE and a callable, those with a target other than
+    ``-100`` for CE; pooled, the first token (``pool="first"``) or all (``"mean"``). ``target`` as
+    :func:`sequence_loss` returns it. Raises ``ValueError`` naming the first such token."""
+    live = live_rows(cfg, batch.keys, n_tokens(cfg, batch))
+    if live is None:
+        return
+    counted = torch.ones_like(live)
+    if cfg.pool == "first":
+        counted[:, 1:] = False
+    elif cfg.pool == "none" and loss == "ce" and isinstance(target, torch.Tensor) and target.shape == live.shape:
+        counted = target != losses.IGNORE
+    bad = counted & ~live
+    if bool(bad.any()):
+        b, t = bad.nonzero()[0].tolist()
+        raise ValueError(f"inputs['attention_mask']: token {t} of sequence {b} has no key to attend to (padding "
+                         "before it under a causal mask) but the loss counts its output; give it the target -100 "
+                         "(loss='ce' ignores it) or attend to it")
 
 
 def sequence_loss(cfg: ModelConfig, loss, target, z: torch.Tensor):

@@ -63,11 +63,13 @@ def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
 
 
 class EmbeddingStage:
-    """``X_0 = embed(x) [+ cls] + P [+ W_T[0]]`` (no LayerNorm): linear in every variable, no input.
+    """``X_0 = embed(x) [+ cls] + P [+ W_T[types]]`` (no LayerNorm; ``P`` the rows of ``W_P`` at the
+    positions, ``W_T``'s at the token types: 0 without them): linear in every variable, no input.
     A token embedding's scale ``s`` (``embed_scale``) multiplies ``W_E``'s rows, its tangents and adjoints."""
 
     def __init__(self, t, names: tuple[str, ...]):
         self.cfg, self.p, self.x = t.cfg, t.params, t.inputs
+        self.positions, self.types = t.positions, t.types  # (B, L) rows of W_P, W_T; None: 0..L-1, 0
         self.names = names
         self.s = embed_scale(t.cfg, t.X0) if t.cfg.embedding == "token" and t.cfg.embed_scale != 1.0 else None
         self.B, self.L, self.d = t.X0.shape
@@ -80,7 +82,9 @@ class EmbeddingStage:
         B, R = W.shape[:2]
         w = W.reshape(B, R, self.L, self.d)
         if summed:  # every variable here is linear and shared by the sequences: sum the rows first where it can
-            w = w.sum(0, keepdim=True) if self.cfg.embedding == "none" or not ({"W_E"} & set(names)) else w
+            per_sequence = self.positions is not None or self.types is not None  # each sequence's own rows
+            w = w.sum(0, keepdim=True) if not per_sequence and (self.cfg.embedding == "none" or
+                                                                not ({"W_E"} & set(names))) else w
         lead = (R,) if summed else (B, R)
         o = 1 if self.cfg.cls_token else 0
         tok = w[:, :, o:]
@@ -103,10 +107,18 @@ class EmbeddingStage:
                 v = w[:, :, 0]
             elif n == "W_P":
                 v = w.new_zeros(w.shape[0], R, self.cfg.n_positions, self.d)
-                v[:, :, : self.L] = w
+                if self.positions is None:
+                    v[:, :, : self.L] = w
+                else:  # a gather's adjoint, as W_E's
+                    for b in range(w.shape[0]):
+                        v[0 if summed else b].index_add_(1, self.positions[b], w[b])
             elif n == "W_T":
                 v = w.new_zeros(w.shape[0], R, self.cfg.token_types, self.d)
-                v[:, :, 0] = w.sum(2)
+                if self.types is None:
+                    v[:, :, 0] = w.sum(2)
+                else:
+                    for b in range(w.shape[0]):
+                        v[0 if summed else b].index_add_(1, self.types[b], w[b])
             else:
                 raise KeyError(n)
             out[n] = ((v[0] if v.shape[0] == 1 else v.sum(0)) if summed else v).reshape(*lead, -1)
@@ -129,9 +141,9 @@ class EmbeddingStage:
             elif n == "cls":
                 out[:, :, 0] += v[:, None]
             elif n == "W_P":
-                out += v[:, None, : self.L]
+                out += v[:, None, : self.L] if self.positions is None else v[:, self.positions]
             elif n == "W_T":
-                out += v[:, None, None, 0]
+                out += v[:, None, None, 0] if self.types is None else v[:, self.types]
         return out
 
     def adjoint2(self, g, dx, V: dict, dg: torch.Tensor, names, functional: bool = True, into=None):
@@ -502,8 +514,9 @@ class OutputLoss:
 class SoftmaxHead:
     r"""The head ``z_t = h_t W + b`` with the cross-entropy on top, in closed form per row ``t``:
     :math:`p_t = \mathrm{softmax}(z_t)`, :math:`g_t = (p_t - e_{y_t})/N`,
-    :math:`\Omega_t = (\mathrm{diag}\,p_t - p_t p_t^\top)/N` (``N`` rows in the batch mean), applied
-    through :math:`W\Omega_t = p_t \odot (W - W p_t)/N` so that no ``C × C`` matrix is formed.
+    :math:`\Omega_t = (\mathrm{diag}\,p_t - p_t p_t^\top)/N` (``N`` rows counted in the batch mean), applied
+    through :math:`W\Omega_t = p_t \odot (W - W p_t)/N` so that no ``C × C`` matrix is formed. A row of
+    target ``-100`` is not counted: its ``p_t`` and ``e_{y_t}`` are taken as zero, so are its ``g_t`` and ``Ω_t``.
     ``h`` ``(B, P, d)``, ``W`` ``(d, C)`` (named ``names[0]``), ``b`` ``(C,)`` or ``None``, ``y`` ``(B, P)``."""
 
     def __init__(self, h, W, b, y, count: int, names: tuple[str, ...]):
@@ -511,7 +524,12 @@ class SoftmaxHead:
         z = h @ W + (b if b is not None else 0)
         self.p = torch.softmax(z, -1)
         self.N = count
-        self.g = (self.p - torch.nn.functional.one_hot(y, W.shape[1]).to(h.dtype)) / count  # (B, P, C)
+        keep = y != losses.IGNORE
+        onehot = torch.nn.functional.one_hot(y.clamp(min=0), W.shape[1]).to(h.dtype)
+        if not bool(keep.all()):  # an ignored row's p zeroed: its g and Ω (linear and quadratic in p) vanish
+            w = keep.to(h.dtype)[..., None]
+            self.p, onehot = self.p * w, onehot * w
+        self.g = (self.p - onehot) / count  # (B, P, C)
 
     def omega(self, dz: torch.Tensor) -> torch.Tensor:
         """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)``."""

@@ -38,12 +38,12 @@ from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
-from .forward_pass import check_model_inputs, model_input, n_tokens, norm_scale, sequence_loss, trace
+from .forward_pass import check_counted, check_model_inputs, model_input, n_tokens, norm_scale, sequence_loss, trace
 from .directional import ModelProduct, fold_tied, unfold_tied
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
 
-__all__ = ["hessian", "prepare", "stages_of"]
+__all__ = ["ce_tokens", "hessian", "prepare", "stages_of"]
 
 
 def _fused(cfg: ModelConfig, loss) -> bool:
@@ -55,11 +55,19 @@ def _head_names(cfg: ModelConfig) -> tuple[str, ...]:
     return ((TIED_HEAD if cfg.tied else "W_H"),) + (("b_H",) if cfg.head_bias else ())
 
 
-def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: losses.LossDerivatives | None = None):
+def ce_tokens(loss, target) -> int | None:
+    """The tokens a cross-entropy over the whole batch's ``target`` counts (:func:`blockhess.losses.counted`:
+    its mean's ``N``); ``None`` for another loss."""
+    return losses.counted(target) if isinstance(loss, str) and loss == "ce" else None
+
+
+def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: losses.LossDerivatives | None = None,
+              tokens: int | None = None):
     """The stages of a forward :class:`~.forward_pass.Trace` ``t``, bottom to top, and the loss on top;
     ``dense=False``: the blocks without the walk's factors (for products; ``t`` may be a plain trace).
     ``ld``: the loss derivatives at ``t.z`` taken already (:func:`_rows` of the call's, for a callable
-    loss: it is not called again); else they are taken here from ``loss`` and ``target``."""
+    loss: it is not called again); else they are taken here from ``loss`` and ``target``. ``tokens``: CE's
+    counted tokens of the whole batch (:func:`ce_tokens`; ``None``: ``batch`` times the tokens per sequence)."""
     cfg, p = t.cfg, t.params
     shapes = model_param_shapes(cfg)
     st = []
@@ -80,11 +88,13 @@ def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: l
     W = None if cfg.head is None else (p["W_E"].T if cfg.tied else p["W_H"])
     if _fused(cfg, loss):
         B, P = t.h.shape[:2]
-        top = SoftmaxHead(t.h, W, p.get("b_H"), target.reshape(B, P), batch * P, _head_names(cfg))
+        top = SoftmaxHead(t.h, W, p.get("b_H"), target.reshape(B, P), batch * P if tokens is None else tokens,
+                          _head_names(cfg))
     else:
         if cfg.head is not None:
             st.append(HeadStage(t.h, W, _head_names(cfg)))
-        top = OutputLoss(ld if ld is not None else losses.derivatives(loss, target, t.z, batch=batch, first=first))
+        top = OutputLoss(ld if ld is not None else losses.derivatives(loss, target, t.z, batch=batch, first=first,
+                                                                      tokens=tokens))
     return st, top
 
 
@@ -357,7 +367,8 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
     wanted = set(names)
     if cfg.tied and "W_E" in wanted:
         wanted.add(TIED_HEAD)
-    B = inputs.shape[0]
+    B = len(inputs)
+    tokens = ce_tokens(loss, target)
     acc = BlockSum(names, shapes, dense=True, dtype=like.dtype, device=like.device)
     fold = _Fold(acc, shapes)
     walk_chunks, pair_chunks = chunks
@@ -365,14 +376,14 @@ def _passes(params, inputs, cfg, loss, target, names, chunks, which: str, like, 
         for rows in pair_chunks:
             t = trace(params, inputs[rows], cfg, first=rows.start, wrt_input=False)
             tg = target[rows] if isinstance(target, torch.Tensor) else target
-            st, top = stages_of(t, loss, tg, B, rows.start, dense=False, ld=_rows(ld, rows))
+            st, top = stages_of(t, loss, tg, B, rows.start, dense=False, ld=_rows(ld, rows), tokens=tokens)
             _weight_pairs(st, top, wanted, acc)
             del t, st, top
         acc.free_scratch()  # the walk's passes write no sandwiches
     for rows in walk_chunks:
         t = trace(params, inputs[rows], cfg, first=rows.start)
         tg = target[rows] if isinstance(target, torch.Tensor) else target
-        st, top = stages_of(t, loss, tg, B, rows.start, ld=_rows(ld, rows))
+        st, top = stages_of(t, loss, tg, B, rows.start, ld=_rows(ld, rows), tokens=tokens)
         _walk(st, top, wanted, which in ("full", "outer"), which in ("full", "functional"), fold, pairs=not pair_chunks)
         del t, st, top  # a pass's trace and stages go before the next pass's are built
     release_free()  # the passes' work space, before the result's last pages are first written (blockhess.heap)
@@ -400,7 +411,8 @@ def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
     if single and isinstance(target, torch.Tensor):  # one sequence's target gets the batch axis (any loss)
         target = target[None]
     loss, target = sequence_loss(cfg, loss, target, t.z)
-    target = losses.check(loss, target, t.z)
+    target = losses.check(loss, target, t.z, ignore=True)
+    check_counted(cfg, inputs, loss, target)
     if isinstance(target, torch.Tensor):  # a copy too: labels reused in place for the next batch change nothing
         target = target.clone()
     return params, inputs, loss, target, names, t
@@ -411,10 +423,12 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     back-propagation in closed form (module docstring; :func:`blockhess.hessian` for a model).
 
     ``inputs``: what the model takes first (:func:`~.forward_pass.check_model_inputs`), a batch or one
-    sequence. ``loss``: ``"ce"`` (pooled: classes ``(B,)``; per token: ``(B, L)``, no shift), ``"mse"``
-    (mean over the output's entries; target shaped as the output) or a callable on one sequence's
-    output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the batch loss is
-    the mean over sequences (per-token CE: over every token). Returns a
+    sequence, or the forward's keyword arguments as a dict (:func:`~.forward_pass.model_input`:
+    ``attention_mask``, ``position_ids``, ``token_type_ids``; docs/derivations.md §22). ``loss``:
+    ``"ce"`` (pooled: classes ``(B,)``; per token: ``(B, L)``, no shift; targets of -100 ignored),
+    ``"mse"`` (mean over the output's entries; target shaped as the output) or a callable on one
+    sequence's output as the model returns it (``(n_out,)`` pooled, ``(L, n_out)`` per token); the
+    batch loss is the mean over sequences (CE: over the batch's counted tokens). Returns a
     :class:`~blockhess.result.HessianBlocks` over the public names in canonical order, dtype and device
     of the parameters, ``.outer`` and ``.functional`` on first access (their own passes) from a
     snapshot of the call: copies of ``params``, ``inputs`` and ``target``, and a callable loss's
@@ -423,8 +437,9 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     over, a head's weights, may change after the call). A parameter used twice (the tied ``W_E``) has
     both uses.
 
-    Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.check_model_inputs`), a target of the
-    wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
+    Raises ``ValueError`` on bad inputs (:func:`~.forward_pass.model_input`,
+    :func:`~.forward_pass.check_model_inputs`), a target of the wrong shape or class range, labels that
+    count no token, a counted token that attends to nothing (:func:`~.forward_pass.check_counted`), an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
     overflow; a callable loss's NaN or Inf value, gradient or Hessian (:func:`blockhess.losses.derivatives`);
     ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
     ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit.
@@ -439,7 +454,7 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     z, t = t.z, None  # the output, for a callable loss's derivatives; the rest of the plain trace goes
     shapes = model_param_shapes(cfg)
     like = params[names[0]]
-    B = inputs.shape[0]
+    B = len(inputs)
     e = like.element_size()
     n = sum(math.prod(shapes[k]) for k in names)
     L = n_tokens(cfg, inputs)
@@ -488,7 +503,7 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
     shapes = model_param_shapes(cfg)
     like = params[names[0]]
-    B, L, e = inputs.shape[0], n_tokens(cfg, inputs), like.element_size()
+    B, L, e = len(inputs), n_tokens(cfg, inputs), like.element_size()
     sizes = {k: math.prod(shapes[k]) for k in names}
     n = sum(sizes.values())
     per = _product_entries(cfg, B, L)
@@ -498,7 +513,7 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
     need = (2 * n * n + step * (per + 2 * n)) * e
     check_fits(need, f"{what} from {n} exact products of the model, {step} at a time", like.device)
     ld = losses.derivatives(loss, target, t.z, batch=B) if callable(loss) else None  # taken once, at the call
-    st, top = stages_of(t, loss, target, B, 0, dense=False, ld=ld)
+    st, top = stages_of(t, loss, target, B, 0, dense=False, ld=ld, tokens=ce_tokens(loss, target))
     del t
     prod = ModelProduct(st, top, cfg.d_model, hvp)
     internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))

@@ -23,7 +23,7 @@ from ..block.directional import adjoints, hvp
 from ..config import ModelConfig, param_shapes
 from ..model.directional import ModelProduct, fold_tied, unfold_tied
 from ..model.stages import TIED_HEAD
-from ..model.walk import prepare, stages_of
+from ..model.walk import ce_tokens, prepare, stages_of
 from ..validation import detached
 from .operator import HessianOperator, head_views
 
@@ -69,7 +69,7 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
 
 def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, names)
-    st, top = stages_of(t, loss, target, inputs.shape[0], 0, dense=False)
+    st, top = stages_of(t, loss, target, len(inputs), 0, dense=False, tokens=ce_tokens(loss, target))
     prod = ModelProduct(st, top, cfg.d_model, hvp)
     shapes = param_shapes(cfg)
     internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
@@ -91,7 +91,7 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
                                   "does not carry over; blockhess.operators.hutchinson_diagonal estimates it by "
                                   "sampling")
 
-    return product, inputs.shape[0], like.dtype, like.device, diagonal, None, products
+    return product, len(inputs), like.dtype, like.device, diagonal, None, products
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
