@@ -64,7 +64,7 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
             if a0 >= a1:
                 continue
             basis = like.new_zeros(k, sizes[name])
-            basis[torch.arange(a0 - j0, a1 - j0), torch.arange(a0 - lo, a1 - lo)] = 1.0
+            basis[a0 - j0:a1 - j0, a0 - lo:a1 - lo].diagonal().fill_(1.0)
             V[name] = basis
         wanted = tuple(names[names.index(next(iter(V))):]) if lower else tuple(names)
         rows = product(V, wanted)
