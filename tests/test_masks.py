@@ -273,3 +273,13 @@ def test_transformer_encoder_takes_its_key_padding_mask_with_the_inputs():
     assert_close(bh.forward(p, inputs, cfg)[~pad], out[~pad], tol=FORWARD_TOL, what="forward on the real tokens")
     R = module_hessian(model, lambda out: ((out - T) ** 2).mean(), {"src": X, "src_key_padding_mask": pad})
     assert_close(bh.hessian(p, inputs, cfg, loss="mse", target=T).to_module(model).dense(), R, what="encoder Hessian")
+
+
+def test_vit_takes_pixel_values_and_no_mask():
+    config = tf.ViTConfig(image_size=4, patch_size=2, num_channels=1, hidden_size=4, num_hidden_layers=1,
+                          num_attention_heads=2, intermediate_size=8, num_labels=3, attn_implementation="sdpa")
+    cfg, p = bh.from_torch(randomise(tf.ViTForImageClassification(config), seed=8))
+    x = torch.randn(B, 1, 4, 4, generator=torch.Generator().manual_seed(12), dtype=DT)
+    assert torch.equal(bh.forward(p, {"pixel_values": x}, cfg), bh.forward(p, x, cfg))
+    with pytest.raises(ValueError, match="a patch model takes no mask"):
+        bh.forward(p, {"pixel_values": x, "attention_mask": torch.ones(B, 4)}, cfg)
