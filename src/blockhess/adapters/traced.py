@@ -22,10 +22,12 @@ to ``1e-12`` relative; a larger difference is refused. Parameters that do not re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import operator
+import sys
 import weakref
 
 import torch
@@ -296,7 +298,7 @@ class _Interpreter:
 
     # linear maps
     def _linear(self, node, x, W, b=None):
-        if x.kind not in _ROWS or W.kind != "param" or (b is not None and b.kind != "param"):
+        if x.kind not in _ROWS + ("pool",) or W.kind != "param" or (b is not None and b.kind != "param"):
             return None
         return V("linear", node, (x,), {"W": W, "b": b, "transposed": True})
 
@@ -752,8 +754,9 @@ class _Parse:
 
     def leaf_model(self, v, blocks, final, head, kw):
         cfg = v.k["cfg"]
-        if blocks or final is not None or cfg.head is not None or cfg.pool != "none":
-            self.fail(v, f"{v.k['path']!r} is a whole model; only a pooling and a linear head may follow it")
+        if blocks or final is not None or ((cfg.head is not None or cfg.pool != "none") and (head is not None or kw)):
+            self.fail(v, f"{v.k['path']!r} is a whole model; only a pooling and a linear head may follow it (where "
+                         "it has none)")
         if self.leaf_input(v).kind != "input":
             self.fail(v, f"{v.k['path']!r} must take the module's input itself")
         self.leaf_spec(v, "")
@@ -1003,6 +1006,26 @@ def _as_tuple(example_inputs) -> tuple:
                      f"{' of length ' + str(len(example_inputs)) if isinstance(example_inputs, (tuple, list)) else ''}")
 
 
+@contextlib.contextmanager
+def _no_custom_functions():
+    """While tracing, a custom ``torch.autograd.Function`` is refused where it is applied: ``torch.export``
+    records its forward's operations, but the module's gradient is its own ``backward``, which the closed form
+    (the derivative of those operations) would silently replace."""
+    saved = torch.autograd.Function.__dict__["apply"]
+
+    def refuse(cls, *args, **kwargs):
+        frame = sys._getframe(1)
+        raise Refused(f"from_torch (traced): the custom torch.autograd.Function {cls.__qualname__} applied at "
+                      f"{frame.f_code.co_filename}:{frame.f_lineno} (in {frame.f_code.co_name}): its backward is its "
+                      "own, not the derivative the closed form takes; write its forward with torch operations")
+
+    torch.autograd.Function.apply = classmethod(refuse)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = saved
+
+
 def _float64(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64) if x.is_floating_point() else x
 
@@ -1018,7 +1041,8 @@ def describe(module: nn.Module, example_inputs) -> tuple:
     m64 = copy.deepcopy(module).to(torch.float64)
     x64 = _float64(x)
     try:
-        ep = torch.export.export(m64, (x64,), strict=False)
+        with _no_custom_functions():
+            ep = torch.export.export(m64, (x64,), strict=False)
     except Refused:
         raise
     except Exception as e:  # noqa: BLE001 - torch.export's own errors, worded for the user
