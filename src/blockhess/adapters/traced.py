@@ -33,7 +33,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..config import BlockConfig, ModelConfig, block_prefix, param_shapes
+from ..config import BlockConfig, ModelConfig, block_prefix
 from ..layers.attention import rope_tables
 from . import hf, pytorch
 from .layout import Stored, read
@@ -1026,6 +1026,19 @@ def _no_custom_functions():
         torch.autograd.Function.apply = saved
 
 
+def _float64_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its floating parameters and buffers in float64 (ties kept), each tensor
+    copied once: the deep copy is handed the float64 tensors instead of copying the module's own."""
+    memo = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            memo[id(p)] = nn.Parameter(p.detach().to(torch.float64, copy=True), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        if b.is_floating_point():
+            memo[id(b)] = b.detach().to(torch.float64, copy=True)
+    return copy.deepcopy(module, memo)
+
+
 def _float64(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64) if x.is_floating_point() else x
 
@@ -1038,7 +1051,7 @@ def describe(module: nn.Module, example_inputs) -> tuple:
     naming the node (graph name, operator, module path, source line) for a part the closed form does not
     cover, and for a module whose forward differs from the config's by more than :data:`TOLERANCE`."""
     (x,) = _as_tuple(example_inputs)
-    m64 = copy.deepcopy(module).to(torch.float64)
+    m64 = _float64_copy(module)
     x64 = _float64(x)
     try:
         with _no_custom_functions():
@@ -1057,8 +1070,7 @@ def describe(module: nn.Module, example_inputs) -> tuple:
     for name, _p in m64.named_parameters():
         if name not in spec and name not in it.used:
             spec[name] = Stored(())  # does not reach the output: zero Hessian blocks
-    shapes = param_shapes(cfg)
-    _check_forward(module, m64, cfg, spec, x64, shapes)
+    _check_forward(module, m64, cfg, spec, x64)
     _READ[module] = (cfg, spec)
     return cfg, spec
 
@@ -1067,27 +1079,39 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(torch.float64).tiny))
 
 
-def _check_forward(module, m64, cfg, spec, x64, shapes) -> None:
+def _perturb(p: torch.Tensor, gen: torch.Generator, period: int = 4093) -> None:
+    """Add to ``p`` (in place) ``0.1·scale`` times ``N(0, 1)`` draws, ``period`` of them (a prime) repeated over
+    its entries (a large tensor is not drawn entry by entry); ``scale`` the standard deviation of ``p``'s first
+    ``period`` entries, or 1 where that is 0 (a LayerNorm scale at one)."""
+    flat = p.view(-1)
+    head = flat[:period]
+    scale = float(head.std()) if head.numel() > 1 else 0.0
+    draws = 0.1 * (scale or 1.0) * torch.randn(min(period, flat.numel()), generator=gen, dtype=p.dtype)
+    whole = flat.numel() // draws.numel() * draws.numel()
+    flat[:whole].view(-1, draws.numel()).add_(draws)
+    flat[whole:].add_(draws[:flat.numel() - whole])
+
+
+def _check_forward(module, m64, cfg, spec, x64) -> None:
     """The config's forward against the module's, float64: at the module's parameters on ``x64``, then at
     perturbed parameters on a second random input; ``ValueError`` beyond :data:`TOLERANCE`."""
     from ..model import forward  # the core's forward (adapters import the core, never the reverse)
 
     gen = torch.Generator().manual_seed(0)
     what = type(module).__name__
+    params = read(m64, cfg, spec, torch.float64, copy=False)  # views: they follow the perturbation below
     for trial in range(2):
         if trial:
             with torch.no_grad():
                 for p in m64.parameters():
                     if p.is_floating_point():
-                        scale = float(p.std()) if p.numel() > 1 and float(p.std()) > 0 else 1.0
-                        p.add_(0.1 * scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+                        _perturb(p, gen)
             if x64.is_floating_point():
                 x64 = torch.randn(x64.shape, generator=gen, dtype=x64.dtype)
             else:
                 hi = cfg.vocab if isinstance(cfg, ModelConfig) and cfg.vocab else int(x64.max()) + 1
                 x64 = torch.randint(0, hi, x64.shape, generator=gen)
         with torch.no_grad():
-            params = read(m64, cfg, spec, torch.float64)
             ours = forward(params, x64, cfg)
             theirs = m64(x64)
         if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
