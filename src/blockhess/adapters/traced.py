@@ -645,7 +645,7 @@ class _Parse:
     def block(self, v: V, i: int):
         """``(x, fields)`` if ``v`` is the output of a block whose input is ``x``; else ``None``."""
         pfx = block_prefix(i)
-        if v.kind == "leaf" and isinstance(v.k["cfg"], BlockConfig):
+        if v.kind == "leaf" and isinstance(v.k["cfg"], BlockConfig) and v.k["cfg"].kind == "block":
             return self.leaf_input(v), {"leaf": v}
         if v.kind == "add":  # pre-LN: y + FFN(N_2(y)), y = x + SA(N_1(x))
             for y, f in (v.a, v.a[::-1]):
