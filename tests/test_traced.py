@@ -393,8 +393,10 @@ def test_llama_block_of_ones_own():
     T = torch.randn(B, L, 8, generator=torch.Generator().manual_seed(5), dtype=DT)
     names = ["input_layernorm.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight"]
     ours = ["gamma_1", "W_K", "W_G"]
-    cfg, _, _ = check(block, X, "mse", T, names, ours, lambda out: ((out - T) ** 2).mean())
+    cfg, p, H = check(block, X, "mse", T, names, ours, lambda out: ((out - T) ** 2).mean())
     assert isinstance(cfg, bh.BlockConfig)
+    A = bh.hessian_operator(p, X, cfg, loss="mse", target=T, wrt=ours).to_module(block)  # module layout
+    assert_close(A.dense(), H.to_module(block).dense(), what="A.to_module(block)")
     assert (cfg.norm_type, cfg.gated, cfg.activation, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.rope, cfg.causal) == \
         ("rms", True, "silu", 4, 2, 4, True, True)
     assert cfg.rope_theta == pytest.approx(500.0, rel=1e-12) and cfg.ln_eps == 1e-6 and cfg.norm == "pre"
@@ -593,6 +595,9 @@ class FuzzNorm(nn.Module):
             mu = x.mean(-1, keepdim=True)
             var = ((x - mu) ** 2).mean(-1, keepdim=True)
             return (x - mu) * torch.rsqrt(var + 1e-5) * self.weight + self.bias
+        if self.how == "var":
+            return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5) \
+                * self.weight + self.bias
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
@@ -610,12 +615,15 @@ class FuzzAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
         q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
-        if self.sdpa and self.bad != "scale":
+        if self.sdpa == "sdpa" and self.bad != "scale":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             s = q @ k.transpose(-2, -1) / (math.sqrt(q.shape[-1]) if self.bad != "scale" else q.shape[-1])
-            mask = torch.ones(T, T, dtype=torch.bool).tril()
-            y = s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+            if self.sdpa == "additive":  # a causal mask added
+                s = s + torch.full((T, T), float("-inf")).triu(1)
+            else:
+                s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+            y = s.softmax(-1) @ v
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -627,7 +635,7 @@ class FuzzFFN(nn.Module):
         self.gate = nn.Linear(d, 2 * d) if gated else None
 
     def forward(self, x):
-        act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
+        act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh, "silu_hand": lambda t: t * t.sigmoid(),
                "custom": SquaredReLU.apply}["tanh" if self.bad == "tanh" else "custom" if self.bad == "custom"
                                              else self.act]
         h = act(self.gate(x)) * self.up(x) if self.gated else act(self.up(x))
@@ -639,11 +647,11 @@ class FuzzFFN(nn.Module):
 class FuzzBlock(nn.Module):
     def __init__(self, d, h, rng, bad):
         super().__init__()
-        norm = rng.choice(["F", "hand", "rms"])
+        norm = rng.choice(["F", "hand", "var", "rms"])
         self.pre = rng.random() < 0.5
         self.n1, self.n2 = FuzzNorm(d, norm), FuzzNorm(d, norm)
-        self.attn = FuzzAttention(d, h, rng.random() < 0.5, rng.random() < 0.5, bad)
-        self.ffn = FuzzFFN(d, rng.choice(["relu", "gelu", "silu"]), rng.random() < 0.5, bad)
+        self.attn = FuzzAttention(d, h, rng.random() < 0.5, rng.choice(["sdpa", "masked_fill", "additive"]), bad)
+        self.ffn = FuzzFFN(d, rng.choice(["relu", "gelu", "silu", "silu_hand"]), rng.random() < 0.5, bad)
         self.ls = LayerScale(d) if bad == "layerscale" else None
 
     def forward(self, x):
@@ -677,10 +685,15 @@ UNSUPPORTED = {"layerscale": r"node mul.*LayerScale", "tanh": r"node tanh .*aten
                "custom": r"custom torch.autograd.Function SquaredReLU", "detach": r"node detach .*aten::detach"}
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_fuzzer_reads_exactly_or_refuses(seed):
+#: seeds 0, 2, 11 compose, together, every supported option of the fuzzer's parts (each norm form, pre and
+#: post, fused and apart, SDPA, masked_fill and additive masks, every activation, gated and plain, 1 and 2
+#: heads, positions); the others each add one unsupported part
+CASES = [(0, None), (2, None), (11, None)] + [(3 + i, bad) for i, bad in enumerate(UNSUPPORTED)]
+
+
+@pytest.mark.parametrize("seed,bad", CASES)
+def test_fuzzer_reads_exactly_or_refuses(seed, bad):
     rng = random.Random(seed)
-    bad = rng.choice([None, None, *UNSUPPORTED])
     model = randomise(FuzzModel(rng, bad), seed=seed)
     x = ids(7, seed=seed)
     if bad is not None:
