@@ -42,9 +42,8 @@ def _describe(module, is_causal: bool = False) -> tuple:
     if traced.description(module) is not None:  # read by tracing before (from_torch(module, example_inputs))
         return traced.description(module)
     where = f" ({type(module).__module__})" if hf.is_hf(module) else ""
-    raise ValueError(f"from_torch supports {pytorch.SUPPORTED} and {hf.SUPPORTED} by class, got "
-                     f"{type(module).__name__}{where}; any other module of supported parts is read by tracing: "
-                     "from_torch(module, example_inputs)")
+    raise ValueError(f"from_torch supports {pytorch.SUPPORTED} and {hf.SUPPORTED} by class (any other module of "
+                     f"supported parts by tracing: from_torch(module, example_inputs)), got {type(module).__name__}{where}")
 
 
 def from_torch(module: nn.Module, example_inputs=None, *, src_mask: torch.Tensor | None = None, is_causal: bool = False,
