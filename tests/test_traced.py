@@ -442,12 +442,25 @@ def test_classifier_around_a_hugging_face_backbone():
 
 # ---------------------------------------------------------------------------------------------- class-name readers
 
-def _same_reading(model, x, loss, target):
+class Output(nn.Module):
+    """A Hugging Face model's one output tensor (its forward returns a ModelOutput; the traced reader reads one
+    tensor)."""
+
+    def __init__(self, m, field):
+        super().__init__()
+        self.m, self.field = m, field
+
+    def forward(self, x):
+        return getattr(self.m(x), self.field)
+
+
+def _same_reading(model, x, loss, target, wrapped=None):
+    """``from_torch(model)`` and ``from_torch(wrapped or model, x)``: the same cfg, params and Hessian (1e-12)."""
     cfg_n, p_n = bh.from_torch(model)
-    cfg_t, p_t = bh.from_torch(model, x)
+    cfg_t, p_t = bh.from_torch(wrapped or model, x)
     assert cfg_t == cfg_n and list(p_t) == list(p_n)
     assert all(torch.equal(p_t[k], p_n[k]) for k in p_n)
-    wrt = list(p_n)[:3]
+    wrt = list(p_n)[:4]
     Hn = bh.hessian(p_n, x, cfg_n, loss=loss, target=target, wrt=wrt).dense()
     Ht = bh.hessian(p_t, x, cfg_t, loss=loss, target=target, wrt=wrt).dense()
     assert_close(Ht, Hn, tol=1e-12, what="traced vs class-name Hessian")
@@ -458,19 +471,7 @@ def test_class_name_families_read_the_same_by_tracing():
     gpt2 = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=8, n_head=2, n_layer=1, vocab_size=13, n_positions=8,
                                                        n_inner=16, attn_implementation="sdpa", bos_token_id=0,
                                                        eos_token_id=0)))
-
-    class Logits(nn.Module):  # GPT2LMHeadModel returns a ModelOutput: the traced reader reads one tensor
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, idx):
-            return self.m(idx).logits
-
-    x = ids(13)
-    cfg_n, _ = bh.from_torch(gpt2)
-    cfg_t, _ = bh.from_torch(Logits(gpt2), x)
-    assert cfg_t == cfg_n
+    _same_reading(gpt2, ids(13), "ce", ids(13, seed=2), Output(gpt2, "logits"))
     enc = randomise(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2,
                                           enable_nested_tensor=False))
     X = torch.randn(B, L, 8, generator=torch.Generator().manual_seed(6), dtype=DT)
@@ -479,17 +480,16 @@ def test_class_name_families_read_the_same_by_tracing():
                                                               num_hidden_layers=1, num_attention_heads=2,
                                                               intermediate_size=16, num_labels=3,
                                                               attn_implementation="sdpa")))
-
-    class Head(nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, pixels):
-            return self.m(pixels).logits
-
     img = torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(8), dtype=DT)
-    assert bh.from_torch(Head(vit), img)[0] == bh.from_torch(vit)[0]
+    _same_reading(vit, img, "ce", torch.tensor([0, 2]), Output(vit, "logits"))
+
+
+def test_weights_shared_between_blocks_are_refused():
+    model = GPT(GPTConfig())
+    model.transformer.h[1] = model.transformer.h[0]  # one block applied twice (ALBERT-style sharing)
+    with pytest.raises(ValueError, match=r"parameter 'transformer.h.0.attn.c_attn.weight' is used as .*blocks.0.W_Q"
+                                         r".*blocks.1.W_Q"):
+        bh.from_torch(randomise(model), ids(11))
 
 
 # ---------------------------------------------------------------------------------------------- refusals

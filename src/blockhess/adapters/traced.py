@@ -120,6 +120,7 @@ class _Interpreter:
         self.leaves = self._leaves()
         self.leaf_inputs: dict = {}
         self.leaf_last: dict = {}
+        self.spec: dict = {}  # the known parts' (leaf) spec entries, module names
 
     def _leaves(self) -> dict:
         """Outermost submodules a class-name reader takes: path -> (cfg, spec)."""
@@ -503,14 +504,14 @@ class _Interpreter:
 
     # layouts: the head split and merge, the fused projections
     def _view(self, node, x, shape):
-        out = self._shape(node)
-        if out == self._shape(x.node):
+        out, src = self._shape(node), self._shape(x.node)
+        if out == src:
             return x
-        if x.kind in ("linear", "chunk") and len(out) == 4:
+        if x.kind in ("linear", "chunk") and len(out) == 4 and out[:2] == src[:2]:  # (B, T, C) -> (B, T, h, d)
             return V("split4", node, (x,), {"h": out[2], "d": out[3]})
-        if x.kind == "linear" and len(out) == 5:
+        if x.kind == "linear" and len(out) == 5 and out[:2] == src[:2]:  # (B, T, 3C) -> (B, T, 3, h, d)
             return V("split5", node, (x,), {"n": out[2], "h": out[3], "d": out[4]})
-        if x.kind == "merged4" and len(out) == 3:
+        if x.kind == "merged4" and len(out) == 3 and out[:2] == src[:2]:  # (B, T, h, d) -> (B, T, h d)
             return V("attn", node, x.a)
         if x.kind == "patchmap" and len(out) == 3:
             return V("patchflat", node, k=x.k)
@@ -983,8 +984,9 @@ class _Parse:
         spec = self.it.spec
         for mname, uses in self.uses.items():
             if len(uses) > 1:
-                _refuse(None, f"the parameter {mname!r} is used as {', '.join(str(u[0]) for u in uses)}: one tensor in "
-                              "two places is read only as the tied token embedding and head")
+                raise Refused(f"from_torch (traced): the parameter {mname!r} is used as "
+                              f"{', '.join(str(u[0]) for u in uses)}: one tensor in two places is read only as the "
+                              "tied token embedding and head")
             ours, facts = uses[0]
             names = ours if isinstance(ours, tuple) else (ours,)
             axis = (0 if facts.get("transposed", False) else 1) if facts.get("fused") and len(
@@ -1062,7 +1064,6 @@ def describe(module: nn.Module, example_inputs) -> tuple:
         raise ValueError(f"from_torch (traced): torch.export could not capture {type(module).__name__}'s forward on "
                          f"the example inputs: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     it = _Interpreter(ep, m64)
-    it.spec = {}
     out = it.run()
     parse = _Parse(it)
     cfg = parse.model(out)
