@@ -246,25 +246,29 @@ class Attention(nn.Module):
 
 
 class ViTBlock(nn.Module):
-    def __init__(self, dim, heads, mlp_ratio=2):
+    def __init__(self, dim, heads, mlp_ratio=2, mha=False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True) if mha else Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
 
     def forward(self, x):
-        x = x + self.attn(self.norm1(x))
+        if isinstance(self.attn, nn.MultiheadAttention):
+            h = self.norm1(x)
+            x = x + self.attn(h, h, h)[0]
+        else:
+            x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class ViT(nn.Module):
-    def __init__(self, img=8, patch=4, chans=3, classes=3, dim=8, depth=2, heads=2, pool="cls"):
+    def __init__(self, img=8, patch=4, chans=3, classes=3, dim=8, depth=2, heads=2, pool="cls", mha=False):
         super().__init__()
         self.patch_embed = PatchEmbed(img, patch, chans, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.n_patches + 1, dim))
-        self.blocks = nn.ModuleList([ViTBlock(dim, heads) for _ in range(depth)])
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads, mha=mha) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, classes)
         self.pool = pool
@@ -281,12 +285,13 @@ class ViT(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("pool", ["cls", "mean"])
-def test_notebook_vit(pool):
-    model = randomise(ViT(pool=pool))
+@pytest.mark.parametrize("pool,mha", [("cls", False), ("mean", True)])
+def test_notebook_vit(pool, mha):
+    model = randomise(ViT(pool=pool, mha=mha))
     x = torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(3), dtype=DT)
     y = torch.tensor([0, 2])
-    names = ["patch_embed.proj.weight", "cls_token", "blocks.1.attn.qkv.bias", "head.weight"]
+    qkv = "blocks.1.attn.in_proj_bias" if mha else "blocks.1.attn.qkv.bias"
+    names = ["patch_embed.proj.weight", "cls_token", qkv, "head.weight"]
     ours = ["W_E", "cls", "blocks.1.b_Q", "blocks.1.b_K", "blocks.1.b_V", "W_H"]
     cfg, _, _ = check(model, x, "ce", y, names, ours, lambda out: F.cross_entropy(out, y))
     assert cfg.embedding == "patch" and cfg.cls_token and cfg.patch == 4 and cfg.image == (3, 8, 8)

@@ -680,6 +680,12 @@ class _Parse:
         return None
 
     def sa(self, s: V):
+        if s.kind == "leaf" and isinstance(s.k["cfg"], BlockConfig) and s.k["cfg"].kind == "attention":
+            mha = self.it.module.get_submodule(s.k["path"])  # an nn.MultiheadAttention(x, x, x)[0]
+            if isinstance(mha, nn.MultiheadAttention) and not mha.batch_first:
+                self.fail(s, f"{s.k['path']!r} is an nn.MultiheadAttention with batch_first=False inside a block: its "
+                             "input would be (L, B, d); use batch_first=True")
+            return self.leaf_input(s), dict(leaf=s)
         out = None
         if s.kind == "linear" and s.a[0].kind == "attn":
             out, s = s, s.a[0]
@@ -869,6 +875,13 @@ class _Parse:
 
     def block_cfg(self, f: dict, d=None, kind="block") -> BlockConfig:
         pfx, sa = f["pfx"], f["sa"]
+        if "leaf" in sa:  # a known attention module: its reader's options and spec
+            a = sa["leaf"].k["cfg"]
+            self.leaf_spec(sa["leaf"], pfx)
+            opts = dict(d_model=a.d_model, d_k=a.d_k, n_heads=a.n_heads, out_proj=a.out_proj, causal=a.causal,
+                        kind=kind)
+            biases = {r: a.bias for r in "QKVO"}
+            return self.finish_block(f, pfx, opts, biases, sa["leaf"].node)
         parts = sa["parts"]
         q, k, v = parts["Q"], parts["K"], parts["V"]
         d_k, h = q["d"], q["h"]
@@ -913,6 +926,11 @@ class _Parse:
         opts = dict(d_model=int(d_model), d_k=d_k, n_heads=h, n_kv_heads=k["h"] if k["h"] != h else None,
                     d_v=v["d"] if v["d"] * h != d_model else None, out_proj=out is not None, causal=sa["causal"],
                     kind=kind, rope=theta is not None, rope_theta=theta if theta is not None else 10000.0)
+        return self.finish_block(f, pfx, opts, biases, sa["node"])
+
+    def finish_block(self, f: dict, pfx: str, opts: dict, biases: dict, at) -> BlockConfig:
+        """The FFN's and norms' options and parameters added to the attention's ``opts``; the biases checked."""
+        kind = opts["kind"]
         norms = [n for n in (f["n1"], f["n2"]) if n is not None]
         if kind == "block":
             ffn = f["ffn"]
@@ -949,13 +967,13 @@ class _Parse:
         qkv = {biases[r] for r in "QKV"}
         rest = {b for r, b in biases.items() if r not in "QKV"}
         if len(qkv) > 1:
-            _refuse(sa["node"], f"biases on some of the Q, K, V projections only ({biases})")
+            _refuse(at, f"biases on some of the Q, K, V projections only ({biases})")
         if rest and len(rest) > 1:
-            _refuse(sa["node"], f"biases on some layers of the block only ({biases}); the closed form needs all, "
+            _refuse(at, f"biases on some layers of the block only ({biases}); the closed form needs all, "
                                 "none, or those of Q, K, V only")
         bias = rest == {True} or (not rest and qkv == {True})
         if bias and qkv != {True}:
-            _refuse(sa["node"], f"biases on the block's other layers but not on Q, K, V ({biases})")
+            _refuse(at, f"biases on the block's other layers but not on Q, K, V ({biases})")
         opts.update(bias=bias, qkv_bias=qkv == {True} and not bias)
         return BlockConfig(**opts)
 
