@@ -194,10 +194,10 @@ def ce(vocab, y):
 def test_nanogpt(flash, bias):
     model = randomise(GPT(GPTConfig(flash=flash, bias=bias)))
     x, y = ids(11), ids(11, seed=2)
-    names = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight"]
+    names = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight"]
     if bias:
         names.insert(2, "transformer.h.0.ln_2.bias")
-    ours = ["W_E", "blocks.0.W_Q", "blocks.0.W_K", "blocks.0.W_V", "blocks.1.W_2"] + (["blocks.0.beta_2"] if bias else [])
+    ours = ["W_E", "blocks.0.W_Q", "blocks.0.W_K", "blocks.0.W_V", "blocks.1.W_O"] + (["blocks.0.beta_2"] if bias else [])
     cfg, p, H = check(model, x, "ce", y, names, ours, ce(11, y))
     assert cfg.tied and cfg.embedding == "token" and cfg.positions == "learned" and cfg.n_positions == 8
     assert all(b.causal and b.norm == "pre" and b.bias == bias and b.activation == "gelu" for b in cfg.blocks)
