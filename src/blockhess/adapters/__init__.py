@@ -26,6 +26,7 @@ from ..result import HessianBlocks, relabel
 from ..validation import FLOAT_DTYPES
 from . import hf
 from . import pytorch
+from . import traced
 from .layout import difference, positions, read, shapes_of, structure
 from .mode import check_deterministic
 from .layout import relabel as relabel_blocks
@@ -38,12 +39,14 @@ def _describe(module, is_causal: bool = False) -> tuple:
         return hf.describe(module)
     if pytorch.reads(module):
         return pytorch.describe(module, is_causal)
+    if traced.description(module) is not None:  # read by tracing before (from_torch(module, example_inputs))
+        return traced.description(module)
     where = f" ({type(module).__module__})" if hf.is_hf(module) else ""
-    raise ValueError(f"from_torch supports {pytorch.SUPPORTED} and {hf.SUPPORTED}, got "
-                     f"{type(module).__name__}{where}")
+    raise ValueError(f"from_torch supports {pytorch.SUPPORTED} and {hf.SUPPORTED} by class (any other module of "
+                     f"supported parts by tracing: from_torch(module, example_inputs)), got {type(module).__name__}{where}")
 
 
-def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_causal: bool = False,
+def from_torch(module: nn.Module, example_inputs=None, *, src_mask: torch.Tensor | None = None, is_causal: bool = False,
                src_key_padding_mask: torch.Tensor | None = None, dtype: torch.dtype | None = None):
     """``(cfg, params)`` of a PyTorch or Hugging Face Transformer module, in eval mode.
 
@@ -102,10 +105,23 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     or ``reorder_and_upcast_attn``, an attention implementation other than ``"eager"`` or
     ``"sdpa"``, a module laid out otherwise than the one read (an unknown parameter or attribute),
     any other module; and for ``dtype`` other than ``None``, float32 or float64.
+
+    With ``example_inputs`` (the tensor ``forward`` takes first, or a 1-tuple of it), the module, of any class, is
+    read by tracing its forward (:mod:`.traced`; docs/models.md, "Your own model"): the parts the closed form
+    covers are recognised node by node, any other node is refused (``ValueError`` naming the node, its operator,
+    module and source line), and the config's forward is checked against the module's in float64 before
+    returning. The reading is remembered for ``module``, so that :func:`to_module` and
+    :func:`operator_to_module` map back to it. The mask arguments do not apply (the traced forward has its own).
     """
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ValueError(f"from_torch: dtype must be float32 or float64, got {dtype}")
-    if hf.reads(module):
+    if example_inputs is not None:
+        if src_mask is not None or is_causal is not False or src_key_padding_mask is not None:
+            raise ValueError("src_mask, is_causal and src_key_padding_mask do not apply with example_inputs: the traced "
+                             "forward applies its own mask")
+        check_deterministic(module)
+        cfg, spec = traced.describe(module, example_inputs)
+    elif hf.reads(module):
         if src_mask is not None or is_causal is not False or src_key_padding_mask is not None:
             raise ValueError(f"src_mask, is_causal and src_key_padding_mask apply to PyTorch's layers; "
                              f"{type(module).__name__} applies its own mask (GPT-2's is causal)")

@@ -65,9 +65,10 @@ def _what(module) -> str:
     return type(module).__name__
 
 
-def read(module: torch.nn.Module, cfg, spec: dict, dtype=None) -> dict:
+def read(module: torch.nn.Module, cfg, spec: dict, dtype=None, copy: bool = True) -> dict:
     """``params`` of ``cfg`` from ``module``'s parameters by ``spec``: detached, contiguous copies,
-    canonical order, in ``dtype`` if given, else the module's.
+    canonical order, in ``dtype`` if given, else the module's (``copy=False``: detached views of the
+    module's tensors where ``dtype`` is theirs, which follow in-place changes to them).
 
     Raises ``ValueError`` naming the module and the parameters if the module has a parameter
     ``spec`` does not describe (something the closed form would leave out), if ``cfg`` needs a
@@ -91,7 +92,8 @@ def read(module: torch.nn.Module, cfg, spec: dict, dtype=None) -> dict:
             raise ValueError(f"{_what(module)}: {mname} has shape {tuple(t.shape)}, expected {want} "
                              f"(holding {', '.join(s.names)})")
         for n, v in s.split(t, shapes).items():
-            params[n] = v.to(dtype or v.dtype).clone().contiguous()
+            params[n] = v.to(dtype or v.dtype, memory_format=torch.contiguous_format, copy=True) if copy \
+                else v.to(dtype or v.dtype)
     missing = [n for n in shapes if n not in params]
     if missing:
         raise ValueError(f"{_what(module)}: no parameter holds {missing}, which the closed form of {cfg} needs")
