@@ -132,9 +132,9 @@ class ModelProduct:
             return [adjoint_of(held, gs, dy) for (gs, *_), dy in zip(calls, dys)]
 
         def run(k: int, items: list) -> dict:
-            """Stage ``k`` (``k < n``: the loss is applied by :func:`up`) for the groups ``items`` ``[(g, dx)]`` whose tangent has reached it (``dx`` its
-            input tangent) and those starting here, the stages above by recursion; returns ``{g: the adjoint
-            tangent at its input}`` for the groups with a wanted row below."""
+            """Stage ``k`` (``k < n``: the loss is applied by :func:`up`) for the groups ``items`` ``[(g, dx)]``
+            whose tangent has reached it (``dx`` its input tangent) and those starting here, the stages above by
+            recursion; returns ``{g: the adjoint tangent at its input}`` for the groups with a wanted row below."""
             items = items + [(g, None) for g in range(G) if s0[g] == k]
             st = self.stages[k]
             calls = calls_at(st, k, items)

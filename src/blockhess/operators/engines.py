@@ -80,10 +80,11 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
         into = fold_tied(into, internal) if into else into  # the tied head writes into W_E's slice
         return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional, into=into))
 
-    def products(groups):  # several groups in one pass (ModelProduct.columns)
+    def products(groups, into=None):  # several groups in one pass (ModelProduct.columns)
         groups = [(fold_tied(V, internal), tuple(w) + ((TIED_HEAD,) if cfg.tied and "W_E" in w else ()))
                   for V, w in groups]
-        return [unfold_tied(r) for r in prod.columns(groups, outer=outer, functional=functional)]
+        into = None if into is None else [fold_tied(i, internal) if i else i for i in into]
+        return [unfold_tied(r) for r in prod.columns(groups, outer=outer, functional=functional, into=into)]
 
     def diagonal(wanted):
         raise NotImplementedError("a model's operator has no closed-form diagonal: attention in the blocks above a "
@@ -129,8 +130,8 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     def restricted(V, wanted_out, into=None):  # the operator over names: other parameters have zero directions
         return product({n: v for n, v in V.items() if n in names}, wanted_out, into)
 
-    def restricted_groups(groups):
-        return products([({n: v for n, v in V.items() if n in names}, w) for V, w in groups])
+    def restricted_groups(groups, into=None):
+        return products([({n: v for n, v in V.items() if n in names}, w) for V, w in groups], into)
 
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
                            split=head_views(cfg), count=count, writes_into=True, cfg=cfg, kronecker=kronecker,

@@ -357,19 +357,29 @@ class HessianOperator:
         """``H_view @ x`` for one column ``X`` ``(n_in, 1)``, the engine writing a whole parameter's rows
         straight into their slice of the output where it can (``into``), the rest copied there."""
         flat = X.new_empty(self.shape[0], 1)
+        out = self._product(self._columns_to_params(X), wanted, into=self._into(flat[:, 0]))
+        self._collect(out, flat[:, 0])
+        return flat
+
+    def _into(self, dest: torch.Tensor) -> dict:
+        """The engine's destinations (``into``) of a one-column product in ``dest`` ``(n_out,)``: each whole
+        parameter's slice, as ``(1, *shape)``."""
         into, off = {}, 0
         for var, size in zip(self.names, self.sizes):
             if self._vars[var][0] == var:
-                into[var] = flat[off : off + size, 0].view(1, *self.param_shapes[var])
+                into[var] = dest[off : off + size].view(1, *self.param_shapes[var])
             off += size
-        out = self._product(self._columns_to_params(X), wanted, into=into)
+        return into
+
+    def _collect(self, out, dest: torch.Tensor) -> None:
+        """The rows of a one-column product ``out`` into ``dest`` ``(n_out,)``, copying those the engine did
+        not write there."""
         off = 0
         for var, size in zip(self.names, self.sizes):
-            y, dest = self._row(out, var, 1), flat[off : off + size, 0]
-            if y.data_ptr() != dest.data_ptr() or not y.is_contiguous():  # not written in place
-                dest.copy_(y.reshape(-1))
+            y, d = self._row(out, var, 1), dest[off : off + size]
+            if y.data_ptr() != d.data_ptr() or not y.is_contiguous():  # not written in place
+                d.copy_(y.reshape(-1))
             off += size
-        return flat
 
     def _check_tensor(self, V: torch.Tensor, what: str = "V", var: str | None = None) -> None:
         """``V`` of the operator's dtype and device, and finite; a non-finite entry is named by its column
@@ -479,12 +489,15 @@ class HessianOperator:
             return None
         return self._kronecker(tuple(self.names))
 
-    def _grouped(self, groups: list) -> list[dict]:
+    def _grouped(self, groups: list, into: list | None = None) -> list[dict]:
         """The engine's products of ``groups`` ``[(V, wanted_out)]`` (:class:`Products`), in one pass where the
-        engine has one, else one group after another."""
+        engine has one, else one group after another; ``into`` (one-column groups of an engine that
+        ``writes_into``): one destination dict per group."""
         if self._products is not None:
-            return self._products(groups)
-        return [self._product(V, wanted) for V, wanted in groups]
+            return self._products(groups) if into is None else self._products(groups, into=into)
+        if into is None:
+            return [self._product(V, wanted) for V, wanted in groups]
+        return [self._product(V, wanted, into=i) for (V, wanted), i in zip(groups, into)]
 
     def block_diagonal(self, blocks=None) -> "BlockDiagonalOperator":
         """The block-diagonal part ``D = diag(A[b_1, b_1], ..., A[b_m, b_m])`` of this square view over
@@ -627,14 +640,22 @@ class BlockDiagonalOperator:
         """``D`` itself (curvlinops' method name)."""
         return self
 
-    def products(self, X: dict) -> dict:
+    def products(self, X: dict, out: dict | None = None) -> dict:
         """``{j: A[b_j, b_j] @ X[j]}`` for some blocks only, in one call: ``X`` maps block indices (into
         ``blocks``) to tensors ``(n_{b_j}, k_j)`` of the operator's dtype and device, each its own ``k_j >= 1``
-        (not checked further: :meth:`__matmul__` checks its input). Returns ``{j: (n_{b_j}, k_j)}``."""
+        (not checked further: :meth:`__matmul__` checks its input). Returns ``{j: (n_{b_j}, k_j)}``. ``out``
+        (every ``k_j = 1``): ``{j: (n_{b_j},) tensor}``, destinations the rows are written into where the
+        engine can (``writes_into``), the returned tensors then views of them."""
         groups, order = [], list(X)
         for j in order:
             view = self.views[j]
             groups.append((view._columns_to_params(X[j]), tuple(dict.fromkeys(view._vars[v][0] for v in view.names))))
+        if all(X[j].shape[1] == 1 for j in order) and self.A._writes_into and not any(X[j].requires_grad for j in order):
+            dest = out or {j: X[j].new_empty(self.views[j].shape[0]) for j in order}  # the engine writes rows there
+            out = self.A._grouped(groups, into=[self.views[j]._into(dest[j]) for j in order])
+            for j, rows in zip(order, out):
+                self.views[j]._collect(rows, dest[j])
+            return {j: dest[j][:, None] for j in order}
         out = self.A._grouped(groups)
         Y = {}
         for j, rows in zip(order, out):
@@ -649,7 +670,15 @@ class BlockDiagonalOperator:
             return X.new_zeros(self.shape[0], 0)
         if self.max_columns is not None and k > self.max_columns:
             return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
-        Y = self.products({j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))})
+        cols = {j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))}
+        if k == 1:  # one output vector, each block's rows written into its slice
+            flat = X.new_empty(self.shape[0])
+            Y = self.products(cols, out={j: flat[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))})
+            for j, (o, s) in enumerate(zip(self.offsets, self.sizes)):
+                if Y[j].data_ptr() != flat[o:].data_ptr():
+                    flat[o : o + s].copy_(Y[j][:, 0])
+            return flat[:, None]
+        Y = self.products(cols)
         return torch.cat([Y[j] for j in range(len(self.blocks))], 0)
 
     def __matmul__(self, V):
