@@ -95,18 +95,18 @@ def _scipy_operator(shape, matmat, rmatmat, torch_dtype, device, dtype=None):
         raise ImportError("to_scipy needs SciPy: pip install scipy (or blockhess[lab])") from e
     np_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float64" if torch_dtype == torch.float64 else "float32")
 
-    def wrap(mm):
+    def wrap(mm, rows):
         def f(x):
             x = np.asarray(x)
             if np.iscomplexobj(x):
                 raise ValueError(f"x must be real ({np_dtype}), got {x.dtype}: the operator is real; multiply the "
                                  "real and imaginary parts separately")
             X = torch.as_tensor(x.reshape(x.shape[0], -1)).to(dtype=torch_dtype, device=device)
-            return mm(X).cpu().numpy().astype(np_dtype, copy=False).reshape(shape[0], *x.shape[1:])
+            return mm(X).cpu().numpy().astype(np_dtype, copy=False).reshape(rows, *x.shape[1:])
         return f
 
-    return LinearOperator(shape, matvec=wrap(matmat), rmatvec=wrap(rmatmat), matmat=wrap(matmat),
-                          rmatmat=wrap(rmatmat), dtype=np_dtype)
+    return LinearOperator(shape, matvec=wrap(matmat, shape[0]), rmatvec=wrap(rmatmat, shape[1]),
+                          matmat=wrap(matmat, shape[0]), rmatmat=wrap(rmatmat, shape[1]), dtype=np_dtype)
 
 
 class HessianOperator:
