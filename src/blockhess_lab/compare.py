@@ -23,14 +23,14 @@ The approximations (each ``Ĥ`` a matrix in the same canonical ``vec_r`` order a
   to the whole) and to each reference separately.
 * ``sophia_S``: Sophia's Gauss–Newton–Bartlett diagonal (Liu et al. 2023, Alg. 2) averaged over ``S``
   draws: labels sampled from the model's softmax, ``T · ∇L̂ ⊙ ∇L̂`` with ``L̂`` the mean loss of the
-  sampled labels and ``T`` the number of loss terms it averages (tokens, or images; Sophia's batch size
-  in tokens), which makes it an unbiased estimate of the GGN's diagonal.
+  sampled labels and ``T`` the number of loss terms it averages (tokens, or images), which makes it an
+  unbiased estimate of the GGN's diagonal (docs/derivations.md §22).
 * ``hutchinson_N``: Hutchinson's diagonal (:func:`blockhess.operators.hutchinson_diagonal`, ``N``
   Rademacher probes over every weight matrix at once, sliced per module) of the reference itself
   (GGN or Hessian), and its trace (the sum of the estimated diagonal: Hutchinson's trace estimator).
 
 Metrics of each approximation against each reference ``H`` (docs/derivations.md, "Comparing
-approximations"): ``rel_fro`` ``‖Ĥ − H‖_F / ‖H‖_F``; ``top_cos`` ``‖Qᵀv‖``, ``v`` the unit eigenvector of the largest
+approximations", §22): ``rel_fro`` ``‖Ĥ − H‖_F / ‖H‖_F``; ``top_cos`` ``‖Qᵀv‖``, ``v`` the unit eigenvector of the largest
 eigenvalue of ``H`` and ``Q`` an orthonormal basis of the eigenspace of the largest eigenvalue of ``Ĥ`` (the
 ``|cos|`` of the two top eigenvectors where that eigenvalue is simple; the proxy ``XᵀX ⊗ I`` repeats each
 eigenvalue); ``inverse_cos`` the cosine of ``(H + λI)⁻¹ g`` and
