@@ -1141,3 +1141,67 @@ def test_settings_quoted():
     assert f"L ∈ {_set(f['seq_lens'])} at fixed ‖X‖₂ = {f['rho']:g}" in text
     assert f"`--quick` (L ∈ {{{q['seq_lens'][0]}, …, {q['seq_lens'][-1]}}}, d={q['d_model']}, {q['seeds']} seeds)" in text
     assert (f["taus"][0], f["taus"][-1]) == pytest.approx((1e-6, 1.0)) and "τ = 10⁻⁶ … 1" in text
+
+
+# --------------------------------------------------------------------------- compare (docs/results.md)
+
+#: the run of record of ``blockhess compare``, one JSON per preset in benchmarks/results/
+COMPARE = {"gpt2": "compare-gpt2-f24ec7b", "vit": "compare-vit-f24ec7b", "llama": "compare-llama-f24ec7b"}
+COMPARE_METHODS = ("kfac", "ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_100", "hutchinson_2",
+                   "hutchinson_100")
+
+
+@functools.cache
+def compare_run(preset: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / f"{COMPARE[preset]}.json").read_text())
+
+
+@pytest.mark.parametrize("part, header", [("outer", "| GGN: model | method |"), ("full", "| Hessian: model | method |")])
+def test_results_compare_tables(part, header):
+    """docs/results.md's compare tables: the whole model's row of every method and model, from the stored runs."""
+    start = "## Approximations against the exact curvature (`blockhess compare`"
+    rows = table("docs/results.md", header, start)
+    want = [(p, m) for p in COMPARE for m in COMPARE_METHODS if m in compare_run(p)["results"][part]["whole"]]
+    assert [(r[0].strip("`"), r[1].strip("`")) for r in rows] == want
+    for r, (p, m) in zip(rows, want):
+        got = compare_run(p)["results"][part]["whole"][m]
+        for txt, key in zip(r[2:6], ("rel_fro", "top_cos", "inverse_cos", "spearman")):
+            assert_shown(txt, got[key], f"compare {p} {part} {m} {key}")
+        if m.startswith("hutchinson"):
+            assert_shown(r[6], got["trace_rel"], f"compare {p} {part} {m} trace_rel")
+        else:
+            assert r[6] == "–"
+
+
+def test_results_compare_quotes():
+    g, v, ll = (compare_run(p) for p in COMPARE)
+    assert [r["settings"]["seed"] for r in (g, v, ll)] == [0, 0, 0]
+    assert all(r["environment"]["blockhess_commit"] == "f24ec7b" for r in (g, v, ll))
+    mods = {p: compare_run(p)["results"]["outer"] for p in COMPARE}
+    kfac = [r["kfac"]["rel_fro"] for p in ("gpt2", "vit") for k, r in mods[p].items() if k != "whole" and "kfac" in r]
+    check_quotes("docs/results.md", [
+        ("GPT-2 ({} weights in the whole model's {} matrices)", [sum(g["modules"][n] for n in g["whole"]), len(g["whole"])]),
+        ("ViT ({} weights in {} matrices)", [sum(v["modules"][n] for n in v["whole"]), len(v["whole"])]),
+        ("Llama-style model ({} weights in {} matrices;", [sum(ll["modules"][n] for n in ll["whole"]), len(ll["whole"])]),
+        ("per weight matrix, KFAC's relative error against the GGN block runs from {} to {}", [min(kfac), max(kfac)]),
+        ("(`compare-gpt2-f24ec7b`: {} s", [g["timings"]["total_s"]]),
+        ("`compare-vit-f24ec7b`: {} s", [v["timings"]["total_s"]]),
+        ("`compare-llama-f24ec7b`: {} s", [ll["timings"]["total_s"]]),
+        ("Over the\n  whole model its error is {} (GPT-2) and {} (ViT)", [g["results"]["outer"]["whole"]["kfac"]["rel_fro"],
+                                                             v["results"]["outer"]["whole"]["kfac"]["rel_fro"]]),
+        ("nearly\n  orthogonal to the GGN's (alignment {})", [g["results"]["outer"]["whole"]["kfac"]["top_cos"]]),
+        ("on GPT-2 its whole-model error is {} against KFAC's\n  {}", [g["results"]["outer"]["whole"]["ekfac"]["rel_fro"],
+                                                                   g["results"]["outer"]["whole"]["kfac"]["rel_fro"]]),
+        ("(relative error {} on GPT-2)", [g["results"]["outer"]["whole"]["gptq_raw"]["rel_fro"]]),
+        ("error is about 1 ({}, {}), with a good top-eigenvector alignment on GPT-2 ({}) and a poor one\n  on the ViT ({})",
+         [g["results"]["outer"]["whole"]["gptq_best"]["rel_fro"], v["results"]["outer"]["whole"]["gptq_best"]["rel_fro"],
+          g["results"]["outer"]["whole"]["gptq_best"]["top_cos"], v["results"]["outer"]["whole"]["gptq_best"]["top_cos"]]),
+        ("(GPT-2: {} at one draw, {} at 100; Hutchinson {} at 2 probes, {} at 100)",
+         [g["results"]["outer"]["whole"][k]["rel_fro"] for k in ("sophia_1", "sophia_100", "hutchinson_2", "hutchinson_100")]),
+        ("(GPT-2's inverse-product cosine {} at 100\n  probes)", [g["results"]["outer"]["whole"]["hutchinson_100"]["inverse_cos"]]),
+        ("(relative error {} at 100 probes on GPT-2's GGN)", [g["results"]["outer"]["whole"]["hutchinson_100"]["trace_rel"]]),
+        ("(the whole GPT-2's `‖H‖_F` {} against the GGN's\n  {})", [g["exact"]["full"]["whole"]["fro"], g["exact"]["outer"]["whole"]["fro"]]),
+    ])
+    hq = [r["hutchinson_2"]["rel_fro"] for k, r in mods["gpt2"].items() if k in ("blocks.0.W_Q", "blocks.0.W_K")]
+    assert all(100 <= e < 10_000 for e in hq)  # "relative errors of 10²–10³ there"
+    assert max(kfac) == mods["gpt2"]["blocks.0.W_V"]["kfac"]["rel_fro"] and min(kfac) == mods["vit"]["W_H"]["kfac"]["rel_fro"]

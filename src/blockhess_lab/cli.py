@@ -36,6 +36,7 @@ COMMANDS = {
     "validate": "validate",
     "bench": "bench",
     "spectrum": "spectrum",
+    "compare": "compare",
 }
 
 

@@ -9,7 +9,8 @@
 * :func:`block_eigenvalues` — each block's top eigenvalues, one panel per Hessian part;
 * :func:`densities` — spectral densities with their error bands, one panel per block;
 * :func:`trace_bars` — traces with error bars per block and part;
-* :func:`eigenvalue_trajectories` — top eigenvalues against the training step per block, and products counts.
+* :func:`eigenvalue_trajectories` — top eigenvalues against the training step per block, and products counts;
+* :func:`per_module_metric` — one metric per module, a line per method, one panel per reference.
 
 Each returns nothing and writes one PNG; callers pass plain tensors/arrays and labels.
 """
@@ -27,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves",
-           "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories"]
+           "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories", "per_module_metric"]
 
 
 def log_abs(H, floor: float) -> np.ndarray:
@@ -365,6 +366,27 @@ def eigenvalue_trajectories(path, x, panels: dict, counts: dict, count_x, xlabel
     for ax in flat[n:]:
         ax.axis("off")
     fig.supxlabel(xlabel)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def per_module_metric(path, rows: list[str], panels: dict, ylabel: str, suptitle: str, log: bool = False) -> None:
+    """One metric per module: ``panels`` ``{reference: {method: [value per row]}}`` (NaN where a method does
+    not cover the row), a line with markers per method, one panel per reference; log y axis with ``log``."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 0.45 * len(rows) + 2) * len(panels) ** 0.6, 4.4),
+                             squeeze=False, sharey=True)
+    for ax, (title, methods) in zip(axes[0], panels.items()):
+        for method, values in methods.items():
+            ax.plot(range(len(rows)), np.asarray(values, dtype=np.float64), marker="o", ms=3, lw=1, label=method)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xticks(range(len(rows)), rows, rotation=90, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(suptitle)
     fig.tight_layout()
     fig.savefig(Path(path), dpi=130, bbox_inches="tight")

@@ -1,0 +1,710 @@
+r"""``blockhess compare``: the exact Gauss–Newton matrix and Hessian of a model against the curvature
+approximations the field ships, per module and for the whole model.
+
+The exact side: the dense GGN (``part="outer"``) and Hessian (``part="full"``) over every weight matrix,
+from :func:`blockhess.hessian`'s closed form, or, for a model whose blocks it does not take yet (the
+Llama-family options), assembled column by column from the exact products of
+:func:`blockhess.hessian_operator` (``A[b, b] @ I``); its damped inverse products and influence scores by
+its eigendecomposition. The loss is ours: cross-entropy, the mean over every token (GPT-2,
+Llama) or image (ViT) of the batch.
+
+The approximations (each ``Ĥ`` a matrix in the same canonical ``vec_r`` order as the exact block):
+
+* ``kfac``, ``ekfac``: curvlinops' ``KFACLinearOperator`` and ``EKFACLinearOperator`` (``fisher_type="type-2"``:
+  the exact output Hessian, no sampling; ``kfac_approx="expand"``: tokens as independent examples;
+  ``CrossEntropyLoss(reduction="mean")``: the mean over tokens, our scale), built on the model with
+  GPT-2's ``Conv1D`` layers replaced by the equal ``nn.Linear`` (curvlinops supports ``Linear`` and
+  ``Conv2d``), dense by ``K @ I``. Block-diagonal over the model's layers: GPT-2's fused ``c_attn`` is
+  one layer holding ``W_Q, W_K, W_V``.
+* ``gptq_raw``, ``gptq_best``: the GPTQ/SparseGPT layer proxy ``P = (2/S) XᵀX ⊗ I`` of each layer
+  (``X`` the layer's inputs, one row per token, ``S`` the number of sequences, as GPTQ accumulates it;
+  for ``Conv2d`` the patches), block-diagonal over layers: ``raw`` is ``P`` itself, ``best`` its best scalar
+  multiple ``c P`` with ``c = ⟨P, H⟩_F / ‖P‖_F²`` fitted to each row's exact block (the whole model's
+  to the whole) and to each reference separately.
+* ``sophia_S``: Sophia's Gauss–Newton–Bartlett diagonal (Liu et al. 2023, Alg. 2) averaged over ``S``
+  draws: labels sampled from the model's softmax, ``T · ∇L̂ ⊙ ∇L̂`` with ``L̂`` the mean loss of the
+  sampled labels and ``T`` the number of loss terms it averages (tokens, or images), which makes it an
+  unbiased estimate of the GGN's diagonal (docs/derivations.md §23).
+* ``hutchinson_N``: Hutchinson's diagonal (:func:`blockhess.operators.hutchinson_diagonal`, ``N``
+  Rademacher probes over every weight matrix at once, sliced per module) of the reference itself
+  (GGN or Hessian), and its trace (the sum of the estimated diagonal: Hutchinson's trace estimator).
+
+Metrics of each approximation against each reference ``H`` (docs/derivations.md, "Comparing
+approximations", §23): ``rel_fro`` ``‖Ĥ − H‖_F / ‖H‖_F``; ``top_cos`` ``‖Qᵀv‖``, ``v`` the unit eigenvector of the largest
+eigenvalue of ``H`` and ``Q`` an orthonormal basis of the eigenspace of the largest eigenvalue of ``Ĥ`` (the
+``|cos|`` of the two top eigenvectors where that eigenvalue is simple; the proxy ``XᵀX ⊗ I`` repeats each
+eigenvalue); ``inverse_cos`` the cosine of ``(H + λI)⁻¹ g`` and
+``(Ĥ + λI)⁻¹ g`` for ``g`` the batch gradient; ``spearman`` the Spearman rank correlation of the
+influence scores ``g_iᵀ (H + λI)⁻¹ g_test`` of the batch's training sequences on a test sequence,
+exact against approximate; for the diagonal methods ``diag_rel`` ``‖d̂ − diag H‖ / ‖diag H‖``; for
+Hutchinson ``trace_rel`` ``|t̂ − tr H| / |tr H|``. ``λ = --damping · λ_max(G)``, ``G`` the exact GGN of the
+whole model (the same ``λ`` everywhere).
+
+Presets (``--preset``, random weights from ``--seed``, float64): ``gpt2`` a two-layer
+``GPT2LMHeadModel`` (d = 16, 2 heads, d_ff = 32, vocabulary 32, untied head), next-token targets of
+random tokens; ``vit`` a two-layer ``ViTForImageClassification`` (8×8 images, 4×4 patches, d = 16,
+2 heads, d_ff = 32, 4 classes) on random images and labels; ``llama`` a Llama-style two-layer model
+built directly as a :class:`~blockhess.config.ModelConfig` (RMSNorm pre-norm blocks, SwiGLU FFN, RoPE,
+4 query heads on 2 key/value heads, d = 16, no final norm: the model walk's final norm is a LayerNorm
+here) until :func:`blockhess.from_torch` reads ``LlamaForCausalLM``: it has no torch module, so
+curvlinops and the GPTQ proxy (which need the model's layers) are not run on it, by name.
+``--model DIR``: a ``save_pretrained`` folder of a ``GPT2LMHeadModel`` or ``ViTForImageClassification``
+read offline.
+
+Writes ``compare.json`` (every number, the settings and seeds that reproduce it), ``compare.md`` (per
+reference a table per metric: rows modules, columns approximations) and ``rel_fro.png``,
+``inverse_cos.png`` into ``--out``, atomically. Exit status 0; 2 with one line on stderr for bad input
+(an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import blockhess as bh
+from blockhess.config import BlockConfig, ModelConfig, init_params
+from blockhess.operators import hutchinson_diagonal
+from . import plots
+from .bench_worker import peak_bytes
+from .outputs import atomic_dir, check_out, out_help, write_json
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
+
+HELP = ("exact GGN and Hessian blocks of a model against KFAC, EKFAC (curvlinops), the GPTQ proxy, Sophia's "
+        "Gauss-Newton-Bartlett and Hutchinson diagonals: errors, eigenvector alignment, inverse products, influence")
+
+PRESETS = ("gpt2", "vit", "llama")
+PARTS = ("outer", "full")
+REFERENCE = {"outer": "exact GGN", "full": "exact Hessian"}
+METRICS = ("rel_fro", "top_cos", "inverse_cos", "spearman", "diag_rel", "trace_rel")
+#: the whole model's row key
+WHOLE = "whole"
+#: curvlinops' settings (the JSON records them)
+KFAC_SETTINGS = {"fisher_type": "type-2", "kfac_approx": "expand", "loss": "CrossEntropyLoss(reduction='mean')"}
+#: not run on a preset without a torch module, and why
+NO_MODULE = ("this preset is built directly as a ModelConfig (no torch module) until blockhess.from_torch reads "
+             "LlamaForCausalLM (branch llama): curvlinops and the GPTQ proxy need the model's layers")
+KRONFLUENCE = ("not run: kronfluence's EK-FAC fits its factors through its own Task/DataLoader pipeline and "
+               "stores them on disk; wiring and reading them back densely did not fit this round. It is the same "
+               "approximation family as curvlinops' EKFAC, which is compared")
+
+GPT2_SIZES = dict(n_embd=16, n_head=2, n_layer=2, n_inner=32, vocab_size=32)
+VIT_SIZES = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                 num_attention_heads=2, intermediate_size=32, num_labels=4)
+LLAMA_BLOCK = BlockConfig(d_model=16, d_ff=32, d_k=4, d_v=4, n_heads=4, n_kv_heads=2, norm="pre", norm_type="rms",
+                          ln_affine=True, ln_eps=1e-6, gated=True, activation="silu", out_proj=True, rope=True,
+                          causal=True, bias=False)
+LLAMA = ModelConfig(blocks=(LLAMA_BLOCK,) * 2, embedding="token", vocab=32, final_norm=False, pool="none", head=32,
+                    head_bias=False)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="compare", metavar="DIR", help=out_help("compare", "compare.json, compare.md, PNG figures"))
+    p.add_argument("--preset", default="gpt2", metavar="NAME",
+                   help=f"the model, random weights from --seed: {', '.join(PRESETS)} (default: gpt2)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a save_pretrained folder (GPT2LMHeadModel or ViTForImageClassification) read offline, "
+                        "instead of --preset")
+    p.add_argument("--batch", type=int, default=8, metavar="N", help="training sequences (or images) (default: 8)")
+    p.add_argument("--seq-len", type=int, default=8, metavar="L", help="tokens per sequence, text models (default: 8)")
+    p.add_argument("--sophia-samples", default="1,10,100", metavar="LIST",
+                   help="label draws averaged by Sophia's estimator, comma-separated integers >= 1 (default: 1,10,100)")
+    p.add_argument("--hutchinson-samples", default="2,10,100", metavar="LIST",
+                   help="Hutchinson probes, comma-separated integers >= 2 (default: 2,10,100)")
+    p.add_argument("--damping", type=float, default=0.01, metavar="R",
+                   help="damping of the inverse products and influence, relative: λ = R · λ_max of the whole "
+                        "model's exact GGN, R > 0 (default: 0.01)")
+    p.add_argument("--seed", type=int, default=0, metavar="SEED",
+                   help="seed of the weights, the batch, the test sequence and the estimators (default: 0)")
+    add_threads_argument(p)
+    add_quiet_argument(p)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A run's settings (checked by :func:`settings`)."""
+
+    preset: str | None
+    model_dir: str | None
+    batch: int
+    seq_len: int
+    sophia: tuple[int, ...]
+    hutchinson: tuple[int, ...]
+    damping: float
+    seed: int
+
+
+def _counts(option: str, text: str, low: int) -> tuple[int, ...]:
+    try:
+        items = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated integers >= {low}, got {text!r}") from None
+    if any(n < low for n in items):
+        raise ValueError(f"{option}: every sample count must be >= {low}, got {text!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{option} names a sample count twice: {text!r}")
+    return items
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The run's :class:`Settings`; raises ``ValueError`` (one line, naming the option) on a bad one."""
+    if args.model is None and args.preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {', '.join(PRESETS)}")
+    if args.model is not None and not Path(args.model, "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a save_pretrained folder (no config.json in it)")
+    for option, value, low in (("--batch", args.batch, 2), ("--seq-len", args.seq_len, 2), ("--seed", args.seed, 0)):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}, got {value}")
+    if not (math.isfinite(args.damping) and args.damping > 0):
+        raise ValueError(f"--damping must be a finite number > 0, got {args.damping:g}")
+    return Settings(None if args.model else args.preset, args.model, args.batch, args.seq_len,
+                    _counts("--sophia-samples", args.sophia_samples, 1),
+                    _counts("--hutchinson-samples", args.hutchinson_samples, 2), float(args.damping), args.seed)
+
+
+# ----------------------------------------------------------------------------- the problem
+
+
+@dataclass
+class Problem:
+    """A model we read and its batch: ``cfg``, ``params`` (canonical), the training ``inputs`` and
+    ``target``, a test sequence ``test`` (``(inputs, target)`` of one sequence), and, for a torch model,
+    ``module`` (its layers as ``nn.Linear``/``nn.Conv2d``, the model curvlinops and the GPTQ proxy run
+    on), ``layers`` (those layers' weights, in order) and ``index`` (for each of our weight matrices,
+    its entries' positions in the concatenated flat weights of ``layers``, ``vec_r`` order)."""
+
+    name: str
+    description: dict
+    cfg: ModelConfig
+    params: dict
+    inputs: torch.Tensor
+    target: torch.Tensor
+    test: tuple
+    module: torch.nn.Module | None = None
+    layers: list = field(default_factory=list)
+    layer_names: list = field(default_factory=list)
+    index: dict = field(default_factory=dict)
+
+
+def linearized(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with every Hugging Face ``Conv1D`` (``y = x W + b``, ``W`` ``(in, out)``)
+    replaced by the equal ``nn.Linear`` (weight ``Wᵀ``): the same function, in layers curvlinops knows."""
+    from transformers.pytorch_utils import Conv1D
+
+    out = copy.deepcopy(model)
+    for name, mod in list(out.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, Conv1D):
+                d_in, d_out = child.weight.shape
+                lin = torch.nn.Linear(d_in, d_out, bias=child.bias is not None, dtype=child.weight.dtype)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight.T)
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(mod, child_name, lin)
+    return out
+
+
+def _layer_weights(module: torch.nn.Module) -> tuple[list[str], list]:
+    named = [(n, m) for n, m in module.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    return [n for n, _ in named], [m.weight for _, m in named]
+
+
+def positions(model: torch.nn.Module, weights: list[str]) -> dict:
+    """For each of our parameters in ``weights``, the positions of its ``vec_r`` entries in the flat
+    concatenation of the weights of :func:`linearized` ``(model)``'s ``Linear``/``Conv2d`` layers, found by
+    reading (:func:`blockhess.from_torch`) a copy of ``model`` whose every entry holds its own serial
+    number. A parameter of ours not held by those layers is left out."""
+    tagged = copy.deepcopy(model).double()
+    with torch.no_grad():
+        start = 0
+        for p in tagged.parameters():
+            p.copy_(torch.arange(start, start + p.numel(), dtype=torch.float64).reshape(p.shape))
+            start += p.numel()
+    _, ours = bh.from_torch(tagged)
+    _, layer_w = _layer_weights(linearized(tagged))
+    serial = torch.cat([w.detach().reshape(-1) for w in layer_w]).long()
+    where = torch.full((start,), -1, dtype=torch.long)
+    where[serial] = torch.arange(serial.numel())
+    out = {}
+    for name in weights:
+        pos = where[ours[name].reshape(-1).long()]
+        if bool((pos >= 0).all()):
+            out[name] = pos
+    return out
+
+
+class _Logits(torch.nn.Module):
+    """The model's logits as rows ``(B·L, C)`` (or ``(B, C)``), a row per loss term, as curvlinops' KFAC and
+    EKFAC take them (EKFAC only 2-d outputs), with SDPA's math backend (the fused kernels have no second
+    derivative). With the targets flattened alike, ``CrossEntropyLoss(reduction="mean")`` is our loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            z = self.model(x).logits
+        return z.reshape(-1, z.shape[-1])
+
+
+def _hf_preset(name: str, seed: int):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(attn_implementation="sdpa")
+    if name == "gpt2":
+        c = tf.GPT2Config(**GPT2_SIZES, n_positions=64, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
+        return tf.GPT2LMHeadModel(c)
+    c = tf.ViTConfig(**VIT_SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+    return tf.ViTForImageClassification(c)
+
+
+def _read_dir(path: str):
+    import transformers as tf
+
+    try:
+        c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {path}: cannot read its config: {str(exc).splitlines()[0]}") from None
+    arch = (getattr(c, "architectures", None) or [None])[0]
+    classes = {"GPT2LMHeadModel": tf.GPT2LMHeadModel, "ViTForImageClassification": tf.ViTForImageClassification}
+    if arch not in classes:
+        raise ValueError(f"--model {path}: architecture {arch!r}; compare reads {', '.join(classes)}")
+    c._attn_implementation = "sdpa"
+    return classes[arch].from_pretrained(path, config=c, local_files_only=True)
+
+
+def _batch(cfg: ModelConfig, n: int, L: int, gen: torch.Generator, dtype=torch.float64) -> tuple:
+    """``n`` random sequences (tokens: ``L + 1`` ids, next-token targets) or images with labels."""
+    if cfg.embedding == "token":
+        if cfg.positions == "learned" and L > cfg.n_positions:
+            raise ValueError(f"--seq-len {L} exceeds the model's {cfg.n_positions} positions")
+        ids = torch.randint(0, cfg.vocab, (n, L + 1), generator=gen)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    images = torch.randn((n, *cfg.image), generator=gen, dtype=dtype)
+    return images, torch.randint(0, cfg.head, (n,), generator=gen)
+
+
+def problem(s: Settings) -> Problem:
+    """The model and batch of ``s`` (see the module docstring)."""
+    gen = torch.Generator().manual_seed(s.seed)
+    if s.preset == "llama":
+        cfg, params, module = LLAMA, init_params(LLAMA, seed=s.seed, dtype=torch.float64), None
+        desc = {"kind": "Llama-style ModelConfig (RMSNorm, SwiGLU, RoPE, grouped-query attention, no final norm)",
+                "layers": 2, "d_model": 16, "n_heads": 4, "n_kv_heads": 2, "d_ff": 32, "vocab": 32}
+    else:
+        model = _hf_preset(s.preset, s.seed) if s.preset else _read_dir(s.model_dir)
+        model = model.double().eval()
+        try:
+            cfg, params = bh.from_torch(model)
+        except NotImplementedError as exc:
+            raise ValueError(f"--model {s.model_dir}: blockhess.from_torch cannot read it: {exc}") from None
+        module = model
+        desc = {"kind": type(model).__name__, "config": {k: v for k, v in model.config.to_diff_dict().items()
+                                                         if isinstance(v, (int, float, str, bool))}}
+    inputs, target = _batch(cfg, s.batch, s.seq_len, gen)
+    test = _batch(cfg, 1, s.seq_len, gen)
+    name = s.preset or Path(s.model_dir).name
+    pr = Problem(name, desc, cfg, params, inputs, target, test)
+    if module is not None:
+        weights = [n for n, v in params.items() if v.ndim == 2]
+        pr.index = positions(module, weights)
+        pr.module = _Logits(linearized(module))
+        pr.layer_names, pr.layers = _layer_weights(pr.module)
+    return pr
+
+
+def modules_of(pr: Problem) -> list[str]:
+    """The rows: every weight matrix of ours (2-d parameter), canonical order."""
+    return [n for n, v in pr.params.items() if v.ndim == 2]
+
+
+def whole_of(pr: Problem) -> list[str]:
+    """The whole model's rows: the weights of linear maps (the blocks' ``W_*``, the head ``W_H``, and a
+    patch embedding's ``W_E``), which every approximation covers; token and position tables are left
+    out of the whole (KFAC and GPTQ have no layer for them)."""
+    return [n for n in modules_of(pr) if n.startswith("blocks.") or n == "W_H"
+            or (n == "W_E" and pr.cfg.embedding == "patch")]
+
+
+# ----------------------------------------------------------------------------- the exact side
+
+
+def loss_fn(pr: Problem, params: dict, inputs, target) -> torch.Tensor:
+    """Our loss: cross-entropy, the mean over every token (or image)."""
+    z = bh.forward(params, inputs, pr.cfg)
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1))
+
+
+def gradients(pr: Problem, names: list[str], inputs, target) -> torch.Tensor:
+    """The gradient ``(n,)`` of the mean loss over ``names`` (canonical order)."""
+    p = {k: v.detach().clone().requires_grad_(k in names) for k, v in pr.params.items()}
+    g = torch.autograd.grad(loss_fn(pr, p, inputs, target), [p[n] for n in names])
+    return torch.cat([t.reshape(-1) for t in g])
+
+
+def exact_dense(pr: Problem, names: list[str], ops: dict, chunk: int = 512) -> dict:
+    """The exact dense GGN (``"outer"``) and Hessian (``"full"``) over ``names``: :func:`blockhess.hessian`'s
+    closed form where it takes the model, else (the Llama-family blocks of a model) the exact products of
+    ``ops[part][names, names]`` with the identity's columns, symmetrised (their rounding aside they are)."""
+    try:
+        H = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=list(names))
+        return {"outer": H.outer.dense(), "full": H.dense()}
+    except NotImplementedError:
+        pass
+    out = {}
+    for part in PARTS:
+        view = ops[part][tuple(names), tuple(names)]
+        n = view.shape[0]
+        M = torch.empty(n, n, dtype=torch.float64)
+        for j in range(0, n, chunk):
+            E = torch.zeros(n, min(chunk, n - j), dtype=torch.float64)
+            E[torch.arange(j, j + E.shape[1]), torch.arange(E.shape[1])] = 1.0
+            M[:, j:j + E.shape[1]] = view @ E
+        out[part] = (M + M.T) / 2
+    return out
+
+
+# ----------------------------------------------------------------------------- approximations
+
+
+def curvlinops_dense(pr: Problem, kind: str) -> torch.Tensor:
+    """curvlinops' ``KFACLinearOperator`` (``kind="kfac"``) or ``EKFACLinearOperator`` (``"ekfac"``) over
+    the weights of ``pr.layers``, dense, in their flat order (:data:`KFAC_SETTINGS`)."""
+    from curvlinops import EKFACLinearOperator, KFACLinearOperator
+
+    cls = {"kfac": KFACLinearOperator, "ekfac": EKFACLinearOperator}[kind]
+    K = cls(pr.module, torch.nn.CrossEntropyLoss(reduction="mean"), pr.layers, [(pr.inputs, pr.target.reshape(-1))],
+            fisher_type="type-2", kfac_approx="expand", check_deterministic=False, num_data=pr.inputs.shape[0])
+    n = K.shape[1]
+    return K @ torch.eye(n, dtype=torch.float64)
+
+
+def gptq_dense(pr: Problem) -> torch.Tensor:
+    """The GPTQ proxy ``(2/S) XᵀX ⊗ I`` of every layer of ``pr.layers`` (``X`` its inputs, a row per token;
+    a ``Conv2d``'s patches), block-diagonal, in their flat order (``nn.Linear``'s ``(out, in)``: ``I ⊗ XᵀX``)."""
+    inputs = {}
+    mods = dict(pr.module.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: inputs.__setitem__(n, a[0].detach()))
+             for n in pr.layer_names]
+    try:
+        with torch.no_grad():
+            pr.module(pr.inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    S = pr.inputs.shape[0]
+    blocks = []
+    for n, w in zip(pr.layer_names, pr.layers):
+        m, x = mods[n], inputs[n]
+        if isinstance(m, torch.nn.Conv2d):
+            x = F.unfold(x, m.kernel_size, stride=m.stride).transpose(1, 2)
+        X = x.reshape(-1, x.shape[-1])
+        blocks.append(torch.kron(torch.eye(w.shape[0], dtype=X.dtype), 2.0 / S * X.T @ X))
+    return torch.block_diag(*blocks)
+
+
+def sophia_diagonal(pr: Problem, names: list[str], samples: int, gen: torch.Generator) -> torch.Tensor:
+    """Sophia's Gauss–Newton–Bartlett diagonal over ``names``, averaged over ``samples`` draws: labels
+    from the model's softmax, ``T · ĝ ⊙ ĝ`` with ``ĝ`` the gradient of the mean loss of the sampled
+    labels and ``T`` the number of loss terms (tokens, or images)."""
+    with torch.no_grad():
+        z = bh.forward(pr.params, pr.inputs, pr.cfg)
+    probs = torch.softmax(z.reshape(-1, z.shape[-1]), -1)
+    T = probs.shape[0]
+    acc = 0.0
+    for _ in range(samples):
+        y = torch.multinomial(probs, 1, generator=gen).reshape(pr.target.shape)
+        g = gradients(pr, names, pr.inputs, y)
+        acc = acc + T * g * g
+    return acc / samples
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _components(M: torch.Tensor) -> list[torch.Tensor]:
+    """The index sets of the diagonal blocks of a symmetric matrix that is block-diagonal up to a
+    permutation (the connected components of its nonzero pattern): a layer-wise approximation's layers."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    k, labels = connected_components(csr_matrix((M != 0).numpy()), directed=False)
+    labels = torch.from_numpy(labels)
+    return [torch.nonzero(labels == c).reshape(-1) for c in range(k)]
+
+
+#: eigenvalues within this fraction of the largest magnitude of the largest one count as one top eigenspace
+TIES = 1e-8
+
+
+def _top(M: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis ``(n, m)`` of the eigenspace of the largest eigenvalue of a symmetric matrix (by
+    the eigendecomposition of each of its diagonal blocks, :func:`_components`), or of a diagonal ``(n,)``:
+    the eigenvectors whose eigenvalues are within :data:`TIES` ``· max|λ|`` of the largest (``m > 1`` for
+    ties, e.g. the proxy ``XᵀX ⊗ I``, each of whose eigenvalues is repeated)."""
+    if M.ndim == 1:
+        keep = M >= M.max() - TIES * M.abs().max()
+        return torch.eye(M.shape[0], dtype=M.dtype)[:, keep]
+    pairs = []
+    for c in _components(M):
+        w, U = torch.linalg.eigh(M[c][:, c])
+        pairs.append((c, w, U))
+    top = max(float(w[-1]) for _, w, _ in pairs)
+    scale = max(float(w.abs().max()) for _, w, _ in pairs)
+    cols = []
+    for c, w, U in pairs:
+        for j in torch.nonzero(w >= top - TIES * scale).reshape(-1).tolist():
+            v = torch.zeros(M.shape[0], dtype=M.dtype)
+            v[c] = U[:, j]
+            cols.append(v)
+    return torch.stack(cols, 1)
+
+
+def _inv(M: torch.Tensor, lam: float, B: torch.Tensor) -> torch.Tensor:
+    """``(M + λI)⁻¹ B`` for a dense symmetric ``M`` (block by block, :func:`_components`) or a diagonal ``(n,)``."""
+    if M.ndim == 1:
+        return B / (M + lam).reshape(-1, *([1] * (B.ndim - 1)))
+    X = torch.empty_like(B)
+    for c in _components(M):
+        X[c] = torch.linalg.solve(M[c][:, c] + lam * torch.eye(c.numel(), dtype=M.dtype), B[c])
+    return X
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two score vectors (SciPy's, average ranks for ties)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a.numpy(), b.numpy()).statistic)
+
+
+def metrics(H: torch.Tensor, Hhat: torch.Tensor, lam: float, g: torch.Tensor, G: torch.Tensor, g_test: torch.Tensor,
+            exact: dict | None = None) -> dict:
+    """Every metric of the approximation ``Hhat`` (dense ``(n, n)`` or a diagonal ``(n,)``) against the exact
+    ``H`` ``(n, n)``: ``rel_fro``, ``top_cos``, ``inverse_cos`` (of ``(· + λI)⁻¹ g``), ``spearman`` (of the
+    scores ``Gᵀ (· + λI)⁻¹ g_test``, ``G`` ``(n, m)`` the training sequences' gradients), and for a diagonal
+    ``diag_rel``. ``exact``: the exact side's ``top``, ``inverse`` and ``scores`` when already known."""
+    e = exact or {}
+    top = e["top"] if "top" in e else torch.linalg.eigh(H)[1][:, -1]
+    x = e["inverse"] if "inverse" in e else _inv(H, lam, g)
+    scores = e["scores"] if "scores" in e else G.T @ _inv(H, lam, g_test)
+    D = torch.diag(Hhat) if Hhat.ndim == 1 else Hhat
+    Y = _inv(Hhat, lam, torch.stack([g, g_test], 1))
+    out = {"rel_fro": float((D - H).norm() / H.norm()), "top_cos": float((_top(Hhat).T @ top).norm() / top.norm()),
+           "inverse_cos": _cos(x, Y[:, 0]), "spearman": spearman(scores, G.T @ Y[:, 1])}
+    if Hhat.ndim == 1:
+        d = torch.diagonal(H)
+        out["diag_rel"] = float((Hhat - d).norm() / d.norm())
+    return out
+
+
+def best_scale(P: torch.Tensor, H: torch.Tensor) -> float:
+    """``c = ⟨P, H⟩_F / ‖P‖_F²``, the scalar minimising ``‖c P − H‖_F``."""
+    return float((P * H).sum() / (P * P).sum())
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _slices(names: list[str], sizes: dict) -> dict:
+    out, start = {}, 0
+    for n in names:
+        out[n] = slice(start, start + sizes[n])
+        start += sizes[n]
+    return out
+
+
+def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
+    """Every number of the report (see the module docstring) for ``pr``; returns the ``results``,
+    ``exact`` and ``methods`` sections of ``compare.json``."""
+    mods, whole = modules_of(pr), whole_of(pr)
+    sizes = {n: pr.params[n].numel() for n in mods}
+    sl = _slices(mods, sizes)
+    widx = torch.cat([torch.arange(sl[n].start, sl[n].stop) for n in whole])
+    g = gradients(pr, mods, pr.inputs, pr.target)
+    G = torch.stack([gradients(pr, mods, pr.inputs[i:i + 1], pr.target[i:i + 1]) for i in range(pr.inputs.shape[0])], 1)
+    g_test = gradients(pr, mods, *pr.test)
+    bar = progress(total=len(PARTS) + 5, quiet=quiet, desc=f"compare {pr.name}")
+    ops = {part: bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part=part)
+           for part in PARTS}
+    exact = exact_dense(pr, mods, ops)
+    bar.update(2)
+    eig = {part: torch.linalg.eigh(exact[part][widx][:, widx]) for part in PARTS}  # the whole model's
+    lam = s.damping * float(eig["outer"][0][-1])
+
+    # approximations, each over every module it covers: {key: (dense over mods or diag (n,), covered names)}
+    approx, methods = {}, {}
+    if pr.module is not None:
+        covered = [n for n in mods if n in pr.index]
+        idx = torch.cat([pr.index[n] for n in covered])
+        pos = torch.cat([torch.arange(sl[n].start, sl[n].stop) for n in covered])
+
+        def to_canonical(K: torch.Tensor) -> torch.Tensor:
+            M = torch.zeros(sum(sizes.values()), sum(sizes.values()), dtype=torch.float64)
+            M[pos.unsqueeze(1), pos.unsqueeze(0)] = K[idx.unsqueeze(1), idx.unsqueeze(0)]
+            return M
+
+        for kind in ("kfac", "ekfac"):
+            approx[kind] = (to_canonical(curvlinops_dense(pr, kind)), covered)
+            methods[kind] = {"source": f"curvlinops {kind.upper()}LinearOperator", **KFAC_SETTINGS}
+            bar.update()
+        approx["gptq_raw"] = (to_canonical(gptq_dense(pr)), covered)
+        methods["gptq_raw"] = {"source": "(2/S) X^T X ⊗ I per layer, S sequences"}
+        methods["gptq_best"] = {"source": "c · gptq_raw, c = <P, H>_F / ||P||_F^2 per row and reference"}
+        bar.update()
+    else:
+        for kind in ("kfac", "ekfac", "gptq_raw", "gptq_best"):
+            methods[kind] = {"not_run": NO_MODULE}
+        bar.update(3)
+    gen = torch.Generator().manual_seed(s.seed)
+    for S in s.sophia:
+        approx[f"sophia_{S}"] = (sophia_diagonal(pr, mods, S, gen), mods)
+        methods[f"sophia_{S}"] = {"source": "Gauss-Newton-Bartlett, T * g_hat^2 of sampled labels", "samples": S,
+                                  "seed": s.seed}
+    hutch = {part: {N: hutchinson_diagonal(ops[part][tuple(mods), tuple(mods)], N, seed=s.seed).value for N in s.hutchinson}
+             for part in PARTS}
+    for N in s.hutchinson:
+        methods[f"hutchinson_{N}"] = {"source": "blockhess.operators.hutchinson_diagonal of the reference itself",
+                                      "probes": N, "seed": s.seed}
+    methods["kronfluence"] = {"not_run": KRONFLUENCE}
+    bar.update()
+
+    results, exact_out = {}, {}
+    for part in PARTS:
+        H = exact[part]
+        rows = {n: [n] for n in mods}
+        rows[WHOLE] = whole
+        res, ex = {}, {}
+        for row, names in rows.items():
+            ii = widx if row == WHOLE else torch.arange(sl[row].start, sl[row].stop)
+            Hb = H[ii][:, ii]
+            w, U = eig[part] if row == WHOLE else torch.linalg.eigh(Hb)
+            inv = U @ ((U.T @ torch.stack([g[ii], g_test[ii]], 1)) / (w + lam).unsqueeze(1))
+            e = {"top": U[:, -1], "inverse": inv[:, 0], "scores": G[ii].T @ inv[:, 1]}
+            ex[row] = {"n": int(ii.numel()), "fro": float(Hb.norm()), "trace": float(torch.trace(Hb)),
+                       "eig_max": float(w[-1]), "eig_min": float(w[0])}
+            r = {}
+            args = (lam, g[ii], G[ii], g_test[ii], e)
+            for key, (M, cov) in approx.items():
+                if not set(names) <= set(cov):
+                    continue
+                Mb = M[ii] if M.ndim == 1 else M[ii][:, ii]
+                r[key] = metrics(Hb, Mb, *args)
+                if key == "gptq_raw":
+                    c = best_scale(Mb, Hb)
+                    r["gptq_best"] = {**metrics(Hb, c * Mb, *args), "scale": c}
+            for N, d in hutch[part].items():
+                db = d[ii]
+                r[f"hutchinson_{N}"] = {**metrics(Hb, db, *args),
+                                        "trace_rel": float(abs(db.sum() - torch.trace(Hb)) / abs(torch.trace(Hb)))}
+            res[row] = r
+        results[part], exact_out[part] = res, ex
+        bar.update()
+    bar.close()
+    return {"results": results, "exact": exact_out, "methods": methods, "damping": lam, "modules": sizes,
+            "whole": whole, "kfac_layers": pr.layer_names}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _order(methods: dict) -> list[str]:
+    return [k for k in methods if "not_run" not in methods[k]]
+
+
+def markdown(rep: dict) -> str:
+    """``compare.md``: the settings, then per reference a table per metric (rows modules, columns methods)."""
+    s = rep["settings"]
+    lines = [f"# blockhess compare: {rep['name']}", "",
+             f"Model: {rep['model'].get('kind')}; {sum(rep['modules'].values()):,} weights in {len(rep['modules'])} "
+             f"matrices (whole model: {len(rep['whole'])} matrices of linear maps). Batch {s['batch']}"
+             + (f" x {s['seq_len']} tokens" if rep["tokens"] else " images")
+             + f", seed {s['seed']}, float64, loss: cross-entropy, mean over "
+             + ("tokens" if rep["tokens"] else "images") + f". Damping λ = {s['damping']:g} · λ_max(GGN) = "
+             f"{rep['damping']:.4g}.", ""]
+    for k, m in rep["methods"].items():
+        if "not_run" in m:
+            lines.append(f"- `{k}`: not run: {m['not_run']}")
+    lines.append("")
+    cols = _order(rep["methods"])
+    for part in PARTS:
+        res = rep["results"][part]
+        lines += [f"## Against the {REFERENCE[part]} (`part=\"{part}\"`)", ""]
+        for metric in METRICS:
+            used = [c for c in cols if any(metric in r.get(c, {}) for r in res.values())]
+            if not used:
+                continue
+            lines += [f"### {metric}", "", "| module | " + " | ".join(used) + " |", "|---" * (len(used) + 1) + "|"]
+            for row, r in res.items():
+                cells = [f"{r[c][metric]:.3g}" if c in r and metric in r[c] else "–" for c in used]
+                lines.append(f"| `{row}` | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["Figures: " + ", ".join(f"`{f}`" for f in rep["figures"]) + ".", "",
+              f"Run time {rep['timings']['total_s']:.1f} s.", ""]
+    return "\n".join(lines)
+
+
+def figures(tmp: Path, rep: dict) -> list[str]:
+    out = []
+    for metric in ("rel_fro", "inverse_cos"):
+        panels = {}
+        for part in PARTS:
+            res = rep["results"][part]
+            rows = list(res)
+            panels[REFERENCE[part]] = {c: [res[r].get(c, {}).get(metric, float("nan")) for r in rows]
+                                       for c in _order(rep["methods"])}
+        plots.per_module_metric(tmp / f"{metric}.png", rows, panels, metric, f"{rep['name']}: {metric} per module and "
+                                "method", log=metric == "rel_fro")
+        out.append(f"{metric}.png")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings(args)
+    check_out(args.out)
+    with torch_threads(args.threads):
+        return _run(args, s)
+
+
+def _run(args: argparse.Namespace, s: Settings) -> int:
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    with atomic_dir(out) as tmp:
+        env = environment()
+        pr = problem(s)
+        body = compare(pr, s, bool(args.quiet))
+        rep = {"command": "blockhess compare", "name": pr.name, "model": pr.description,
+               "tokens": pr.cfg.embedding == "token",
+               "settings": {"preset": s.preset, "model_dir": s.model_dir, "batch": s.batch, "seq_len": s.seq_len,
+                            "sophia_samples": list(s.sophia), "hutchinson_samples": list(s.hutchinson),
+                            "damping": s.damping, "seed": s.seed, "dtype": "float64"},
+               **body, "environment": env}
+        rep["environment"]["load_average_at_end"] = load_average()
+        rep["figures"] = []
+        rep["timings"] = {"total_s": time.perf_counter() - t0, "peak_rss_bytes": peak_bytes()}
+        rep["figures"] = figures(tmp, rep)
+        write_json(tmp / "compare.json", rep)
+        (tmp / "compare.md").write_text(markdown(rep))
+    if not args.quiet:
+        print(f"blockhess compare: wrote {out}/ ({pr.name}: {len(rep['modules'])} modules, "
+              f"{len(_order(rep['methods']))} approximations; {rep['timings']['total_s']:.1f} s)")
+    return 0

@@ -1,0 +1,258 @@
+"""``blockhess compare`` on a tiny GPT-2 read from a ``save_pretrained`` folder: every reported number of
+one module recomputed here from its definition (KFAC's and EKFAC's from curvlinops' own dense matrices on
+the model's own logits, GPTQ's proxy from the layer's inputs, Sophia's diagonal from Hugging Face's
+gradients, Hutchinson's from its probes, each against the dense closed form :func:`blockhess.hessian`),
+the index map and the loss scale checked by curvlinops' exact GGN, exact against exact, Hutchinson's
+error shrinking with more probes, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import blockhess as bh
+from blockhess_lab import compare as C
+from blockhess_lab.cli import main
+
+transformers = pytest.importorskip("transformers")
+curvlinops = pytest.importorskip("curvlinops")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TOL = 1e-10
+SIZES = dict(n_embd=8, n_head=2, n_layer=1, n_inner=8, vocab_size=8, n_positions=8)
+ARGS = ["--batch", "3", "--seq-len", "3", "--sophia-samples", "1,4", "--hutchinson-samples", "2,8", "--seed", "1"]
+
+
+def _tiny_gpt2():
+    torch.manual_seed(0)
+    c = transformers.GPT2Config(**SIZES, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(c).double().eval()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The tiny model's folder, the command's JSON and the output folder."""
+    root = tmp_path_factory.mktemp("cmp")
+    _tiny_gpt2().save_pretrained(root / "model")
+    out = root / "out"
+    assert main(["compare", "--model", str(root / "model"), "--out", str(out), "--quiet", *ARGS]) == 0
+    return root / "model", json.loads((out / "compare.json").read_text()), out
+
+
+def _settings(model_dir) -> C.Settings:
+    return C.Settings(None, str(model_dir), 3, 3, (1, 4), (2, 8), 0.01, 1)
+
+
+def _logits(model, ids):
+    with sdpa_kernel(SDPBackend.MATH):
+        return model(ids).logits
+
+
+def test_outputs_and_structure(run):
+    _, rep, out = run
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        ["compare.json", "compare.md"] + rep["figures"])
+    assert all((out / f).read_bytes().startswith(PNG) for f in rep["figures"])
+    assert rep["whole"] == [n for n in rep["modules"] if n.startswith("blocks.") or n == "W_H"]
+    assert rep["methods"]["kronfluence"]["not_run"]
+    for part in C.PARTS:
+        res = rep["results"][part]
+        assert list(res) == [*rep["modules"], C.WHOLE]
+        for row in ("blocks.0.W_Q", "W_H", C.WHOLE):  # layers: every method
+            assert set(res[row]) == {"kfac", "ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_4", "hutchinson_2",
+                                     "hutchinson_8"}
+        assert set(res["W_E"]) == {"sophia_1", "sophia_4", "hutchinson_2", "hutchinson_8"}  # a token table
+    md = (out / "compare.md").read_text()
+    assert "## Against the exact GGN" in md and "| `blocks.0.W_V` |" in md and "kronfluence`: not run" in md
+
+
+def test_every_number_of_one_module_from_its_definition(run):
+    """blocks.0.W_V (a third of GPT-2's fused c_attn) and W_H against the dense closed form."""
+    model_dir, rep, _ = run
+    s = _settings(model_dir)
+    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).double().eval()
+    cfg, params = bh.from_torch(model)
+    gen = torch.Generator().manual_seed(s.seed)
+    ids = torch.randint(0, 8, (3, 4), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:]
+    test_ids = torch.randint(0, 8, (1, 4), generator=gen)
+    mods = [n for n, v in params.items() if v.ndim == 2]
+    H = bh.hessian(params, x, cfg, loss="ce", target=y, wrt=mods)
+    dense = {"outer": H.outer.dense(), "full": H.dense()}
+    sizes = {n: params[n].numel() for n in mods}
+    start = {n: sum(sizes[m] for m in mods[:mods.index(n)]) for n in mods}
+    d = SIZES["n_embd"]
+
+    def grad(inp, tgt):  # Hugging Face's own gradient, in our layout: W = weight (Conv1D) / weight.T (Linear)
+        model.zero_grad()
+        z = _logits(model, inp)
+        torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), tgt.reshape(-1)).backward()
+        a = model.transformer.h[0].attn.c_attn.weight.grad
+        return {"blocks.0.W_V": a[:, 2 * d:].reshape(-1).clone(), "W_H": model.lm_head.weight.grad.T.reshape(-1).clone()}
+
+    g = grad(x, y)
+    gt = grad(test_ids[:, :-1], test_ids[:, 1:])
+    Gs = [grad(x[i:i + 1], y[i:i + 1]) for i in range(3)]
+    whole = rep["whole"]
+    ww = torch.cat([torch.arange(start[n], start[n] + sizes[n]) for n in whole])
+    lam = s.damping * float(torch.linalg.eigvalsh(dense["outer"][ww][:, ww])[-1])
+    assert abs(rep["damping"] - lam) <= TOL * lam
+
+    # curvlinops on the model as it is, its c_attn a Conv1D replaced here by hand: W_V's rows of the Linear
+    lin = C.linearized(model)
+    net = C._Logits(lin)
+    kf = {}
+    for kind, cls in (("kfac", curvlinops.KFACLinearOperator), ("ekfac", curvlinops.EKFACLinearOperator)):
+        Wqkv = lin.transformer.h[0].attn.c_attn.weight
+        K = cls(net, torch.nn.CrossEntropyLoss(), [Wqkv, lin.lm_head.weight], [(x, y.reshape(-1))],
+                fisher_type="type-2", kfac_approx="expand", check_deterministic=False, num_data=3)
+        M = K @ torch.eye(K.shape[1], dtype=torch.float64)
+        n_attn = Wqkv.numel()
+        # Linear weight (3d, d): W_V = weight[2d:, :].T, vec_r index (i, o) -> flat (2d + o) * d + i
+        iv = torch.tensor([(2 * d + o) * d + i for i in range(d) for o in range(d)])
+        V = lin.lm_head.weight.shape[0]  # W_H = weight.T, (d, V): index (i, o) -> n_attn + o * d + i
+        ih = torch.tensor([n_attn + o * d + i for i in range(d) for o in range(V)])
+        kf[kind] = {"blocks.0.W_V": M[iv][:, iv], "W_H": M[ih][:, ih]}
+
+    # GPTQ: the inputs of c_attn are ln_1's outputs, of lm_head ln_f's
+    seen = {}
+    hooks = [model.transformer.h[0].attn.c_attn.register_forward_pre_hook(lambda m, a: seen.__setitem__("v", a[0])),
+             model.lm_head.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0]))]
+    with torch.no_grad():
+        _logits(model, x)
+    for h in hooks:
+        h.remove()
+    P = {row: torch.kron(2 / 3 * seen[k].reshape(-1, d).T @ seen[k].reshape(-1, d), torch.eye(n, dtype=torch.float64))
+         for row, k, n in (("blocks.0.W_V", "v", d), ("W_H", "h", V))}
+
+    # Sophia: one draw from the model's softmax (the command's first use of its generator)
+    with torch.no_grad():
+        probs = torch.softmax(_logits(model, x).reshape(-1, V), -1)
+    ys = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s.seed)).reshape(y.shape)
+    gs = grad(x, ys)
+
+    for part in C.PARTS:
+        A = bh.hessian_operator(params, x, cfg, loss="ce", target=y, part=part)
+        hutch = bh.operators.hutchinson_diagonal(A[tuple(mods), tuple(mods)], 2, seed=s.seed).value
+        for row in ("blocks.0.W_V", "W_H"):
+            ii = torch.arange(start[row], start[row] + sizes[row])
+            Hb = dense[part][ii][:, ii]
+            w, U = torch.linalg.eigh(Hb)
+            lamI = lam * torch.eye(len(ii), dtype=torch.float64)
+            x_ex = torch.linalg.solve(Hb + lamI, g[row])
+            sc_ex = torch.stack([Gi[row] for Gi in Gs]) @ torch.linalg.solve(Hb + lamI, gt[row])
+            approx = {"kfac": kf["kfac"][row], "ekfac": kf["ekfac"][row], "gptq_raw": P[row],
+                      "gptq_best": float((P[row] * Hb).sum() / (P[row] * P[row]).sum()) * P[row],
+                      "sophia_1": torch.diag(9 * gs[row] ** 2), "hutchinson_2": torch.diag(hutch[ii])}
+            for key, M in approx.items():
+                got = rep["results"][part][row][key]
+                wm, Um = torch.linalg.eigh(M)
+                xm = torch.linalg.solve(M + lamI, g[row])
+                sc = torch.stack([Gi[row] for Gi in Gs]) @ torch.linalg.solve(M + lamI, gt[row])
+                want = {"rel_fro": float((M - Hb).norm() / Hb.norm()),
+                        "top_cos": float((Um[:, wm >= wm[-1] - 1e-8 * wm.abs().max()].T @ U[:, -1]).norm()),
+                        "inverse_cos": float(x_ex @ xm / (x_ex.norm() * xm.norm()))}
+                for k, v in want.items():
+                    assert abs(got[k] - v) <= 1e-8 * max(1.0, abs(v)), (part, row, key, k, got[k], v)
+                r_ex, r_m = sc_ex.argsort().argsort(), sc.argsort().argsort()  # three distinct scores: ranks
+                assert got["spearman"] == pytest.approx(1 - 6 * float(((r_ex - r_m) ** 2).sum()) / (3 * 8), abs=1e-12)
+                if key.startswith(("sophia", "hutchinson")):
+                    dd = torch.diagonal(Hb)
+                    assert got["diag_rel"] == pytest.approx(float((torch.diagonal(M) - dd).norm() / dd.norm()),
+                                                            rel=1e-10)
+            t = float(torch.trace(Hb))
+            assert rep["results"][part][row]["hutchinson_2"]["trace_rel"] == pytest.approx(
+                abs(float(hutch[ii].sum()) - t) / abs(t), rel=1e-10)
+            assert rep["exact"][part][row]["eig_max"] == pytest.approx(float(w[-1]), rel=1e-10)
+
+
+def test_index_map_and_scale_by_curvlinops_ggn(run):
+    """curvlinops' exact GGN on the linearised model, moved by the index map, is our exact GGN (1e-10):
+    the same positions, the same loss (mean over tokens)."""
+    model_dir, _, _ = run
+    s = _settings(model_dir)
+    pr = C.problem(s)
+    mods = C.modules_of(pr)
+    covered = [n for n in mods if n in pr.index]
+    assert covered == C.whole_of(pr)
+    idx = torch.cat([pr.index[n] for n in covered])
+    Gl = curvlinops.GGNLinearOperator(pr.module, torch.nn.CrossEntropyLoss(), pr.layers, [(pr.inputs, pr.target.reshape(-1))],
+                                      check_deterministic=False)
+    M = (Gl @ torch.eye(Gl.shape[1], dtype=torch.float64))[idx][:, idx]
+    ours = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=covered).outer.dense()
+    assert float((M - ours).norm() / ours.norm()) <= TOL
+
+
+def test_exact_against_exact():
+    gen = torch.Generator().manual_seed(0)
+    B = torch.randn(12, 12, generator=gen, dtype=torch.float64)
+    H = B @ B.T
+    g, g_test = torch.randn(12, generator=gen, dtype=torch.float64), torch.randn(12, generator=gen, dtype=torch.float64)
+    G = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    m = C.metrics(H, H.clone(), 0.1, g, G, g_test)
+    assert m["rel_fro"] == 0.0 and m["top_cos"] == pytest.approx(1.0, abs=1e-12)
+    assert m["inverse_cos"] == pytest.approx(1.0, abs=1e-12) and m["spearman"] == pytest.approx(1.0, abs=1e-12)
+    D = torch.diag(torch.diagonal(H))  # a diagonal matrix: as a vector and as a matrix alike, diag_rel 0
+    md = C.metrics(D, torch.diagonal(D), 0.1, g, G, g_test)
+    assert md["rel_fro"] == 0.0 and md["diag_rel"] == 0.0 and md["top_cos"] == pytest.approx(1.0, abs=1e-12)
+    assert md["inverse_cos"] == pytest.approx(1.0, abs=1e-12)
+    other = C.metrics(H, torch.diagonal(H), 0.1, g, G, g_test)  # and a wrong one is not 0
+    assert other["rel_fro"] > 0.1 and other["diag_rel"] == 0.0
+
+
+def test_block_diagonal_eigen_and_solve_by_components():
+    """_top and _inv on a block-diagonal matrix (a layer-wise approximation) equal the dense ones."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = [torch.randn(k, k, generator=gen, dtype=torch.float64) for k in (3, 4, 2)]
+    M = torch.block_diag(*[b @ b.T for b in blocks])
+    p = torch.randperm(9, generator=gen)
+    M = M[p][:, p]
+    b = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+    assert len(C._components(M)) == 3
+    assert torch.allclose(C._inv(M, 0.3, b), torch.linalg.solve(M + 0.3 * torch.eye(9, dtype=torch.float64), b),
+                          rtol=1e-12, atol=1e-12)
+    v = torch.linalg.eigh(M)[1][:, -1]
+    assert C._top(M).shape == (9, 1) and abs(float(C._top(M)[:, 0] @ v)) == pytest.approx(1.0, abs=1e-12)
+    P = torch.kron(blocks[0] @ blocks[0].T, torch.eye(2, dtype=torch.float64))  # each eigenvalue twice: a 2-d top space
+    Q = C._top(P)
+    assert Q.shape == (6, 2) and torch.allclose(Q.T @ Q, torch.eye(2, dtype=torch.float64), atol=1e-12)
+    w, U = torch.linalg.eigh(P)
+    assert torch.allclose(Q @ Q.T, U[:, -2:] @ U[:, -2:].T, atol=1e-10)
+    assert C._top(torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64)).shape == (3, 2)
+
+
+def test_hutchinson_error_shrinks_with_samples():
+    gen = torch.Generator().manual_seed(2)
+    B = torch.randn(30, 30, generator=gen, dtype=torch.float64)
+    H = B @ B.T
+    err = {N: sum(C.metrics(H, bh.operators.hutchinson_diagonal(H, N, seed=k).value, 0.1, H[0], H[:, :4], H[1])
+                  ["diag_rel"] for k in range(8)) / 8 for N in (2, 32)}
+    assert err[32] < err[2] / 2
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--preset", "bert"], "--preset: unknown preset 'bert'"),
+    (["--sophia-samples", "0"], "--sophia-samples: every sample count must be >= 1"),
+    (["--sophia-samples", "1,x"], "--sophia-samples must be comma-separated integers"),
+    (["--hutchinson-samples", "1"], "--hutchinson-samples: every sample count must be >= 2"),
+    (["--hutchinson-samples", "4,4"], "--hutchinson-samples names a sample count twice"),
+    (["--damping", "0"], "--damping must be a finite number > 0"),
+    (["--damping", "nan"], "--damping must be a finite number > 0"),
+    (["--batch", "1"], "--batch must be >= 2"),
+    (["--model", "/nonexistent/dir"], "--model /nonexistent/dir: not a save_pretrained folder"),
+])
+def test_bad_inputs_exit_2(tmp_path, capsys, extra, needle):
+    assert main(["compare", "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockhess compare: error: ") and needle in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_seq_len_past_positions_exit_2(run, tmp_path, capsys):
+    model_dir, _, _ = run
+    assert main(["compare", "--model", str(model_dir), "--seq-len", "9", "--out", str(tmp_path / "o")]) == 2
+    assert "--seq-len 9 exceeds the model's 8 positions" in capsys.readouterr().err
