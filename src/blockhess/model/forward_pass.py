@@ -64,7 +64,7 @@ def _like(params: dict) -> torch.Tensor:
 
 def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> None:
     """Validate ``inputs`` against ``cfg`` (shape; finite features; token ids integer, on the
-    parameters' device and in ``[0, vocab)``; the sequence no longer than the positions) and
+    parameters' device, in ``[0, vocab)`` and none the ``pad_token``; the sequence no longer than the positions) and
     ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming
     the argument and what was expected."""
     if not isinstance(cfg, ModelConfig):
@@ -89,6 +89,11 @@ def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> 
         if lo < 0 or hi >= cfg.vocab:
             bad = ((inputs < 0) | (inputs >= cfg.vocab)).nonzero()[0].tolist()
             raise ValueError(f"inputs: token id {int(inputs[tuple(bad)])} at {tuple(bad)} is out of range [0, {cfg.vocab})")
+        if cfg.pad_token is not None and bool((inputs == cfg.pad_token).any()):
+            at = tuple((inputs == cfg.pad_token).nonzero()[0].tolist())
+            raise ValueError(f"inputs: the padding id {cfg.pad_token} (ModelConfig.pad_token) at {at}: padded sequences "
+                             "are not supported with pool='last' (the module pools at the last token that is not "
+                             "padding); pass unpadded sequences of one length")
     else:
         want = {"patch": f"(B, {', '.join(map(str, cfg.image))})" if cfg.image else "",
                 "linear": f"(B, L, {cfg.d_in})", "none": f"(B, L, {d})"}[cfg.embedding]
@@ -172,7 +177,8 @@ def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: boo
         check_ln_variance("the final LayerNorm input (the last block's output)", X, cfg.norm_eps, computed=True,
                           first=first)
         u = _norm(params, X, cfg, "F")
-    h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else u
+    h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else \
+        u[:, -1:] if cfg.pool == "last" else u
     z = h
     if cfg.head is not None:
         z = h @ (params["W_E"].T if cfg.tied else params["W_H"])
