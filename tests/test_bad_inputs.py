@@ -249,6 +249,15 @@ ROWS = [
     Row("bh.bounds.exact_norms", "argument", "something other than a full Hessian", lambda c: bh.bounds.exact_norms(3),
         ValueError, "H must be a full Hessian from blockhess.hessian"),
     # model inputs
+    Row("bh.hessian", "model input", "a dict of inputs whose attention_mask pads (a zero)",
+        lambda c: tokens({"input_ids": IDS, "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}), ValueError,
+        "padded batches: not yet for this reader"),
+    Row("bh.hessian", "model input", "a dict of inputs with a key other than input_ids and attention_mask",
+        lambda c: tokens({"input_ids": IDS, "position_ids": IDS}), ValueError,
+        "inputs as a dict takes the keys 'input_ids' and 'attention_mask'"),
+    Row("bh.hessian", "model input", "a sequence longer than a block's sliding_window (Mistral's)",
+        lambda c: bh.hessian(weights(WINDOWED), IDS, WINDOWED, loss="ce", target=IDS), NotImplementedError,
+        "a sequence of 3 tokens is longer than blocks[0].sliding_window=2"),
     Row("bh.hessian", "model input", "a negative token id", lambda c: tokens(IDS - 1), ValueError,
         "inputs: token id -1 at (1, 0) is out of range [0, 5)"),
     Row("bh.hessian", "model input", "a token id >= vocab", lambda c: tokens(IDS + 1), ValueError,
@@ -313,6 +322,27 @@ ROWS = [
         lambda c: bh.reference.hessian(weights(TOKENS), IDS, TOKENS, loss="ce", target=CLASSES, wrt_input=True),
         ValueError, "wrt_input applies to a block; a model's input is not a variable"),
     # model configurations
+    Row("bh.ModelConfig", "model config", "an RMSNorm final norm with norm_bias=True",
+        lambda c: model_config(d_in=3, final_norm=True, norm_type="rms"), ValueError,
+        "an RMSNorm (norm_type='rms') has no shift beta"),
+    Row("bh.ModelConfig", "model config", "rms_offset with a LayerNorm", lambda c: model_config(d_in=3, rms_offset=1.0),
+        ValueError, "rms_offset=1.0 needs norm_type='rms' and norm_affine=True"),
+    Row("bh.ModelConfig", "model config", "embed_scale without a token embedding",
+        lambda c: model_config(d_in=3, embed_scale=2.0), ValueError, "embed_scale=2.0 scales a token embedding"),
+    Row("bh.BlockConfig", "argument", "sliding_window without causal", lambda c: bh.BlockConfig(d_model=4, sliding_window=2),
+        ValueError, "sliding_window=2 needs causal=True"),
+    Row("bh.from_torch", "argument", "a LlamaForCausalLM with rope_type='linear' (any scaled rope)",
+        lambda c: bh.from_torch(_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+        ValueError, "rope_type='linear' is not supported"),
+    Row("bh.from_torch", "argument", "a LlamaForCausalLM with partial_rotary_factor=0.5",
+        lambda c: bh.from_torch(_llama(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                        "partial_rotary_factor": 0.5})),
+        ValueError, "partial_rotary_factor=0.5 is not supported"),
+    Row("bh.from_torch", "argument", "a LlamaForCausalLM with attention_bias=True alone (an o_proj bias)",
+        lambda c: bh.from_torch(_llama(attention_bias=True)), ValueError, "an o_proj bias without the MLP's"),
+    Row("bh.from_torch", "argument", "a GemmaForCausalLM with logit softcapping (Gemma 2's)",
+        lambda c: bh.from_torch(_llama("Gemma", final_logit_softcapping=30.0)), ValueError,
+        "final_logit_softcapping=30.0 is not supported"),
     Row("bh.ModelConfig", "model config", "no blocks", lambda c: model_config(blocks=(), d_in=3), ValueError,
         "ModelConfig.blocks must be a non-empty tuple of BlockConfig"),
     Row("bh.ModelConfig", "model config", "a bare attention layer as a block",
@@ -433,11 +463,50 @@ ROWS = [
     Row("operators.influence", "estimator", "one training gradient as a vector (n,), not a column (n, 1)",
         lambda c: bh.operators.influence(_operator(c), torch.ones(88, dtype=DT), torch.ones(88, dtype=DT), 0.1),
         ValueError, "train_grads must be a tensor (88, m) with m >= 1"),
+    Row("HessianOperator.block_diagonal", "estimator", "an unknown block name",
+        lambda c: _operator(c).block_diagonal(["W_Q", "W_X"]), KeyError, "unknown variable 'W_X'"),
+    Row("HessianOperator.block_diagonal", "estimator", "two blocks sharing a parameter (W_Q, and W_Q within a tuple)",
+        lambda c: _operator(c).block_diagonal(["W_Q", ("W_K", "W_Q")]), ValueError,
+        "blocks must not share entries: block ('W_K', 'W_Q') overlaps an earlier block in 'W_Q'"),
+    Row("HessianOperator.block_diagonal", "estimator", "no blocks",
+        lambda c: _operator(c).block_diagonal([]), ValueError, "blocks must hold at least one block"),
+    Row("HessianOperator.block_diagonal", "estimator", "an off-diagonal view A['W_Q', 'W_K']",
+        lambda c: _operator(c)["W_Q", "W_K"].block_diagonal(), ValueError, "block_diagonal needs a square view"),
+    Row("D @ V (BlockDiagonalOperator)", "NaN/Inf", "a NaN in V",
+        lambda c: _operator(c).block_diagonal(["W_Q", "W_1"]) @ nan_at(torch.zeros(36, dtype=DT)), ValueError,
+        "V contains NaN or Inf (in the entries of block 'W_Q')"),
+    Row("D @ V (BlockDiagonalOperator)", "estimator", "V of another length than D's",
+        lambda c: _operator(c).block_diagonal(["W_Q", "W_1"]) @ torch.zeros(5, dtype=DT), ValueError,
+        "V must have shape (36,) or (36, k)"),
+    Row("operators.blockwise_eigs", "estimator", "an operator that is not a BlockDiagonalOperator",
+        lambda c: bh.operators.blockwise_eigs(_operator(c)), ValueError, "D must be a BlockDiagonalOperator"),
+    Row("operators.blockwise_eigs", "estimator", "a warm start for a block D does not have",
+        lambda c: bh.operators.blockwise_eigs(_operator(c).block_diagonal(["W_Q"]), v0={"W_K": torch.ones(16, dtype=DT)}),
+        ValueError, "v0 names a block 'W_K' that D does not have"),
+    Row("operators.js_distance", "estimator", "weights with a negative entry",
+        lambda c: bh.operators.js_distance(torch.tensor([0.5, -0.1, 0.6], dtype=DT), torch.ones(3, dtype=DT)),
+        ValueError, "p must hold finite non-negative weights"),
+    Row("operators.js_distance", "estimator", "weights of unequal lengths",
+        lambda c: bh.operators.js_distance(torch.ones(3, dtype=DT), torch.ones(4, dtype=DT)), ValueError,
+        "p and q must have equal lengths"),
     # memory
     Row("bh.hessian", "memory", "a dense result larger than the memory available",
         lambda c: bh.hessian(*_huge(), loss="ce", target=torch.zeros(2, dtype=torch.long)),
         bh.InsufficientMemoryError, "would need"),
 ]
+
+
+WINDOWED = bh.ModelConfig(blocks=(bh.BlockConfig(d_model=4, d_ff=5, causal=True, sliding_window=2),), embedding="token",
+                          vocab=5, head=5)
+
+
+def _llama(family: str = "Llama", **kw):
+    """A 1-layer ``{family}ForCausalLM`` of width 4 (transformers, random weights) with the settings ``kw``."""
+    import transformers
+
+    base = dict(vocab_size=5, hidden_size=4, intermediate_size=6, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1, head_dim=4, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**base, **kw)).eval()
 
 
 def _operator(c: Case):

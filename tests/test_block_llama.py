@@ -272,9 +272,10 @@ def test_rms_rows_checked():
     assert rel_err(bh.hessian(p, X, cfg, target=T).dense(), reference.hessian(p, X, cfg, target=T).dense()) <= TOL
 
 
-def test_model_of_llama_blocks_products_and_dense_refusal():
+def test_model_of_llama_blocks_products_and_dense():
     """A stack of Llama blocks: the model operator's products compose the blocks' exact products (against
-    torch.func on the model's plain forward); the model's dense walk refuses the options by name."""
+    torch.func on the model's plain forward); the model's dense Hessian, assembled from those products, and
+    its parts match the reference's (outer + functional == full)."""
     from blockhess.config import ModelConfig
     block = bh.BlockConfig(d_model=6, d_ff=5, rms_offset=1.0, **dict(LLAMA, d_k=2, d_v=2))
     cfg = ModelConfig(blocks=(block, block), embedding="none", head=3, final_norm=True)
@@ -285,5 +286,56 @@ def test_model_of_llama_blocks_products_and_dense_refusal():
     A = bh.hessian_operator(p, X, cfg, loss="ce", target=T)
     V = torch.randn(A.shape[0], 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     assert_close(A @ V, R.dense() @ V, what="model products")
-    with pytest.raises(NotImplementedError, match="blockhess.hessian of a model does not take .*rope=True"):
-        bh.hessian(p, X, cfg, loss="ce", target=T)
+    H = bh.hessian(p, X, cfg, loss="ce", target=T)
+    assert_close(H.dense(), R.dense(), what="model dense Hessian")
+    assert_close(H.outer.dense(), R.outer.dense(), what="model outer part")
+    assert_close(H.functional.dense(), R.functional.dense(), what="model functional part")
+    assert_close(H.outer.dense() + H.functional.dense(), H.dense(), scale=fro(H.dense()), tol=1e-12,
+                 what="outer + functional")
+
+
+@pytest.mark.parametrize("embed_norm", [False, True])
+def test_model_rms_norms_and_embed_scale(embed_norm):
+    """A model's RMSNorms (``norm_type="rms"``, Gemma's ``rms_offset``) and a scaled token embedding with a tied
+    head, over blocks the Kronecker-factor walk takes: the walk's dense Hessian and its parts, and the operator's
+    products, against the reference (torch.func on the plain forward)."""
+    from blockhess.config import ModelConfig
+    block = bh.BlockConfig(d_model=4, d_ff=5, n_heads=2, norm="pre", ln_affine=True, ln_eps=1e-5, activation="silu",
+                           qkv_bias=True, out_proj=True, causal=True)
+    cfg = ModelConfig(blocks=(block, block), embedding="token", vocab=5, embed_norm=embed_norm, final_norm=True,
+                      norm_type="rms", norm_bias=False, norm_eps=1e-6, rms_offset=1.0, embed_scale=3.0 ** 0.5, head=5,
+                      head_bias=False, tied=True)
+    p = randomize(bh.init_params(cfg, seed=2), 2)
+    ids = torch.tensor([[1, 2, 3], [0, 4, 2]])
+    T = torch.tensor([[1, 0, 3], [2, 2, 4]])
+    assert_close(bh.forward(p, ids, cfg), reference.forward(p, ids, cfg), tol=1e-13, what="forward")
+    H, R = bh.hessian(p, ids, cfg, loss="ce", target=T), reference.hessian(p, ids, cfg, loss="ce", target=T)
+    assert_close(H.dense(), R.dense(), what="dense")
+    assert_close(H.functional.dense(), R.functional.dense(), what="functional part")
+    A = bh.hessian_operator(p, ids, cfg, loss="ce", target=T)
+    V = torch.randn(A.shape[0], 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert_close(A @ V, R.dense() @ V, what="products")
+
+
+def test_model_config_llama_fields_refused():
+    from blockhess.config import ModelConfig
+    block = bh.BlockConfig(d_model=4, d_ff=5)
+    with pytest.raises(ValueError, match="an RMSNorm .* has no shift beta"):
+        ModelConfig(blocks=(block,), embedding="token", vocab=5, final_norm=True, norm_type="rms")
+    with pytest.raises(ValueError, match="rms_offset=1.0 needs norm_type='rms'"):
+        ModelConfig(blocks=(block,), embedding="token", vocab=5, final_norm=True, rms_offset=1.0)
+    with pytest.raises(ValueError, match="embed_scale=2.0 scales a token embedding"):
+        ModelConfig(blocks=(block,), d_in=3, embed_scale=2.0)
+    with pytest.raises(ValueError, match="sliding_window=4 needs causal=True"):
+        bh.BlockConfig(d_model=4, d_ff=5, sliding_window=4)
+
+
+def test_model_of_llama_blocks_dense_memory_refused():
+    """The dense Hessian of a model of Llama blocks whose n × n result cannot fit is refused before any product."""
+    from blockhess.config import ModelConfig
+    block = bh.BlockConfig(d_model=4, d_ff=3, **dict(LLAMA, d_k=2, d_v=2))
+    cfg = ModelConfig(blocks=(block,), embedding="token", vocab=200_000, head=None)
+    p = bh.init_params(cfg, seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(bh.InsufficientMemoryError, match=r"the dense 800\d+x800\d+ Hessian"):
+        bh.hessian(p, ids, cfg, loss="mse", target=torch.zeros(1, 3, 4, dtype=torch.float64))

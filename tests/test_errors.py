@@ -472,3 +472,16 @@ def test_callable_loss_memory_is_checked_and_out_of_memory_not_relabelled(monkey
     monkeypatch.setattr(torch.func, "vmap", lambda *a, **k: no_memory)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         bh.hessian(p, X, cfg, loss=lambda Z, t: (Z**2).sum(), target=None)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_an_rmsnorm_zero_row_is_named_as_rmsnorm(norm):
+    """A zero input row of an RMSNorm with eps = 0: the message names the RMSNorm and its mean square."""
+    cfg = bh.BlockConfig(d_model=4, d_ff=6, n_heads=2, norm=norm, norm_type="rms", ln_eps=0.0, ln_affine=True)
+    p = bh.init_params(cfg, seed=0, dtype=torch.float64)
+    X = torch.randn(3, 4, dtype=torch.float64)
+    X[1] = 0  # pre-LN: LN_1 reads this row itself
+    if norm == "post":
+        p = {**p, "W_V": torch.zeros_like(p["W_V"])}  # X + SA(X) = X: the zero row reaches LN_1
+    with pytest.raises(ValueError, match=r"RMSNorm input row \(1,\) has zero mean square and ln_eps=0"):
+        bh.forward(p, X, cfg)

@@ -165,6 +165,17 @@ def test_zero_column_and_a_dense_tensor():
     assert rel(r.x[:, 0], ref) <= ERR
 
 
+def test_a_budget_counts_only_the_columns_that_run():
+    """A zero column (converged at the start) is never multiplied again: the count stays within the budget,
+    and the count is every column multiplied."""
+    A = block()
+    b = rhs(A.shape[0], 2)
+    b[:, 1] = 0
+    for budget in (7, 10, 13):
+        r = solve(A, b, damping=0.05, tol=1e-12, max_matvecs=budget, allow_unconverged=True)
+        assert r.matvecs <= budget and not r.x[:, 1].any()
+
+
 def test_a_model_in_module_layout():
     """GPT-2 tiny: b a list shaped like model.parameters() (as autograd gives a gradient), x a list back;
     against the dense Hessian in the module's names."""

@@ -76,6 +76,9 @@ def test_spectrum_end_to_end(tmp_path, checkpoint, capsys):
     assert "| `W_E+b_E` | 136 | lanczos |" in md and "| `b_H` | 10 | dense |" in md and ": passed;" in md
     peak = rep["timings"]["peak_rss_bytes"]
     assert peak > 0 and f"peak resident memory {peak / 2**30:.2f} GiB." in md
+    acc = rep["model"]["test_accuracy"]  # a float of the model's line, shown to 4 significant digits
+    assert f"test_accuracy {acc:.4g}," in md
+    assert f"{acc:.4g}" == repr(acc) or repr(acc) not in md
 
 
 def test_the_dense_check_fails_on_a_wrong_eigenvalue(tmp_path, checkpoint, monkeypatch, capsys):

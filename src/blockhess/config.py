@@ -16,7 +16,7 @@ import torch
 from .validation import FLOAT_DTYPES, check_bool, check_eps, check_int
 
 __all__ = ["BlockConfig", "ModelConfig", "param_shapes", "init_params", "model_param_shapes", "init_model_params",
-           "sinusoidal_positions", "block_prefix", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
+           "sinusoidal_positions", "block_prefix", "check_window", "SHORT_NAMES", "pair_key", "TORCH_NAMES", "name_hint"]
 
 _KINDS = ("block", "attention")
 _NORMS = ("post", "pre")
@@ -94,6 +94,11 @@ class BlockConfig:
         Applied after the bias: ``Q_l = (x_l W_Q + b_Q) R_l``.
     rope_theta : float
         The RoPE base (HF's ``rope_theta``), finite and ``> 0``.
+    sliding_window : int or None
+        Mistral's (and Qwen2's) sliding-window attention, with ``causal=True``: token ``l`` attends to
+        ``m`` with ``0 <= l - m < sliding_window`` (HF's ``sliding_window``). A sequence of at most
+        ``sliding_window`` tokens is plain causal, the only case the closed form takes: a longer one is
+        refused by name (:func:`check_window`) before any work. ``None``: no window.
     kind : str
         ``"block"`` (Transformer block) or ``"attention"`` (the bare self-attention layer of
         Theorem 1: ``F = SA(X)``, params ``W_Q, W_K, W_V`` and, with the options above,
@@ -117,7 +122,8 @@ class BlockConfig:
         its default with ``kind="attention"`` (each named in the message); ``d_ff`` is unused there;
         ``n_kv_heads`` not dividing ``n_heads``; ``d_k`` odd with ``rope``; ``rope_theta`` not a finite
         float ``> 0``; ``rms_offset`` other than 0 without ``norm_type="rms"`` and ``ln_affine``;
-        ``n_heads·d_v != d_model`` without ``out_proj``.
+        ``n_heads·d_v != d_model`` without ``out_proj``; ``sliding_window`` not an int ``>= 1`` or without
+        ``causal``.
     """
 
     d_model: int = 16
@@ -140,9 +146,10 @@ class BlockConfig:
     qkv_bias: bool = False
     rope: bool = False
     rope_theta: float = 10000.0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        optional = tuple(n for n in ("d_k", "n_kv_heads", "d_v") if getattr(self, n) is not None)
+        optional = tuple(n for n in ("d_k", "n_kv_heads", "d_v", "sliding_window") if getattr(self, n) is not None)
         for name in ("d_model", "d_ff", "n_heads") + optional:  # stored as int
             object.__setattr__(self, name, check_int(f"BlockConfig.{name}", getattr(self, name), 1))
         if self.kind not in _KINDS:
@@ -185,6 +192,9 @@ class BlockConfig:
             )
         if self.n_heads % self.kv_heads:
             raise ValueError(f"BlockConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.sliding_window is not None and not self.causal:
+            raise ValueError(f"BlockConfig.sliding_window={self.sliding_window} needs causal=True (the window bounds "
+                             "how far back a token attends)")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"BlockConfig.rope needs an even d_k (rotate-half pairs entries i and i + d_k/2), "
                              f"got d_k={self.head_dim}")
@@ -437,6 +447,18 @@ class ModelConfig:
         Whether those two LayerNorms have a scale ``gamma`` / a shift ``beta``.
     norm_eps : float
         Their ``eps >= 0``.
+    norm_type : str
+        Those two norms' kind: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm, as
+        :class:`BlockConfig`'s: ``u = x (mean(x²) + norm_eps)^(-1/2) (rms_offset + gamma)``, no
+        shift: ``norm_bias`` must be ``False``; Llama's final ``norm``).
+    rms_offset : float
+        The constant added to an RMSNorm scale: ``0.0`` (Llama) or ``1.0`` (Gemma's ``1 + gamma``);
+        needs ``norm_type="rms"`` and ``norm_affine``.
+    embed_scale : float
+        A token embedding's scale ``s``: ``embed(x)_t = s · W_E[x_t]`` (Gemma: ``√d_model``), ``s``
+        rounded to the parameters' dtype before the product (as Hugging Face multiplies by its
+        ``embed_scale`` buffer cast to the weight's dtype). ``1.0``: none; any other value needs
+        ``embedding="token"``; finite and ``> 0``.
     pool : str
         ``"none"`` (per-token outputs ``(B, L, ·)``), ``"mean"`` over tokens, ``"first"``
         (token 0, the ``cls`` token) or ``"last"`` (token ``L − 1``, GPT-2's sequence classifier):
@@ -463,8 +485,9 @@ class ModelConfig:
         ``"patch"``, with fewer rows than an image's tokens, a patch that does not divide the image,
         a ``d_in`` other than ``C·patch²``, odd ``d_model`` with ``"sinusoidal"``, a cls token or
         token types without an embedding) or one that has no meaning with the others (``d_in``,
-        ``vocab``, ``image``, ``patch`` for another embedding, ``n_positions`` without ``"learned"``),
-        each named in the message.
+        ``vocab``, ``image``, ``patch`` for another embedding, ``n_positions`` without ``"learned"``,
+        ``norm_bias`` or ``rms_offset`` that an RMSNorm / a LayerNorm does not have, ``embed_scale`` without a
+        token embedding), each named in the message.
     """
 
     blocks: tuple = (BlockConfig(),)
@@ -487,6 +510,9 @@ class ModelConfig:
     head: int | None = None
     head_bias: bool = True
     tied: bool = False
+    norm_type: str = "layer"
+    rms_offset: float = 0.0
+    embed_scale: float = 1.0
     pad_token: int | None = None
 
     def __post_init__(self) -> None:
@@ -556,6 +582,25 @@ class ModelConfig:
         if self.tied:
             if self.embedding != "token" or self.head != self.vocab:
                 raise ValueError("ModelConfig.tied needs embedding='token' and head == vocab (z = h W_E^T)")
+        if self.norm_type not in _NORM_TYPES:
+            raise ValueError(f"ModelConfig.norm_type must be one of {_NORM_TYPES}, got {self.norm_type!r}")
+        for name in ("rms_offset", "embed_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"ModelConfig.{name} must be a finite float, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        has_norm = self.embed_norm or self.final_norm
+        if self.norm_type == "rms" and has_norm and self.norm_bias:
+            raise ValueError("ModelConfig.norm_bias=True: an RMSNorm (norm_type='rms') has no shift beta; "
+                             "set norm_bias=False")
+        if self.rms_offset != 0.0 and not (self.norm_type == "rms" and self.norm_affine):
+            raise ValueError(f"ModelConfig.rms_offset={self.rms_offset!r} needs norm_type='rms' and norm_affine=True "
+                             "(it is added to the RMSNorm scales gamma_E, gamma_F)")
+        if self.embed_scale <= 0:
+            raise ValueError(f"ModelConfig.embed_scale must be > 0, got {self.embed_scale!r}")
+        if self.embed_scale != 1.0 and self.embedding != "token":
+            raise ValueError(f"ModelConfig.embed_scale={self.embed_scale!r} scales a token embedding; "
+                             f"embedding={self.embedding!r} has none")
 
     @property
     def d_model(self) -> int:
@@ -582,6 +627,21 @@ def sinusoidal_positions(L: int, d: int, dtype=torch.float64, device=None) -> to
     P[:, 0::2] = torch.sin(t * freq)
     P[:, 1::2] = torch.cos(t * freq[: d // 2])
     return P.to(dtype=dtype, device=device)
+
+
+def check_window(cfg, L: int) -> None:
+    """Refuse a sequence of ``L`` tokens longer than a block's ``sliding_window`` (``cfg`` a
+    :class:`BlockConfig` or a :class:`ModelConfig`): up to the window, sliding-window attention is
+    plain causal attention; beyond it the band is not in the closed form. Raises
+    ``NotImplementedError`` naming the block and the window."""
+    blocks = cfg.blocks if isinstance(cfg, ModelConfig) else (cfg,)
+    for i, b in enumerate(blocks):
+        w = b.sliding_window
+        if w is not None and L > w:
+            where = f"blocks[{i}]." if isinstance(cfg, ModelConfig) else "cfg."
+            raise NotImplementedError(f"a sequence of {L} tokens is longer than {where}sliding_window={w}: beyond the "
+                                      f"window the attention is banded, not plain causal, and the closed form takes "
+                                      f"sequences of at most {w} tokens")
 
 
 def block_prefix(i: int) -> str:
@@ -613,7 +673,7 @@ def model_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if norm:
             if cfg.norm_affine:
                 out[f"gamma_{suffix}"] = (d,)
-            if cfg.norm_bias:
+            if cfg.norm_bias and cfg.norm_type == "layer":
                 out[f"beta_{suffix}"] = (d,)
     if cfg.head is not None and not cfg.tied:
         out["W_H"] = (d, cfg.head)
@@ -647,7 +707,8 @@ def init_model_params(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
         if scale is not None:
             w = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
         else:
-            w = torch.ones(shape, dtype=torch.float64) if name.startswith("gamma") else torch.zeros(shape, dtype=torch.float64)
+            w = torch.full(shape, 1.0 - cfg.rms_offset, dtype=torch.float64) if name.startswith("gamma") \
+                else torch.zeros(shape, dtype=torch.float64)
         params[name] = w
     for i, b in enumerate(cfg.blocks):
         params.update({block_prefix(i) + k: v for k, v in init_params(b, seed=seed + i).items()})

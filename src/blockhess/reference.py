@@ -37,7 +37,7 @@ def _rotate(t: torch.Tensor, theta: float) -> torch.Tensor:
 
 def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     """Multi-head self-attention with optional biases, causal mask, output projection, grouped
-    key/value heads (each repeated for its query heads) and rotary embeddings."""
+    key/value heads (each repeated for its query heads), rotary embeddings and a sliding window."""
     H, dk, G = cfg.n_heads, cfg.head_dim, cfg.kv_heads
     L = X.shape[-2]
     Q = X @ p["W_Q"] + (p["b_Q"] if "b_Q" in p else 0)
@@ -52,6 +52,8 @@ def _attention(p: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
     T = Qh @ Kh.transpose(-1, -2) / math.sqrt(dk)
     if cfg.causal:
         mask = torch.ones(L, L, dtype=torch.bool, device=X.device).triu(1)
+        if cfg.sliding_window is not None:  # token l attends to m with l - m < window (HF's sliding window)
+            mask = mask | torch.ones(L, L, dtype=torch.bool, device=X.device).tril(-cfg.sliding_window)
         T = T.masked_fill(mask, float("-inf"))
     O = (torch.softmax(T, dim=-1) @ Vh).transpose(-2, -3)
     O = O.reshape(*O.shape[:-2], -1)
@@ -109,8 +111,11 @@ def forward(params: dict, X: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
 
 
 def _model_norm(p: dict, t: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
-    y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.norm_eps)  # gamma, beta outside: as _ln
-    y = y * p[f"gamma_{s}"] if f"gamma_{s}" in p else y
+    if cfg.norm_type == "rms":
+        y = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    else:
+        y = Fn.layer_norm(t, (cfg.d_model,), eps=cfg.norm_eps)  # gamma, beta outside: as _ln
+    y = y * (p[f"gamma_{s}"] + cfg.rms_offset) if f"gamma_{s}" in p else y
     return y + p[f"beta_{s}"] if f"beta_{s}" in p else y
 
 
@@ -122,6 +127,8 @@ def _model_forward(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         X = x
     elif cfg.embedding == "token":
         X = Fn.embedding(x, p["W_E"])
+        if cfg.embed_scale != 1.0:
+            X = X * torch.tensor(cfg.embed_scale, dtype=X.dtype, device=X.device)
     else:
         if cfg.embedding == "patch":
             x = Fn.unfold(x, kernel_size=cfg.patch, stride=cfg.patch).transpose(1, 2)  # (B, L, C·p·p), (c, i, j)

@@ -132,7 +132,8 @@ def check_params(params: dict, shapes: dict[str, tuple[int, ...]], X: torch.Tens
     check_finite({like_name: X, **{f"params[{n!r}]": params[n] for n in shapes}})
 
 
-def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False, first: int = 0) -> None:
+def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, computed: bool = False, first: int = 0,
+                      rms: bool = False) -> None:
     r"""Every LayerNorm input row must have a finite variance ``var``, and its
     :math:`\sigma^2 = \mathrm{var} + \varepsilon` (``eps`` the LayerNorm's ``ln_eps``) must stand
     above the rounding of the row's values by at least ``tiny / e``:
@@ -153,7 +154,8 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
     One test for the whole tensor; the offending row is looked up only to raise. ``stats``:
     ``torch.var_mean(U, -1, correction=0, keepdim=True)`` if the caller has it. Raises
     ``ValueError`` naming ``name`` and the first offending row (of a batch ``U`` of shape
-    ``(B, L, d)``: ``(b, t)``, ``b`` counted from ``first``).
+    ``(B, L, d)``: ``(b, t)``, ``b`` counted from ``first``). ``rms``: the rows of an RMSNorm, ``stats``
+    its ``(mean(x²), 0)``; the messages then speak of its mean square.
     """
     var, mean = torch.var_mean(U, -1, correction=0, keepdim=True) if stats is None else stats
     fi = torch.finfo(U.dtype)
@@ -165,7 +167,8 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
         return
     row = tuple(bad[..., 0].nonzero()[0].tolist())
     shown = (row[0] + first, *row[1:]) if len(row) == 2 else row
-    where = f"LayerNorm input row {shown}" if row else "the LayerNorm input row"
+    norm, variance = ("RMSNorm", "mean square") if rms else ("LayerNorm", "variance")
+    where = f"{norm} input row {shown}" if row else f"the {norm} input row"
     if not torch.isfinite(U).all():
         if computed:
             raise ValueError(f"{name} contains NaN or Inf: the forward pass overflowed {U.dtype} on finite inputs; "
@@ -173,22 +176,22 @@ def check_ln_variance(name: str, U: torch.Tensor, eps: float, stats=None, comput
         raise ValueError(f"{name} contains NaN or Inf")
     v, m = var[row].item(), abs(mean[row].item())
     if not math.isfinite(v):
-        raise ValueError(f"{name}: the variance of {where} overflows {U.dtype} "
+        raise ValueError(f"{name}: the {variance} of {where} overflows {U.dtype} "
                          f"(largest |entry| {U[row].abs().max().item():.3g}); rescale the inputs")
     me = m * fi.eps  # products, not **: a Python float power raises OverflowError where * gives inf
     noise = me * me / (1 - e2)
     if not eps > 0:
         if v <= noise and (v >= small or m * m >= small or v == 0):
-            raise ValueError(f"{name}: {where} has zero variance and ln_eps=0 "
+            raise ValueError(f"{name}: {where} has zero {variance} and ln_eps=0 "
                              "(the paper's Assumption 2); use ln_eps > 0 or other inputs")
-        raise ValueError(f"{name}: the variance of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
+        raise ValueError(f"{name}: the {variance} of {where} is {v:.3g}, below {small:.3g} (plus its mean's rounding), "
                          f"where {U.dtype} loses precision and 1/sigma^2 overflows (ln_eps=0); rescale the inputs or use ln_eps > 0")
     need = (1 - e2) * (small - v) + me * me  # the smallest ln_eps that passes, to rounding
     if v + eps <= noise:
-        raise ValueError(f"{name}: {where} is constant to the rounding of its values (variance {v:.3g}) and ln_eps={eps:.3g} "
+        raise ValueError(f"{name}: {where} is constant to the rounding of its values ({variance} {v:.3g}) and ln_eps={eps:.3g} "
                          f"is below their squared rounding {noise:.3g}: its normalised entries, that rounding times "
                          f"1/sigma, carry no correct digit; use ln_eps > {need:.3g} or other inputs")
-    raise ValueError(f"{name}: the variance of {where} plus ln_eps is {v + eps:.3g}, below {small + noise:.3g} "
+    raise ValueError(f"{name}: the {variance} of {where} plus ln_eps is {v + eps:.3g}, below {small + noise:.3g} "
                      f"({small:.3g} plus its values' squared rounding), where {U.dtype} loses precision and 1/sigma^2 "
                      f"overflows; use ln_eps > {need:.3g} or rescale the inputs")
 

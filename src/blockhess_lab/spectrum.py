@@ -694,7 +694,7 @@ def markdown(rep: dict) -> str:
     """``spectrum.md``: the settings, a table per part, the check, the series' products and the run time."""
     s, res = rep["settings"], rep["spectra"]
     lines = [f"# blockhess spectrum: {rep['preset']}", "",
-             f"Model: {', '.join(f'{k} {v}' for k, v in rep['model'].items() if k != 'preset')}. "
+             f"Model: {', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}' for k, v in rep['model'].items() if k != 'preset')}. "
              f"{rep['sequences']} sequences ({rep['batches']} batch{'es' if rep['batches'] > 1 else ''} of "
              f"{rep['batch']}), {rep['n_params']:,} parameters, products in {rep['dtype']}.", "",
              f"{WANTED[s['which']].capitalize()} {s['k']} eigenvalue{'s' * (s['k'] != 1)} ({s['which']}; at most n of a "

@@ -26,7 +26,7 @@ from ..result import HessianBlocks, relabel
 from ..validation import FLOAT_DTYPES
 from . import hf
 from . import pytorch
-from .layout import positions, read, shapes_of, structure
+from .layout import difference, positions, read, shapes_of, structure
 from .mode import check_deterministic
 from .layout import relabel as relabel_blocks
 
@@ -72,6 +72,11 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
       that do not affect the output read (BERT's and ``ViTModel``'s pooler, ``ViTModel``'s
       ``mask_token``) are not in ``params``; :func:`to_module` gives them zero blocks.
 
+    * Hugging Face ``LlamaForCausalLM``, ``LlamaModel``, ``LlamaDecoderLayer`` and the same three of Qwen2,
+      Mistral and Gemma (:mod:`.hf`): RMSNorm blocks with RoPE, a gated FFN (SwiGLU; Gemma's GeGLU) and
+      grouped-query attention, a final RMSNorm, Gemma's scaled embedding and tied head; their inputs
+      token ids or ``{"input_ids": ids, "attention_mask": ones}`` (a padded batch is refused at the call).
+
     For PyTorch's layers and ``nn.TransformerEncoder``, a causal mask (``is_causal=True``, or
     ``src_mask`` equal to ``nn.Transformer.generate_square_subsequent_mask(L)`` or its boolean form)
     gives ``causal=True`` (for the encoder, every block), at whatever length the input has later;
@@ -85,7 +90,9 @@ def from_torch(module: nn.Module, *, src_mask: torch.Tensor | None = None, is_ca
     module itself is in (:func:`.mode.check_deterministic`: dropout modules, attention dropout
     probabilities such as ``nn.MultiheadAttention.dropout``, ViT's ``attention_dropout``, GPT-2's and
     BERT's attention dropout applied while the attention trains), a custom activation (or one of transformers' other than relu,
-    gelu, gelu_new, gelu_pytorch_tanh), ``kdim``/``vdim`` != ``d_model``, ``add_bias_kv``,
+    gelu, gelu_new, gelu_pytorch_tanh, silu), a rotary embedding other than the default one (rope variants,
+    ``partial_rotary_factor``), a bias pattern the block does not have (Llama's ``attention_bias`` alone), logit
+    softcapping, ``kdim``/``vdim`` != ``d_model``, ``add_bias_kv``,
     ``add_zero_attn``, a mask other than the causal one, a key padding mask that pads (and any mask
     argument given for a Hugging Face module, which applies its own), LayerNorms with different eps
     or affine settings within a block, biases on some layers only, cross-attention
@@ -180,8 +187,8 @@ def operator_to_module(A: HessianOperator, module: nn.Module) -> HessianOperator
         raise ValueError(f"to_module maps views of whole parameters; {heads} are heads, parts of a stored tensor: "
                          "take a view of the module operator's stored tensor instead")
     if A.cfg is not None and structure(A.cfg) != structure(cfg):
-        raise ValueError(f"A is the Hessian operator of {A.cfg}, but module {what} is {cfg} "
-                         "(up to the mask): its products would not be this module's")
+        raise ValueError(f"A is the Hessian operator of another architecture than module {what} (A's vs the module's: "
+                         f"{difference(A.cfg, cfg)}): its products would not be this module's")
     ours = shapes_of(cfg)
     wrong = [v for v in A.names if tuple(ours.get(v, ())) != A.param_shapes[v] or v not in ours]
     if wrong:
@@ -249,7 +256,8 @@ def block_input(module: nn.Module, X: torch.Tensor) -> torch.Tensor:
     dtype and device); Hugging Face's blocks are batch-first (``X`` itself).
 
     Raises ``ValueError`` for a module that is not one of ``nn.TransformerEncoderLayer``,
-    ``nn.MultiheadAttention``, ``nn.TransformerEncoder``, ``GPT2Block``, ``ViTLayer``, ``BertLayer``.
+    ``nn.MultiheadAttention``, ``nn.TransformerEncoder``, ``GPT2Block``, ``ViTLayer``, ``BertLayer``, a Llama-family
+    decoder layer (:data:`.hf.BLOCKS`).
     """
     if hf.is_hf(module) and type(module).__name__ in hf.BLOCKS:
         return X

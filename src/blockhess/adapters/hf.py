@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` models: GPT-2, ViT and BERT (and their blocks) read into a config and
+"""Hugging Face ``transformers`` models: GPT-2, ViT, BERT and the Llama family (and their blocks) read into a config and
 a spec (:mod:`.layout`); docs/models.md has the mapping table.
 
 Modules are recognised by their class name and module (``type(m).__name__``,
@@ -26,6 +26,15 @@ parameters are laid out otherwise is refused by name, never guessed at.
   ``intermediate.dense``, ``output.dense`` + ``.LayerNorm``); the output is ``last_hidden_state``, so
   the pooler's parameters do not affect it: they are read as parameters our model does not use
   (zero Hessian blocks; ``ViTModel``'s pooler and ``mask_token`` likewise).
+* Llama, Qwen2, Mistral, Gemma (``{F}ForCausalLM``, ``{F}Model``, ``{F}DecoderLayer``, checked against 5.x's
+  ``modeling_llama.py`` and the others): pre-norm RMSNorm blocks (``input_layernorm``,
+  ``post_attention_layernorm``; Gemma's ``GemmaRMSNorm`` is ``(1 + weight) · x̂``: ``rms_offset=1.0``),
+  ``self_attn.q_proj/k_proj/v_proj/o_proj`` (``nn.Linear``, transposed; ``num_key_value_heads`` K/V heads of
+  ``head_dim``), the default rotary embedding (``rope_parameters["rope_theta"]``), causal, the gated
+  ``mlp.gate_proj/up_proj/down_proj`` = ``W_G, W_1, W_2``; biases none, q/k/v only (Qwen2) or every
+  projection's (Llama's ``attention_bias`` with ``mlp_bias``); Mistral's ``sliding_window`` and Qwen2's
+  sliding layers as ``BlockConfig.sliding_window``; ``embed_tokens`` = ``W_E`` (Gemma's scaled by its
+  ``embed_scale`` buffer's value), ``norm`` the final RMSNorm, ``lm_head`` untied ``W_H`` or tied to ``W_E``.
 """
 
 from __future__ import annotations
@@ -37,17 +46,20 @@ from ..config import BlockConfig, ModelConfig, block_prefix, param_shapes
 from .layout import Stored
 from .pytorch import activation
 
-__all__ = ["is_hf", "reads", "describe", "SUPPORTED", "BLOCKS"]
+__all__ = ["is_hf", "reads", "describe", "SUPPORTED", "BLOCKS", "FAMILIES"]
 
+#: The Llama-family decoders read (:func:`_llama_layer`): each family's class-name prefix.
+FAMILIES = ("Llama", "Qwen2", "Mistral", "Gemma")
 #: The Hugging Face blocks: their inputs are ``(B, L, d)`` hidden states.
-BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer")
+BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer") + tuple(f"{f}DecoderLayer" for f in FAMILIES)
 #: What this reader takes, for error messages.
 SUPPORTED = "Hugging Face GPT2LMHeadModel, GPT2ForSequenceClassification, GPT2Model, GPT2Block, " \
-            "ViTForImageClassification, ViTModel, ViTLayer, BertModel, BertLayer"
+            "ViTForImageClassification, ViTModel, ViTLayer, BertModel, BertLayer, and LlamaForCausalLM, LlamaModel, " \
+            "LlamaDecoderLayer and the same three of Qwen2, Mistral and Gemma"
 
 # transformers' activation modules (transformers.activations) -> ours; others are refused
 _ACTIVATIONS = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
-                "PytorchGELUTanh": "gelu_tanh"}
+                "PytorchGELUTanh": "gelu_tanh", "SiLUActivation": "silu"}
 
 
 def is_hf(module) -> bool:
@@ -73,7 +85,10 @@ def _activation(act, where: str) -> str:
         if type(act).__name__ in _ACTIVATIONS:
             return _ACTIVATIONS[type(act).__name__]
         raise ValueError(f"{where}activation {type(act).__name__} is not supported: the closed form has relu, gelu "
-                         "(erf) and gelu_tanh (transformers' 'relu', 'gelu', 'gelu_new', 'gelu_pytorch_tanh')")
+                         "(erf), gelu_tanh and silu (transformers' 'relu', 'gelu', 'gelu_new', 'gelu_pytorch_tanh', "
+                         "'silu')")
+    if isinstance(act, nn.SiLU):  # transformers' 'swish'
+        return "silu"
     try:
         return activation(act)
     except ValueError as e:
@@ -400,10 +415,154 @@ def _bert(model) -> tuple:
                        norm_bias=bias, norm_eps=eps, pool="none", head=None), spec
 
 
+# ---------------------------------------------------------------------------------------------- Llama family
+
+def _family(module) -> str:
+    return next(f for f in FAMILIES if type(module).__name__.startswith(f))
+
+
+def _rms_norm(norm, family: str, d: int, where: str) -> tuple:
+    """``(eps, rms_offset)`` of a family's RMSNorm: Llama's, Qwen2's, Mistral's ``weight · x̂``
+    (``variance_epsilon``), Gemma's ``(1 + weight) · x̂`` (``eps``)."""
+    if not _is(norm, f"{family}RMSNorm") or tuple(norm.weight.shape) != (d,):
+        raise ValueError(f"{where}expected transformers' {family}RMSNorm({d}), got {type(norm).__name__}")
+    if family == "Gemma":
+        return float(norm.eps), 1.0
+    return float(norm.variance_epsilon), 0.0
+
+
+def _rope(config, where: str) -> float:
+    """``rope_theta`` of the default rotary embedding; every other variant refused by name."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{where}rope_parameters rope_type={kind!r} is not supported: only the default rotary "
+                         "embedding (rope_type='default'; not linear, dynamic, yarn, llama3, longrope) is in the "
+                         "closed form")
+    partial = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"{where}partial_rotary_factor={partial} is not supported: the rotary embedding turns every "
+                         "entry of a head (factor 1.0)")
+    if "rope_theta" not in rp:
+        raise ValueError(f"{where}rope_parameters has no rope_theta: cannot read the rotary base")
+    return float(rp["rope_theta"])
+
+
+def _biases(layer, where: str) -> dict:
+    """``bias``/``qkv_bias`` from the projections' biases present: none; q, k, v only (Qwen2); or every
+    projection's, attention's and the MLP's (Llama's ``attention_bias`` with ``mlp_bias``). Any other
+    combination is refused: the closed form has ``b_O`` and the MLP's biases only all together."""
+    present = dict(layer.named_parameters())
+    has = {k: f"{k}.bias" in present for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    qkv, o, mlp = [has[k] for k in list(has)[:3]], has["self_attn.o_proj"], [has[k] for k in list(has)[4:]]
+    if not any(has.values()):
+        return {}
+    if all(qkv) and not o and not any(mlp):
+        return {"qkv_bias": True}
+    if all(has.values()):
+        return {"bias": True}
+    shown = ", ".join(f"{k}.bias" for k, v in has.items() if v)
+    raise ValueError(f"{where}biases on {shown} only: the closed form takes none, q/k/v only (Qwen2), or every "
+                     "projection's with the MLP's (attention_bias=True with mlp_bias=True); an o_proj bias without "
+                     "the MLP's (Llama's attention_bias alone) or MLP biases alone are not supported")
+
+
+def _llama_config_checks(config, where: str) -> None:
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ValueError(f"{where}use_bidirectional_attention=True is not supported (the decoder is read as causal)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"{where}{name}={getattr(config, name)} is not supported (logit softcapping, Gemma 2's, "
+                             "is not in the closed form)")
+
+
+def _llama_layer(layer, where: str = "", mprefix: str = "", oprefix: str = "") -> tuple:
+    family = _family(layer)
+    att, mlp = layer.self_attn, layer.mlp
+    config = att.config
+    _llama_config_checks(config, where)
+    _attn_implementation(config, where)
+    d, H, G, dk = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, att.head_dim
+    _scaling(att, dk, where)
+    if not getattr(att, "is_causal", True):
+        raise ValueError(f"{where}self_attn.is_causal=False is not supported (the decoder is read as causal)")
+    eps1, off1 = _rms_norm(layer.input_layernorm, family, d, f"{where}input_layernorm: ")
+    eps2, off2 = _rms_norm(layer.post_attention_layernorm, family, d, f"{where}post_attention_layernorm: ")
+    if eps1 != eps2:
+        raise ValueError(f"{where}rms_norm_eps: input_layernorm {eps1} != post_attention_layernorm {eps2}")
+    mods = {"self_attn.q_proj": ("W_Q", "b_Q"), "self_attn.k_proj": ("W_K", "b_K"), "self_attn.v_proj": ("W_V", "b_V"),
+            "self_attn.o_proj": ("W_O", "b_O"), "mlp.gate_proj": ("W_G", "b_G"), "mlp.up_proj": ("W_1", "b_1"),
+            "mlp.down_proj": ("W_2", "b_2")}
+    table = {"input_layernorm.weight": Stored(("gamma_1",)), "post_attention_layernorm.weight": Stored(("gamma_2",))}
+    for k, (w, b) in mods.items():
+        if not isinstance(layer.get_submodule(k), nn.Linear):
+            raise ValueError(f"{where}{k}: expected nn.Linear, got {type(layer.get_submodule(k)).__name__}")
+        table[f"{k}.weight"] = Stored((w,), transposed=True)
+        table[f"{k}.bias"] = Stored((b,))
+    window = att.sliding_window if hasattr(att, "sliding_window") else getattr(config, "sliding_window", None)
+    cfg = BlockConfig(d_model=d, d_ff=mlp.gate_proj.out_features, n_heads=H, n_kv_heads=G, d_k=dk, d_v=dk,
+                      out_proj=True, norm="pre", norm_type="rms", rms_offset=off1, ln_affine=True, ln_eps=eps1,
+                      gated=True, activation=_activation(mlp.act_fn, f"{where}mlp.act_fn: "), rope=True,
+                      rope_theta=_rope(config, where), causal=True, sliding_window=window, **_biases(layer, where))
+    return cfg, _spec(layer, table, mprefix, oprefix)
+
+
+def _llama_model(model, mprefix: str = "") -> tuple:
+    family = _family(model)
+    config = model.config
+    _llama_config_checks(config, "")
+    emb = model.embed_tokens
+    scaled = _is(emb, "GemmaTextScaledWordEmbedding")
+    if type(emb) is not nn.Embedding and not scaled:
+        raise ValueError(f"{mprefix}embed_tokens: expected nn.Embedding, got {type(emb).__name__}")
+    _embedding(emb, f"{mprefix}embed_tokens: ")
+    if len(model.layers) != config.num_hidden_layers:
+        raise ValueError(f"{mprefix}layers: {len(model.layers)} layers but config.num_hidden_layers="
+                         f"{config.num_hidden_layers} (the forward runs that many)")
+    blocks, spec = [], {}
+    for i, layer in enumerate(model.layers):
+        if not _is(layer, f"{family}DecoderLayer"):
+            raise ValueError(f"{mprefix}layers.{i}: expected {family}DecoderLayer, got {type(layer).__name__}")
+        cfg, s = _llama_layer(layer, f"{mprefix}layers.{i}: ", f"{mprefix}layers.{i}.", block_prefix(i))
+        blocks.append(cfg)
+        spec.update(s)
+    rot = model.rotary_emb  # the layers' config read already: this is the module's own state
+    if getattr(rot, "rope_type", "default") != "default" or getattr(rot, "attention_scaling", 1.0) != 1.0:
+        raise ValueError(f"{mprefix}rotary_emb: rope_type={getattr(rot, 'rope_type', None)!r} with attention_scaling="
+                         f"{getattr(rot, 'attention_scaling', None)}: only the default rotary embedding is supported")
+    eps, off = _rms_norm(model.norm, family, blocks[0].d_model, f"{mprefix}norm: ")
+    spec.update(_spec(model, {"embed_tokens.weight": Stored(("W_E",)), "norm.weight": Stored(("gamma_F",))}, mprefix, ""))
+    kw = dict(blocks=tuple(blocks), embedding="token", vocab=emb.num_embeddings, final_norm=True, norm_type="rms",
+              norm_affine=True, norm_bias=False, norm_eps=eps, rms_offset=off, pool="none",
+              embed_scale=float(emb.embed_scale) if scaled else 1.0)
+    return kw, spec
+
+
+def _llama(model) -> tuple:
+    kw, spec = _llama_model(model)
+    return ModelConfig(head=None, **kw), spec
+
+
+def _llama_lm(model) -> tuple:
+    kw, spec = _llama_model(model.model, "model.")
+    head = model.lm_head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"lm_head: expected nn.Linear, got {type(head).__name__}")
+    tied = head.weight is model.model.embed_tokens.weight
+    if not tied:
+        spec["lm_head.weight"] = Stored(("W_H",), transposed=True)
+    if head.bias is not None:
+        spec["lm_head.bias"] = Stored(("b_H",))
+    return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
+
+
 _READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2ForSequenceClassification": _gpt2_classifier, "GPT2Model": _gpt2,
             "GPT2Block": _gpt2_block,
             "ViTForImageClassification": _vit_classifier, "ViTModel": _vit, "ViTLayer": _vit_layer,
-            "BertModel": _bert, "BertLayer": _bert_layer}
+            "BertModel": _bert, "BertLayer": _bert_layer,
+            **{f"{f}ForCausalLM": _llama_lm for f in FAMILIES}, **{f"{f}Model": _llama for f in FAMILIES},
+            **{f"{f}DecoderLayer": _llama_layer for f in FAMILIES}}
 
 
 def describe(module) -> tuple:

@@ -104,8 +104,27 @@ def structure(cfg):
     if isinstance(cfg, ModelConfig):
         return dataclasses.replace(cfg, blocks=tuple(structure(b) for b in cfg.blocks))
     if isinstance(cfg, BlockConfig):
-        return dataclasses.replace(cfg, causal=False, d_k=cfg.head_dim, d_ff=cfg.d_ff if cfg.kind == "block" else 1)
+        return dataclasses.replace(cfg, causal=False, sliding_window=None, d_k=cfg.head_dim,
+                                   d_ff=cfg.d_ff if cfg.kind == "block" else 1)
     return cfg
+
+
+def difference(a, b) -> str:
+    """The fields in which two configs' :func:`structure` differ, ``"name: x vs y"`` joined by ``"; "``,
+    a model's blocks as ``blocks[i].name`` (their number when it differs), another type by its name."""
+    a, b = structure(a), structure(b)
+    if type(a) is not type(b):
+        return f"a {type(a).__name__} vs a {type(b).__name__}"
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "blocks" and len(x) == len(y):
+            out += [f"blocks[{i}].{d}" for i, (u, v) in enumerate(zip(x, y)) if u != v for d in difference(u, v).split("; ")]
+        elif f.name == "blocks" and len(x) != len(y):
+            out.append(f"{len(x)} vs {len(y)} blocks")
+        elif x != y:
+            out.append(f"{f.name}: {x!r} vs {y!r}")
+    return "; ".join(out)
 
 
 def positions(module: torch.nn.Module, cfg, spec: dict, shapes: dict, what: str = "this Hessian") -> tuple:
@@ -173,8 +192,8 @@ def relabel(H: HessianBlocks, module: torch.nn.Module, cfg, spec: dict) -> Hessi
     ``n × n`` matrix if it would not fit.
     """
     if H.cfg is not None and structure(H.cfg) != structure(cfg):
-        raise ValueError(f"H is the Hessian of {H.cfg}, but module {_what(module)} is {cfg} "
-                         "(up to the mask): its labels would not describe these numbers")
+        raise ValueError(f"H is the Hessian of another architecture than module {_what(module)} (H's vs the module's: "
+                         f"{difference(H.cfg, cfg)}): its labels would not describe these numbers")
     names, shapes, perm = positions(module, cfg, spec, dict(zip(H.names, (H.shapes[n] for n in H.names))))
     m = perm.numel()
     n = sum(H.sizes)

@@ -24,7 +24,7 @@ from ..validation import check_fits, check_result
 from . import directional
 from .forward_pass import check_forward, forward_cache, variable_shapes
 
-__all__ = ["hessian", "diagonal", "jacobian", "input_jacobian", "CHUNK_BYTES"]
+__all__ = ["hessian", "assemble", "diagonal", "jacobian", "input_jacobian", "CHUNK_BYTES"]
 
 #: the most bytes one product of ``k`` columns may hold (``directional.work_entries``): ``k`` is the
 #: largest number of columns within it (at least one)
@@ -37,27 +37,27 @@ def _columns(cfg, B: int, L: int, n: int, e: int) -> int:
     return max(1, min(n, CHUNK_BYTES // per))
 
 
-def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:
-    """The ``(n, n)`` matrix of ``which`` part over ``names`` (``"X"`` first when present), column chunk
-    by column chunk, symmetrised (the mean with its transpose, one ``n × n`` temporary: the exact matrix
-    is symmetric, the two triangles differ by rounding only)."""
-    sizes = {k: math.prod(shapes[k]) for k in names}
-    n = sum(sizes.values())
-    B, L, d = c.X.shape
-    like = c.X
+def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=None, lower: bool = False) -> torch.Tensor:
+    """The ``(n, n)`` matrix whose column ``j`` is ``product`` along the ``j``-th canonical direction over
+    ``names`` (sizes ``sizes``), ``step`` columns at a time, symmetrised (the mean with its transpose, one
+    ``n × n`` temporary: the exact matrix is symmetric, the two triangles differ by rounding only).
+    ``product(V, rows)`` takes ``{name: (k, numel)}`` (the names the chunk's columns touch; the others' are
+    zero) and returns the rows ``{name: (k, ...)}`` of ``numel`` entries each of the names ``rows``: every
+    name, or with ``lower`` those from the chunk's first name on (the block upper triangle, as ``H e_j``
+    is row ``j`` too; the blocks below it are the transposes of those above, the diagonal blocks the
+    mean of theirs). ``out``: the
+    buffer written, else a new one in ``like``'s dtype and device. Used for a block (:func:`hessian`) and
+    for a model (:func:`blockhess.model.walk.hessian`)."""
+    n = sum(sizes[k] for k in names)
     buf = out if out is not None else like.new_empty(n, n)
     offsets, o = {}, 0
     for k in names:
         offsets[k] = o
         o += sizes[k]
-    weights = tuple(k for k in names if k != "X")
-    has_x = "X" in names
-    step = _columns(c.cfg, B, L, n, like.element_size())
-    outer, functional = which in ("full", "outer"), which in ("full", "functional")
     for j0 in range(0, n, step):
         j1 = min(n, j0 + step)
         k = j1 - j0
-        V, dX = {}, None
+        V = {}
         for name in names:
             lo, hi = offsets[name], offsets[name] + sizes[name]
             a0, a1 = max(lo, j0), min(hi, j1)
@@ -65,17 +65,46 @@ def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:
                 continue
             basis = like.new_zeros(k, sizes[name])
             basis[torch.arange(a0 - j0, a1 - j0), torch.arange(a0 - lo, a1 - lo)] = 1.0
-            if name == "X":
-                dX = basis.reshape(k, B, L, d)
-            else:
-                V[name] = basis.reshape(k, *shapes[name])
+            V[name] = basis
+        wanted = tuple(names[names.index(next(iter(V))):]) if lower else tuple(names)
+        rows = product(V, wanted)
+        for name in wanted:  # H e_j is row j too (H symmetric): written as rows, contiguous
+            buf[j0:j1, offsets[name]:offsets[name] + sizes[name]] = rows[name].reshape(k, -1)
+        del rows, V
+    if not lower:
+        buf.add_(buf.T.clone()).mul_(0.5)
+        return buf
+    for i, a in enumerate(names):  # the block upper triangle written: the diagonal blocks' mean, the rest mirrored
+        ra = slice(offsets[a], offsets[a] + sizes[a])
+        D = buf[ra, ra]
+        D.add_(D.T.clone()).mul_(0.5)
+        for b in names[i + 1:]:
+            rb = slice(offsets[b], offsets[b] + sizes[b])
+            buf[rb, ra] = buf[ra, rb].T
+    return buf
+
+
+def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:
+    """The ``(n, n)`` matrix of ``which`` part of a block over ``names`` (``"X"`` first when present),
+    from :func:`~blockhess.block.directional.hvp` (:func:`assemble`)."""
+    sizes = {k: math.prod(shapes[k]) for k in names}
+    n = sum(sizes.values())
+    B, L, d = c.X.shape
+    weights = tuple(k for k in names if k != "X")
+    has_x = "X" in names
+    outer, functional = which in ("full", "outer"), which in ("full", "functional")
+
+    def product(V, rows):
+        k = next(iter(V.values())).shape[0]
+        dX = V.pop("X").reshape(k, B, L, d) if "X" in V else None
+        V = {name: v.reshape(k, *shapes[name]) for name, v in V.items()}
         HV, dgX = directional.hvp(c, a if functional else None, V, omega=omega, dX=dX, outer=outer,
                                   functional=functional, input_adjoint=has_x, wanted=weights)
-        for name in names:
-            rows = dgX.reshape(k, -1) if name == "X" else HV[name].reshape(k, -1)
-            buf[offsets[name]:offsets[name] + sizes[name], j0:j1] = rows.T
-    buf.add_(buf.T.clone()).mul_(0.5)
-    return buf
+        if has_x:
+            HV["X"] = dgX
+        return HV
+
+    return assemble(product, names, sizes, c.X, _columns(c.cfg, B, L, n, c.X.element_size()), out)
 
 
 def hessian(params: dict, X: torch.Tensor, cfg, loss, target, names: tuple[str, ...], out=None) -> HessianBlocks:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..config import BlockConfig, name_hint, param_shapes
+from ..config import BlockConfig, check_window, name_hint, param_shapes
 from ..layers import attention, ffn, layernorm
 from ..validation import check_finite, check_fits, check_ln_variance, check_params, check_tensor, warn_tf32
 
@@ -56,6 +56,7 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
     """Validate ``X`` (``(L, d_model)`` or ``(B, L, d_model)``, finite, floating) and ``params``.
 
     Raises ``ValueError`` naming the argument on a wrong shape, dtype, device, NaN/Inf;
+    ``NotImplementedError`` for a sequence longer than ``cfg.sliding_window`` (:func:`~blockhess.config.check_window`);
     warns for float32 on CUDA with TF32 matrix products (:func:`~blockhess.validation.warn_tf32`).
     """
     if not isinstance(cfg, BlockConfig):
@@ -64,6 +65,7 @@ def check_inputs(params: dict, X: torch.Tensor, cfg: BlockConfig) -> None:
     if X.shape[-1] != cfg.d_model or X.shape[-2] < 1 or (X.ndim == 3 and X.shape[0] < 1):
         raise ValueError(f"X must have shape (L, {cfg.d_model}) or (B, L, {cfg.d_model}) with L >= 1 and B >= 1, "
                          f"got {tuple(X.shape)}")
+    check_window(cfg, X.shape[-2])
     check_params(params, param_shapes(cfg), X)
     warn_tf32(X.dtype, X.device)
 
@@ -240,7 +242,7 @@ def check_forward(c: Cache, first: int = 0) -> None:
 
     def rows(name, U, **kw):
         U = U.reshape(shape)
-        check_ln_variance(name, U, eps, stats=layernorm.rms_stats(U) if rms else None, first=first, **kw)
+        check_ln_variance(name, U, eps, stats=layernorm.rms_stats(U) if rms else None, first=first, rms=rms, **kw)
 
     norm = "RMSNorm" if rms else "LayerNorm"
     if c.cfg.kind == "block" and c.cfg.norm == "post":

@@ -477,12 +477,19 @@ def _weights(c: Cache) -> torch.Tensor:
     return c.A if c.A.ndim == 4 else c.A[:, None]
 
 
+#: a per-direction product of at most this many multiply-adds (``B·H·m·p·q``) is folded with the others into one
+#: GEMM (:func:`_products`): below it the call per direction costs more than the copy of the directions' factor
+FOLD_ENTRIES = 1 << 16
+
+
 def _products(pairs, alpha: float = 1.0):
     """``alpha · Σ x @ y`` over the pairs ``(x, y)`` whose factors are both given (``None``: zero), one
     factor of each pair with the directions' axis ``(k, B, H, m, p)``, the other without it (shared by
     the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
     own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
-    never copied per direction. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    never copied per direction; where each is small (:data:`FOLD_ENTRIES`), one product for every
+    direction, the directions' factor laid out with ``k`` beside its rows (or columns); a pair with
+    both factors per direction, one product over ``k·B·H``. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
     out = None
     for x, y in pairs:
         if x is None or y is None:
@@ -495,9 +502,23 @@ def _products(pairs, alpha: float = 1.0):
         first = out is None
         if first:
             out = x.new_empty(k, lead[1] * lead[2], m, q)
-        for i in range(k):
-            xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
-            out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
+        n = lead[1] * lead[2]
+        if x.ndim == 5 and y.ndim == 5:  # both per direction: one product over k·B·H
+            out.view(k * n, m, q).baddbmm_(x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0 if first else 1,
+                                           alpha=alpha)
+        elif k > 1 and n * m * p * q <= FOLD_ENTRIES:  # small products: the k directions folded into one GEMM's rows
+            if x.ndim == 5:  # (B·H, k·m, p) @ (B·H, p, q)
+                r = torch.bmm(x3.transpose(0, 1).reshape(n, k * m, p), y3).reshape(n, k, m, q).transpose(0, 1)
+            else:  # (B·H, m, p) @ (B·H, p, k·q)
+                r = torch.bmm(x3, y3.permute(1, 2, 0, 3).reshape(n, p, k * q)).reshape(n, m, k, q).permute(2, 0, 1, 3)
+            if first:
+                torch.mul(r, alpha, out=out) if alpha != 1.0 else out.copy_(r)
+            else:
+                out.add_(r, alpha=alpha)
+        else:
+            for i in range(k):
+                xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
+                out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
     return None if out is None else out.reshape(*lead, *out.shape[-2:])
 
 

@@ -122,15 +122,17 @@ def _compact_hessian(X, eps, gamma, stats=None):
     return H if gamma is None else gamma[:, None, None] * H
 
 
-def contract_hessian_unchecked(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None) -> torch.Tensor:
-    """:func:`contract_hessian` without checks (kernel, ``vmap``-traceable)."""
-    y, r = normalise(X, eps)
+def contract_hessian_unchecked(X: torch.Tensor, G: torch.Tensor, eps: float = 0.0, gamma=None,
+                               center: bool = True) -> torch.Tensor:
+    """:func:`contract_hessian` without checks (kernel, ``vmap``-traceable); ``center=False``: RMSNorm's (``C = I``)."""
+    y, r = normalise(X, eps, center=center)
     d = X.shape[-1]
     g = G if gamma is None else G * gamma
-    g_hat = g - g.mean(-1, keepdim=True)
+    g_hat = g - g.mean(-1, keepdim=True) if center else g
     s = (g * y).sum(-1)[..., None, None]
     outer = g_hat[..., :, None] * y[..., None, :]
-    Gam = outer + outer.transpose(-1, -2) + s * (_centering(d, X) - 3 * y[..., :, None] * y[..., None, :] / d)
+    C = _centering(d, X) if center else torch.eye(d, dtype=X.dtype, device=X.device)
+    Gam = outer + outer.transpose(-1, -2) + s * (C - 3 * y[..., :, None] * y[..., None, :] / d)
     return Gam * (r[..., None] ** 2 / -d)
 
 

@@ -159,7 +159,11 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
         hv_b = dg.reshape(dg.shape[0], -1, d_out).sum(1)
     if weight:
         both = dg is not None and second and dx is not None
-        if both:  # xᵀ ġ + ẋᵀ g as one product over the tokens stacked twice: the rows written once
+        if both and dg.shape[0] > 1:  # xᵀ ġ + ẋᵀ g for k directions: two products, x and g never copied per direction
+            k = dg.shape[0]
+            hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(k, -1, d_out), out=out)
+            hv_W.baddbmm_(dx.reshape(k, -1, d_in).mT, _tokens(g, d_out).expand(k, -1, -1))
+        elif both:  # one direction: one product over the tokens stacked twice, the rows written once
             k = dg.shape[0]
             xt = _tokens(x, d_in)
             lhs = torch.cat([xt.expand(k, -1, -1), dx.reshape(k, -1, d_in)], 1)

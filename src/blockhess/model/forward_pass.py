@@ -13,11 +13,12 @@ import dataclasses
 import torch
 
 from ..block import check_forward, forward_cache
-from ..config import ModelConfig, block_prefix, model_param_shapes, sinusoidal_positions
+from ..config import ModelConfig, block_prefix, check_window, model_param_shapes, sinusoidal_positions
 from ..layers import layernorm
 from ..validation import check_finite, check_ln_variance, check_params, check_tensor, warn_tf32
 
-__all__ = ["Trace", "block_params", "check_model_inputs", "forward", "model_input", "patches", "trace", "n_tokens"]
+__all__ = ["Trace", "block_params", "check_model_inputs", "forward", "model_input", "patches", "trace", "n_tokens",
+           "embed_scale", "norm_scale"]
 
 
 def patches(images: torch.Tensor, p: int) -> torch.Tensor:
@@ -47,9 +48,32 @@ def _integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
+def _keyword_inputs(inputs: dict) -> torch.Tensor:
+    """A forward's keyword arguments ``{"input_ids": ids, "attention_mask": mask}`` as the ids: a mask
+    of ones only (it changes nothing); a mask with a zero (a padded batch) and any other key are
+    refused by name (``ValueError``)."""
+    unknown = sorted(set(inputs) - {"input_ids", "attention_mask"})
+    if unknown or "input_ids" not in inputs:
+        raise ValueError(f"inputs as a dict takes the keys 'input_ids' and 'attention_mask' (all ones), got "
+                         f"{sorted(inputs)}")
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor) or mask.shape != ids.shape:
+            raise ValueError(f"inputs['attention_mask'] must be a tensor shaped like input_ids "
+                             f"{tuple(getattr(ids, 'shape', ()))}, got {getattr(mask, 'shape', type(mask).__name__)}")
+        if not bool((mask == 1).all()):
+            raise ValueError("inputs['attention_mask'] has zeros: padded batches: not yet for this reader "
+                             "(a mask of all ones is taken)")
+    return ids
+
+
 def model_input(cfg: ModelConfig, inputs) -> tuple[torch.Tensor, bool]:
     """``inputs`` with a batch axis, and whether one was added (one sequence given); token ids of
-    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask)."""
+    any integer dtype as int64 (indexing takes no other: ``uint8`` would be read as a mask); a dict of
+    the forward's keyword arguments as its ``input_ids`` (:func:`_keyword_inputs`: an ``attention_mask``
+    of ones only)."""
+    if isinstance(inputs, dict):
+        inputs = _keyword_inputs(inputs)
     single = {"token": 1, "patch": 3}.get(cfg.embedding, 2)
     if cfg.embedding == "token" and isinstance(inputs, torch.Tensor) and _integer(inputs):
         inputs = inputs.long()
@@ -66,7 +90,8 @@ def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> 
     """Validate ``inputs`` against ``cfg`` (shape; finite features; token ids integer, on the
     parameters' device, in ``[0, vocab)`` and none the ``pad_token``; the sequence no longer than the positions) and
     ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming
-    the argument and what was expected."""
+    the argument and what was expected; ``NotImplementedError`` for a sequence longer than a block's
+    ``sliding_window`` (:func:`~blockhess.config.check_window`)."""
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
     if not isinstance(inputs, torch.Tensor):
@@ -105,6 +130,7 @@ def check_model_inputs(params: dict, inputs: torch.Tensor, cfg: ModelConfig) -> 
                              f"{tuple(inputs.shape)}")
         like, like_name = inputs, "inputs"
     L = n_tokens(cfg, inputs)
+    check_window(cfg, L)
     if cfg.positions == "learned" and L > cfg.n_positions:
         raise ValueError(f"inputs: {L} tokens{' (the cls token included)' if cfg.cls_token else ''} exceed the "
                          f"{cfg.n_positions} learned positions (W_P rows)")
@@ -133,6 +159,8 @@ def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         X = x
     elif cfg.embedding == "token":
         X = p["W_E"][x]
+        if cfg.embed_scale != 1.0:  # the scale rounded to the weights' dtype first, as HF's buffer .to(weight.dtype)
+            X = X * embed_scale(cfg, X)
     else:
         X = x @ p["W_E"]
         if "b_E" in p:
@@ -149,8 +177,26 @@ def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return X
 
 
+def embed_scale(cfg: ModelConfig, like: torch.Tensor) -> torch.Tensor:
+    """The token embedding's scale ``s`` as a 0-d tensor in ``like``'s dtype and device (rounded to it)."""
+    return torch.tensor(cfg.embed_scale, dtype=like.dtype, device=like.device)
+
+
+def norm_scale(p: dict, cfg: ModelConfig, s: str):
+    """The model norm ``s``'s (``"E"`` or ``"F"``) scale as the forward uses it, ``rms_offset + gamma_s``
+    (``None`` without a scale)."""
+    g = p.get(f"gamma_{s}")
+    return g + cfg.rms_offset if g is not None and cfg.rms_offset else g
+
+
 def _norm(p: dict, X: torch.Tensor, cfg: ModelConfig, s: str) -> torch.Tensor:
-    return layernorm.affine(layernorm.normalise(X, cfg.norm_eps)[0], p.get(f"gamma_{s}"), p.get(f"beta_{s}"))
+    y = layernorm.normalise(X, cfg.norm_eps, center=cfg.norm_type == "layer")[0]
+    return layernorm.affine(y, norm_scale(p, cfg, s), p.get(f"beta_{s}"))
+
+
+def _check_norm(name: str, X: torch.Tensor, cfg: ModelConfig, first: int) -> None:
+    stats = layernorm.rms_stats(X) if cfg.norm_type == "rms" else None
+    check_ln_variance(name, X, cfg.norm_eps, stats=stats, computed=True, first=first)
 
 
 def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: bool = True, first: int = 0,
@@ -164,7 +210,7 @@ def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: boo
     X0 = _embed(params, x, cfg)
     X = X0
     if cfg.embed_norm:
-        check_ln_variance("the embedding LayerNorm input", X0, cfg.norm_eps, computed=True, first=first)
+        _check_norm("the embedding norm input", X0, cfg, first)
         X = _norm(params, X0, cfg, "E")
     caches = []
     for i, bc in enumerate(cfg.blocks):
@@ -174,8 +220,7 @@ def trace(params: dict, inputs: torch.Tensor, cfg: ModelConfig, derivatives: boo
         X = c.out
     u = X
     if cfg.final_norm:
-        check_ln_variance("the final LayerNorm input (the last block's output)", X, cfg.norm_eps, computed=True,
-                          first=first)
+        _check_norm("the final norm input (the last block's output)", X, cfg, first)
         u = _norm(params, X, cfg, "F")
     h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else \
         u[:, -1:] if cfg.pool == "last" else u

@@ -37,6 +37,7 @@ from ..config import param_shapes
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
+from .forward_pass import embed_scale
 
 __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage", "OutputLoss", "SoftmaxHead",
            "TIED_HEAD"]
@@ -62,11 +63,13 @@ def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
 
 
 class EmbeddingStage:
-    """``X_0 = embed(x) [+ cls] + P [+ W_T[0]]`` (no LayerNorm): linear in every variable, no input."""
+    """``X_0 = embed(x) [+ cls] + P [+ W_T[0]]`` (no LayerNorm): linear in every variable, no input.
+    A token embedding's scale ``s`` (``embed_scale``) multiplies ``W_E``'s rows, its tangents and adjoints."""
 
     def __init__(self, t, names: tuple[str, ...]):
         self.cfg, self.p, self.x = t.cfg, t.params, t.inputs
         self.names = names
+        self.s = embed_scale(t.cfg, t.X0) if t.cfg.embedding == "token" and t.cfg.embed_scale != 1.0 else None
         self.B, self.L, self.d = t.X0.shape
         self.curv = _none_curv
         self.back = None
@@ -88,6 +91,8 @@ class EmbeddingStage:
                     v = w.new_zeros(1 if summed else w.shape[0], R, self.cfg.vocab, self.d)
                     for b in range(w.shape[0]):
                         v[0 if summed else b].index_add_(1, self.x[b], tok[b])
+                    if self.s is not None:
+                        v *= self.s
                 elif summed:
                     v = torch.einsum("blp,brlq->rpq", self.x, tok)[None]
                 else:
@@ -115,7 +120,10 @@ class EmbeddingStage:
         o = 1 if cfg.cls_token else 0
         for n, v in V.items():
             if n == "W_E":
-                out[:, :, o:] += v[:, self.x] if cfg.embedding == "token" else torch.einsum("blp,kpq->kblq", self.x, v)
+                if cfg.embedding == "token":
+                    out[:, :, o:] += v[:, self.x] if self.s is None else v[:, self.x] * self.s
+                else:
+                    out[:, :, o:] += torch.einsum("blp,kpq->kblq", self.x, v)
             elif n == "b_E":
                 out[:, :, o:] += v[:, None, None]
             elif n == "cls":
@@ -138,6 +146,8 @@ class EmbeddingStage:
         rest = [n for n in names if n != "W_E"]
         out = self.vjp(dg.transpose(0, 1).reshape(self.B, k, -1), rest, summed=True) if rest else {}
         tok = dg[:, :, 1:] if self.cfg.cls_token else dg
+        if self.s is not None:
+            tok = tok * self.s
         for b in range(self.B):
             acc.index_add_(1, self.x[b], tok[:, b])
         out["W_E"] = acc
@@ -146,16 +156,18 @@ class EmbeddingStage:
 
 
 class NormStage:
-    """A LayerNorm over the rows of ``x`` ``(B, L, d)`` with optional ``gamma``, ``beta`` (``names``)."""
+    """A LayerNorm over the rows of ``x`` ``(B, L, d)`` with optional ``gamma``, ``beta`` (``names``);
+    ``center=False``: an RMSNorm (no centring, no ``beta``). ``gamma`` is the scale as the forward uses
+    it (``rms_offset + gamma``: the derivatives w.r.t. the stored ``gamma`` are those w.r.t. it)."""
 
-    def __init__(self, x: torch.Tensor, eps: float, gamma, beta, names: tuple[str, ...]):
-        self.x, self.eps, self.gamma = x, eps, gamma
+    def __init__(self, x: torch.Tensor, eps: float, gamma, beta, names: tuple[str, ...], center: bool = True):
+        self.x, self.eps, self.gamma, self.center = x, eps, gamma, center
         self.names = names  # (gamma name or absent, beta name or absent), in that order
         self.g_name = names[0] if gamma is not None else None
         self.b_name = names[-1] if beta is not None else None
-        y, r = layernorm.normalise(x, eps)
+        y, r = layernorm.normalise(x, eps, center=center)
         self.y, self.r = y, r  # normalised rows, their 1/sigma (B, L, 1)
-        self.Jn = layernorm.per_token_jacobian(y, r)  # (B, L, d, d), unscaled
+        self.Jn = layernorm.per_token_jacobian(y, r, center=center)  # (B, L, d, d), unscaled
         self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
 
     vjps = _each_vjp
@@ -177,10 +189,14 @@ class NormStage:
         L, d = self.x.shape[1:]
         return torch.einsum("blij,bljn->blin", self.J, G.reshape(B, L, d, n)).reshape(B, L * d, n)
 
+    def _c(self, t: torch.Tensor) -> torch.Tensor:
+        """``C t`` per row: ``t − mean t`` (LayerNorm), ``t`` itself (RMSNorm)."""
+        return t - t.mean(-1, keepdim=True) if self.center else t
+
     def _n_dot(self, dx: torch.Tensor) -> torch.Tensor:
-        """``J_n ẋ`` per token: ``r (ẋ − mean ẋ − n (n·ẋ)/d)``, ``dx`` ``(k, B, L, d)``."""
+        """``J_n ẋ`` per token: ``r (C ẋ − n (n·ẋ)/d)``, ``dx`` ``(k, B, L, d)``."""
         d = dx.shape[-1]
-        return self.r * (dx - dx.mean(-1, keepdim=True) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
+        return self.r * (self._c(dx) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``u̇ = γ ⊙ J_n ẋ + γ̇ ⊙ n + β̇`` ``(k, B, L, d)``; ``dx`` ``(k, B, L, d)`` or ``None``."""
@@ -212,19 +228,19 @@ class NormStage:
         if self.b_name in names:
             out[self.b_name] = dg.sum((1, 2))
         gx = self._n_dot(dgn)  # J_n is symmetric
-        if functional and dx is not None:  # Γ(g_n) ẋ, the contracted LayerNorm Hessian along ẋ (Theorem 3)
+        if functional and dx is not None:  # Γ(g_n) ẋ, the contracted norm Hessian along ẋ (Theorem 3; C = I: RMSNorm)
             gn = g if gam is None else g * gam
-            gh = gn - gn.mean(-1, keepdim=True)
+            gh = self._c(gn)
             s = (gn * self.y).sum(-1, keepdim=True)
             ydx = (self.y * dx).sum(-1, keepdim=True)
             gx = gx - (self.r ** 2 / d) * (gh * ydx + self.y * (gh * dx).sum(-1, keepdim=True)
-                                           + s * (dx - dx.mean(-1, keepdim=True) - 3 * self.y * ydx / d))
+                                           + s * (self._c(dx) - 3 * self.y * ydx / d))
         return gx, out
 
     def curv(self, g: torch.Tensor, names, acc=None):
         B, L, d = self.x.shape
         gt = g.reshape(B, L, d)
-        Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma)  # (B, L, d, d)
+        Gam = layernorm.contract_hessian_unchecked(self.x, gt, self.eps, self.gamma, center=self.center)  # (B, L, d, d)
         eye = torch.eye(L, dtype=g.dtype, device=g.device)
         XX = torch.einsum("blij,lm->blimj", Gam, eye).reshape(B, L * d, L * d)
         Xt = {}

@@ -29,13 +29,17 @@ import torch
 
 from .. import losses
 from ..block import select_wrt, work_entries
+from ..block.assembled import CHUNK_BYTES, assemble
+from ..block.directional import hvp
+from ..block.directional import work_entries as directional_work
 from ..config import ModelConfig, block_prefix, model_param_shapes, param_shapes
 from ..heap import release_free
 from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
-from .forward_pass import check_model_inputs, model_input, n_tokens, sequence_loss, trace
+from .forward_pass import check_model_inputs, model_input, n_tokens, norm_scale, sequence_loss, trace
+from .directional import ModelProduct, fold_tied, unfold_tied
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
 
@@ -62,14 +66,15 @@ def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: l
     emb = tuple(n for n in ("W_E", "b_E", "cls", "W_P", "W_T") if n in shapes)
     if emb:
         st.append(EmbeddingStage(t, emb))
+    center = cfg.norm_type == "layer"
     if cfg.embed_norm:
-        st.append(NormStage(t.X0, cfg.norm_eps, p.get("gamma_E"), p.get("beta_E"),
-                            tuple(n for n in ("gamma_E", "beta_E") if n in shapes)))
+        st.append(NormStage(t.X0, cfg.norm_eps, norm_scale(p, cfg, "E"), p.get("beta_E"),
+                            tuple(n for n in ("gamma_E", "beta_E") if n in shapes), center))
     for i, c in enumerate(t.blocks):
         st.append(BlockStage(c, block_prefix(i), dense))
     if cfg.final_norm:
-        st.append(NormStage(t.XN, cfg.norm_eps, p.get("gamma_F"), p.get("beta_F"),
-                            tuple(n for n in ("gamma_F", "beta_F") if n in shapes)))
+        st.append(NormStage(t.XN, cfg.norm_eps, norm_scale(p, cfg, "F"), p.get("beta_F"),
+                            tuple(n for n in ("gamma_F", "beta_F") if n in shapes), center))
     if cfg.pool != "none":
         st.append(PoolStage(cfg.pool, t.u.shape[1], cfg.d_model))
     W = None if cfg.head is None else (p["W_E"].T if cfg.tied else p["W_H"])
@@ -422,15 +427,14 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     wrong shape or class range, an unknown ``wrt`` name, a LayerNorm input row it cannot take, an
     overflow; a callable loss's NaN or Inf value, gradient or Hessian (:func:`blockhess.losses.derivatives`);
     ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
-    ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit; ``NotImplementedError``,
-    first, for blocks with :attr:`~blockhess.config.BlockConfig.llama_options` (their products:
-    :func:`blockhess.hessian_operator`).
+    ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit.
+
+    Blocks with :attr:`~blockhess.config.BlockConfig.llama_options` (RMSNorm, the gated FFN, grouped-query
+    attention, RoPE, ...) have no Kronecker factors for the walk: the Hessian is then assembled column block
+    by column block from the model's exact products (:func:`_assembled`), the same result type and split.
     """
-    llama = sorted({o for b in getattr(cfg, "blocks", ()) for o in b.llama_options})
-    if llama:  # before any work: the walk composes the blocks' Kronecker factors (docs/derivations.md §20)
-        raise NotImplementedError(f"blockhess.hessian of a model does not take the block options {', '.join(llama)} "
-                                  "yet: the model walk needs the blocks' Kronecker factors; "
-                                  "blockhess.hessian_operator's products of such a model are exact")
+    if any(b.llama_options for b in getattr(cfg, "blocks", ())):  # the walk composes the blocks' Kronecker factors
+        return _assembled(params, inputs, cfg, loss, target, wrt)
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
     z, t = t.z, None  # the output, for a callable loss's derivatives; the rest of the plain trace goes
     shapes = model_param_shapes(cfg)
@@ -457,3 +461,65 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like, ld=ld)
 
     return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part, ld=ld)
+
+
+def _product_entries(cfg: ModelConfig, B: int, L: int) -> int:
+    """Entries one direction of a model's product holds (:class:`~.directional.ModelProduct`): every block's
+    tangents and adjoints at once (the pass up recurses through the blocks above,
+    :func:`blockhess.block.directional.work_entries` each), the top's rows (the output's and ``d``-wide ones,
+    a few of each) and four copies of the model's weights (the direction, the rows and their layouts)."""
+    n = sum(math.prod(s) for s in model_param_shapes(cfg).values())
+    blocks = sum(directional_work(b, B, L, 1) for b in cfg.blocks)
+    return blocks + B * L * (4 * cfg.d_model + 3 * cfg.n_out) + 4 * n
+
+
+def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> HessianBlocks:
+    r""":func:`hessian` for a model whose blocks have :attr:`~blockhess.config.BlockConfig.llama_options`:
+    column ``j`` is the model's exact product :math:`H e_j` (:class:`~.directional.ModelProduct`, the
+    engine of :func:`blockhess.hessian_operator`: tangents up the stages, second-order adjoints down, no
+    autograd), ``k`` columns at a time (:data:`blockhess.block.assembled.CHUNK_BYTES`,
+    :func:`_product_entries`), each product forming only the rows of the chunk's variable and the later
+    ones (restricted: the tangents start at the chunk's stage, the adjoints stop there), written into the
+    block lower triangle of the ``n × n`` result and mirrored (:func:`blockhess.block.assembled.assemble`). ``.outer`` and ``.functional`` by their own products
+    (the output's loss Hessian kept, the second-order terms dropped; and the reverse), so
+    ``outer + functional == full`` is a check. The tied ``W_E``'s two uses are summed in each product.
+    Raises as :func:`hessian`; ``InsufficientMemoryError`` before any product if the result, its
+    symmetrising temporary and one product's working set would not fit."""
+    params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
+    shapes = model_param_shapes(cfg)
+    like = params[names[0]]
+    B, L, e = inputs.shape[0], n_tokens(cfg, inputs), like.element_size()
+    sizes = {k: math.prod(shapes[k]) for k in names}
+    n = sum(sizes.values())
+    per = _product_entries(cfg, B, L)
+    step = max(1, min(n, CHUNK_BYTES // (per * e)))
+    what = f"the dense {n}x{n} Hessian"
+    check_fits(n * n * e, what, like.device)
+    need = (2 * n * n + step * (per + 2 * n)) * e
+    check_fits(need, f"{what} from {n} exact products of the model, {step} at a time", like.device)
+    ld = losses.derivatives(loss, target, t.z, batch=B) if callable(loss) else None  # taken once, at the call
+    st, top = stages_of(t, loss, target, B, 0, dense=False, ld=ld)
+    del t
+    prod = ModelProduct(st, top, cfg.d_model, hvp)
+    internal = dict(shapes, **({TIED_HEAD: shapes["W_E"][::-1]} if cfg.tied else {}))
+
+    def matrix(which: str) -> torch.Tensor:
+        outer, functional = which in ("full", "outer"), which in ("full", "functional")
+
+        def product(V, rows):  # the rows of the chunk's variables and the later ones: the products restricted
+            k = next(iter(V.values())).shape[0]
+            V = fold_tied({m: v.reshape(k, *shapes[m]) for m, v in V.items()}, internal)
+            rows = tuple(rows) + ((TIED_HEAD,) if cfg.tied and "W_E" in rows else ())
+            return unfold_tied(prod(V, rows, outer=outer, functional=functional))
+
+        return assemble(product, names, sizes, like, step, lower=True)
+
+    def part(which: str) -> HessianBlocks:
+        check_fits(need, f"the {which} part of the Hessian ({n}x{n}) from exact products", like.device)
+        H = HessianBlocks.from_buffer(names, shapes, matrix(which), cfg=cfg)
+        check_result({f"the Hessian's {which} part": H.dense()})
+        return H
+
+    H = HessianBlocks.from_buffer(names, shapes, matrix("full"), part, cfg=cfg)
+    check_result({"the Hessian": H.dense()})
+    return H

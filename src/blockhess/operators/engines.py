@@ -64,7 +64,7 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
         h = c.fc.h.reshape(-1, c.fc.h.shape[-1])
         return (2.0 / (B * L * d)) * (h.T @ h), d
 
-    return product, X.shape[0], X.dtype, X.device, diagonal, kronecker
+    return product, X.shape[0], X.dtype, X.device, diagonal, kronecker, None
 
 
 def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
@@ -80,13 +80,18 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
         into = fold_tied(into, internal) if into else into  # the tied head writes into W_E's slice
         return unfold_tied(prod(fold_tied(V, internal), rows, outer=outer, functional=functional, into=into))
 
+    def products(groups):  # several groups in one pass (ModelProduct.columns)
+        groups = [(fold_tied(V, internal), tuple(w) + ((TIED_HEAD,) if cfg.tied and "W_E" in w else ()))
+                  for V, w in groups]
+        return [unfold_tied(r) for r in prod.columns(groups, outer=outer, functional=functional)]
+
     def diagonal(wanted):
         raise NotImplementedError("a model's operator has no closed-form diagonal: attention in the blocks above a "
                                   "weight mixes the tokens, so the block's per-token walk (docs/derivations.md §19) "
                                   "does not carry over; blockhess.operators.hutchinson_diagonal estimates it by "
                                   "sampling")
 
-    return product, inputs.shape[0], like.dtype, like.device, diagonal, None
+    return product, inputs.shape[0], like.dtype, like.device, diagonal, None, products
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
@@ -117,12 +122,16 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     outer, functional = part in ("full", "outer"), part in ("full", "functional")
     names = select_wrt(tuple(param_shapes(cfg)), wrt)
     engine = _model_engine if isinstance(cfg, ModelConfig) else _block_engine
-    product, count, dtype, device, diagonal, kronecker = engine(params, inputs, cfg, loss, target, names, outer,
+    product, count, dtype, device, diagonal, kronecker, products = engine(params, inputs, cfg, loss, target, names, outer,
                                                                 functional)
     shapes = param_shapes(cfg)
 
     def restricted(V, wanted_out, into=None):  # the operator over names: other parameters have zero directions
         return product({n: v for n, v in V.items() if n in names}, wanted_out, into)
 
+    def restricted_groups(groups):
+        return products([({n: v for n, v in V.items() if n in names}, w) for V, w in groups])
+
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
-                           split=head_views(cfg), count=count, writes_into=True, cfg=cfg, kronecker=kronecker)
+                           split=head_views(cfg), count=count, writes_into=True, cfg=cfg, kronecker=kronecker,
+                           products=None if products is None else restricted_groups)

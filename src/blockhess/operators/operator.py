@@ -25,7 +25,8 @@ from ..config import BlockConfig, ModelConfig, block_prefix
 from ..result import HessianBlocks, head_split
 from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int
 
-__all__ = ["HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "module_operator"]
+__all__ = ["HessianOperator", "BlockDiagonalOperator", "Product", "Products", "Diagonal", "mean_operator", "head_views",
+           "module_operator"]
 
 #: columns of the identity multiplied at a time by :meth:`HessianOperator.dense` (without ``max_columns``)
 DENSE_COLUMNS = 512
@@ -53,6 +54,15 @@ class Diagonal(Protocol):
     def __call__(self, wanted: tuple[str, ...]) -> dict[str, torch.Tensor]: ...
 
 
+class Products(Protocol):
+    """The engine's products of several groups at once: ``products(groups) -> list``: ``groups`` a list of
+    ``(V, wanted_out)``, each as for :class:`Product` with its own ``k``; returns one dict per group, each
+    ``product(V, wanted_out)``, computed in one pass that shares what the groups have in common
+    (:meth:`HessianOperator.block_diagonal`)."""
+
+    def __call__(self, groups: list) -> list[dict[str, torch.Tensor]]: ...
+
+
 def head_views(cfg) -> Split:
     """Per-head sub-variables of a block's (:class:`~blockhess.config.BlockConfig`) or a model's
     (:class:`~blockhess.config.ModelConfig`, names prefixed ``blocks.{i}.``) parameters: name
@@ -74,6 +84,29 @@ def head_views(cfg) -> Split:
 
 def _numel(shape) -> int:
     return int(math.prod(shape))
+
+
+def _scipy_operator(shape, matmat, rmatmat, torch_dtype, device, dtype=None):
+    """A ``scipy.sparse.linalg.LinearOperator`` of ``shape`` whose products are ``matmat`` (and ``rmatmat`` for
+    the adjoint) on ``(n, k)`` tensors of ``torch_dtype`` on ``device`` (:meth:`HessianOperator.to_scipy`)."""
+    try:
+        from scipy.sparse.linalg import LinearOperator
+    except ImportError as e:  # the library runs without SciPy; only this export needs it
+        raise ImportError("to_scipy needs SciPy: pip install scipy (or blockhess[lab])") from e
+    np_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float64" if torch_dtype == torch.float64 else "float32")
+
+    def wrap(mm):
+        def f(x):
+            x = np.asarray(x)
+            if np.iscomplexobj(x):
+                raise ValueError(f"x must be real ({np_dtype}), got {x.dtype}: the operator is real; multiply the "
+                                 "real and imaginary parts separately")
+            X = torch.as_tensor(x.reshape(x.shape[0], -1)).to(dtype=torch_dtype, device=device)
+            return mm(X).cpu().numpy().astype(np_dtype, copy=False).reshape(shape[0], *x.shape[1:])
+        return f
+
+    return LinearOperator(shape, matvec=wrap(matmat), rmatvec=wrap(rmatmat), matmat=wrap(matmat),
+                          rmatmat=wrap(rmatmat), dtype=np_dtype)
 
 
 class HessianOperator:
@@ -109,6 +142,9 @@ class HessianOperator:
         The engine also takes ``product(V, wanted_out, into=...)``: ``into`` maps a parameter to a
         contiguous ``(1, *shape)`` slice of the output of a one-column product, which the engine may
         write that parameter's rows into (and return); rows returned elsewhere are copied there.
+    products : Products, optional
+        The engine's products of several groups of directions in one pass (:class:`Products`); without it
+        a group's product is ``product``'s, one group after another.
     cfg : BlockConfig or ModelConfig, optional
         The architecture whose parameters these are (:func:`~blockhess.operators.hessian_operator` sets
         it); :meth:`to_module` checks a module against it.
@@ -141,7 +177,7 @@ class HessianOperator:
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
                  device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
                  count: int | None = None, max_columns: int | None = None, writes_into: bool = False,
-                 cfg=None, kronecker=None):
+                 cfg=None, kronecker=None, products: Products | None = None):
         if not callable(product):
             raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
         if diagonal is not None and not callable(diagonal):
@@ -159,6 +195,9 @@ class HessianOperator:
         if kronecker is not None and not callable(kronecker):
             raise ValueError(f"kronecker must be None or callable as kronecker(names), got {type(kronecker).__name__}")
         self._kronecker = kronecker
+        if products is not None and not callable(products):
+            raise ValueError(f"products must be None or callable as products(groups), got {type(products).__name__}")
+        self._products = products
         self.params = names
         self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
         self.dtype = dtype
@@ -440,30 +479,29 @@ class HessianOperator:
             return None
         return self._kronecker(tuple(self.names))
 
+    def _grouped(self, groups: list) -> list[dict]:
+        """The engine's products of ``groups`` ``[(V, wanted_out)]`` (:class:`Products`), in one pass where the
+        engine has one, else one group after another."""
+        if self._products is not None:
+            return self._products(groups)
+        return [self._product(V, wanted) for V, wanted in groups]
+
+    def block_diagonal(self, blocks=None) -> "BlockDiagonalOperator":
+        """The block-diagonal part ``D = diag(A[b_1, b_1], ..., A[b_m, b_m])`` of this square view over
+        ``blocks`` (default: its variables, one block each; each block a name, a head's ``W_Q#h`` or a tuple
+        of them, as :func:`~blockhess.operators.per_block` takes them): a
+        :class:`BlockDiagonalOperator`, whose ``D @ V`` gives every block's ``A[b, b] @ V_b`` in one pass.
+        Raises ``ValueError`` for an off-diagonal view, no blocks or blocks sharing an entry, ``KeyError`` for
+        a block ``A[b, b]`` does not take (an unknown name, names overlapping within it)."""
+        return BlockDiagonalOperator(self, blocks)
+
     def to_scipy(self, dtype=None):
         """A ``scipy.sparse.linalg.LinearOperator`` of this view (products in PyTorch, in the operator's
         dtype and device; inputs converted to it, results returned as NumPy of ``dtype``, default the
         operator's: float64 or float32; a complex input raises ``ValueError``). SciPy is imported here only;
         ``ImportError`` without it."""
-        try:
-            from scipy.sparse.linalg import LinearOperator
-        except ImportError as e:  # the library runs without SciPy; only this export needs it
-            raise ImportError("HessianOperator.to_scipy needs SciPy: pip install scipy (or blockhess[lab])") from e
-        np_dtype = np.dtype(dtype) if dtype is not None else np.dtype("float64" if self.dtype == torch.float64 else "float32")
-
-        def wrap(op):
-            def mm(x):
-                x = np.asarray(x)
-                if np.iscomplexobj(x):
-                    raise ValueError(f"x must be real ({np_dtype}), got {x.dtype}: the operator is real; multiply the "
-                                     "real and imaginary parts separately")
-                X = torch.as_tensor(x.reshape(x.shape[0], -1)).to(dtype=op.dtype, device=op.device)
-                return op._matmat(X).cpu().numpy().astype(np_dtype, copy=False).reshape(op.shape[0], *x.shape[1:])
-            return mm
-
         adj = self.adjoint()
-        return LinearOperator(self.shape, matvec=wrap(self), rmatvec=wrap(adj), matmat=wrap(self),
-                              rmatmat=wrap(adj), dtype=np_dtype)
+        return _scipy_operator(self.shape, self._matmat, adj._matmat, self.dtype, self.device, dtype)
 
     def to_module(self, module) -> "HessianOperator":
         """This operator in ``module``'s own parameters and storage layouts (:func:`module_operator`, which
@@ -527,6 +565,119 @@ class HessianOperator:
         rows = ", ".join(f"{n}{list(self.shapes[n])}" for n in self.names)
         cols = "" if self.is_square_view else " x " + ", ".join(f"{n}{list(self.in_shapes[n])}" for n in self.in_names)
         return f"HessianOperator({rows}{cols}; shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+class BlockDiagonalOperator:
+    r"""The block-diagonal part of a Hessian, :math:`D = \mathrm{diag}(H_{b_1b_1}, \ldots, H_{b_mb_m})`, over blocks
+    of a square :class:`HessianOperator` view (:meth:`HessianOperator.block_diagonal` makes it).
+
+    ``D @ V``: ``V`` a tensor ``(n_D,)`` or ``(n_D, k)`` of the operator's dtype and device (a NumPy array
+    is converted and the result returned as NumPy), ``n_D = Σ_j n_{b_j}``, the blocks' entries concatenated
+    in the order given (each block's variables in its own order, as its view ``A[b, b]`` lays them out);
+    the result is every block's ``A[b_j, b_j] @ V_j`` concatenated the same way. One call computes them
+    all: the engine's :class:`Products` where it has one (a model's: one forward's cache, the adjoints
+    computed once, each block's tangent starting at its own stage and its rows alone formed, the stages
+    above run once for every block; docs/derivations.md §18, "Products of several groups"), else one
+    view's product after another. :meth:`products` multiplies some blocks only, each by its own number of
+    columns (the lock-step estimators' step, :func:`~blockhess.operators.blockwise_eigs`).
+
+    Attributes: ``blocks`` (the keys: a name, or a tuple of names), ``views`` (each block's ``A[b, b]``),
+    ``sizes`` (each ``n_b``), ``offsets`` (each block's first row), ``shape`` ``(n_D, n_D)``, ``dtype``,
+    ``device``, ``is_symmetric`` and ``SELF_ADJOINT`` (``True``), ``max_columns`` (``A``'s). ``D.T`` /
+    ``D.adjoint()`` is ``D``; ``to_scipy()`` as :meth:`HessianOperator.to_scipy`. Products raise
+    ``ValueError`` for an input of another shape, dtype or device, or with NaN or Inf.
+    """
+
+    def __init__(self, A: HessianOperator, blocks=None):
+        if not isinstance(A, HessianOperator):
+            raise ValueError(f"A must be a HessianOperator, got {type(A).__name__}")
+        if not A.is_square_view:
+            raise ValueError(f"block_diagonal needs a square view A[a, a]; this one's rows are {list(A.names)} and "
+                             f"columns {list(A.in_names)}")
+        blocks = list(A.names if blocks is None else [blocks] if isinstance(blocks, str) else blocks)
+        if not blocks:
+            raise ValueError("blocks must hold at least one block (a name, a head's W_Q#h or a tuple of names)")
+        self.blocks = tuple(b if isinstance(b, str) else tuple(b) for b in blocks)
+        self.views = tuple(A[b, b] for b in self.blocks)  # KeyError for an unknown or self-overlapping block
+        seen: dict[str, torch.Tensor] = {}
+        for b, view in zip(self.blocks, self.views):
+            for var in view.names:
+                param, ref, idx = A._vars[var]
+                mask = seen.setdefault(param, torch.zeros(_numel(ref), dtype=torch.bool))
+                hit = torch.zeros_like(mask)
+                hit.view(ref)[idx] = True
+                if bool((mask & hit).any()):
+                    raise ValueError(f"blocks must not share entries: block {b!r} overlaps an earlier block in "
+                                     f"{param!r}")
+                mask |= hit
+        self.A = A
+        self.sizes = tuple(v.shape[0] for v in self.views)
+        self.offsets = tuple(int(o) for o in np.cumsum([0, *self.sizes[:-1]]))
+        n = sum(self.sizes)
+        self.shape = (n, n)
+        self.dtype, self.device, self.max_columns = A.dtype, A.device, A.max_columns
+        self.is_symmetric = self.SELF_ADJOINT = True
+
+    @property
+    def T(self) -> "BlockDiagonalOperator":
+        """``D`` itself (each block is symmetric)."""
+        return self
+
+    def adjoint(self) -> "BlockDiagonalOperator":
+        """``D`` itself (curvlinops' method name)."""
+        return self
+
+    def products(self, X: dict) -> dict:
+        """``{j: A[b_j, b_j] @ X[j]}`` for some blocks only, in one call: ``X`` maps block indices (into
+        ``blocks``) to tensors ``(n_{b_j}, k_j)`` of the operator's dtype and device, each its own ``k_j >= 1``
+        (not checked further: :meth:`__matmul__` checks its input). Returns ``{j: (n_{b_j}, k_j)}``."""
+        groups, order = [], list(X)
+        for j in order:
+            view = self.views[j]
+            groups.append((view._columns_to_params(X[j]), tuple(dict.fromkeys(view._vars[v][0] for v in view.names))))
+        out = self.A._grouped(groups)
+        Y = {}
+        for j, rows in zip(order, out):
+            view, k = self.views[j], X[j].shape[1]
+            parts = [view._row(rows, var, k).reshape(k, -1).T for var in view.names]
+            Y[j] = torch.cat(parts, 0) if len(parts) > 1 else parts[0].contiguous()
+        return Y
+
+    def _matmat(self, X: torch.Tensor) -> torch.Tensor:
+        k = X.shape[1]
+        if k == 0:
+            return X.new_zeros(self.shape[0], 0)
+        if self.max_columns is not None and k > self.max_columns:
+            return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
+        Y = self.products({j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))})
+        return torch.cat([Y[j] for j in range(len(self.blocks))], 0)
+
+    def __matmul__(self, V):
+        """``D @ V``; see the class docstring."""
+        if isinstance(V, np.ndarray):
+            if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+                raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {V.shape}")
+            return (self @ torch.as_tensor(V).to(dtype=self.dtype, device=self.device)).cpu().numpy()
+        if not isinstance(V, torch.Tensor):
+            return NotImplemented
+        if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+            raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
+        if V.dtype != self.dtype or V.device != self.device:
+            raise ValueError(f"V must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
+        finite = not V.numel() or bool(torch.isfinite(V.reshape(V.shape[0], -1).sum(0)).all())  # one pass (a NaN
+        if not finite and not bool(torch.isfinite(V).all()):  # or Inf makes its column's sum one), then look
+            row = int((~torch.isfinite(V.reshape(V.shape[0], -1))).any(1).nonzero()[0, 0])
+            j = int(np.searchsorted(self.offsets, row, side="right")) - 1
+            raise ValueError(f"V contains NaN or Inf (in the entries of block {self.blocks[j]!r})")
+        return self._matmat(V[:, None])[:, 0] if V.ndim == 1 else self._matmat(V)
+
+    def to_scipy(self, dtype=None):
+        """A ``scipy.sparse.linalg.LinearOperator`` of ``D`` (as :meth:`HessianOperator.to_scipy`)."""
+        return _scipy_operator(self.shape, self._matmat, self._matmat, self.dtype, self.device, dtype)
+
+    def __repr__(self) -> str:
+        return (f"BlockDiagonalOperator({len(self.blocks)} blocks {list(self.blocks)}; shape={self.shape}, "
+                f"dtype={self.dtype}, device={self.device})")
 
 
 def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress: bool = False) -> HessianOperator:
@@ -612,11 +763,19 @@ def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress
                 out[a] = y[a] * w if a not in out else out[a].add_(y[a], alpha=w)
         return out
 
+    def products(groups):
+        outs = [{} for _ in groups]
+        for op, w in each():
+            for out, y, (_, wanted_out) in zip(outs, op._grouped(groups), groups):
+                for a in wanted_out:
+                    out[a] = y[a] * w if a not in out else out[a].add_(y[a], alpha=w)
+        return outs
+
     has_diag = all(p._diagonal is not None for p in parts if isinstance(p, HessianOperator))
     split = {v: t for v, t in first._vars.items() if v != t[0]}
     return HessianOperator(product, first.params, first.param_shapes, first.dtype, first.device,
                            diagonal=diagonal if has_diag else None, split=split, count=total,
-                           max_columns=first.max_columns, cfg=first.cfg)
+                           max_columns=first.max_columns, cfg=first.cfg, products=products)
 
 
 @functools.singledispatch

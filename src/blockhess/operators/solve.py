@@ -334,8 +334,10 @@ def solve(A, b, damping: float = 0.0, tol: float = 1e-8, *, method: str = "auto"
             steps += s
             if bool(broken.any()):
                 break
-            R = Bm - op(X)
-            before, true = true, R.norm(dim=0)
+            cols = active.nonzero()[:, 0]  # only the columns that ran: the others' residuals stand
+            R[:, cols] = Bm[:, cols] - op(X[:, cols])
+            before, true = true, true.clone()
+            true[cols] = R[:, cols].norm(dim=0)
             missed = true > goal
             if not bool(missed.any()) or restarts >= MAX_RESTARTS or not bool((true[missed] < before[missed]).all()):
                 break

@@ -1,0 +1,254 @@
+r"""Lock-step estimators: every block's top-k and spectral density advancing together on a block-diagonal
+operator (:class:`~.operator.BlockDiagonalOperator`), and the Jensen–Shannon distance between densities.
+
+Each block runs the package's own estimator, unchanged (:func:`~.estimators.lanczos_eigs`, its residuals and
+its check, or :func:`~.estimators.slq_density`), in its own Krylov space, on a stand-in for its block whose
+products are gathered: once every block still running has asked for its next product, one call
+:meth:`~.operator.BlockDiagonalOperator.products` multiplies them all (each block its own columns; a block
+that has finished asks for nothing and drops out). A block's result is therefore the result of the estimator
+on ``A[b, b]`` with the same arguments, up to the rounding of the products (docs/derivations.md §17,
+"Lock-step estimators"). Each block's estimator runs in a thread of its own that only waits for its products;
+the products themselves run in the calling thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .estimators import EigResult, SLQResult, lanczos_eigs, slq_density
+from .operator import BlockDiagonalOperator
+
+__all__ = ["Blockwise", "blockwise_eigs", "blockwise_slq", "js_distance"]
+
+
+@dataclass
+class Blockwise:
+    """The lock-step results: ``results`` ``{block: result}`` in ``D.blocks``' order (an :class:`EigResult`
+    or :class:`SLQResult` each), ``matvecs`` ``{block: columns of that block multiplied}``, ``products`` the
+    number of calls of ``D.products`` (each one pass for all the blocks then running). ``R[b]`` is
+    ``R.results[b]``; iterating gives the blocks."""
+
+    results: dict
+    matvecs: dict
+    calls: dict
+    products: int
+
+    def __getitem__(self, block):
+        return self.results[block]
+
+    def __iter__(self):
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+
+class _Stand:
+    """Block ``j`` of ``D`` for its estimator: ``shape``, ``dtype``, ``device``, symmetric, the view's
+    ``kronecker_factors``; ``@`` waits for the lock-step product."""
+
+    def __init__(self, step: "_Step", j: int):
+        view = step.D.views[j]
+        self.step, self.j = step, j
+        self.shape, self.dtype, self.device = view.shape, view.dtype, view.device
+        self.names = view.names
+        self.is_symmetric = self.SELF_ADJOINT = True
+        self.kronecker_factors = view.kronecker_factors
+        self.matvecs = self.calls = 0
+
+    def __matmul__(self, X):
+        if not isinstance(X, torch.Tensor) or X.ndim not in (1, 2) or X.shape[0] != self.shape[1]:
+            raise ValueError(f"X must be a tensor ({self.shape[1]},) or ({self.shape[1]}, k), got "
+                             f"{tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__}")
+        one = X.ndim == 1
+        X = X[:, None] if one else X
+        if X.shape[1] == 0:
+            return X.new_zeros(self.shape[0], 0)
+        self.matvecs += X.shape[1]
+        self.calls += 1
+        Y = self.step.request(self.j, X)
+        return Y[:, 0] if one else Y
+
+
+class _Step:
+    """The gathering of products: each estimator's thread posts its block's ``X`` and waits; when every block
+    still running has posted, :meth:`serve` (the caller's thread) multiplies them in one ``D.products``."""
+
+    def __init__(self, D: BlockDiagonalOperator, running):
+        self.D, self.cv = D, threading.Condition()
+        self.posted: dict = {}
+        self.ready: dict = {}
+        self.running = set(running)
+        self.products = 0
+
+    def request(self, j: int, X: torch.Tensor) -> torch.Tensor:
+        with self.cv:
+            self.posted[j] = X
+            self.cv.notify_all()
+            while j not in self.ready:
+                self.cv.wait()
+            Y = self.ready.pop(j)
+        if isinstance(Y, BaseException):
+            raise Y
+        return Y
+
+    def finish(self, j: int) -> None:
+        with self.cv:
+            self.running.discard(j)
+            self.cv.notify_all()
+
+    def serve(self) -> None:
+        while True:
+            with self.cv:
+                while self.running and len(self.posted) < len(self.running):
+                    self.cv.wait()
+                if not self.running:
+                    return
+                batch, self.posted = self.posted, {}
+            try:
+                Y = self.D.products(batch)
+            except BaseException as e:  # each waiting estimator raises it in its thread
+                Y = {j: e for j in batch}
+            with self.cv:
+                self.ready.update(Y)
+                self.products += 1
+                self.cv.notify_all()
+
+
+def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict) -> Blockwise:
+    """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step."""
+    if not isinstance(D, BlockDiagonalOperator):
+        raise ValueError(f"D must be a BlockDiagonalOperator (A.block_diagonal(blocks)), got {type(D).__name__}")
+    m = len(D.blocks)
+    step = _Step(D, range(m))
+    stands = [_Stand(step, j) for j in range(m)]
+    results, errors = {}, {}
+
+    def work(j):
+        try:
+            results[j] = estimator(stands[j], **kwargs, **per_block.get(j, {}))
+        except BaseException as e:  # re-raised in the caller's thread below
+            errors[j] = e
+        finally:
+            step.finish(j)
+
+    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in range(m)]
+    for t in threads:
+        t.start()
+    step.serve()
+    for t in threads:
+        t.join()
+    if errors:
+        j = min(errors)
+        e = errors[j]
+        e.add_note(f"(in the lock-step estimator of block {D.blocks[j]!r})")
+        raise e
+    return Blockwise({D.blocks[j]: results[j] for j in range(m)}, {D.blocks[j]: stands[j].matvecs for j in range(m)},
+                     {D.blocks[j]: stands[j].calls for j in range(m)}, step.products)
+
+
+def _warm_starts(D: BlockDiagonalOperator, v0) -> dict:
+    """``v0`` (``None``, ``{block: (n_b,) or (n_b, j) tensor}``, or a :class:`Blockwise` / dict of
+    :class:`EigResult`, whose eigenvectors are taken) as ``{j: {"v0": tensor}}``."""
+    if v0 is None:
+        return {}
+    if isinstance(v0, Blockwise):
+        v0 = v0.results
+    if not isinstance(v0, dict):
+        raise ValueError(f"v0 must be None, a dict block -> tensor or EigResult, or a Blockwise, got {type(v0).__name__}")
+    index = {b: j for j, b in enumerate(D.blocks)}
+    out = {}
+    for b, v in v0.items():
+        key = b if isinstance(b, str) else tuple(b)
+        if key not in index:
+            raise ValueError(f"v0 names a block {b!r} that D does not have; D's blocks are {list(D.blocks)}")
+        if isinstance(v, EigResult):
+            v = v.eigenvectors
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"v0[{b!r}] must be a tensor or an EigResult, got {type(v).__name__}")
+        out[index[key]] = {"v0": v}
+    return out
+
+
+def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -> Blockwise:
+    r"""Every block's ``k`` extreme eigenpairs in lock-step: for each block ``b`` of ``D``
+    (:meth:`~.operator.HessianOperator.block_diagonal`), :func:`~.estimators.lanczos_eigs` on ``A[b, b]``
+    with ``k`` and ``kwargs`` (``which``, ``tol``, ``rel``, ``check``, ``failure_probability``, ``seed``, ...:
+    the same for every block), its guarantees unchanged (the residuals from products, the check run per
+    block: a block's converged answer is right with probability at least ``1 − miss_probability``), every
+    block's products gathered into one ``D.products`` per step. ``v0``: warm starts, ``{block: (n_b,) or
+    (n_b, j) tensor}`` or the previous call's :class:`Blockwise` (each block's eigenvectors: a checkpoint's
+    spectra from the one before). Returns a :class:`Blockwise` of :class:`EigResult` (its ``matvecs`` equal
+    each result's). Raises ``ValueError`` for a ``D`` that is not a
+    :class:`~.operator.BlockDiagonalOperator` or a bad ``v0``; every block's errors as
+    :func:`~.estimators.lanczos_eigs` (the first block's that raised, after every block has finished; its
+    :class:`~.estimators.NotConvergedError` holds that block's result)."""
+    return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0))
+
+
+def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
+    r"""Every block's spectral density in lock-step: for each block ``b`` of ``D``,
+    :func:`~.estimators.slq_density` on ``A[b, b]`` with ``kwargs`` (``n_probes``, ``n_iter``, ``seed``,
+    ``grid``, ``sigma``, ``reorth``, ``confidence``: the same for every block, so each block gets the probes
+    the per-block call draws), every block's probes multiplied in one ``D.products`` per Lanczos step.
+    Returns a :class:`Blockwise` of :class:`SLQResult`. Raises ``ValueError`` for a ``D`` that is not a
+    :class:`~.operator.BlockDiagonalOperator`; every block's errors as :func:`~.estimators.slq_density`."""
+    return _lockstep(D, slq_density, kwargs, {})
+
+
+def _probabilities(p, what: str) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor) or p.ndim != 1 or p.numel() < 1 or not p.dtype.is_floating_point:
+        raise ValueError(f"{what} must be an SLQResult or a 1-d float tensor of weights, got "
+                         f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or not float(p.sum()) > 0:
+        raise ValueError(f"{what} must hold finite non-negative weights with a positive sum")
+    return p / p.sum()
+
+
+def js_distance(p, q, *, grid: int | torch.Tensor = 512, sigma: float | None = None, base: float = 2.0) -> float:
+    r"""The Jensen–Shannon distance between two spectral densities (Zhang et al., NeurIPS 2024, "Why
+    Transformers need Adam: a Hessian perspective": their measure of how the blocks' Hessian spectra differ):
+    :math:`\mathrm{JS}(p, q) = \sqrt{\tfrac12 \mathrm{KL}(p\,\|\,m) + \tfrac12 \mathrm{KL}(q\,\|\,m)}`,
+    :math:`m = (p + q)/2`, :math:`\mathrm{KL}(p\,\|\,m) = \sum_i p_i \log_{\mathrm{base}}(p_i / m_i)` (terms with
+    :math:`p_i = 0` are 0). In base 2 (default) it lies in ``[0, 1]``; 0 exactly for equal densities, 1 for
+    disjoint supports; symmetric; a metric (Endres & Schindelin 2003).
+
+    ``p``, ``q``: two :class:`SLQResult` (each discretised as its broadened density evaluated on one common
+    grid, :meth:`SLQResult.broaden`, with its own ``sigma`` unless ``sigma`` is given for both, then divided
+    by its sum over the grid: the probabilities of the grid's cells; ``grid``: a number of equally spaced
+    points from the lower of the two densities' grids' first points to the higher of their last, or a 1-d
+    tensor of points) or two 1-d tensors of non-negative weights on one grid (normalised to sum 1). Float
+    (the sums in float64). Raises ``ValueError`` for other inputs, weights of unequal lengths, negative or
+    non-finite weights or a zero sum, ``base`` not a float > 1, ``sigma`` not positive."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        raise ValueError(f"base must be a float > 1, got {base!r}")
+    if isinstance(p, SLQResult) and isinstance(q, SLQResult):
+        if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0):
+            raise ValueError(f"sigma must be None or a float > 0, got {sigma!r}")
+        if not isinstance(grid, torch.Tensor):
+            if isinstance(grid, bool) or not isinstance(grid, int) or grid < 2:
+                raise ValueError(f"grid must be an int >= 2 (points) or a 1-d tensor, got {grid!r}")
+            lo = min(float(p.grid[0]), float(q.grid[0]))
+            hi = max(float(p.grid[-1]), float(q.grid[-1]))
+            grid = torch.linspace(lo, hi, grid, dtype=torch.float64)
+        p = p.broaden(grid.to(p.nodes.dtype), p.sigma if sigma is None else float(sigma))[0]
+        q = q.broaden(grid.to(q.nodes.dtype), q.sigma if sigma is None else float(sigma))[0]
+    elif isinstance(p, SLQResult) or isinstance(q, SLQResult):
+        raise ValueError("p and q must both be SLQResults or both tensors of weights")
+    p, q = _probabilities(p, "p").double().cpu(), _probabilities(q, "q").double().cpu()
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have equal lengths, got {p.numel()} and {q.numel()}")
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(a):
+        used = a > 0
+        return float((a[used] * torch.log(a[used] / m[used])).sum())
+
+    jsd = (kl(p) + kl(q)) / (2 * math.log(base))
+    return math.sqrt(max(jsd, 0.0))
