@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[lab]"
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-laplace.txt
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -q --no-deps -c $(CONSTRAINTS) -r requirements-laplace.txt  # tests/test_laplace.py; why --no-deps: the file
 	touch $@
 
 $(VENV)/.installed-docs: $(VENV)/.installed

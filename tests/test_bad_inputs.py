@@ -63,6 +63,7 @@ _BLOCK = bh.BlockConfig(d_model=4, d_ff=5)
 TOKENS = bh.ModelConfig(blocks=(_BLOCK, _BLOCK), embedding="token", vocab=5, cls_token=True, positions="learned",
                         n_positions=4, pool="first", head=3)
 IMAGES = bh.ModelConfig(blocks=(_BLOCK,), embedding="patch", image=(1, 4, 4), patch=2, pool="mean", head=3)
+LAST = bh.ModelConfig(blocks=(_BLOCK,), embedding="token", vocab=5, pool="last", head=3, pad_token=4)  # GPT-2's classifier
 FEATURES = bh.ModelConfig(blocks=(_BLOCK,), embedding="linear", d_in=3, head=2)
 IDS = torch.tensor([[1, 2, 3], [0, 4, 2]])  # 2 sequences of 3 tokens
 CLASSES = torch.tensor([0, 2])
@@ -275,6 +276,9 @@ ROWS = [
         "inputs: token id -1 at (1, 0) is out of range [0, 5)"),
     Row("bh.hessian", "model input", "a token id >= vocab", lambda c: tokens(IDS + 1), ValueError,
         "inputs: token id 5 at (1, 1) is out of range [0, 5)"),
+    Row("bh.hessian", "model input", "the padding id in a last-token model's inputs",
+        lambda c: bh.hessian(weights(LAST), IDS, LAST, loss="ce", target=CLASSES), ValueError,
+        "inputs: the padding id 4 (ModelConfig.pad_token) at (1, 1): padded sequences are not supported with pool='last'"),
     Row("bh.forward", "model input", "float token ids", lambda c: bh.forward(weights(TOKENS), IDS.double(), TOKENS),
         ValueError, "inputs must be integer token ids of shape (B, L) or (L,), got torch.float64"),
     Row("bh.forward", "model input", "token ids on another device than the weights",
@@ -423,7 +427,10 @@ ROWS = [
     Row("bh.ModelConfig", "model config", "unknown positions", lambda c: model_config(d_in=3, positions="rope"),
         ValueError, "ModelConfig.positions must be one of ('none', 'sinusoidal', 'learned'), got 'rope'"),
     Row("bh.ModelConfig", "model config", "an unknown pooling", lambda c: model_config(d_in=3, pool="max"), ValueError,
-        "ModelConfig.pool must be one of ('none', 'mean', 'first'), got 'max'"),
+        "ModelConfig.pool must be one of ('none', 'mean', 'first', 'last'), got 'max'"),
+    Row("bh.ModelConfig", "model config", "a padding id without pool='last'",
+        lambda c: model_config(embedding="token", vocab=5, pool="first", head=3, pad_token=0), ValueError,
+        "ModelConfig.pad_token=0 has meaning only with pool='last' and embedding='token'"),
     Row("bh.ModelConfig", "model config", "a flag given as 1", lambda c: model_config(d_in=3, cls_token=1), ValueError,
         "ModelConfig.cls_token must be True or False"),
     Row("bh.ModelConfig", "model config", "a negative norm_eps", lambda c: model_config(d_in=3, norm_eps=-1e-5), ValueError,

@@ -16,6 +16,7 @@ ADAPTERS = "blockhess.adapters"
 #: modules outside the core: the adapters (the package and its modules), the package's front (it
 #: re-exports them) and its CLI entry
 NOT_CORE = {"blockhess", "blockhess.__main__"}
+INTEGRATIONS = "blockhess.integrations"  # other libraries' interfaces on top of the public API, adapters included
 
 
 def _is_adapter(module: str) -> bool:
@@ -126,7 +127,7 @@ def test_no_import_cycle():
 def test_the_core_never_imports_the_adapters():
     graph = _graph()
     for module in sorted(set(MODULES) - NOT_CORE):
-        if not module.startswith("blockhess.") or _is_adapter(module):
+        if not module.startswith("blockhess.") or _is_adapter(module) or module.startswith(INTEGRATIONS):
             continue
         seen, todo = set(), [module]
         while todo:  # everything the module imports, directly or through other modules
@@ -134,6 +135,7 @@ def test_the_core_never_imports_the_adapters():
                 seen.add(t)
                 todo.append(t)
         assert not any(_is_adapter(t) for t in seen), f"{module} imports {sorted(t for t in seen if _is_adapter(t))}"
+        assert not any(t.startswith(INTEGRATIONS) for t in seen), f"{module} imports an integration"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -21,6 +21,9 @@ BENCH = {"jax", "jaxlib", "curvlinops"}  # import names of the bench extra (benc
 #: optional packages the core imports inside the one function that needs them, never at import time:
 #: the operators' SciPy export (HessianOperator.to_scipy) and the dataset mean's progress bar
 LAZY = {"blockhess/operators/operator.py": {"scipy", "tqdm"}}
+#: the integrations with other libraries (blockhess.integrations), each imported only by its user: their
+#: library at module level; nothing else in blockhess imports them
+INTEGRATIONS = {"blockhess/integrations/laplace.py": {"laplace"}}
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -128,12 +131,16 @@ def test_the_core_imports_only_torch_numpy_psutil_and_the_standard_library():
             assert _imports(path) - allowed == {"blockhess_lab"}
             continue
         rel = path.relative_to(SRC).as_posix()
-        extra = _imports(path) - allowed - LAZY.get(rel, set())
+        extra = _imports(path) - allowed - LAZY.get(rel, set()) - INTEGRATIONS.get(rel, set())
         eager = _module_level_imports(path) & LAZY.get(rel, set())
         if extra or eager:
             bad[rel] = sorted(extra | eager)
+        if not rel.startswith("blockhess/integrations/") and "integrations" in path.read_text():
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, ast.ImportFrom) and "integrations" in (n.module or "") for n in ast.walk(tree)):
+                bad[rel] = ["blockhess.integrations"]
     assert not bad, bad
-    assert all((SRC / rel).exists() for rel in LAZY)
+    assert all((SRC / rel).exists() for rel in {**LAZY, **INTEGRATIONS})
 
 
 def test_a_module_level_import_is_told_from_a_lazy_one(tmp_path):  # the check above can fail

@@ -389,7 +389,7 @@ def init_params(
 
 _EMBEDDINGS = ("linear", "patch", "token", "none")
 _POSITIONS = ("none", "sinusoidal", "learned")
-_POOLS = ("none", "mean", "first")
+_POOLS = ("none", "mean", "first", "last")
 
 
 @dataclass(frozen=True)
@@ -460,8 +460,13 @@ class ModelConfig:
         ``embed_scale`` buffer cast to the weight's dtype). ``1.0``: none; any other value needs
         ``embedding="token"``; finite and ``> 0``.
     pool : str
-        ``"none"`` (per-token outputs ``(B, L, ·)``), ``"mean"`` over tokens or ``"first"``
-        (token 0, the ``cls`` token): outputs ``(B, ·)``.
+        ``"none"`` (per-token outputs ``(B, L, ·)``), ``"mean"`` over tokens, ``"first"``
+        (token 0, the ``cls`` token) or ``"last"`` (token ``L − 1``, GPT-2's sequence classifier):
+        outputs ``(B, ·)``.
+    pad_token : int or None
+        With ``pool="last"`` and ``embedding="token"``: the padding id (GPT-2's ``pad_token_id``).
+        Inputs holding it are refused (``ValueError``): the module would pool at the last token that
+        is not padding, which ``"last"`` is not.
     head : int or None
         Output width of the linear head ``W_H`` ``(d_model, head)`` (classes, or the vocabulary);
         ``None``: no head, the output is ``h`` itself.
@@ -508,6 +513,7 @@ class ModelConfig:
     norm_type: str = "layer"
     rms_offset: float = 0.0
     embed_scale: float = 1.0
+    pad_token: int | None = None
 
     def __post_init__(self) -> None:
         blocks = tuple(self.blocks) if isinstance(self.blocks, (list, tuple)) else (self.blocks,)
@@ -568,6 +574,11 @@ class ModelConfig:
                                  f"(its patches{' and the cls token' if self.cls_token else ''})")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.positions='sinusoidal' needs an even d_model, got {self.d_model}")
+        if self.pad_token is not None:
+            if self.pool != "last" or self.embedding != "token":
+                raise ValueError(f"ModelConfig.pad_token={self.pad_token!r} has meaning only with pool='last' and "
+                                 f"embedding='token', got pool={self.pool!r}, embedding={self.embedding!r}")
+            object.__setattr__(self, "pad_token", check_int("ModelConfig.pad_token", self.pad_token, 0))
         if self.tied:
             if self.embedding != "token" or self.head != self.vocab:
                 raise ValueError("ModelConfig.tied needs embedding='token' and head == vocab (z = h W_E^T)")

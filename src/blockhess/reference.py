@@ -165,7 +165,8 @@ def _model_forward(p: dict, inputs, cfg: ModelConfig) -> torch.Tensor:
         X = forward({k[len(pre):]: v for k, v in p.items() if k.startswith(pre)}, X, bc, keys, pos)
     if cfg.final_norm:
         X = _model_norm(p, X, cfg, "F")
-    h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "none": lambda: X}[cfg.pool]()
+    h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "last": lambda: X[:, -1:],
+         "none": lambda: X}[cfg.pool]()
     if cfg.head is None:
         return h
     return h @ (p["W_E"].T if cfg.tied else p["W_H"]) + (p["b_H"] if "b_H" in p else 0)

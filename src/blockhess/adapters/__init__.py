@@ -67,7 +67,8 @@ def from_torch(module: nn.Module, example_inputs=None, *, src_mask: torch.Tensor
       scales (``ln_affine``); attention always has its output projection, ``d_k = d_model / nhead``.
     * ``nn.TransformerEncoder``: its layers as blocks ``blocks.{i}``, its optional final ``norm`` as
       ``final_norm``; ``embedding="none"`` (inputs are ``X_0``), no pooling, no head.
-    * Hugging Face ``GPT2LMHeadModel``, ``GPT2Model``, ``GPT2Block``, ``ViTForImageClassification``,
+    * Hugging Face ``GPT2LMHeadModel``, ``GPT2ForSequenceClassification`` (the last token, ``pool="last"``;
+      inputs holding its ``pad_token_id`` refused), ``GPT2Model``, ``GPT2Block``, ``ViTForImageClassification``,
       ``ViTModel``, ``ViTLayer``, ``BertModel``, ``BertLayer`` (:mod:`.hf`). GPT-2's blocks are causal
       (called alone with no ``attention_mask``, transformers' eager attention masks nothing, sdpa
       masks causally); BERT's and ViT's are not (BERT with ``is_decoder=True``: causal). Parameters

@@ -13,6 +13,9 @@ parameters are laid out otherwise is refused by name, never guessed at.
   embedding ``wte`` = ``W_E``, learned positions ``wpe`` = ``W_P``, ``ln_f`` the final LayerNorm; the
   LM head tied to ``wte`` (``tied=True``: ``named_parameters`` lists the shared tensor once, as
   ``transformer.wte.weight``, and its Hessian has both uses).
+  ``GPT2ForSequenceClassification``: the same stack, ``score`` = ``W_H`` on the last token
+  (``pool="last"``; ``pad_token`` = ``config.pad_token_id``: inputs holding it, padded sequences the
+  module pools at their last non-padding token, are refused).
 * ViT (``ViTForImageClassification``, ``ViTModel``, ``ViTLayer``): the patch ``Conv2d`` ``(d, C, p, p)``
   = ``W_E^T`` reshaped, ``cls_token`` ``(1, 1, d)`` = ``cls``, ``position_embeddings`` ``(1, n+1, d)``
   = ``W_P``; pre-LN (``layernorm_before``, ``layernorm_after``), ``attention.q_proj/k_proj/v_proj/o_proj``,
@@ -51,9 +54,9 @@ FAMILIES = ("Llama", "Qwen2", "Mistral", "Gemma")
 #: The Hugging Face blocks: their inputs are ``(B, L, d)`` hidden states.
 BLOCKS = ("GPT2Block", "ViTLayer", "BertLayer") + tuple(f"{f}DecoderLayer" for f in FAMILIES)
 #: What this reader takes, for error messages.
-SUPPORTED = "Hugging Face GPT2LMHeadModel, GPT2Model, GPT2Block, ViTForImageClassification, ViTModel, ViTLayer, " \
-            "BertModel, BertLayer, and LlamaForCausalLM, LlamaModel, LlamaDecoderLayer and the same three of Qwen2, " \
-            "Mistral and Gemma"
+SUPPORTED = "Hugging Face GPT2LMHeadModel, GPT2ForSequenceClassification, GPT2Model, GPT2Block, " \
+            "ViTForImageClassification, ViTModel, ViTLayer, BertModel, BertLayer, and LlamaForCausalLM, LlamaModel, " \
+            "LlamaDecoderLayer and the same three of Qwen2, Mistral and Gemma"
 
 # transformers' activation modules (transformers.activations) -> ours; others are refused
 _ACTIVATIONS = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
@@ -233,6 +236,19 @@ def _gpt2_lm(model) -> tuple:
     if head.bias is not None:
         spec["lm_head.bias"] = Stored(("b_H",))
     return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
+
+
+def _gpt2_classifier(model) -> tuple:
+    kw, spec = _gpt2_model(model.transformer, "transformer.")
+    head = model.score
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"score: expected nn.Linear, got {type(head).__name__}")
+    spec["score.weight"] = Stored(("W_H",), transposed=True)
+    if head.bias is not None:
+        spec["score.bias"] = Stored(("b_H",))
+    kw["pool"] = "last"
+    pad = getattr(model.config, "pad_token_id", None)
+    return ModelConfig(head=head.out_features, head_bias=head.bias is not None, pad_token=pad, **kw), spec
 
 
 # ---------------------------------------------------------------------------------------------- ViT
@@ -542,7 +558,8 @@ def _llama_lm(model) -> tuple:
     return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
 
 
-_READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2Model": _gpt2, "GPT2Block": _gpt2_block,
+_READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2ForSequenceClassification": _gpt2_classifier, "GPT2Model": _gpt2,
+            "GPT2Block": _gpt2_block,
             "ViTForImageClassification": _vit_classifier, "ViTModel": _vit, "ViTLayer": _vit_layer,
             "BertModel": _bert, "BertLayer": _bert_layer,
             **{f"{f}ForCausalLM": _llama_lm for f in FAMILIES}, **{f"{f}Model": _llama for f in FAMILIES},

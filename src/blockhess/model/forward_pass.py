@@ -203,7 +203,7 @@ def _like(params: dict) -> torch.Tensor:
 
 def check_model_inputs(params: dict, inputs, cfg: ModelConfig) -> None:
     """Validate ``inputs`` (a :class:`Batch` from :func:`model_input`, or its tensor) against ``cfg``
-    (shape; finite features; token ids integer, on the parameters' device and in ``[0, vocab)``; the
+    (shape; finite features; token ids integer, on the parameters' device, in ``[0, vocab)`` and none the ``pad_token``; the
     sequence no longer than the positions; masks, positions, types as :func:`model_input` read them) and
     ``params`` (names, shapes, one floating dtype and device, finite). Raises ``ValueError`` naming the
     argument and what was expected; ``NotImplementedError`` for a sequence longer than a block's
@@ -233,6 +233,11 @@ def check_model_inputs(params: dict, inputs, cfg: ModelConfig) -> None:
         if lo < 0 or hi >= cfg.vocab:
             bad = ((inputs < 0) | (inputs >= cfg.vocab)).nonzero()[0].tolist()
             raise ValueError(f"inputs: token id {int(inputs[tuple(bad)])} at {tuple(bad)} is out of range [0, {cfg.vocab})")
+        if cfg.pad_token is not None and bool((inputs == cfg.pad_token).any()):
+            at = tuple((inputs == cfg.pad_token).nonzero()[0].tolist())
+            raise ValueError(f"inputs: the padding id {cfg.pad_token} (ModelConfig.pad_token) at {at}: padded sequences "
+                             "are not supported with pool='last' (the module pools at the last token that is not "
+                             "padding); pass unpadded sequences of one length")
     else:
         want = {"patch": f"(B, {', '.join(map(str, cfg.image))})" if cfg.image else "",
                 "linear": f"(B, L, {cfg.d_in})", "none": f"(B, L, {d})"}[cfg.embedding]
@@ -361,7 +366,8 @@ def trace(params: dict, inputs, cfg: ModelConfig, derivatives: bool = True, firs
     if cfg.final_norm:
         _check_norm("the final norm input (the last block's output)", X, cfg, first)
         u = _norm(params, X, cfg, "F")
-    h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else u
+    h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else \
+        u[:, -1:] if cfg.pool == "last" else u
     z = h
     if cfg.head is not None:
         z = h @ (params["W_E"].T if cfg.tied else params["W_H"])

@@ -262,12 +262,14 @@ class NormStage:
 
 
 class PoolStage:
-    """``h = mean_t u_t`` (``"mean"``) or ``h = u_0`` (``"first"``) over ``L`` tokens of width ``d``."""
+    """``h = mean_t u_t`` (``"mean"``), ``h = u_0`` (``"first"``) or ``h = u_{L-1}`` (``"last"``) over ``L``
+    tokens of width ``d``."""
 
     names: tuple[str, ...] = ()
 
     def __init__(self, kind: str, L: int, d: int):
         self.kind, self.L, self.d = kind, L, d
+        self.at = L - 1 if kind == "last" else 0  # the token picked ("first", "last")
         self.curv = _none_curv
 
     vjps = _each_vjp
@@ -280,17 +282,17 @@ class PoolStage:
         if self.kind == "mean":
             return (W[:, :, None, :] / self.L).expand(B, R, self.L, self.d).reshape(B, R, -1)
         out = W.new_zeros(B, R, self.L, self.d)
-        out[:, :, 0] = W
+        out[:, :, self.at] = W
         return out.reshape(B, R, -1)
 
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         B, _, n = G.shape
         G = G.reshape(B, self.L, self.d, n)
-        return G.mean(1) if self.kind == "mean" else G[:, 0]
+        return G.mean(1) if self.kind == "mean" else G[:, self.at]
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``(k, B, 1, d)`` from ``(k, B, L, d)``."""
-        return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, :1]
+        return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, self.at:self.at + 1]
 
     def adjoint2(self, g, dx, V, dg: torch.Tensor, names, functional: bool = True, into=None):
         """``(ġ_x (k, B, L, d), {})``: linear, no variables."""
