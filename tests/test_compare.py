@@ -256,3 +256,14 @@ def test_seq_len_past_positions_exit_2(run, tmp_path, capsys):
     model_dir, _, _ = run
     assert main(["compare", "--model", str(model_dir), "--seq-len", "9", "--out", str(tmp_path / "o")]) == 2
     assert "--seq-len 9 exceeds the model's 8 positions" in capsys.readouterr().err
+
+
+def test_missing_extras_exit_2(tmp_path, capsys, monkeypatch):
+    """Without curvlinops (the bench extra) the command says which package and extra it needs, one line."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "curvlinops" else real(name, *a))
+    assert main(["compare", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "needs curvlinops: pip install 'blockhess[bench]'" in err and not (tmp_path / "o").exists()

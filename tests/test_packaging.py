@@ -18,6 +18,7 @@ SRC = ROOT / "src"
 CORE = {"torch", "numpy", "psutil"}
 LAB = {"matplotlib", "sklearn", "scipy", "tqdm"}  # import names of the lab extra
 BENCH = {"jax", "jaxlib", "curvlinops"}  # import names of the bench extra (bench's own baselines)
+HF = {"transformers"}  # the hf extra: compare's models (it says which extras it needs when they are missing)
 #: optional packages the core imports inside the one function that needs them, never at import time:
 #: the operators' SciPy export (HessianOperator.to_scipy) and the dataset mean's progress bar
 LAZY = {"blockhess/operators/operator.py": {"scipy", "tqdm"}}
@@ -151,7 +152,7 @@ def test_a_module_level_import_is_told_from_a_lazy_one(tmp_path):  # the check a
 
 
 def test_the_harness_imports_only_what_the_core_and_its_extras_install():
-    allowed = CORE | LAB | BENCH | set(sys.stdlib_module_names) | {"blockhess", "blockhess_lab"}
+    allowed = CORE | LAB | BENCH | HF | set(sys.stdlib_module_names) | {"blockhess", "blockhess_lab"}
     bad = {str(p.relative_to(SRC)): sorted(_imports(p) - allowed)
            for p in sorted((SRC / "blockhess_lab").rglob("*.py")) if _imports(p) - allowed}
     assert not bad, bad
