@@ -43,18 +43,20 @@ whole model (the same ``λ`` everywhere).
 Presets (``--preset``, random weights from ``--seed``, float64): ``gpt2`` a two-layer
 ``GPT2LMHeadModel`` (d = 16, 2 heads, d_ff = 32, vocabulary 32, untied head), next-token targets of
 random tokens; ``vit`` a two-layer ``ViTForImageClassification`` (8×8 images, 4×4 patches, d = 16,
-2 heads, d_ff = 32, 4 classes) on random images and labels; ``llama`` a Llama-style two-layer model
-built directly as a :class:`~blockhess.config.ModelConfig` (RMSNorm pre-norm blocks, SwiGLU FFN, RoPE,
-4 query heads on 2 key/value heads, d = 16, no final norm: the model walk's final norm is a LayerNorm
-here) until :func:`blockhess.from_torch` reads ``LlamaForCausalLM``: it has no torch module, so
-curvlinops and the GPTQ proxy (which need the model's layers) are not run on it, by name.
-``--model DIR``: a ``save_pretrained`` folder of a ``GPT2LMHeadModel`` or ``ViTForImageClassification``
-read offline.
+2 heads, d_ff = 32, 4 classes) on random images and labels; ``llama`` a two-layer ``LlamaForCausalLM``
+(d = 16, 4 query heads on 2 key/value heads of d_k = 4, SwiGLU FFN with d_ff = 32, RoPE with θ = 10⁴,
+RMSNorm pre-norm blocks and final RMSNorm, untied head, vocabulary 32; matrices N(0, 0.5²), RMSNorm weights
+1 + N(0, 0.3²)), next-token targets of random tokens. ``--model DIR``: a ``save_pretrained`` folder of a
+``GPT2LMHeadModel``, ``ViTForImageClassification`` or ``LlamaForCausalLM`` read offline. A
+``LlamaForCausalLM``'s RMSNorms and rotary tables are made to compute in float64 on that instance
+(:func:`float64_llama`); every model's logits must equal :func:`blockhess.forward`'s to
+:data:`FORWARD_TOL` (:func:`check_forward`) before anything is compared.
 
 Writes ``compare.json`` (every number, the settings and seeds that reproduce it), ``compare.md`` (per
 reference a table per metric: rows modules, columns approximations) and ``rel_fro.png``,
 ``inverse_cos.png`` into ``--out``, atomically. Exit status 0; 2 with one line on stderr for bad input
-(an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read).
+(an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read, a module
+whose logits are not :func:`blockhess.forward`'s).
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="gpt2", metavar="NAME",
                    help=f"the model, random weights from --seed: {', '.join(PRESETS)} (default: gpt2)")
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="a save_pretrained folder (GPT2LMHeadModel or ViTForImageClassification) read offline, "
-                        "instead of --preset")
+                   help="a save_pretrained folder (GPT2LMHeadModel, ViTForImageClassification or LlamaForCausalLM) read "
+                        "offline, instead of --preset")
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training sequences (or images) (default: 8)")
     p.add_argument("--seq-len", type=int, default=8, metavar="L", help="tokens per sequence, text models (default: 8)")
     p.add_argument("--sophia-samples", default="1,10,100", metavar="LIST",
