@@ -330,3 +330,13 @@ def test_seq_len_past_positions_exit_2(run, tmp_path, capsys):
     model_dir, _, _ = run
     assert main(["compare", "--model", str(model_dir), "--seq-len", "9", "--out", str(tmp_path / "o")]) == 2
     assert "--seq-len 9 exceeds the model's 8 positions" in capsys.readouterr().err
+
+
+def test_llama_other_rope_exit_2(tmp_path, capsys):
+    _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}).save_pretrained(tmp_path / "m")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["compare", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 2
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last == (f"blockhess compare: error: --model {tmp_path / 'm'}: a LlamaForCausalLM with rope_type 'linear'; "
+                    "compare reads rope_type 'default'")
+    assert not (tmp_path / "o").exists()
