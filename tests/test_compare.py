@@ -2,8 +2,9 @@
 one module recomputed here from its definition (KFAC's and EKFAC's from curvlinops' own dense matrices on
 the model's own logits, GPTQ's proxy from the layer's inputs, Sophia's diagonal from Hugging Face's
 gradients, Hutchinson's from its probes, each against the dense closed form :func:`blockhess.hessian`),
-the index map and the loss scale checked by curvlinops' exact GGN, exact against exact, Hutchinson's
-error shrinking with more probes, and the one-line errors of bad input."""
+the index map and the loss scale checked by curvlinops' exact GGN (on the GPT-2 and on a tiny
+``LlamaForCausalLM`` read from its folder, its RMSNorms and rotary tables made float64 on the instance),
+exact against exact, Hutchinson's error shrinking with more probes, and the one-line errors of bad input."""
 
 from __future__ import annotations
 
@@ -187,6 +188,79 @@ def test_index_map_and_scale_by_curvlinops_ggn(run):
     assert float((M - ours).norm() / ours.norm()) <= TOL
 
 
+LLAMA_SIZES = dict(vocab_size=8, hidden_size=8, intermediate_size=6, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 500.0}, pad_token_id=None,
+                   bos_token_id=None, eos_token_id=None)
+
+
+def _tiny_llama(**kw):
+    """Grouped-query (4 query heads on 2 K/V heads), SwiGLU, RoPE, final RMSNorm, untied head; float64 weights
+    away from the initialisation (matrices N(0, 0.5²), RMSNorm weights 1 + N(0, 0.3²))."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_SIZES, **kw}, attn_implementation="sdpa"))
+    model = model.double().eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.copy_(1.0 + 0.3 * r if "norm" in n else 0.5 * r)
+    return model
+
+
+def _ggn_check(pr):
+    mods = C.modules_of(pr)
+    covered = [n for n in mods if n in pr.index]
+    assert covered == C.whole_of(pr)
+    idx = torch.cat([pr.index[n] for n in covered])
+    Gl = curvlinops.GGNLinearOperator(pr.module, torch.nn.CrossEntropyLoss(), pr.layers, [(pr.inputs, pr.target.reshape(-1))],
+                                      check_deterministic=False)
+    M = (Gl @ torch.eye(Gl.shape[1], dtype=torch.float64))[idx][:, idx]
+    H = bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part="outer")
+    ours = C.exact_dense(pr, covered, {"outer": H, "full": H})["outer"]
+    assert float((M - ours).norm() / ours.norm()) <= TOL
+
+
+def test_llama_index_map_and_scale_by_curvlinops_ggn(tmp_path):
+    """A saved LlamaForCausalLM read by --model: its RMSNorms and rotary tables computed in float64 on the
+    instance (the class untouched), its logits blockhess.forward's (1e-12), and curvlinops' exact GGN on
+    its nn.Linear layers, moved by the index map, our exact GGN (1e-10)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    cls_forward = LlamaRMSNorm.forward
+    _tiny_llama().save_pretrained(tmp_path / "llama")
+    pr = C.problem(C.Settings(None, str(tmp_path / "llama"), 2, 3, (1,), (2,), 0.01, 1))
+    assert LlamaRMSNorm.forward is cls_forward
+    assert pr.description["kind"] == "LlamaForCausalLM" and pr.description["forward_rel_diff"] <= 1e-12
+    assert pr.cfg.final_norm and len(pr.layer_names) == 8  # q, k, v, o, gate, up, down, the head
+    _ggn_check(pr)
+
+
+def test_forward_check_refuses_hugging_face_float32_norms():
+    """Unpatched, Hugging Face's float32 RMSNorm and rotary tables move the logits by float32 rounding:
+    check_forward refuses the module by name; after float64_llama it passes."""
+    model = _tiny_llama()
+    cfg, params = bh.from_torch(model)
+    ids = torch.randint(0, 8, (2, 3), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="--model m: the module's logits differ from blockhess.forward's"):
+        C.check_forward(model, cfg, params, ids, "--model m")
+    assert C.check_forward(C.float64_llama(model), cfg, params, ids, "--model m") <= 1e-12
+    bad = _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+    with pytest.raises(ValueError, match="rope_type 'linear'; compare reads rope_type 'default'"):
+        C.float64_llama(bad)
+
+
+def test_llama_preset_is_a_module():
+    """--preset llama: a LlamaForCausalLM (2 layers, d = 16, 4 query heads on 2 K/V heads, final RMSNorm,
+    untied head) whose every weight matrix of a linear map is an nn.Linear curvlinops and the GPTQ proxy see."""
+    pr = C.problem(C.Settings("llama", None, 2, 2, (1,), (2,), 0.01, 0))
+    assert pr.description["kind"] == "LlamaForCausalLM" and pr.description["forward_rel_diff"] <= 1e-12
+    b = pr.cfg.blocks[0]
+    assert (len(pr.cfg.blocks), b.d_model, b.n_heads, b.n_kv_heads, b.gated, b.rope, b.norm_type) == (
+        2, 16, 4, 2, True, True, "rms")
+    assert pr.cfg.final_norm and "W_H" in pr.params and len(pr.layer_names) == 15
+    assert [n for n in C.modules_of(pr) if n in pr.index] == C.whole_of(pr)
+
+
 def test_exact_against_exact():
     gen = torch.Generator().manual_seed(0)
     B = torch.randn(12, 12, generator=gen, dtype=torch.float64)
@@ -267,3 +341,13 @@ def test_missing_extras_exit_2(tmp_path, capsys, monkeypatch):
     assert main(["compare", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "needs curvlinops: pip install 'blockhess[bench]'" in err and not (tmp_path / "o").exists()
+
+
+def test_llama_other_rope_exit_2(tmp_path, capsys):
+    _tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}).save_pretrained(tmp_path / "m")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["compare", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 2
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last == (f"blockhess compare: error: --model {tmp_path / 'm'}: a LlamaForCausalLM with rope_type 'linear'; "
+                    "compare reads rope_type 'default'")
+    assert not (tmp_path / "o").exists()

@@ -1146,7 +1146,7 @@ def test_settings_quoted():
 # --------------------------------------------------------------------------- compare (docs/results.md)
 
 #: the run of record of ``blockhess compare``, one JSON per preset in benchmarks/results/
-COMPARE = {"gpt2": "compare-gpt2-f24ec7b", "vit": "compare-vit-f24ec7b", "llama": "compare-llama-f24ec7b"}
+COMPARE = {"gpt2": "compare-gpt2-f24ec7b", "vit": "compare-vit-f24ec7b", "llama": "compare-llama-08debca"}
 COMPARE_METHODS = ("kfac", "ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_100", "hutchinson_2",
                    "hutchinson_100")
 
@@ -1176,17 +1176,18 @@ def test_results_compare_tables(part, header):
 def test_results_compare_quotes():
     g, v, ll = (compare_run(p) for p in COMPARE)
     assert [r["settings"]["seed"] for r in (g, v, ll)] == [0, 0, 0]
-    assert all(r["environment"]["blockhess_commit"] == "f24ec7b" for r in (g, v, ll))
+    assert all(COMPARE[p].endswith("-" + compare_run(p)["environment"]["blockhess_commit"]) for p in COMPARE)
     mods = {p: compare_run(p)["results"]["outer"] for p in COMPARE}
     kfac = [r["kfac"]["rel_fro"] for p in ("gpt2", "vit") for k, r in mods[p].items() if k != "whole" and "kfac" in r]
+    ll_kfac = [r["kfac"]["rel_fro"] for k, r in mods["llama"].items() if k != "whole" and "kfac" in r]
     check_quotes("docs/results.md", [
         ("GPT-2 ({} weights in the whole model's {} matrices)", [sum(g["modules"][n] for n in g["whole"]), len(g["whole"])]),
         ("ViT ({} weights in {} matrices)", [sum(v["modules"][n] for n in v["whole"]), len(v["whole"])]),
-        ("Llama-style model ({} weights in {} matrices;", [sum(ll["modules"][n] for n in ll["whole"]), len(ll["whole"])]),
+        ("`LlamaForCausalLM` ({} weights in {} matrices;", [sum(ll["modules"][n] for n in ll["whole"]), len(ll["whole"])]),
         ("per weight matrix, KFAC's relative error against the GGN block runs from {} to {}", [min(kfac), max(kfac)]),
         ("(`compare-gpt2-f24ec7b`: {} s", [g["timings"]["total_s"]]),
         ("`compare-vit-f24ec7b`: {} s", [v["timings"]["total_s"]]),
-        ("`compare-llama-f24ec7b`: {} s", [ll["timings"]["total_s"]]),
+        ("`compare-llama-08debca`: {} s", [ll["timings"]["total_s"]]),
         ("Over the\n  whole model its error is {} (GPT-2) and {} (ViT)", [g["results"]["outer"]["whole"]["kfac"]["rel_fro"],
                                                              v["results"]["outer"]["whole"]["kfac"]["rel_fro"]]),
         ("nearly\n  orthogonal to the GGN's (alignment {})", [g["results"]["outer"]["whole"]["kfac"]["top_cos"]]),
@@ -1201,7 +1202,15 @@ def test_results_compare_quotes():
         ("(GPT-2's inverse-product cosine {} at 100\n  probes)", [g["results"]["outer"]["whole"]["hutchinson_100"]["inverse_cos"]]),
         ("(relative error {} at 100 probes on GPT-2's GGN)", [g["results"]["outer"]["whole"]["hutchinson_100"]["trace_rel"]]),
         ("(the whole GPT-2's `‖H‖_F` {} against the GGN's\n  {})", [g["exact"]["full"]["whole"]["fro"], g["exact"]["outer"]["whole"]["fro"]]),
+        ("KFAC's whole-model error is {}\n  and EKFAC's {}; per weight matrix KFAC's runs from {} (the head) to {} (`blocks.0.W_2`)",
+         [ll["results"]["outer"]["whole"]["kfac"]["rel_fro"], ll["results"]["outer"]["whole"]["ekfac"]["rel_fro"],
+          min(ll_kfac), max(ll_kfac)]),
+        ("GPTQ proxy at its best multiple has error {} with a top-eigenvector alignment of {}",
+         [ll["results"]["outer"]["whole"]["gptq_best"]["rel_fro"], ll["results"]["outer"]["whole"]["gptq_best"]["top_cos"]]),
+        ("(`‖G‖_F` {}, `‖H‖_F` {})", [ll["exact"]["outer"]["whole"]["fro"], ll["exact"]["full"]["whole"]["fro"]]),
     ])
+    assert min(ll_kfac) == mods["llama"]["W_H"]["kfac"]["rel_fro"]
+    assert max(ll_kfac) == mods["llama"]["blocks.0.W_2"]["kfac"]["rel_fro"]
     hq = [r["hutchinson_2"]["rel_fro"] for k, r in mods["gpt2"].items() if k in ("blocks.0.W_Q", "blocks.0.W_K")]
     assert all(100 <= e < 10_000 for e in hq)  # "relative errors of 10²–10³ there"
     assert max(kfac) == mods["gpt2"]["blocks.0.W_V"]["kfac"]["rel_fro"] and min(kfac) == mods["vit"]["W_H"]["kfac"]["rel_fro"]

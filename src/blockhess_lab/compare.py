@@ -43,18 +43,20 @@ whole model (the same ``λ`` everywhere).
 Presets (``--preset``, random weights from ``--seed``, float64): ``gpt2`` a two-layer
 ``GPT2LMHeadModel`` (d = 16, 2 heads, d_ff = 32, vocabulary 32, untied head), next-token targets of
 random tokens; ``vit`` a two-layer ``ViTForImageClassification`` (8×8 images, 4×4 patches, d = 16,
-2 heads, d_ff = 32, 4 classes) on random images and labels; ``llama`` a Llama-style two-layer model
-built directly as a :class:`~blockhess.config.ModelConfig` (RMSNorm pre-norm blocks, SwiGLU FFN, RoPE,
-4 query heads on 2 key/value heads, d = 16, no final norm: the model walk's final norm is a LayerNorm
-here) until :func:`blockhess.from_torch` reads ``LlamaForCausalLM``: it has no torch module, so
-curvlinops and the GPTQ proxy (which need the model's layers) are not run on it, by name.
-``--model DIR``: a ``save_pretrained`` folder of a ``GPT2LMHeadModel`` or ``ViTForImageClassification``
-read offline.
+2 heads, d_ff = 32, 4 classes) on random images and labels; ``llama`` a two-layer ``LlamaForCausalLM``
+(d = 16, 4 query heads on 2 key/value heads of d_k = 4, SwiGLU FFN with d_ff = 32, RoPE with θ = 10⁴,
+RMSNorm pre-norm blocks and final RMSNorm, untied head, vocabulary 32; matrices N(0, 0.5²), RMSNorm weights
+1 + N(0, 0.3²)), next-token targets of random tokens. ``--model DIR``: a ``save_pretrained`` folder of a
+``GPT2LMHeadModel``, ``ViTForImageClassification`` or ``LlamaForCausalLM`` read offline. A
+``LlamaForCausalLM``'s RMSNorms and rotary tables are made to compute in float64 on that instance
+(:func:`float64_llama`); every model's logits must equal :func:`blockhess.forward`'s to
+:data:`FORWARD_TOL` (:func:`check_forward`) before anything is compared.
 
 Writes ``compare.json`` (every number, the settings and seeds that reproduce it), ``compare.md`` (per
 reference a table per metric: rows modules, columns approximations) and ``rel_fro.png``,
 ``inverse_cos.png`` into ``--out``, atomically. Exit status 0; 2 with one line on stderr for bad input
-(an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read).
+(an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read, a module
+whose logits are not :func:`blockhess.forward`'s).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 import blockhess as bh
-from blockhess.config import BlockConfig, ModelConfig, init_params
+from blockhess.config import ModelConfig
 from blockhess.operators import hutchinson_diagonal
 from . import plots
 from .bench_worker import peak_bytes
@@ -88,9 +90,6 @@ METRICS = ("rel_fro", "top_cos", "inverse_cos", "spearman", "diag_rel", "trace_r
 WHOLE = "whole"
 #: curvlinops' settings (the JSON records them)
 KFAC_SETTINGS = {"fisher_type": "type-2", "kfac_approx": "expand", "loss": "CrossEntropyLoss(reduction='mean')"}
-#: not run on a preset without a torch module, and why
-NO_MODULE = ("this preset is built directly as a ModelConfig (no torch module) until blockhess.from_torch reads "
-             "LlamaForCausalLM (branch llama): curvlinops and the GPTQ proxy need the model's layers")
 KRONFLUENCE = ("not run: kronfluence's EK-FAC fits its factors through its own Task/DataLoader pipeline and "
                "stores them on disk; wiring and reading them back densely did not fit this round. It is the same "
                "approximation family as curvlinops' EKFAC, which is compared")
@@ -98,11 +97,14 @@ KRONFLUENCE = ("not run: kronfluence's EK-FAC fits its factors through its own T
 GPT2_SIZES = dict(n_embd=16, n_head=2, n_layer=2, n_inner=32, vocab_size=32)
 VIT_SIZES = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
                  num_attention_heads=2, intermediate_size=32, num_labels=4)
-LLAMA_BLOCK = BlockConfig(d_model=16, d_ff=32, d_k=4, d_v=4, n_heads=4, n_kv_heads=2, norm="pre", norm_type="rms",
-                          ln_affine=True, ln_eps=1e-6, gated=True, activation="silu", out_proj=True, rope=True,
-                          causal=True, bias=False)
-LLAMA = ModelConfig(blocks=(LLAMA_BLOCK,) * 2, embedding="token", vocab=32, final_norm=False, pool="none", head=32,
-                    head_bias=False)
+LLAMA_SIZES = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=None,
+                   bos_token_id=None, eos_token_id=None, use_cache=False)
+#: the preset's random weights: matrices N(0, LLAMA_STD[0]²), RMSNorm weights 1 + N(0, LLAMA_STD[1]²)
+LLAMA_STD = (0.5, 0.3)
+#: the largest relative Frobenius difference of the module's logits from blockhess.forward's accepted
+FORWARD_TOL = 1e-12
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,8 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="gpt2", metavar="NAME",
                    help=f"the model, random weights from --seed: {', '.join(PRESETS)} (default: gpt2)")
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="a save_pretrained folder (GPT2LMHeadModel or ViTForImageClassification) read offline, "
-                        "instead of --preset")
+                   help="a save_pretrained folder (GPT2LMHeadModel, ViTForImageClassification or LlamaForCausalLM) read "
+                        "offline, instead of --preset")
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training sequences (or images) (default: 8)")
     p.add_argument("--seq-len", type=int, default=8, metavar="L", help="tokens per sequence, text models (default: 8)")
     p.add_argument("--sophia-samples", default="1,10,100", metavar="LIST",
@@ -270,8 +272,48 @@ def _hf_preset(name: str, seed: int):
         c = tf.GPT2Config(**GPT2_SIZES, n_positions=64, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
         return tf.GPT2LMHeadModel(c)
+    if name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_SIZES, **common)).double()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                p.copy_(1.0 + LLAMA_STD[1] * r if "norm" in n else LLAMA_STD[0] * r)
+        return model
     c = tf.ViTConfig(**VIT_SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
     return tf.ViTForImageClassification(c)
+
+
+def float64_llama(model: torch.nn.Module) -> torch.nn.Module:
+    r"""Make a ``LlamaForCausalLM`` instance compute its RMSNorms and rotary tables in the input's dtype
+    (Hugging Face's compute them in float32 even in a float64 model): each ``LlamaRMSNorm``'s forward
+    becomes ``w ⊙ x / √(mean(x²) + ε)`` and each ``LlamaRotaryEmbedding``'s ``cos, sin`` of
+    ``position · θ^(−2i/d_k)`` with the frequencies recomputed in the input's dtype from the config's
+    ``rope_theta``. Only this instance (and its deep copies) changes, in place; returns it. Raises
+    ``ValueError`` for a rotary embedding other than ``rope_type="default"``."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    def rms(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        c = self.config
+        d_k = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        inv = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, d_k, 2, dtype=x.dtype) / d_k))
+        emb = torch.cat((position_ids[..., None].to(x.dtype) * inv,) * 2, -1)
+        return emb.cos(), emb.sin()
+
+    for m in model.modules():
+        if isinstance(m, LlamaRMSNorm):
+            m.forward = types.MethodType(rms, m)
+        elif isinstance(m, LlamaRotaryEmbedding):
+            rope = (getattr(m.config, "rope_parameters", None) or {}).get("rope_type", "default")
+            if rope != "default":
+                raise ValueError(f"a LlamaForCausalLM with rope_type {rope!r}; compare reads rope_type 'default'")
+            m.forward = types.MethodType(rotary, m)
+    return model
 
 
 def _read_dir(path: str):
@@ -282,11 +324,30 @@ def _read_dir(path: str):
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model {path}: cannot read its config: {str(exc).splitlines()[0]}") from None
     arch = (getattr(c, "architectures", None) or [None])[0]
-    classes = {"GPT2LMHeadModel": tf.GPT2LMHeadModel, "ViTForImageClassification": tf.ViTForImageClassification}
+    classes = {"GPT2LMHeadModel": tf.GPT2LMHeadModel, "ViTForImageClassification": tf.ViTForImageClassification,
+               "LlamaForCausalLM": tf.LlamaForCausalLM}
     if arch not in classes:
         raise ValueError(f"--model {path}: architecture {arch!r}; compare reads {', '.join(classes)}")
     c._attn_implementation = "sdpa"
+    if arch == "LlamaForCausalLM":
+        c.use_cache = False
     return classes[arch].from_pretrained(path, config=c, local_files_only=True)
+
+
+def check_forward(model: torch.nn.Module, cfg: ModelConfig, params: dict, inputs: torch.Tensor, where: str) -> float:
+    """The relative Frobenius difference of the module's logits on ``inputs`` (SDPA's math kernel) from
+    :func:`blockhess.forward`'s; raises ``ValueError`` naming ``where`` when it exceeds :data:`FORWARD_TOL`
+    (the module then does not compute what our closed forms differentiate)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        z = model(inputs).logits
+        ours = bh.forward(params, inputs, cfg)
+    err = float((z - ours).norm() / ours.norm())
+    if not err <= FORWARD_TOL:
+        raise ValueError(f"{where}: the module's logits differ from blockhess.forward's by {err:.2g} "
+                         f"(relative Frobenius), more than {FORWARD_TOL:g}")
+    return err
 
 
 def _batch(cfg: ModelConfig, n: int, L: int, gen: torch.Generator, dtype=torch.float64) -> tuple:
@@ -303,22 +364,24 @@ def _batch(cfg: ModelConfig, n: int, L: int, gen: torch.Generator, dtype=torch.f
 def problem(s: Settings) -> Problem:
     """The model and batch of ``s`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(s.seed)
-    if s.preset == "llama":
-        cfg, params, module = LLAMA, init_params(LLAMA, seed=s.seed, dtype=torch.float64), None
-        desc = {"kind": "Llama-style ModelConfig (RMSNorm, SwiGLU, RoPE, grouped-query attention, no final norm)",
-                "layers": 2, "d_model": 16, "n_heads": 4, "n_kv_heads": 2, "d_ff": 32, "vocab": 32}
-    else:
-        model = _hf_preset(s.preset, s.seed) if s.preset else _read_dir(s.model_dir)
-        model = model.double().eval()
+    where = f"--preset {s.preset}" if s.preset else f"--model {s.model_dir}"
+    model = _hf_preset(s.preset, s.seed) if s.preset else _read_dir(s.model_dir)
+    model = model.double().eval()
+    if type(model).__name__ == "LlamaForCausalLM":
         try:
-            cfg, params = bh.from_torch(model)
-        except NotImplementedError as exc:
-            raise ValueError(f"--model {s.model_dir}: blockhess.from_torch cannot read it: {exc}") from None
-        module = model
-        desc = {"kind": type(model).__name__, "config": {k: v for k, v in model.config.to_diff_dict().items()
-                                                         if isinstance(v, (int, float, str, bool))}}
+            float64_llama(model)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    try:
+        cfg, params = bh.from_torch(model)
+    except NotImplementedError as exc:
+        raise ValueError(f"{where}: blockhess.from_torch cannot read it: {exc}") from None
+    module = model
+    desc = {"kind": type(model).__name__, "config": {k: v for k, v in model.config.to_diff_dict().items()
+                                                     if isinstance(v, (int, float, str, bool))}}
     inputs, target = _batch(cfg, s.batch, s.seq_len, gen)
     test = _batch(cfg, 1, s.seq_len, gen)
+    desc["forward_rel_diff"] = check_forward(module, cfg, params, inputs, where)
     name = s.preset or Path(s.model_dir).name
     pr = Problem(name, desc, cfg, params, inputs, target, test)
     if module is not None:
@@ -571,10 +634,6 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
         methods["gptq_raw"] = {"source": "(2/S) X^T X ⊗ I per layer, S sequences"}
         methods["gptq_best"] = {"source": "c · gptq_raw, c = <P, H>_F / ||P||_F^2 per row and reference"}
         bar.update()
-    else:
-        for kind in ("kfac", "ekfac", "gptq_raw", "gptq_best"):
-            methods[kind] = {"not_run": NO_MODULE}
-        bar.update(3)
     gen = torch.Generator().manual_seed(s.seed)
     for S in s.sophia:
         approx[f"sophia_{S}"] = (sophia_diagonal(pr, mods, S, gen), mods)
