@@ -44,8 +44,9 @@ class Wrap(nn.Module):
         super().__init__()
         self.model, self.key = model, key
 
-    def forward(self, x):
-        return self.model(**{self.key: x[self.key] if isinstance(x, dict) else x}).logits
+    def forward(self, x):  # a dict batch: its input and attention_mask (labels are laplace-torch's)
+        kw = {k: v for k, v in x.items() if k in (self.key, "attention_mask")} if isinstance(x, dict) else {self.key: x}
+        return self.model(**kw).logits
 
 
 def randomise(model: nn.Module, seed: int) -> nn.Module:
@@ -86,6 +87,19 @@ def id_batches(seed: int = 3) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     ids, y = torch.randint(0, PAD, (N, 5), generator=g), torch.randint(0, C, (N,), generator=g)
     rows = [{"input_ids": ids[i], "attention_mask": torch.ones(5, dtype=torch.long), "labels": y[i]} for i in range(N)]
+    return DataLoader(rows, batch_size=3)
+
+
+def padded_batches(seed: int = 4) -> DataLoader:
+    """Right-padded dict batches: sequence ``i`` keeps ``5 - i % 3`` tokens, the rest the padding id with
+    ``attention_mask`` zero (the classifier scores the last token that is not padding)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, y = torch.randint(0, PAD, (N, 5), generator=g), torch.randint(0, C, (N,), generator=g)
+    mask = torch.ones(N, 5, dtype=torch.long)
+    for i in range(N):
+        mask[i, 5 - i % 3:] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": y[i]} for i in range(N)]
     return DataLoader(rows, batch_size=3)
 
 
@@ -160,6 +174,14 @@ def test_gpt2_classifier_dict_batches_all_and_lora_subset():
     assert ours.H.shape[0] == 8 * 24 + 8 * C
     with pytest.raises(ValueError, match="BackPACK and Asdfghjkl backends are not supported"):
         Laplace(model, "classification", hessian_structure="full", backend=BackPackGGN)
+
+
+def test_gpt2_classifier_padded_batches():
+    """Padded dict batches (the padding id and zeros in ``attention_mask``): the exact GGN against
+    CurvlinopsGGN through the wrapper, which hands the mask to the model."""
+    model, dl = gpt2(5), padded_batches()
+    ours, theirs = (fitted(model, b, dl) for b in (BlockhessGGN, CurvlinopsGGN))
+    check_against(ours, theirs, next(iter(dl)))
 
 
 def summed_hessian(model: nn.Module, X, y, likelihood: str = "classification") -> torch.Tensor:
@@ -284,11 +306,6 @@ def test_find_model_and_refusals():
 
     g = gpt2(20)
     batch = next(iter(id_batches(21)))
-    padded = dict(batch, attention_mask=batch["attention_mask"].clone())
-    padded["attention_mask"][0, -1] = 0
-    with pytest.raises(ValueError, match="attention_mask pads"):
-        BlockhessGGN(g, "classification").full(padded, batch["labels"])
-    ids = batch["input_ids"].clone()
-    ids[1, -1] = PAD
-    with pytest.raises(ValueError, match="the padding id 10"):
+    ids = torch.full_like(batch["input_ids"], PAD)
+    with pytest.raises(ValueError, match="holds only the padding id 10"):
         BlockhessGGN(g, "classification").full(dict(batch, input_ids=ids), batch["labels"])

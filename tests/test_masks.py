@@ -283,3 +283,32 @@ def test_vit_takes_pixel_values_and_no_mask():
     assert torch.equal(bh.forward(p, {"pixel_values": x}, cfg), bh.forward(p, x, cfg))
     with pytest.raises(ValueError, match="a patch model takes no mask"):
         bh.forward(p, {"pixel_values": x, "attention_mask": torch.ones(B, 4)}, cfg)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_sequence_classifier_padded(attn):
+    """``GPT2ForSequenceClassification`` on right-padded sequences (the padding id in ``input_ids``, zeros in
+    ``attention_mask``): it scores each sequence at its last token that is not padding; ours pools there
+    (``pool="last"`` with ``pad_token``). Forward to 1e-12, the Hessian against double backward."""
+    pad, C = 7, 3
+    conf = tf.GPT2Config(vocab_size=V, n_positions=8, n_embd=8, n_layer=2, n_head=2, n_inner=12, num_labels=C,
+                         pad_token_id=pad, bos_token_id=0, eos_token_id=0, attn_implementation=attn,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = randomise(tf.GPT2ForSequenceClassification(conf), seed=3)
+    cfg, p = bh.from_torch(model)
+    assert cfg.pool == "last" and cfg.pad_token == pad
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, pad, (3, L), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 3:], mask[1, 4:] = 0, 0  # sequence 2 unpadded
+    ids = ids.masked_fill(mask == 0, pad)
+    y = torch.randint(0, C, (3,), generator=g)
+    args = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        out = model(**args).logits
+    assert_close(bh.forward(p, args, cfg), out, tol=FORWARD_TOL, what="forward (last non-padding token)")
+    assert_close(bh.reference.forward(p, args, cfg).reshape(out.shape), out, tol=FORWARD_TOL, what="reference forward")
+    R = module_hessian(model, lambda o: F.cross_entropy(o.logits, y), args)
+    check(model, p, cfg, args, "ce", y, R)
+    with pytest.raises(ValueError, match=r"sequence 0 holds only the padding id 7"):
+        bh.forward(p, {"input_ids": torch.full((1, L), pad), "attention_mask": torch.ones(1, L, dtype=torch.long)}, cfg)

@@ -465,8 +465,9 @@ class ModelConfig:
         outputs ``(B, ·)``.
     pad_token : int or None
         With ``pool="last"`` and ``embedding="token"``: the padding id (GPT-2's ``pad_token_id``).
-        Inputs holding it are refused (``ValueError``): the module would pool at the last token that
-        is not padding, which ``"last"`` is not.
+        ``"last"`` then pools each sequence at its last token whose id is not ``pad_token``, as
+        ``GPT2ForSequenceClassification`` does (:func:`~blockhess.model.forward_pass.last_tokens`);
+        a sequence of padding ids only is refused (``ValueError``).
     head : int or None
         Output width of the linear head ``W_H`` ``(d_model, head)`` (classes, or the vocabulary);
         ``None``: no head, the output is ``h`` itself.

@@ -165,8 +165,13 @@ def _model_forward(p: dict, inputs, cfg: ModelConfig) -> torch.Tensor:
         X = forward({k[len(pre):]: v for k, v in p.items() if k.startswith(pre)}, X, bc, keys, pos)
     if cfg.final_norm:
         X = _model_norm(p, X, cfg, "F")
-    h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "last": lambda: X[:, -1:],
-         "none": lambda: X}[cfg.pool]()
+    if cfg.pool == "last" and cfg.pad_token is not None:  # each sequence's last token that is not padding
+        last = [max(t for t in range(x.shape[1]) if int(x[b, t]) != cfg.pad_token) + int(cfg.cls_token)
+                for b in range(x.shape[0])]
+        h = torch.stack([X[b, t] for b, t in enumerate(last)])[:, None]
+    else:
+        h = {"mean": lambda: X.mean(1, keepdim=True), "first": lambda: X[:, :1], "last": lambda: X[:, -1:],
+             "none": lambda: X}[cfg.pool]()
     if cfg.head is None:
         return h
     return h @ (p["W_E"].T if cfg.tied else p["W_H"]) + (p["b_H"] if "b_H" in p else 0)

@@ -14,8 +14,8 @@ parameters are laid out otherwise is refused by name, never guessed at.
   LM head tied to ``wte`` (``tied=True``: ``named_parameters`` lists the shared tensor once, as
   ``transformer.wte.weight``, and its Hessian has both uses).
   ``GPT2ForSequenceClassification``: the same stack, ``score`` = ``W_H`` on the last token
-  (``pool="last"``; ``pad_token`` = ``config.pad_token_id``: inputs holding it, padded sequences the
-  module pools at their last non-padding token, are refused).
+  (``pool="last"``; ``pad_token`` = ``config.pad_token_id``: each sequence pooled at its last token
+  that is not padding, as the module does).
 * ViT (``ViTForImageClassification``, ``ViTModel``, ``ViTLayer``): the patch ``Conv2d`` ``(d, C, p, p)``
   = ``W_E^T`` reshaped, ``cls_token`` ``(1, 1, d)`` = ``cls``, ``position_embeddings`` ``(1, n+1, d)``
   = ``W_P``; pre-LN (``layernorm_before``, ``layernorm_after``), ``attention.q_proj/k_proj/v_proj/o_proj``,

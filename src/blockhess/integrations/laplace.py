@@ -107,8 +107,9 @@ class ExactCurvature(CurvatureInterface):
 
     Raises ``ValueError`` (on each call, before any curvature) for a model :func:`find_model` or
     :func:`check_output` refuses, a parameter that requires grad outside the model read (named), a
-    per-token model (one output row per example is what laplace-torch's likelihoods take), a padding
-    ``attention_mask``; the errors of :func:`blockhess.hessian` for the batch (a padding token id)."""
+    per-token model (one output row per example is what laplace-torch's likelihoods take); the errors of
+    :func:`blockhess.hessian` for the batch (a sequence of padding ids only). A dict batch's
+    ``attention_mask`` goes with its input to the model read (a padded batch, docs/models.md)."""
 
     part = "full"
 
@@ -141,11 +142,9 @@ class ExactCurvature(CurvatureInterface):
             if self.dict_key_x not in x:
                 raise ValueError(f"the batch has no key dict_key_x={self.dict_key_x!r} (the model's input); its keys: "
                                  f"{list(x)}")
-            mask = x.get("attention_mask")
-            if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-                raise ValueError("the batch's attention_mask pads: padded batches are not supported by this backend "
-                                 "yet; pass sequences of one length (an attention_mask of ones)")
             inputs = x[self.dict_key_x]
+            if x.get("attention_mask") is not None:  # a padded batch: the model's keyword arguments (model_input)
+                inputs = {self.dict_key_x: inputs, "attention_mask": x["attention_mask"]}
         else:
             inputs = x
         cfg, params = from_torch(inner)
@@ -189,7 +188,7 @@ class ExactCurvature(CurvatureInterface):
             keep = list(range(len(numel)))
         _, spec = hf.describe(inner)
         wrt = list(dict.fromkeys(n for i in keep for n in spec[names[i]].names))
-        loss, scale = self._loss(cfg, y, inputs.shape[0])
+        loss, scale = self._loss(cfg, y, len(y))
         dtype, device = f.dtype, f.device
         sizes = [numel[i] for i in keep]
         start = torch.tensor([0] + sizes).cumsum(0).tolist()
@@ -241,9 +240,9 @@ class ExactCurvature(CurvatureInterface):
         for batch in data_loader:
             x, y = (batch, batch[self.dict_key_y]) if isinstance(batch, Mapping) else batch
             inner, cfg, params, inputs, f = self._read(x)
-            name, s = self._loss(cfg, y, inputs.shape[0])
+            name, s = self._loss(cfg, y, len(y))
             parts.append(hessian_operator(params, inputs, cfg, loss=name, target=y, part=self.part))
-            counts.append(inputs.shape[0])
+            counts.append(len(y))
             scale += s
             loss = loss + self.factor * self.lossfunc(f, y).detach()
         if not parts:

@@ -20,7 +20,7 @@ from ..layers.attention import allowed
 from ..validation import check_finite, check_ln_variance, check_params, check_tensor, warn_tf32
 
 __all__ = ["Batch", "Trace", "attention_mask", "block_params", "check_counted", "check_model_inputs", "embed_scale",
-           "forward", "live_rows", "model_input", "n_tokens", "norm_scale", "patches", "trace"]
+           "forward", "last_tokens", "live_rows", "model_input", "n_tokens", "norm_scale", "patches", "pooled", "trace"]
 
 
 def patches(images: torch.Tensor, p: int) -> torch.Tensor:
@@ -233,11 +233,10 @@ def check_model_inputs(params: dict, inputs, cfg: ModelConfig) -> None:
         if lo < 0 or hi >= cfg.vocab:
             bad = ((inputs < 0) | (inputs >= cfg.vocab)).nonzero()[0].tolist()
             raise ValueError(f"inputs: token id {int(inputs[tuple(bad)])} at {tuple(bad)} is out of range [0, {cfg.vocab})")
-        if cfg.pad_token is not None and bool((inputs == cfg.pad_token).any()):
-            at = tuple((inputs == cfg.pad_token).nonzero()[0].tolist())
-            raise ValueError(f"inputs: the padding id {cfg.pad_token} (ModelConfig.pad_token) at {at}: padded sequences "
-                             "are not supported with pool='last' (the module pools at the last token that is not "
-                             "padding); pass unpadded sequences of one length")
+        if cfg.pad_token is not None and inputs.numel() and bool((inputs == cfg.pad_token).all(1).any()):
+            b = int((inputs == cfg.pad_token).all(1).nonzero()[0])
+            raise ValueError(f"inputs: sequence {b} holds only the padding id {cfg.pad_token} (ModelConfig.pad_token): "
+                             "pool='last' pools at a sequence's last token that is not padding, and it has none")
     else:
         want = {"patch": f"(B, {', '.join(map(str, cfg.image))})" if cfg.image else "",
                 "linear": f"(B, L, {cfg.d_in})", "none": f"(B, L, {d})"}[cfg.embedding]
@@ -297,6 +296,23 @@ def _embed(p: dict, x: torch.Tensor, cfg: ModelConfig, positions=None, types=Non
     if cfg.token_types:
         X = X + (p["W_T"][0] if types is None else p["W_T"][types])
     return X
+
+
+def last_tokens(cfg: ModelConfig, x: torch.Tensor, L: int):
+    """Where ``pool="last"`` pools among the blocks' ``L`` tokens: ``L − 1`` (an ``int``) without a
+    ``pad_token``, or where no sequence of the token ids ``x`` ``(B, L')`` ends in it; else ``(B,)`` int64,
+    each sequence's last position whose id is not ``pad_token`` (``GPT2ForSequenceClassification``'s rule,
+    which reads the ids, not the attention mask), a ``cls`` token counted."""
+    if cfg.pad_token is None or not bool((x[:, -1] == cfg.pad_token).any()):
+        return L - 1
+    return (torch.arange(x.shape[1], device=x.device) * (x != cfg.pad_token)).argmax(1) + int(cfg.cls_token)
+
+
+def pooled(u: torch.Tensor, at) -> torch.Tensor:
+    """``u`` ``(B, L, d)`` at the token ``at`` (an ``int``, or ``(B,)`` per sequence), ``(B, 1, d)``."""
+    if isinstance(at, int):
+        return u[:, at:at + 1]
+    return u[torch.arange(u.shape[0], device=u.device), at][:, None]
 
 
 def embed_scale(cfg: ModelConfig, like: torch.Tensor) -> torch.Tensor:
@@ -367,7 +383,7 @@ def trace(params: dict, inputs, cfg: ModelConfig, derivatives: bool = True, firs
         _check_norm("the final norm input (the last block's output)", X, cfg, first)
         u = _norm(params, X, cfg, "F")
     h = u.mean(1, keepdim=True) if cfg.pool == "mean" else u[:, :1] if cfg.pool == "first" else \
-        u[:, -1:] if cfg.pool == "last" else u
+        pooled(u, last_tokens(cfg, x, u.shape[1])) if cfg.pool == "last" else u
     z = h
     if cfg.head is not None:
         z = h @ (params["W_E"].T if cfg.tied else params["W_H"])

@@ -262,14 +262,15 @@ class NormStage:
 
 
 class PoolStage:
-    """``h = mean_t u_t`` (``"mean"``), ``h = u_0`` (``"first"``) or ``h = u_{L-1}`` (``"last"``) over ``L``
-    tokens of width ``d``."""
+    """``h = mean_t u_t`` (``"mean"``), ``h = u_0`` (``"first"``) or ``h = u_{L-1}`` (``"last"``; with a
+    ``pad_token``, ``at`` per sequence: its last token that is not padding) over ``L`` tokens of width ``d``."""
 
     names: tuple[str, ...] = ()
 
-    def __init__(self, kind: str, L: int, d: int):
+    def __init__(self, kind: str, L: int, d: int, at=None):
         self.kind, self.L, self.d = kind, L, d
-        self.at = L - 1 if kind == "last" else 0  # the token picked ("first", "last")
+        # the token picked ("first", "last"): an int, or (B,) per sequence (forward_pass.last_tokens)
+        self.at = (L - 1 if kind == "last" else 0) if at is None else at
         self.curv = _none_curv
 
     vjps = _each_vjp
@@ -282,22 +283,35 @@ class PoolStage:
         if self.kind == "mean":
             return (W[:, :, None, :] / self.L).expand(B, R, self.L, self.d).reshape(B, R, -1)
         out = W.new_zeros(B, R, self.L, self.d)
-        out[:, :, self.at] = W
+        if isinstance(self.at, int):
+            out[:, :, self.at] = W
+        else:
+            out[torch.arange(B, device=W.device), :, self.at] = W
         return out.reshape(B, R, -1)
 
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         B, _, n = G.shape
         G = G.reshape(B, self.L, self.d, n)
-        return G.mean(1) if self.kind == "mean" else G[:, self.at]
+        if self.kind == "mean":
+            return G.mean(1)
+        return G[:, self.at] if isinstance(self.at, int) else G[torch.arange(B, device=G.device), self.at]
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``(k, B, 1, d)`` from ``(k, B, L, d)``."""
-        return dx.mean(2, keepdim=True) if self.kind == "mean" else dx[:, :, self.at:self.at + 1]
+        if self.kind == "mean":
+            return dx.mean(2, keepdim=True)
+        if isinstance(self.at, int):
+            return dx[:, :, self.at:self.at + 1]
+        return dx[:, torch.arange(dx.shape[1], device=dx.device), self.at][:, :, None]
 
     def adjoint2(self, g, dx, V, dg: torch.Tensor, names, functional: bool = True, into=None):
         """``(ġ_x (k, B, L, d), {})``: linear, no variables."""
         k, B = dg.shape[:2]
-        return self.back(dg.reshape(k * B, 1, -1)).reshape(k, B, self.L, self.d), {}
+        if self.kind == "mean" or isinstance(self.at, int):
+            return self.back(dg.reshape(k * B, 1, -1)).reshape(k, B, self.L, self.d), {}
+        out = dg.new_zeros(k, B, self.L, self.d)
+        out[:, torch.arange(B, device=dg.device), self.at] = dg.reshape(k, B, self.d)
+        return out, {}
 
 
 class HeadStage:

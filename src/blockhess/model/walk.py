@@ -38,7 +38,8 @@ from ..kronecker import SCRATCH_BYTES
 from ..result import BlockSum, HessianBlocks
 from ..threads import serial
 from ..validation import check_fits, check_result, detached
-from .forward_pass import check_counted, check_model_inputs, model_input, n_tokens, norm_scale, sequence_loss, trace
+from .forward_pass import (check_counted, check_model_inputs, last_tokens, model_input, n_tokens, norm_scale, sequence_loss,
+                           trace)
 from .directional import ModelProduct, fold_tied, unfold_tied
 from .stages import (TIED_HEAD, BlockStage, EmbeddingStage, HeadStage, NormStage, OutputLoss, PoolStage,
                      SoftmaxHead)
@@ -84,7 +85,8 @@ def stages_of(t, loss, target, batch: int, first: int, dense: bool = True, ld: l
         st.append(NormStage(t.XN, cfg.norm_eps, norm_scale(p, cfg, "F"), p.get("beta_F"),
                             tuple(n for n in ("gamma_F", "beta_F") if n in shapes), center))
     if cfg.pool != "none":
-        st.append(PoolStage(cfg.pool, t.u.shape[1], cfg.d_model))
+        at = last_tokens(cfg, t.inputs, t.u.shape[1]) if cfg.pool == "last" else None
+        st.append(PoolStage(cfg.pool, t.u.shape[1], cfg.d_model, at))
     W = None if cfg.head is None else (p["W_E"].T if cfg.tied else p["W_H"])
     if _fused(cfg, loss):
         B, P = t.h.shape[:2]
