@@ -496,6 +496,33 @@ def test_class_name_families_read_the_same_by_tracing():
     _same_reading(vit, img, "ce", torch.tensor([0, 2]), Output(vit, "logits"))
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_nanogpt_traced_reads_as_hugging_face_gpt2(flash):
+    """A cross-check of the tracer's own recognition against a class-name reader: a nanoGPT holding exactly
+    a ``GPT2LMHeadModel``'s weights (GELU erf in both; ``Conv1D`` weights transposed into ``nn.Linear``) is
+    read by tracing as ``from_torch`` reads the Hugging Face model: the same config, parameters and Hessian."""
+    tf = pytest.importorskip("transformers")
+    hf = randomise(tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=8, n_head=2, n_layer=2, vocab_size=11, n_positions=8,
+                                                     activation_function="gelu", attn_implementation="sdpa",
+                                                     bos_token_id=0, eos_token_id=0)))
+    nano = GPT(GPTConfig(flash=flash)).double().eval()
+    with torch.no_grad():
+        for name, q in nano.named_parameters():
+            src = dict(hf.named_parameters())[name if name != "lm_head.weight" else "transformer.wte.weight"]
+            q.copy_(src if q.ndim < 2 or name.startswith(("transformer.wte", "transformer.wpe")) else src.T)  # Conv1D: (in, out)
+    x, y = ids(11), ids(11, seed=2)
+    cfg_h, p_h = bh.from_torch(hf)
+    cfg_n, p_n = bh.from_torch(nano, x)
+    assert cfg_n == cfg_h and list(p_n) == list(p_h)
+    assert all(torch.equal(p_n[k], p_h[k]) for k in p_h)
+    wrt = ["W_E", "W_P", "blocks.0.W_Q", "blocks.0.W_K", "blocks.0.W_V", "blocks.1.W_1", "gamma_F"]
+    Hh = bh.hessian(p_h, x, cfg_h, loss="ce", target=y, wrt=wrt).dense()
+    Hn = bh.hessian(p_n, x, cfg_n, loss="ce", target=y, wrt=wrt)
+    assert_close(Hn.dense(), Hh, tol=1e-12, what="nanoGPT traced vs GPT2LMHeadModel")
+    R = module_hessian(nano, list(Hn.to_module(nano).names), ce(11, y), x)
+    assert_close(Hn.to_module(nano).dense(), R, what="nanoGPT (HF weights) Hessian vs double backward")
+
+
 def test_weights_shared_between_blocks_are_refused():
     model = GPT(GPTConfig())
     model.transformer.h[1] = model.transformer.h[0]  # one block applied twice (ALBERT-style sharing)
