@@ -523,6 +523,35 @@ def test_nanogpt_traced_reads_as_hugging_face_gpt2(flash):
     assert_close(Hn.to_module(nano).dense(), R, what="nanoGPT (HF weights) Hessian vs double backward")
 
 
+class SinusoidalLM(nn.Module):
+    """A notebook-style model: token embedding plus the fixed sinusoidal table (a buffer, built in ``dtype``),
+    one block of the fuzzer's parts, a linear head."""
+
+    def __init__(self, dtype, d=8, vocab=7, max_len=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        t = torch.arange(max_len, dtype=dtype)[:, None]
+        div = torch.exp(torch.arange(0, d, 2, dtype=dtype) * (-math.log(10000.0) / d))
+        pe = torch.zeros(max_len, d, dtype=dtype)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(t * div), torch.cos(t * div)
+        self.register_buffer("pe", pe)
+        self.block = FuzzBlock(d, 2, random.Random(0), None)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, idx):
+        return self.head(self.block(self.emb(idx) + self.pe[: idx.shape[1]]))
+
+
+def test_sinusoidal_positions_by_hand():
+    model = randomise(SinusoidalLM(torch.float64))
+    x, y = ids(7), ids(3, seed=5)
+    cfg, p, _ = check(model, x, "ce", y, ["emb.weight", "block.attn.o.weight"], ["W_E", "blocks.0.W_O"],
+                      lambda out: F.cross_entropy(out.reshape(-1, 3), y.reshape(-1)))
+    assert cfg.positions == "sinusoidal"
+    with pytest.raises(ValueError, match=r"sinusoidal position table off by .* \(a table computed in float32\)"):
+        bh.from_torch(randomise(SinusoidalLM(torch.float32)), x)
+
+
 def test_weights_shared_between_blocks_are_refused():
     model = GPT(GPTConfig())
     model.transformer.h[1] = model.transformer.h[0]  # one block applied twice (ALBERT-style sharing)

@@ -33,7 +33,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..config import BlockConfig, ModelConfig, block_prefix
+from ..config import BlockConfig, ModelConfig, block_prefix, sinusoidal_positions
 from ..layers.attention import rope_tables
 from . import hf, pytorch
 from .layout import Stored, read
@@ -377,9 +377,29 @@ class _Interpreter:
                 return V("rope", node, (x.a[0],), {"cos": x.k["t"], "sin": y.k["t"]})
             if x.kind in _ROWS and y.kind == "param" and y.k["t"].dim() in (2, 3):
                 return V("add", node, (x, V("pos", y.node, k={"W": y})))
+            if x.kind == "embed" and y.kind == "const" and self._sinusoidal(node, y.k["t"]):
+                return V("add", node, (x, V("sinus", y.node)))
             if x.kind in _ROWS and y.kind in _ROWS + ("pos",):
                 return V("add", node, (x, y))
         return None
+
+    def _sinusoidal(self, node, t: torch.Tensor) -> bool:
+        """Whether the constant ``t`` added to the embedded tokens is ``sinusoidal_positions(L, d)`` (to
+        1e-12 relative, a table built in float64); a table equal only to float32's rounding is refused."""
+        shape = self._shape(node)
+        if t.dim() < 2 or tuple(t.shape[-2:]) != tuple(shape[-2:]) or any(s != 1 for s in t.shape[:-2]):
+            return False
+        L, d = shape[-2:]
+        if d % 2:
+            return False
+        P = sinusoidal_positions(L, d)
+        err = float((t.reshape(L, d).double().cpu() - P).abs().max())
+        if err <= 1e-12:
+            return True
+        if err <= 1e-5:
+            _refuse(node, f"a sinusoidal position table off by {err:.2g} from the float64 one (a table computed in "
+                          "float32): build it in float64")
+        return False
 
     def _sub(self, node, a, b, alpha=1):
         if alpha == 1 and isinstance(b, V) and b.kind == "mean" and b.a[0] is a:
@@ -826,9 +846,9 @@ class _Parse:
         pos = None
         if v.kind == "add":
             a, b = v.a
-            pos, v = (a, b) if a.kind == "pos" else (b, a) if b.kind == "pos" else (None, v)
+            pos, v = (a, b) if a.kind in ("pos", "sinus") else (b, a) if b.kind in ("pos", "sinus") else (None, v)
             if pos is None:
-                self.fail(v, "an embedding sum other than tokens + learned positions")
+                self.fail(v, "an embedding sum other than tokens + learned or sinusoidal positions")
         cls = None
         if v.kind == "cls_cat":
             cls, v = v, v.a[0]
@@ -862,7 +882,9 @@ class _Parse:
         if cls is not None:
             kw["cls_token"] = True
             self.use(cls.k["cls"], "cls")
-        if pos is not None:
+        if pos is not None and pos.kind == "sinus":
+            kw["positions"] = "sinusoidal"
+        elif pos is not None:
             P = pos.k["W"]
             t = P.k["t"]
             kw.update(positions="learned", n_positions=t.shape[-2])
