@@ -297,6 +297,7 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
         C = blockwise_eigs(D, k=s["k"], **kw)
         rec["cold"] = {"products": C.products, "matvecs": sum(C.matvecs.values()), "seconds": time.perf_counter() - t,
                        "eigenvalues": {b: C[b].eigenvalues.double().tolist() for b in names},
+                       "residuals": {b: C[b].residuals.double().tolist() for b in names},
                        "converged": all(C[b].converged for b in names)}
     log and log(f"SLQ densities, {s['probes']} probes x {s['slq_steps']} steps")
     t = time.perf_counter()
