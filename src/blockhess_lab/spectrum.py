@@ -152,7 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check every block of at most N parameters against the dense closed form's block, or 0 for "
                         "none (default: 1024)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
-                   help="dtype of the products (default: float64 for digits, float32 for the random presets); the "
+                   help="dtype of the products (default: float64 for digits, float32 for the random presets and --model); the "
                         "dense check is float64")
     p.add_argument("--seed", type=int, default=0, metavar="SEED",
                    help="seed of the batch choice (digits: and of the model when training it), of the random presets' "
