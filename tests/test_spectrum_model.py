@@ -141,6 +141,7 @@ def test_checkpoint_series_warm_starts(tmp_path):
     (["--model", "gpt2-tiny", "--seq-len", "100"], "exceed the model's 64 positions"),
     (["--model", "gpt2-tiny", "--blocks", "W_E"], "--blocks is an option of the --preset models"),
     (["--tensors", "W_E"], "--tensors applies with --model"),
+    (["--model", "gpt2-tiny", "--density", "4,8"], "--density is an option of the --preset models"),
     (["--model", "gpt2-tiny", "--probes", "1"], "--probes must be >= 2"),
     (["--model", "gpt2-tiny", "--data", "x.txt"], "expected an existing .pt or .npy"),
 ])

@@ -104,7 +104,10 @@ def _other_options(args: argparse.Namespace) -> list[str]:
     """The :mod:`.spectrum` preset options given with ``--model`` (refused: they do not apply)."""
     bad = [o for o, v in (("--checkpoint", args.checkpoint), ("--series", args.series or None),
                           ("--blocks", args.blocks), ("--density-blocks", args.density_blocks)) if v is not None]
-    bad += [o for o, v, d in (("--batches", args.batches, 1), ("--preset", args.preset, "digits")) if v != d]
+    bad += [o for o, v, d in (("--batches", args.batches, 1), ("--preset", args.preset, "digits"),
+                              ("--density", args.density, "8,32"), ("--trace", args.trace, 30),
+                              ("--parts", args.parts, "full,outer,functional"), ("--dense-below", args.dense_below, 128),
+                              ("--validate-below", args.validate_below, 1024)) if v != d]
     return bad
 
 
@@ -120,7 +123,7 @@ def wanted(args: argparse.Namespace) -> bool:
     bad = _other_options(args)
     if bad:
         raise ValueError(f"{bad[0]} is an option of the --preset models; with --model use --tensors, --data, "
-                         "--checkpoints")
+                         "--checkpoints, --probes, --slq-steps (the full Hessian's top-k and density)")
     return True
 
 
