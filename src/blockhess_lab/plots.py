@@ -10,6 +10,7 @@
 * :func:`densities` — spectral densities with their error bands, one panel per block;
 * :func:`trace_bars` — traces with error bars per block and part;
 * :func:`eigenvalue_trajectories` — top eigenvalues against the training step per block, and products counts;
+* :func:`distance_matrix` — a symmetric matrix of distances between named items, as coloured cells;
 * :func:`per_module_metric` — one metric per module, a line per method, one panel per reference.
 
 Each returns nothing and writes one PNG; callers pass plain tensors/arrays and labels.
@@ -28,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves",
-           "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories", "per_module_metric"]
+           "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories", "distance_matrix", "per_module_metric"]
 
 
 def log_abs(H, floor: float) -> np.ndarray:
@@ -388,6 +389,22 @@ def per_module_metric(path, rows: list[str], panels: dict, ylabel: str, suptitle
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(suptitle)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def distance_matrix(path, labels: list[str], D, title: str) -> None:
+    """A square matrix ``D`` (``len(labels)`` rows, e.g. Jensen–Shannon distances) as coloured cells from 0 to its
+    largest entry, each row and column labelled, a colour bar beside it."""
+    D = np.asarray(D, dtype=np.float64)
+    n = len(labels)
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.32 * n + 2.5), max(4.0, 0.32 * n + 1.8)))
+    im = ax.imshow(D, cmap="viridis", vmin=0.0, vmax=max(float(D.max()), 1e-12))
+    ax.set_xticks(range(n), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(n), labels, fontsize=7)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(Path(path), dpi=130, bbox_inches="tight")
     plt.close(fig)

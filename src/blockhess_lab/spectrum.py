@@ -37,6 +37,10 @@ as the paper's code builds it (8 post-LN blocks, d = 128, d_ff = 512, one head w
 affine LayerNorms, GELU; 4×4 patches of a 3×32×32 image: 64 tokens, 100 classes; 1.6M weights),
 random weights on random images and labels, cross-entropy.
 
+With ``--model`` (a causal LM: a preset ``gpt2-small``, ``llama-160m``, ``gpt2-tiny``, ``llama-tiny`` or a
+``save_pretrained`` folder) or ``--checkpoints``: per-tensor spectra in lock-step instead,
+:mod:`.spectrum_model`.
+
 Writes ``spectrum.json`` (every eigenvalue, residual, products count, method and time; the density
 with its errors; the trace with its error; the check; the series), ``spectrum.md`` and the figures
 ``eigenvalues.png``, ``density.png``, ``trace.png`` (and ``series.png``) into ``--out``, atomically.
@@ -64,6 +68,7 @@ from blockhess.operators import (HessianOperator, NotConvergedError, head_views,
                                  mean_operator, slq_density)
 from . import plots
 from .bench_worker import peak_bytes
+from . import spectrum_model
 from . import vit as vitmod
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
@@ -147,11 +152,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check every block of at most N parameters against the dense closed form's block, or 0 for "
                         "none (default: 1024)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
-                   help="dtype of the products (default: float64 for digits, float32 for the random presets); the "
+                   help="dtype of the products (default: float64 for digits, float32 for the random presets and --model); the "
                         "dense check is float64")
     p.add_argument("--seed", type=int, default=0, metavar="SEED",
                    help="seed of the batch choice (digits: and of the model when training it), of the random presets' "
                         "weights and inputs, and of the estimators (default: 0)")
+    spectrum_model.add_arguments(p)
     add_threads_argument(p)
     add_quiet_argument(p)
 
@@ -783,6 +789,11 @@ def _density_keys(keys: list[str], s: Settings) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if spectrum_model.wanted(args):
+        spectrum_model.check(args)
+        check_out(args.out)
+        with torch_threads(args.threads):
+            return spectrum_model.run(args)
     s = settings(args)
     _precheck(args, s)
     check_out(args.out)
