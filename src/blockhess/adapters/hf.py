@@ -225,17 +225,22 @@ def _gpt2(model) -> tuple:
     return ModelConfig(head=None, **kw), spec
 
 
-def _gpt2_lm(model) -> tuple:
-    kw, spec = _gpt2_model(model.transformer, "transformer.")
-    head = model.lm_head
+def _lm_head(kw: dict, spec: dict, head, embedding) -> tuple:
+    """A causal LM's ``ModelConfig`` and layout: the base model's ``kw``/``spec`` with ``lm_head`` (an
+    ``nn.Linear``, ``W_H`` transposed, or tied to the token ``embedding``'s weight)."""
     if not isinstance(head, nn.Linear):
         raise ValueError(f"lm_head: expected nn.Linear, got {type(head).__name__}")
-    tied = head.weight is model.transformer.wte.weight
+    tied = head.weight is embedding.weight
     if not tied:
         spec["lm_head.weight"] = Stored(("W_H",), transposed=True)
     if head.bias is not None:
         spec["lm_head.bias"] = Stored(("b_H",))
     return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
+
+
+def _gpt2_lm(model) -> tuple:
+    kw, spec = _gpt2_model(model.transformer, "transformer.")
+    return _lm_head(kw, spec, model.lm_head, model.transformer.wte)
 
 
 def _gpt2_classifier(model) -> tuple:
@@ -547,15 +552,7 @@ def _llama(model) -> tuple:
 
 def _llama_lm(model) -> tuple:
     kw, spec = _llama_model(model.model, "model.")
-    head = model.lm_head
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"lm_head: expected nn.Linear, got {type(head).__name__}")
-    tied = head.weight is model.model.embed_tokens.weight
-    if not tied:
-        spec["lm_head.weight"] = Stored(("W_H",), transposed=True)
-    if head.bias is not None:
-        spec["lm_head.bias"] = Stored(("b_H",))
-    return ModelConfig(head=head.out_features, head_bias=head.bias is not None, tied=tied, **kw), spec
+    return _lm_head(kw, spec, model.lm_head, model.model.embed_tokens)
 
 
 _READERS = {"GPT2LMHeadModel": _gpt2_lm, "GPT2ForSequenceClassification": _gpt2_classifier, "GPT2Model": _gpt2,
