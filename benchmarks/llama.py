@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 
 import blockhess as bh  # noqa: E402
 from blockhess import reference  # noqa: E402
-from blockhess_lab.bench_worker import peak_bytes, reset_peak, rss_bytes  # noqa: E402
+import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 BLOCK_METHODS = ("ours", "double_backward", "retained")
@@ -91,20 +90,7 @@ def block_timed(args, log) -> dict:
         t = time.perf_counter()
         calls[m] = block_setup(P, m)
         log(f"setup {m}: {time.perf_counter() - t:.2f} s")
-    times = {m: [] for m in BLOCK_METHODS}
-    results = {}
-    for r in range(args.warmup + args.rounds):
-        order = BLOCK_METHODS[r % 3:] + BLOCK_METHODS[: r % 3]
-        for m in order:
-            t = time.perf_counter()
-            out = calls[m]()
-            dt = time.perf_counter() - t
-            if r >= args.warmup:
-                times[m].append(dt)
-            if r == 0:
-                results[m] = _flat(out).double()
-            del out
-        log(f"round {r}: " + ", ".join(f"{m} {times[m][-1]:.3f} s" for m in BLOCK_METHODS if times[m]))
+    times, results = interleaved.rounds(calls, args.rounds, args.warmup, log, keep=lambda m, out: _flat(out).double())
     ref = results["retained"]
     med = {m: statistics.median(times[m]) for m in BLOCK_METHODS}
     return {"n_params": int(P.v.numel()), "seconds": times, "median_s": med,
@@ -116,25 +102,14 @@ def block_timed(args, log) -> dict:
 def worker(args) -> int:
     torch.set_num_threads(args.threads)
     P = BlockProblem(args)
-    res = {"method": args.worker, "rss_built_bytes": rss_bytes()}
-    reset_peak()
-    out = block_setup(P, args.worker)()
-    res["peak_total_bytes"] = peak_bytes() - res["rss_built_bytes"]
-    del out
-    print(json.dumps(res))
+    print(json.dumps({"method": args.worker, **interleaved.peak_of_first_call(lambda: block_setup(P, args.worker))}))
     return 0
 
 
 def block_memory(args, log) -> dict:
-    out = {}
     keep = ("--d", "--heads", "--kv-heads", "--d-ff", "--B", "--L", "--seed", "--threads")
     flags = [x for k in keep for x in (k, str(getattr(args, k.lstrip("-").replace("-", "_"))))]
-    for m in BLOCK_METHODS:
-        r = subprocess.run([sys.executable, __file__, "--worker", m, *flags, "--out", "-"], capture_output=True, text=True)
-        out[m] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
-        log(f"memory {m}: " + (f"{out[m]['peak_total_bytes'] / 2**30:.2f} GiB" if "peak_total_bytes" in out[m]
-                               else out[m]["error"][-300:]))
-    return out
+    return interleaved.peaks_in_fresh_processes(__file__, BLOCK_METHODS, flags, log)
 
 
 def dense(args, log) -> dict:
@@ -157,17 +132,7 @@ def dense(args, log) -> dict:
     x = torch.cat([params[n].reshape(-1) for n in names])
     calls = {"ours": lambda: bh.hessian(params, ids, cfg, loss="ce", target=y).dense(),
              "autograd": lambda: torch.autograd.functional.hessian(f, x, vectorize=True)}
-    times = {m: [] for m in calls}
-    results = {}
-    for r in range(args.warmup + args.rounds):
-        for m in (("ours", "autograd") if r % 2 == 0 else ("autograd", "ours")):
-            t = time.perf_counter()
-            out = calls[m]()
-            dt = time.perf_counter() - t
-            if r >= args.warmup:
-                times[m].append(dt)
-            results[m] = out
-        log(f"dense round {r}: " + ", ".join(f"{m} {times[m][-1]:.3f} s" for m in calls if times[m]))
+    times, results = interleaved.rounds(calls, args.rounds, args.warmup, lambda msg: log(f"dense {msg}"))
     med = {m: statistics.median(times[m]) for m in calls}
     err = float((results["ours"] - results["autograd"]).norm() / results["autograd"].norm())
     return {"n_params": int(x.numel()), "B": args.tiny_B, "L": args.tiny_L, "seconds": times, "median_s": med,

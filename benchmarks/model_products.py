@@ -21,7 +21,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 import blockhess as bh  # noqa: E402
-from blockhess_lab.bench_worker import peak_bytes, reset_peak, rss_bytes  # noqa: E402
+import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 METHODS = ("gradient", "ours", "double_backward", "retained")
@@ -108,21 +107,8 @@ def timed(P: Problem, rounds: int, warmup: int, log) -> dict:
         t = time.perf_counter()
         calls[m] = setup(P, m)
         log(f"setup {m}: {time.perf_counter() - t:.1f} s")
-    times = {m: [] for m in methods}
-    results = {}
-    for r in range(warmup + rounds):
-        order = methods[r % len(methods):] + methods[: r % len(methods)]
-        for m in order:
-            t = time.perf_counter()
-            out = calls[m]()
-            dt = time.perf_counter() - t
-            if r >= warmup:
-                times[m].append(dt)
-            if r == 0 and m != "gradient":
-                results[m] = flat(P, out)
-            del out
-        log(f"round {r}: " + ", ".join(f"{m} {times[m][-1]:.2f} s" for m in methods if times[m]) if r >= warmup
-            else f"warm-up {r} done")
+    times, results = interleaved.rounds(calls, rounds, warmup, log,
+                                        keep=lambda m, out: None if m == "gradient" else flat(P, out))
     ref = results["retained"]
     errors = {m: float((results[m] - ref).norm() / ref.norm()) for m in results}
     med = {m: statistics.median(times[m]) for m in methods}
@@ -137,27 +123,14 @@ def worker(args) -> int:
     torch.set_num_threads(args.threads)
     B, L = args.worker_shape
     P = Problem(B, L, args.vocab, args.layers, args.d, args.heads, args.seed)
-    res = {"method": args.worker, "rss_built_bytes": rss_bytes()}
-    reset_peak()
-    call = setup(P, args.worker)
-    out = call()
-    res["peak_total_bytes"] = peak_bytes() - res["rss_built_bytes"]
-    del out
-    print(json.dumps(res))
+    print(json.dumps({"method": args.worker, **interleaved.peak_of_first_call(lambda: setup(P, args.worker))}))
     return 0
 
 
 def memory(args, B: int, L: int, log) -> dict:
-    out = {}
-    for m in METHODS:
-        cmd = [sys.executable, __file__, "--worker", m, "--worker-shape", str(B), str(L), "--threads", str(args.threads),
-               "--vocab", str(args.vocab), "--layers", str(args.layers), "--d", str(args.d), "--heads", str(args.heads),
-               "--seed", str(args.seed), "--out", "-"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        out[m] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
-        log(f"memory {m}: " + (f"{out[m]['peak_total_bytes'] / 2**30:.2f} GiB" if "peak_total_bytes" in out[m]
-                               else out[m]["error"][-300:]))
-    return out
+    flags = ["--worker-shape", str(B), str(L), "--threads", str(args.threads), "--vocab", str(args.vocab), "--layers",
+             str(args.layers), "--d", str(args.d), "--heads", str(args.heads), "--seed", str(args.seed)]
+    return interleaved.peaks_in_fresh_processes(__file__, METHODS, flags, log)
 
 
 def main(argv=None) -> int:
