@@ -109,7 +109,34 @@ def _scipy_operator(shape, matmat, rmatmat, torch_dtype, device, dtype=None):
                           matmat=wrap(matmat, shape[0]), rmatmat=wrap(rmatmat, shape[1]), dtype=np_dtype)
 
 
-class HessianOperator:
+class _MatmulBase:
+    """What :class:`HessianOperator` and :class:`BlockDiagonalOperator` share: ``@`` on a NumPy array or a
+    tensor ``(n,)``/``(n, k)`` (shape checked, then the subclass's ``_check_tensor``) and the columns taken
+    ``max_columns`` at a time (``_matmat`` calls the subclass's ``_matmat_columns`` on each chunk)."""
+
+    def _matmul_array(self, V):
+        if isinstance(V, np.ndarray):
+            if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+                raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {V.shape}")
+            return (self @ torch.as_tensor(V).to(dtype=self.dtype, device=self.device)).cpu().numpy()
+        if not isinstance(V, torch.Tensor):
+            return NotImplemented
+        if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
+            raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
+        self._check_tensor(V)
+        return self._matmat(V[:, None])[:, 0] if V.ndim == 1 else self._matmat(V)
+
+    def _matmat(self, X: torch.Tensor) -> torch.Tensor:
+        """``self @ X`` for ``X`` ``(n_in, k)`` of the operator's dtype and device: ``(n_out, k)``."""
+        k = X.shape[1]
+        if k == 0:
+            return X.new_zeros(self.shape[0], 0)
+        if self.max_columns is not None and k > self.max_columns:
+            return torch.cat([self._matmat_columns(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
+        return self._matmat_columns(X)
+
+
+class HessianOperator(_MatmulBase):
     r"""A symmetric ``n × n`` matrix over named parameters, given by an engine's products.
 
     Parameters
@@ -329,17 +356,16 @@ class HessianOperator:
             V[param].view(k, *ref)[(slice(None), *idx)] = block.reshape(k, *self.in_shapes[var])
         return V
 
-    def _matmat(self, X: torch.Tensor) -> torch.Tensor:
-        """``H_view @ X`` for ``X`` ``(n_in, k)`` of the operator's dtype and device: ``(n_out, k)``."""
+    def _matmat_columns(self, X: torch.Tensor) -> torch.Tensor:
+        """``H_view @ X`` for ``X`` ``(n_in, k)``, ``1 <= k <= max_columns``: ``(n_out, k)``."""
         k = X.shape[1]
-        if k == 0:
-            return X.new_zeros(self.shape[0], 0)
-        if self.max_columns is not None and k > self.max_columns:
-            return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
         wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
         if k == 1 and self._writes_into and not X.requires_grad:  # (out= has no autograd: a tracked X is assembled)
             return self._vector(X, wanted)
-        out = self._product(self._columns_to_params(X), wanted)
+        return self._stacked(self._product(self._columns_to_params(X), wanted), k)
+
+    def _stacked(self, out: dict, k: int) -> torch.Tensor:
+        """An engine's rows ``out`` (over parameters, ``k`` directions each) as this view's ``(n_out, k)``."""
         rows = [self._row(out, var, k).reshape(k, -1).T for var in self.names]
         return torch.cat(rows, 0) if len(rows) > 1 else rows[0].contiguous()
 
@@ -400,21 +426,9 @@ class HessianOperator:
 
     def __matmul__(self, V):
         """``A @ V``; see the class docstring for the formats."""
-        if isinstance(V, np.ndarray):
-            if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
-                raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {V.shape}")
-            X = torch.as_tensor(V).to(dtype=self.dtype, device=self.device)
-            return (self @ X).cpu().numpy()
         if isinstance(V, list):
             return self._matmul_list(V)
-        if not isinstance(V, torch.Tensor):
-            return NotImplemented
-        if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
-            raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
-        self._check_tensor(V)
-        if V.ndim == 1:
-            return self._matmat(V[:, None])[:, 0]
-        return self._matmat(V)
+        return self._matmul_array(V)
 
     def _matmul_list(self, V: list):
         shapes = [self.in_shapes[v] for v in self.in_names]
@@ -580,7 +594,7 @@ class HessianOperator:
         return f"HessianOperator({rows}{cols}; shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
 
-class BlockDiagonalOperator:
+class BlockDiagonalOperator(_MatmulBase):
     r"""The block-diagonal part of a Hessian, :math:`D = \mathrm{diag}(H_{b_1b_1}, \ldots, H_{b_mb_m})`, over blocks
     of a square :class:`HessianOperator` view (:meth:`HessianOperator.block_diagonal` makes it).
 
@@ -657,19 +671,10 @@ class BlockDiagonalOperator:
                 self.views[j]._collect(rows, dest[j])
             return {j: dest[j][:, None] for j in order}
         out = self.A._grouped(groups)
-        Y = {}
-        for j, rows in zip(order, out):
-            view, k = self.views[j], X[j].shape[1]
-            parts = [view._row(rows, var, k).reshape(k, -1).T for var in view.names]
-            Y[j] = torch.cat(parts, 0) if len(parts) > 1 else parts[0].contiguous()
-        return Y
+        return {j: self.views[j]._stacked(rows, X[j].shape[1]) for j, rows in zip(order, out)}
 
-    def _matmat(self, X: torch.Tensor) -> torch.Tensor:
+    def _matmat_columns(self, X: torch.Tensor) -> torch.Tensor:
         k = X.shape[1]
-        if k == 0:
-            return X.new_zeros(self.shape[0], 0)
-        if self.max_columns is not None and k > self.max_columns:
-            return torch.cat([self._matmat(X[:, j : j + self.max_columns]) for j in range(0, k, self.max_columns)], 1)
         cols = {j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))}
         if k == 1:  # one output vector, each block's rows written into its slice
             flat = X.new_empty(self.shape[0])
@@ -683,14 +688,10 @@ class BlockDiagonalOperator:
 
     def __matmul__(self, V):
         """``D @ V``; see the class docstring."""
-        if isinstance(V, np.ndarray):
-            if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
-                raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {V.shape}")
-            return (self @ torch.as_tensor(V).to(dtype=self.dtype, device=self.device)).cpu().numpy()
-        if not isinstance(V, torch.Tensor):
-            return NotImplemented
-        if V.ndim not in (1, 2) or V.shape[0] != self.shape[1]:
-            raise ValueError(f"V must have shape ({self.shape[1]},) or ({self.shape[1]}, k), got {tuple(V.shape)}")
+        return self._matmul_array(V)
+
+    def _check_tensor(self, V: torch.Tensor) -> None:
+        """``V`` of the operator's dtype and device, and finite (a non-finite entry named by its block)."""
         if V.dtype != self.dtype or V.device != self.device:
             raise ValueError(f"V must be {self.dtype} on {self.device} like the operator, got {V.dtype} on {V.device}")
         finite = not V.numel() or bool(torch.isfinite(V.reshape(V.shape[0], -1).sum(0)).all())  # one pass (a NaN
@@ -698,7 +699,6 @@ class BlockDiagonalOperator:
             row = int((~torch.isfinite(V.reshape(V.shape[0], -1))).any(1).nonzero()[0, 0])
             j = int(np.searchsorted(self.offsets, row, side="right")) - 1
             raise ValueError(f"V contains NaN or Inf (in the entries of block {self.blocks[j]!r})")
-        return self._matmat(V[:, None])[:, 0] if V.ndim == 1 else self._matmat(V)
 
     def to_scipy(self, dtype=None):
         """A ``scipy.sparse.linalg.LinearOperator`` of ``D`` (as :meth:`HessianOperator.to_scipy`)."""
