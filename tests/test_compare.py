@@ -175,17 +175,7 @@ def test_index_map_and_scale_by_curvlinops_ggn(run):
     """curvlinops' exact GGN on the linearised model, moved by the index map, is our exact GGN (1e-10):
     the same positions, the same loss (mean over tokens)."""
     model_dir, _, _ = run
-    s = _settings(model_dir)
-    pr = C.problem(s)
-    mods = C.modules_of(pr)
-    covered = [n for n in mods if n in pr.index]
-    assert covered == C.whole_of(pr)
-    idx = torch.cat([pr.index[n] for n in covered])
-    Gl = curvlinops.GGNLinearOperator(pr.module, torch.nn.CrossEntropyLoss(), pr.layers, [(pr.inputs, pr.target.reshape(-1))],
-                                      check_deterministic=False)
-    M = (Gl @ torch.eye(Gl.shape[1], dtype=torch.float64))[idx][:, idx]
-    ours = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=covered).outer.dense()
-    assert float((M - ours).norm() / ours.norm()) <= TOL
+    _ggn_check(C.problem(_settings(model_dir)))
 
 
 LLAMA_SIZES = dict(vocab_size=8, hidden_size=8, intermediate_size=6, num_hidden_layers=1, num_attention_heads=4,
@@ -208,6 +198,8 @@ def _tiny_llama(**kw):
 
 
 def _ggn_check(pr):
+    """curvlinops' GGN moved by ``pr.index`` against ``bh.hessian``'s outer part and compare's own exact
+    matrix (``C.exact_dense``), both to 1e-10."""
     mods = C.modules_of(pr)
     covered = [n for n in mods if n in pr.index]
     assert covered == C.whole_of(pr)
@@ -215,9 +207,11 @@ def _ggn_check(pr):
     Gl = curvlinops.GGNLinearOperator(pr.module, torch.nn.CrossEntropyLoss(), pr.layers, [(pr.inputs, pr.target.reshape(-1))],
                                       check_deterministic=False)
     M = (Gl @ torch.eye(Gl.shape[1], dtype=torch.float64))[idx][:, idx]
-    H = bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part="outer")
-    ours = C.exact_dense(pr, covered, {"outer": H, "full": H})["outer"]
+    ours = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=covered).outer.dense()
     assert float((M - ours).norm() / ours.norm()) <= TOL
+    H = bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part="outer")
+    mine = C.exact_dense(pr, covered, {"outer": H, "full": H})["outer"]
+    assert float((mine - ours).norm() / ours.norm()) <= TOL
 
 
 def test_llama_index_map_and_scale_by_curvlinops_ggn(tmp_path):
