@@ -2,10 +2,8 @@ r"""``blockhess compare``: the exact Gauss–Newton matrix and Hessian of a mode
 approximations the field ships, per module and for the whole model.
 
 The exact side: the dense GGN (``part="outer"``) and Hessian (``part="full"``) over every weight matrix,
-from :func:`blockhess.hessian`'s closed form, or, for a model whose blocks it does not take yet (the
-Llama-family options), assembled column by column from the exact products of
-:func:`blockhess.hessian_operator` (``A[b, b] @ I``); its damped inverse products and influence scores by
-its eigendecomposition. The loss is ours: cross-entropy, the mean over every token (GPT-2,
+from :func:`blockhess.hessian`; its damped inverse products and influence scores by its
+eigendecomposition. The loss is ours: cross-entropy, the mean over every token (GPT-2,
 Llama) or image (ViT) of the batch.
 
 The approximations (each ``Ĥ`` a matrix in the same canonical ``vec_r`` order as the exact block):
@@ -421,26 +419,12 @@ def gradients(pr: Problem, names: list[str], inputs, target) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in g])
 
 
-def exact_dense(pr: Problem, names: list[str], ops: dict, chunk: int = 512) -> dict:
-    """The exact dense GGN (``"outer"``) and Hessian (``"full"``) over ``names``: :func:`blockhess.hessian`'s
-    closed form where it takes the model, else (the Llama-family blocks of a model) the exact products of
-    ``ops[part][names, names]`` with the identity's columns, symmetrised (their rounding aside they are)."""
-    try:
-        H = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=list(names))
-        return {"outer": H.outer.dense(), "full": H.dense()}
-    except NotImplementedError:
-        pass
-    out = {}
-    for part in PARTS:
-        view = ops[part][tuple(names), tuple(names)]
-        n = view.shape[0]
-        M = torch.empty(n, n, dtype=torch.float64)
-        for j in range(0, n, chunk):
-            E = torch.zeros(n, min(chunk, n - j), dtype=torch.float64)
-            E[torch.arange(j, j + E.shape[1]), torch.arange(E.shape[1])] = 1.0
-            M[:, j:j + E.shape[1]] = view @ E
-        out[part] = (M + M.T) / 2
-    return out
+def exact_dense(pr: Problem, names: list[str]) -> dict:
+    """The exact dense GGN (``"outer"``) and Hessian (``"full"``) over ``names``, ``(n, n)`` float64:
+    :func:`blockhess.hessian` (the Kronecker walk, or for Llama-family blocks the assembly from exact
+    products, docs/derivations.md §16, §20.1)."""
+    H = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=list(names))
+    return {"outer": H.outer.dense(), "full": H.dense()}
 
 
 # ----------------------------------------------------------------------------- approximations
@@ -609,7 +593,7 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
     bar = progress(total=len(PARTS) + 5, quiet=quiet, desc=f"compare {pr.name}")
     ops = {part: bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part=part)
            for part in PARTS}
-    exact = exact_dense(pr, mods, ops)
+    exact = exact_dense(pr, mods)
     bar.update(2)
     eig = {part: torch.linalg.eigh(exact[part][widx][:, widx]) for part in PARTS}  # the whole model's
     lam = s.damping * float(eig["outer"][0][-1])
