@@ -789,7 +789,9 @@ def _density_keys(keys: list[str], s: Settings) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if spectrum_model.wanted(args):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    if spectrum_model.wanted(args, parser.get_default):
         spectrum_model.check(args)
         check_out(args.out)
         with torch_threads(args.threads):

@@ -100,27 +100,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- options
 
 
-def _other_options(args: argparse.Namespace) -> list[str]:
-    """The :mod:`.spectrum` preset options given with ``--model`` (refused: they do not apply)."""
-    bad = [o for o, v in (("--checkpoint", args.checkpoint), ("--series", args.series or None),
-                          ("--blocks", args.blocks), ("--density-blocks", args.density_blocks)) if v is not None]
-    bad += [o for o, v, d in (("--batches", args.batches, 1), ("--preset", args.preset, "digits"),
-                              ("--density", args.density, "8,32"), ("--trace", args.trace, 30),
-                              ("--parts", args.parts, "full,outer,functional"), ("--dense-below", args.dense_below, 128),
-                              ("--validate-below", args.validate_below, 1024)) if v != d]
-    return bad
+#: the :mod:`.spectrum` preset options, which do not apply with ``--model``
+PRESET_OPTIONS = ("--checkpoint", "--series", "--blocks", "--density-blocks", "--batches", "--preset", "--density",
+                  "--trace", "--parts", "--dense-below", "--validate-below")
 
 
-def wanted(args: argparse.Namespace) -> bool:
+def _other_options(args: argparse.Namespace, default) -> list[str]:
+    """The preset options (:data:`PRESET_OPTIONS`) given with ``--model``: those whose value is not the
+    parser's default (``default``: destination -> :mod:`.spectrum`'s parser's default)."""
+    dests = [(o, o.lstrip("-").replace("-", "_")) for o in PRESET_OPTIONS]
+    return [o for o, d in dests if getattr(args, d) != default(d)]
+
+
+def wanted(args: argparse.Namespace, default) -> bool:
     """Whether the run is the model path (``--model`` or ``--checkpoints``); raises ``ValueError`` for its
-    options without it, or the presets' options with it."""
+    options without it, or the presets' options with it (``default``: an option's default by destination,
+    ``argparse.ArgumentParser.get_default`` of the command's parser)."""
     mine = [o for o, v in (("--data", args.data), ("--seq-len", args.seq_len), ("--tensors", args.tensors),
                            ("--slq-steps", args.slq_steps), ("--probes", args.probes)) if v is not None]
     if args.model is None and args.checkpoints is None:
         if mine:
             raise ValueError(f"{mine[0]} applies with --model or --checkpoints (a causal LM)")
         return False
-    bad = _other_options(args)
+    bad = _other_options(args, default)
     if bad:
         raise ValueError(f"{bad[0]} is an option of the --preset models; with --model use --tensors, --data, "
                          "--checkpoints, --probes, --slq-steps (the full Hessian's top-k and density)")
