@@ -14,6 +14,16 @@ The approximations (each ``Ĥ`` a matrix in the same canonical ``vec_r`` order a
   GPT-2's ``Conv1D`` layers replaced by the equal ``nn.Linear`` (curvlinops supports ``Linear`` and
   ``Conv2d``), dense by ``K @ I``. Block-diagonal over the model's layers: GPT-2's fused ``c_attn`` is
   one layer holding ``W_Q, W_K, W_V``.
+* ``kronfluence_ekfac``: kronfluence's EK-FAC (:func:`kronfluence_ekfac`; ``strategy="ekfac"``, float64) on the
+  same batch, each sequence (image) one of its examples with the loss summed over its tokens, labels sampled
+  from the model's softmax (its true Fisher, ``use_empirical_fisher=False``; kronfluence has no exact
+  expectation over labels, so ``--kronfluence-draws`` draws per example, the batch repeated), which
+  estimates the per-sequence GGN's EK-FAC: divided by the tokens per sequence it is at our GGN's scale.
+  Dense from its factors (both covariances' eigenvectors and the corrected eigenvalues), block-diagonal over
+  the same layers as curvlinops' (layers with a bias tracked without it, so it covers our weights only).
+  The whole model's ``spearman`` is of kronfluence's own pairwise influence scores (damping ``λ`` at its
+  scale); a weight matrix's, as for the others, of its block of the dense matrix. Not run (recorded in the
+  JSON) without kronfluence.
 * ``gptq_raw``, ``gptq_best``: the GPTQ/SparseGPT layer proxy ``P = (2/S) XᵀX ⊗ I`` of each layer
   (``X`` the layer's inputs, one row per token, ``S`` the number of sequences, as GPTQ accumulates it;
   for ``Conv2d`` the patches), block-diagonal over layers: ``raw`` is ``P`` itself, ``best`` its best scalar
@@ -61,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -77,7 +88,8 @@ from .bench_worker import peak_bytes
 from .outputs import atomic_dir, check_out, out_help, write_json
 from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
 
-HELP = ("exact GGN and Hessian blocks of a model against KFAC, EKFAC (curvlinops), the GPTQ proxy, Sophia's "
+HELP = ("exact GGN and Hessian blocks of a model against KFAC, EKFAC (curvlinops), EK-FAC (kronfluence), the GPTQ "
+        "proxy, Sophia's "
         "Gauss-Newton-Bartlett and Hutchinson diagonals: errors, eigenvector alignment, inverse products, influence")
 
 PRESETS = ("gpt2", "vit", "llama")
@@ -88,9 +100,12 @@ METRICS = ("rel_fro", "top_cos", "inverse_cos", "spearman", "diag_rel", "trace_r
 WHOLE = "whole"
 #: curvlinops' settings (the JSON records them)
 KFAC_SETTINGS = {"fisher_type": "type-2", "kfac_approx": "expand", "loss": "CrossEntropyLoss(reduction='mean')"}
-KRONFLUENCE = ("not run: kronfluence's EK-FAC fits its factors through its own Task/DataLoader pipeline and "
-               "stores them on disk; wiring and reading them back densely did not fit this round. It is the same "
-               "approximation family as curvlinops' EKFAC, which is compared")
+#: kronfluence's settings (the JSON records them with the draws and the seed)
+KRONFLUENCE_SETTINGS = {"strategy": "ekfac", "use_empirical_fisher": False, "dtype": "float64",
+                        "loss": "cross-entropy summed over each example's loss terms and the batch",
+                        "scale": "divided by the loss terms per example (tokens per sequence, 1 per image)",
+                        "spearman": "whole: kronfluence's own pairwise scores; a weight matrix: its block of the matrix"}
+KRONFLUENCE_MISSING = "kronfluence is not installed: pip install --no-deps -c constraints.txt -r requirements-laplace.txt"
 
 GPT2_SIZES = dict(n_embd=16, n_head=2, n_layer=2, n_inner=32, vocab_size=32)
 VIT_SIZES = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
@@ -118,6 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="label draws averaged by Sophia's estimator, comma-separated integers >= 1 (default: 1,10,100)")
     p.add_argument("--hutchinson-samples", default="2,10,100", metavar="LIST",
                    help="Hutchinson probes, comma-separated integers >= 2 (default: 2,10,100)")
+    p.add_argument("--kronfluence-draws", type=int, default=100, metavar="N",
+                   help="label draws per example from the model's softmax for kronfluence's EK-FAC (its true "
+                        "Fisher), N >= 1 (default: 100)")
     p.add_argument("--damping", type=float, default=0.01, metavar="R",
                    help="damping of the inverse products and influence, relative: λ = R · λ_max of the whole "
                         "model's exact GGN, R > 0 (default: 0.01)")
@@ -142,6 +160,8 @@ class Settings:
     hutchinson: tuple[int, ...]
     damping: float
     seed: int
+    kronfluence_draws: int = 100
+    data: str | None = None
 
 
 def _counts(option: str, text: str, low: int) -> tuple[int, ...]:
@@ -162,14 +182,16 @@ def settings(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {', '.join(PRESETS)}")
     if args.model is not None and not Path(args.model, "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a save_pretrained folder (no config.json in it)")
-    for option, value, low in (("--batch", args.batch, 2), ("--seq-len", args.seq_len, 2), ("--seed", args.seed, 0)):
+    for option, value, low in (("--batch", args.batch, 2), ("--seq-len", args.seq_len, 2), ("--seed", args.seed, 0),
+                               ("--kronfluence-draws", args.kronfluence_draws, 1)):
         if value < low:
             raise ValueError(f"{option} must be >= {low}, got {value}")
     if not (math.isfinite(args.damping) and args.damping > 0):
         raise ValueError(f"--damping must be a finite number > 0, got {args.damping:g}")
     return Settings(None if args.model else args.preset, args.model, args.batch, args.seq_len,
                     _counts("--sophia-samples", args.sophia_samples, 1),
-                    _counts("--hutchinson-samples", args.hutchinson_samples, 2), float(args.damping), args.seed)
+                    _counts("--hutchinson-samples", args.hutchinson_samples, 2), float(args.damping), args.seed,
+                    args.kronfluence_draws)
 
 
 # ----------------------------------------------------------------------------- the problem
@@ -466,6 +488,119 @@ def gptq_dense(pr: Problem) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
+class _Biased(torch.nn.Module):
+    """``layer(x) + bias`` for a bias-free ``nn.Linear`` or ``nn.Conv2d`` ``layer``: the same function as the
+    layer with that bias, its weight alone in ``layer`` (kronfluence then tracks the weight without the bias)."""
+
+    def __init__(self, layer: torch.nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.layer, self.bias = layer, torch.nn.Parameter(bias)
+        self.shape = (-1, 1, 1) if isinstance(layer, torch.nn.Conv2d) else (-1,)  # kronfluence wraps the layer
+
+    @property
+    def weight(self) -> torch.Tensor:  # read by Hugging Face's forwards (ViT's patch embedding: its dtype)
+        return self.layer.weight
+
+    def forward(self, x):
+        y = self.layer(x)
+        return y + self.bias.reshape(self.shape)
+
+
+def debiased(module: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """A deep copy of ``module`` whose every ``nn.Linear``/``nn.Conv2d`` with a bias is a :class:`_Biased` of the
+    bias-free layer (the same function), and the names of the bias-free layers in :func:`_layer_weights`'s
+    order of ``module``'s layers."""
+    out = copy.deepcopy(module)
+    names = []
+    for n, m in list(out.named_modules()):
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) or m.bias is None:
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+                names.append(n)
+            continue
+        bias = m.bias.detach().clone()
+        m.bias = None
+        parent, _, child = n.rpartition(".")
+        setattr(out.get_submodule(parent), child, _Biased(m, bias))
+        names.append(f"{n}.layer")
+    return out, names
+
+
+def kronfluence_ekfac(pr: Problem, draws: int, lam: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""kronfluence's EK-FAC (``FactorArguments(strategy="ekfac", use_empirical_fisher=False)``, every factor and
+    score in float64) over the weights of ``pr.layers`` on ``pr``'s batch, each sequence (or image) an example
+    of kronfluence's, its loss the cross-entropy summed over the example's ``T_s`` loss terms (kronfluence's
+    convention: the batch's loss is the sum over examples), labels sampled from the model's softmax
+    (generator seeded ``seed``), the batch repeated ``draws`` times (``draws`` label draws per example).
+
+    Returns ``(M, scores)``: ``M`` the dense matrix ``(n, n)``, block-diagonal over the layers in
+    :func:`curvlinops_dense`'s flat order, per layer ``(Q_S ⊗ Q_A) diag(vec_r Λ) (Q_S ⊗ Q_A)ᵀ / T_s``
+    (``Q_A``, ``Q_S`` the eigenvectors of kronfluence's activation and output-gradient covariances, ``Λ`` its
+    corrected eigenvalues divided by its example count; ``(out, in)`` weight order), at our scale: kronfluence
+    estimates the mean over examples of the per-example Fisher, which with sampled labels has expectation
+    ``T_s`` times our GGN of the mean over tokens (docs/derivations.md §23); and ``scores`` ``(B,)``
+    kronfluence's own pairwise influence scores of the training examples (true labels) on ``pr.test``
+    (its summed loss), damping ``T_s · lam`` (our ``lam`` at its scale). Layers with a bias are tracked
+    without it (:func:`debiased`), so both cover exactly our weights. Raises ``ValueError`` for ``draws < 1``."""
+    import logging
+    import tempfile
+    import warnings
+
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    model, tracked = debiased(pr.module)
+    gen = torch.Generator().manual_seed(seed)
+    per_example = pr.target[0].numel()
+
+    class _CE(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            x, y = batch
+            z = model(x)
+            if sample:
+                with torch.no_grad():
+                    y = torch.multinomial(torch.softmax(z.detach(), -1), 1, generator=gen).reshape(-1)
+            return F.cross_entropy(z, y.reshape(-1), reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            return self.compute_train_loss(batch, model)
+
+        def get_influence_tracked_modules(self):
+            return tracked
+
+    task = _CE()
+    model = prepare_model(model, task)
+    f64 = torch.float64
+    fargs = FactorArguments(strategy="ekfac", use_empirical_fisher=False, covariance_max_examples=None,
+                            lambda_max_examples=None, activation_covariance_dtype=f64, gradient_covariance_dtype=f64,
+                            per_sample_gradient_dtype=f64, lambda_dtype=f64)
+    sargs = ScoreArguments(damping_factor=per_example * lam, per_sample_gradient_dtype=f64, precondition_dtype=f64,
+                           score_dtype=f64)
+    B = pr.inputs.shape[0]
+    fit = torch.utils.data.TensorDataset(pr.inputs.repeat(draws, *[1] * (pr.inputs.ndim - 1)),
+                                         pr.target.repeat(draws, *[1] * (pr.target.ndim - 1)))
+    train = torch.utils.data.TensorDataset(pr.inputs, pr.target)
+    query = torch.utils.data.TensorDataset(*pr.test)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*GradScaler", category=FutureWarning)  # its CPU AMP scaler, off
+        an = Analyzer("compare", model, task, cpu=True, log_level=logging.WARNING, disable_tqdm=True, output_dir=tmp)
+        an.fit_all_factors("ekfac", fit, per_device_batch_size=B, factor_args=fargs, overwrite_output_dir=True)
+        factors = an.load_all_factors("ekfac")
+        an.compute_pairwise_scores("scores", "ekfac", query, train, per_device_query_batch_size=1,
+                                   per_device_train_batch_size=B, score_args=sargs, overwrite_output_dir=True)
+        scores = an.load_pairwise_scores("scores")["all_modules"][0].to(f64)
+    blocks = []
+    for n in tracked:
+        QA = factors["activation_eigenvectors"][n].to(f64)
+        QS = factors["gradient_eigenvectors"][n].to(f64)
+        Lam = factors["lambda_matrix"][n].to(f64) / factors["num_lambda_processed"][n].to(f64)
+        Q = torch.kron(QS, QA)
+        blocks.append((Q * Lam.reshape(-1)) @ Q.T / per_example)
+    return torch.block_diag(*blocks), scores
+
+
 def sophia_diagonal(pr: Problem, names: list[str], samples: int, gen: torch.Generator) -> torch.Tensor:
     """Sophia's Gauss–Newton–Bartlett diagonal over ``names``, averaged over ``samples`` draws: labels
     from the model's softmax, ``T · ĝ ⊙ ĝ`` with ``ĝ`` the gradient of the mean loss of the sampled
@@ -590,7 +725,7 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
     g = gradients(pr, mods, pr.inputs, pr.target)
     G = torch.stack([gradients(pr, mods, pr.inputs[i:i + 1], pr.target[i:i + 1]) for i in range(pr.inputs.shape[0])], 1)
     g_test = gradients(pr, mods, *pr.test)
-    bar = progress(total=len(PARTS) + 5, quiet=quiet, desc=f"compare {pr.name}")
+    bar = progress(total=len(PARTS) + 6, quiet=quiet, desc=f"compare {pr.name}")
     ops = {part: bh.hessian_operator(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, part=part)
            for part in PARTS}
     exact = exact_dense(pr, mods)
@@ -614,6 +749,14 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
             approx[kind] = (to_canonical(curvlinops_dense(pr, kind)), covered)
             methods[kind] = {"source": f"curvlinops {kind.upper()}LinearOperator", **KFAC_SETTINGS}
             bar.update()
+        if importlib.util.find_spec("kronfluence") is None:
+            methods["kronfluence_ekfac"] = {"not_run": KRONFLUENCE_MISSING}
+        else:
+            M, kf_scores = kronfluence_ekfac(pr, s.kronfluence_draws, lam, s.seed)
+            approx["kronfluence_ekfac"] = (to_canonical(M), covered)
+            methods["kronfluence_ekfac"] = {"source": "kronfluence EK-FAC", **KRONFLUENCE_SETTINGS,
+                                            "draws": s.kronfluence_draws, "seed": s.seed}
+        bar.update()
         approx["gptq_raw"] = (to_canonical(gptq_dense(pr)), covered)
         methods["gptq_raw"] = {"source": "(2/S) X^T X ⊗ I per layer, S sequences"}
         methods["gptq_best"] = {"source": "c · gptq_raw, c = <P, H>_F / ||P||_F^2 per row and reference"}
@@ -628,7 +771,6 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
     for N in s.hutchinson:
         methods[f"hutchinson_{N}"] = {"source": "blockhess.operators.hutchinson_diagonal of the reference itself",
                                       "probes": N, "seed": s.seed}
-    methods["kronfluence"] = {"not_run": KRONFLUENCE}
     bar.update()
 
     results, exact_out = {}, {}
@@ -652,6 +794,8 @@ def compare(pr: Problem, s: Settings, quiet: bool = False) -> dict:
                     continue
                 Mb = M[ii] if M.ndim == 1 else M[ii][:, ii]
                 r[key] = metrics(Hb, Mb, *args)
+                if key == "kronfluence_ekfac" and row == WHOLE:  # its own scores over the same weights
+                    r[key]["spearman"] = spearman(e["scores"], kf_scores)
                 if key == "gptq_raw":
                     c = best_scale(Mb, Hb)
                     r["gptq_best"] = {**metrics(Hb, c * Mb, *args), "scale": c}
@@ -722,8 +866,6 @@ def figures(tmp: Path, rep: dict) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
     missing = [m for m in ("transformers", "curvlinops") if importlib.util.find_spec(m) is None]
     if missing:  # the models come from transformers, KFAC and EKFAC from curvlinops: the hf and bench extras
         raise ValueError(f"blockhess compare needs {' and '.join(missing)}: pip install 'blockhess[bench]'")
@@ -744,7 +886,8 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
                "tokens": pr.cfg.embedding == "token",
                "settings": {"preset": s.preset, "model_dir": s.model_dir, "batch": s.batch, "seq_len": s.seq_len,
                             "sophia_samples": list(s.sophia), "hutchinson_samples": list(s.hutchinson),
-                            "damping": s.damping, "seed": s.seed, "dtype": "float64"},
+                            "damping": s.damping, "seed": s.seed, "kronfluence_draws": s.kronfluence_draws,
+                            "dtype": "float64"},
                **body, "environment": env}
         rep["environment"]["load_average_at_end"] = load_average()
         rep["figures"] = []
