@@ -8,6 +8,7 @@ exact against exact, Hutchinson's error shrinking with more probes, and the one-
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -24,7 +25,10 @@ curvlinops = pytest.importorskip("curvlinops")
 PNG = b"\x89PNG\r\n\x1a\n"
 TOL = 1e-10
 SIZES = dict(n_embd=8, n_head=2, n_layer=1, n_inner=8, vocab_size=8, n_positions=8)
-ARGS = ["--batch", "3", "--seq-len", "3", "--sophia-samples", "1,4", "--hutchinson-samples", "2,8", "--seed", "1"]
+ARGS = ["--batch", "3", "--seq-len", "3", "--sophia-samples", "1,4", "--hutchinson-samples", "2,8", "--seed", "1",
+        "--kronfluence-draws", "2"]
+#: kronfluence_ekfac's column: present where kronfluence is installed (requirements-laplace.txt), else recorded not run
+KRONFLUENCE = importlib.util.find_spec("kronfluence") is not None
 
 
 def _tiny_gpt2():
@@ -45,7 +49,7 @@ def run(tmp_path_factory):
 
 
 def _settings(model_dir) -> C.Settings:
-    return C.Settings(None, str(model_dir), 3, 3, (1, 4), (2, 8), 0.01, 1)
+    return C.Settings(None, str(model_dir), 3, 3, (1, 4), (2, 8), 0.01, 1, 2)
 
 
 def _logits(model, ids):
@@ -59,16 +63,17 @@ def test_outputs_and_structure(run):
         ["compare.json", "compare.md"] + rep["figures"])
     assert all((out / f).read_bytes().startswith(PNG) for f in rep["figures"])
     assert rep["whole"] == [n for n in rep["modules"] if n.startswith("blocks.") or n == "W_H"]
-    assert rep["methods"]["kronfluence"]["not_run"]
+    assert ("not_run" in rep["methods"]["kronfluence_ekfac"]) is not KRONFLUENCE
     for part in C.PARTS:
         res = rep["results"][part]
         assert list(res) == [*rep["modules"], C.WHOLE]
         for row in ("blocks.0.W_Q", "W_H", C.WHOLE):  # layers: every method
             assert set(res[row]) == {"kfac", "ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_4", "hutchinson_2",
-                                     "hutchinson_8"}
+                                     "hutchinson_8"} | ({"kronfluence_ekfac"} if KRONFLUENCE else set())
         assert set(res["W_E"]) == {"sophia_1", "sophia_4", "hutchinson_2", "hutchinson_8"}  # a token table
     md = (out / "compare.md").read_text()
-    assert "## Against the exact GGN" in md and "| `blocks.0.W_V` |" in md and "kronfluence`: not run" in md
+    assert "## Against the exact GGN" in md and "| `blocks.0.W_V` |" in md
+    assert ("| kronfluence_ekfac |" in md) is KRONFLUENCE and ("kronfluence_ekfac`: not run" in md) is not KRONFLUENCE
 
 
 def test_every_number_of_one_module_from_its_definition(run):
@@ -169,6 +174,52 @@ def test_every_number_of_one_module_from_its_definition(run):
             assert rep["results"][part][row]["hutchinson_2"]["trace_rel"] == pytest.approx(
                 abs(float(hutch[ii].sum()) - t) / abs(t), rel=1e-10)
             assert rep["exact"][part][row]["eig_max"] == pytest.approx(float(w[-1]), rel=1e-10)
+
+
+def _covered(pr):
+    covered = [n for n in C.modules_of(pr) if n in pr.index]
+    return covered, torch.cat([pr.index[n] for n in covered])
+
+
+def test_kronfluence_ekfac_dense_against_its_own_scores(run):
+    """compare's dense EK-FAC from kronfluence's factors, moved by the index map and at our scale, gives
+    kronfluence's own pairwise scores: ``T · Gᵀ (M + λI)⁻¹ g_test`` (``G``, ``g_test`` our gradients of mean
+    losses, kronfluence's of losses summed over ``T`` tokens, its damping ``T λ``) to 1e-10; the JSON's
+    whole-model numbers are this matrix's and these scores'."""
+    pytest.importorskip("kronfluence")
+    model_dir, rep, _ = run
+    s = _settings(model_dir)
+    pr = C.problem(s)
+    lam = rep["damping"]
+    M, scores = C.kronfluence_ekfac(pr, s.kronfluence_draws, lam, s.seed)
+    covered, idx = _covered(pr)
+    assert covered == rep["whole"]
+    Mc = M[idx][:, idx]
+    G = torch.stack([C.gradients(pr, covered, pr.inputs[i:i + 1], pr.target[i:i + 1]) for i in range(3)], 1)
+    g, g_test = C.gradients(pr, covered, pr.inputs, pr.target), C.gradients(pr, covered, *pr.test)
+    I = torch.eye(Mc.shape[0], dtype=torch.float64)
+    want = 3 * G.T @ torch.linalg.solve(Mc + lam * I, g_test)
+    assert float((scores - want).norm() / want.norm()) <= TOL
+    Hw = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=covered).outer.dense()
+    got = rep["results"]["outer"][C.WHOLE]["kronfluence_ekfac"]
+    assert got["rel_fro"] == pytest.approx(float((Mc - Hw).norm() / Hw.norm()), rel=1e-10)
+    x, xm = torch.linalg.solve(Hw + lam * I, g), torch.linalg.solve(Mc + lam * I, g)
+    assert got["inverse_cos"] == pytest.approx(float(x @ xm / (x.norm() * xm.norm())), abs=1e-10)
+    assert got["spearman"] == pytest.approx(C.spearman(G.T @ torch.linalg.solve(Hw + lam * I, g_test), scores), abs=1e-12)
+
+
+def test_kronfluence_ekfac_estimates_our_ggn_scale(run):
+    """With labels drawn from the softmax, the trace of kronfluence's EK-FAC (the mean squared norm of its
+    per-sequence gradients) is unbiased for ``T`` times our GGN's trace, so compare's matrix (divided by
+    ``T = 3`` tokens) has our trace: within 15% at 50 draws (a wrong scale would be off by 3x)."""
+    pytest.importorskip("kronfluence")
+    pr = C.problem(_settings(run[0]))
+    covered, idx = _covered(pr)
+    M, _ = C.kronfluence_ekfac(pr, 50, 0.1, 1)
+    H = bh.hessian(pr.params, pr.inputs, pr.cfg, loss="ce", target=pr.target, wrt=covered).outer.dense()
+    assert abs(float(torch.trace(M[idx][:, idx]) / torch.trace(H)) - 1) < 0.15
+    with pytest.raises(ValueError, match="draws must be >= 1"):
+        C.kronfluence_ekfac(pr, 0, 0.1, 1)
 
 
 def test_index_map_and_scale_by_curvlinops_ggn(run):
@@ -308,6 +359,7 @@ def test_hutchinson_error_shrinks_with_samples():
     (["--damping", "0"], "--damping must be a finite number > 0"),
     (["--damping", "nan"], "--damping must be a finite number > 0"),
     (["--batch", "1"], "--batch must be >= 2"),
+    (["--kronfluence-draws", "0"], "--kronfluence-draws must be >= 1"),
     (["--model", "/nonexistent/dir"], "--model /nonexistent/dir: not a save_pretrained folder"),
 ])
 def test_bad_inputs_exit_2(tmp_path, capsys, extra, needle):
