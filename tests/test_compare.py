@@ -394,3 +394,96 @@ def test_llama_other_rope_exit_2(tmp_path, capsys):
     assert last == (f"blockhess compare: error: --model {tmp_path / 'm'}: a LlamaForCausalLM with rope_type 'linear'; "
                     "compare reads rope_type 'default'")
     assert not (tmp_path / "o").exists()
+
+
+def _random_ids(seed: int) -> torch.Tensor:
+    """The fixture's random batch and test sequence (3 then 1 sequences of 4 ids from ``seed``), one array."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randint(0, 8, (3, 4), generator=gen), torch.randint(0, 8, (1, 4), generator=gen)])
+
+
+def test_data_file_gives_the_same_run(run, tmp_path):
+    """--data with the random batch and test sequence written to an .npy file (the last row the test) reruns
+    the fixture: the same numbers; a .pt of the same ids reads the same."""
+    import numpy as np
+
+    model_dir, rep, _ = run
+    ids = _random_ids(1)
+    np.save(tmp_path / "ids.npy", ids.numpy().astype(np.int32))
+    torch.save(ids, tmp_path / "ids.pt")
+    args = [a for i, a in enumerate(ARGS) if a not in ("--batch", "--seq-len") and ARGS[i - 1] not in ("--batch", "--seq-len")]
+    assert main(["compare", "--model", str(model_dir), "--data", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "o"),
+                 "--quiet", *args]) == 0
+    again = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert again["results"] == rep["results"] and again["damping"] == rep["damping"]
+    assert again["settings"]["data"] == str(tmp_path / "ids.npy") and again["settings"]["batch"] == 3
+    cfg = C.problem(_settings(model_dir)).cfg
+    x, y, (xt, yt) = C.load_data(cfg, str(tmp_path / "ids.pt"))
+    assert torch.equal(x, ids[:3, :-1]) and torch.equal(y, ids[:3, 1:]) and torch.equal(xt, ids[3:, :-1])
+    assert torch.equal(yt, ids[3:, 1:]) and x.dtype == torch.long
+
+
+def _tiny_vit_cfg():
+    c = transformers.ViTConfig(image_size=4, patch_size=2, num_channels=1, hidden_size=4, num_hidden_layers=1,
+                               num_attention_heads=1, intermediate_size=4, num_labels=3)
+    return bh.from_torch(transformers.ViTForImageClassification(c).double().eval())[0]
+
+
+def test_data_file_images(tmp_path):
+    import numpy as np
+
+    cfg = _tiny_vit_cfg()
+    images = np.random.default_rng(0).standard_normal((4, 1, 4, 4)).astype(np.float32)
+    labels = np.array([0, 2, 1, 1])
+    np.savez(tmp_path / "d.npz", images=images, labels=labels)
+    x, y, (xt, yt) = C.load_data(cfg, str(tmp_path / "d.npz"))
+    assert x.dtype == torch.float64 and torch.equal(x, torch.from_numpy(images[:3]).double())
+    assert y.tolist() == [0, 2, 1] and yt.tolist() == [1] and xt.shape == (1, 1, 4, 4)
+    for kw, needle in [(dict(images=images[:, :, :3], labels=labels), "images must have shape (N, 1, 4, 4)"),
+                       (dict(images=images, labels=labels + 1), "labels must lie in [0, 3) (the classes), got [1, 3]"),
+                       (dict(images=images, labels=labels[:3]), "labels must have shape (4,)"),
+                       (dict(images=images, labels=labels * 0.5), "labels must be integers"),
+                       (dict(images=images.astype(np.int64), labels=labels), "images must be floating point"),
+                       (dict(images=np.full_like(images, np.nan), labels=labels), "images must be finite"),
+                       (dict(images=images), "no labels array in it")]:
+        np.savez(tmp_path / "bad.npz", **kw)
+        with pytest.raises(ValueError, match=f"--data {tmp_path / 'bad.npz'}: " + needle.replace("(", r"\(").replace(
+                ")", r"\)").replace("[", r"\[")):
+            C.load_data(cfg, str(tmp_path / "bad.npz"))
+    with pytest.raises(ValueError, match="a ViT reads an .npz of images and labels"):
+        C.load_data(cfg, str(tmp_path / "x.npy"))
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: __import__("numpy").save(p + ".npy", _random_ids(1).double().numpy()), "token ids must be integers"),
+    (lambda p: __import__("numpy").save(p + ".npy", _random_ids(1)[0].numpy()), "token ids must have shape (N, L+1)"),
+    (lambda p: __import__("numpy").save(p + ".npy", _random_ids(1)[:2].numpy()), "with N >= 3 and L >= 2, got (2, 4)"),
+    (lambda p: __import__("numpy").save(p + ".npy", _random_ids(1).numpy() + 1), "must lie in [0, 8) (the vocabulary)"),
+    (lambda p: __import__("numpy").save(p + ".npy", torch.zeros(3, 10, dtype=torch.long).numpy()),
+     "9 tokens per sequence exceed the model's 8 positions"),
+    (lambda p: torch.save({"ids": _random_ids(1)}, p + ".pt"), "expected an array of token ids, got dict"),
+    (lambda p: open(p + ".pt", "w").write("not a tensor"), "cannot read it"),
+    (lambda p: __import__("numpy").savez(p + ".npz", ids=_random_ids(1).numpy()), "a language model reads a .pt or .npy"),
+    (lambda p: open(p + ".txt", "w").write("1 2 3"), "expected a .pt, .npy, .npz file"),
+    (lambda p: None, "no such file"),
+])
+def test_bad_data_file_exit_2(run, tmp_path, capsys, make, needle):
+    model_dir, _, _ = run
+    stem = str(tmp_path / "d")
+    make(stem)
+    path = next((str(f) for f in tmp_path.iterdir() if f.name.startswith("d.")), stem + ".npy")
+    capsys.readouterr()
+    assert main(["compare", "--model", str(model_dir), "--data", path, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert err.startswith(f"blockhess compare: error: --data {path}: ") and needle in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_data_with_batch_options_exit_2(run, tmp_path, capsys):
+    model_dir, _, _ = run
+    import numpy as np
+
+    np.save(tmp_path / "ids.npy", _random_ids(1).numpy())
+    assert main(["compare", "--model", str(model_dir), "--data", str(tmp_path / "ids.npy"), "--seq-len", "3",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--seq-len: with --data the batch is the file's rows" in capsys.readouterr().err

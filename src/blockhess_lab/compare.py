@@ -60,11 +60,16 @@ RMSNorm pre-norm blocks and final RMSNorm, untied head, vocabulary 32; matrices 
 (:func:`float64_llama`); every model's logits must equal :func:`blockhess.forward`'s to
 :data:`FORWARD_TOL` (:func:`check_forward`) before anything is compared.
 
+The batch: random (``--batch`` sequences of ``--seq-len`` tokens with next-token targets, or images and
+labels, from ``--seed``) and a random test sequence; or ``--data FILE`` (:func:`load_data`): a language
+model's token ids ``(N, L+1)`` (``.pt`` or ``.npy``; inputs ``ids[:, :-1]``, targets ``ids[:, 1:]``), a ViT's
+``images`` and ``labels`` (``.npz``); the last row is the test sequence, the others the batch.
+
 Writes ``compare.json`` (every number, the settings and seeds that reproduce it), ``compare.md`` (per
 reference a table per metric: rows modules, columns approximations) and ``rel_fro.png``,
 ``inverse_cos.png`` into ``--out``, atomically. Exit status 0; 2 with one line on stderr for bad input
 (an unknown preset, a bad sample count or damping, a ``--model`` folder that cannot be read, a module
-whose logits are not :func:`blockhess.forward`'s).
+whose logits are not :func:`blockhess.forward`'s, a ``--data`` file :func:`load_data` refuses).
 """
 
 from __future__ import annotations
@@ -116,6 +121,8 @@ LLAMA_SIZES = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidd
                    bos_token_id=None, eos_token_id=None, use_cache=False)
 #: the preset's random weights: matrices N(0, LLAMA_STD[0]²), RMSNorm weights 1 + N(0, LLAMA_STD[1]²)
 LLAMA_STD = (0.5, 0.3)
+#: --data's file types: token ids (language models), images and labels (ViT)
+DATA_SUFFIXES = (".pt", ".npy", ".npz")
 #: the largest relative Frobenius difference of the module's logits from blockhess.forward's accepted
 FORWARD_TOL = 1e-12
 
@@ -127,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
                    help="a save_pretrained folder (GPT2LMHeadModel, ViTForImageClassification or LlamaForCausalLM) read "
                         "offline, instead of --preset")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="the batch from a file instead of random tokens or images: for a language model a .pt "
+                        "(a saved tensor) or .npy integer array (N, L+1) of token ids, inputs ids[:, :-1], targets "
+                        "the next tokens ids[:, 1:]; for a ViT an .npz with images (N, C, H, W) and integer labels "
+                        "(N,); the last row is the test sequence (image), the first N-1 (N >= 3) the batch. "
+                        "Replaces --batch and --seq-len")
     p.add_argument("--batch", type=int, default=8, metavar="N", help="training sequences (or images) (default: 8)")
     p.add_argument("--seq-len", type=int, default=8, metavar="L", help="tokens per sequence, text models (default: 8)")
     p.add_argument("--sophia-samples", default="1,10,100", metavar="LIST",
@@ -182,6 +195,16 @@ def settings(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {', '.join(PRESETS)}")
     if args.model is not None and not Path(args.model, "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a save_pretrained folder (no config.json in it)")
+    if args.data is not None:
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        for option in ("batch", "seq_len"):
+            if getattr(args, option) != defaults.get_default(option):
+                raise ValueError(f"--{option.replace('_', '-')}: with --data the batch is the file's rows")
+        if Path(args.data).suffix not in DATA_SUFFIXES:
+            raise ValueError(f"--data {args.data}: expected a {', '.join(DATA_SUFFIXES)} file")
+        if not Path(args.data).is_file():
+            raise ValueError(f"--data {args.data}: no such file")
     for option, value, low in (("--batch", args.batch, 2), ("--seq-len", args.seq_len, 2), ("--seed", args.seed, 0),
                                ("--kronfluence-draws", args.kronfluence_draws, 1)):
         if value < low:
@@ -191,7 +214,7 @@ def settings(args: argparse.Namespace) -> Settings:
     return Settings(None if args.model else args.preset, args.model, args.batch, args.seq_len,
                     _counts("--sophia-samples", args.sophia_samples, 1),
                     _counts("--hutchinson-samples", args.hutchinson_samples, 2), float(args.damping), args.seed,
-                    args.kronfluence_draws)
+                    args.kronfluence_draws, args.data)
 
 
 # ----------------------------------------------------------------------------- the problem
@@ -381,6 +404,76 @@ def _batch(cfg: ModelConfig, n: int, L: int, gen: torch.Generator, dtype=torch.f
     return images, torch.randint(0, cfg.head, (n,), generator=gen)
 
 
+def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
+    """The batch of a ``--data`` file (see the option's help): ``(inputs, target, test)``, ``test`` the last
+    row as ``(inputs, target)`` of one sequence (image). Token files (``.pt``: a saved integer tensor,
+    ``.npy``: an integer array) of shape ``(N, L+1)``, ``N >= 3``, ``L >= 2``, ids in ``[0, vocab)``, ``L`` at
+    most a learned position table's length; image files (``.npz``) with ``images`` ``(N, C, H, W)`` of the
+    model's image shape, finite floats (cast to ``dtype``), and integer ``labels`` ``(N,)`` in ``[0, classes)``.
+    Raises ``ValueError`` naming ``--data`` and the file for anything else."""
+    import pickle
+    import zipfile
+
+    import numpy as np
+
+    where = f"--data {path}"
+    suffix = Path(path).suffix
+    tokens = cfg.embedding == "token"
+    if tokens != (suffix in (".pt", ".npy")):
+        raise ValueError(f"{where}: a {'language model' if tokens else 'ViT'} reads "
+                         + ("a .pt or .npy array of token ids" if tokens else "an .npz of images and labels"))
+    try:
+        if suffix == ".pt":
+            arrays = {"token ids": torch.load(path, weights_only=True)}
+        elif suffix == ".npy":
+            arrays = {"token ids": np.load(path, allow_pickle=False)}
+        else:
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{where}: cannot read it: {(str(exc) or type(exc).__name__).splitlines()[0]}") from None
+    if not tokens:
+        missing = [k for k in ("images", "labels") if k not in arrays]
+        if missing:
+            raise ValueError(f"{where}: no {' and no '.join(missing)} array in it")
+    for k, a in arrays.items():
+        if not isinstance(a, torch.Tensor | np.ndarray):
+            raise ValueError(f"{where}: expected an array of {k}, got {type(a).__name__}")
+        arrays[k] = torch.as_tensor(a)
+    if tokens:
+        ids = arrays["token ids"]
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{where}: token ids must be integers, got {ids.dtype}")
+        if ids.ndim != 2 or ids.shape[0] < 3 or ids.shape[1] < 3:
+            raise ValueError(f"{where}: token ids must have shape (N, L+1) with N >= 3 and L >= 2, got {tuple(ids.shape)}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cfg.vocab:
+            raise ValueError(f"{where}: token ids must lie in [0, {cfg.vocab}) (the vocabulary), got [{lo}, {hi}]")
+        L = ids.shape[1] - 1
+        if cfg.positions == "learned" and L > cfg.n_positions:
+            raise ValueError(f"{where}: {L} tokens per sequence exceed the model's {cfg.n_positions} positions")
+        ids = ids.long()
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    else:
+        x, y = arrays["images"], arrays["labels"]
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{where}: images must be floating point, got {x.dtype}")
+        if x.ndim != 4 or tuple(x.shape[1:]) != tuple(cfg.image) or x.shape[0] < 3:
+            raise ValueError(f"{where}: images must have shape (N, {', '.join(map(str, cfg.image))}) with N >= 3, "
+                             f"got {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where}: images must be finite")
+        if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+            raise ValueError(f"{where}: labels must be integers, got {y.dtype}")
+        if tuple(y.shape) != (x.shape[0],):
+            raise ValueError(f"{where}: labels must have shape ({x.shape[0]},), one per image, got {tuple(y.shape)}")
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= cfg.head:
+            raise ValueError(f"{where}: labels must lie in [0, {cfg.head}) (the classes), got [{lo}, {hi}]")
+        x, y = x.to(dtype).contiguous(), y.long()
+    return x[:-1], y[:-1], (x[-1:], y[-1:])
+
+
 def problem(s: Settings) -> Problem:
     """The model and batch of ``s`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(s.seed)
@@ -399,8 +492,11 @@ def problem(s: Settings) -> Problem:
     module = model
     desc = {"kind": type(model).__name__, "config": {k: v for k, v in model.config.to_diff_dict().items()
                                                      if isinstance(v, (int, float, str, bool))}}
-    inputs, target = _batch(cfg, s.batch, s.seq_len, gen)
-    test = _batch(cfg, 1, s.seq_len, gen)
+    if s.data is not None:
+        inputs, target, test = load_data(cfg, s.data)
+    else:
+        inputs, target = _batch(cfg, s.batch, s.seq_len, gen)
+        test = _batch(cfg, 1, s.seq_len, gen)
     desc["forward_rel_diff"] = check_forward(module, cfg, params, inputs, where)
     name = s.preset or Path(s.model_dir).name
     pr = Problem(name, desc, cfg, params, inputs, target, test)
@@ -884,7 +980,9 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
         body = compare(pr, s, bool(args.quiet))
         rep = {"command": "blockhess compare", "name": pr.name, "model": pr.description,
                "tokens": pr.cfg.embedding == "token",
-               "settings": {"preset": s.preset, "model_dir": s.model_dir, "batch": s.batch, "seq_len": s.seq_len,
+               "settings": {"preset": s.preset, "model_dir": s.model_dir, "data": s.data,
+                            "batch": int(pr.inputs.shape[0]),
+                            "seq_len": int(pr.inputs.shape[1]) if pr.cfg.embedding == "token" else s.seq_len,
                             "sophia_samples": list(s.sophia), "hutchinson_samples": list(s.hutchinson),
                             "damping": s.damping, "seed": s.seed, "kronfluence_draws": s.kronfluence_draws,
                             "dtype": "float64"},
