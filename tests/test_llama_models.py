@@ -154,6 +154,20 @@ def test_causal_lm(float64_hf, family):
     assert_close(A @ Vs, D @ Vs, tol=PRODUCT_TOL, what="operator products")
 
 
+def test_one_part_alone(float64_hf):
+    """A Llama's outer part alone (``blockhess.model.walk.hessian(part="outer")``, its exact products only) is the
+    full result's ``.outer``."""
+    from blockhess.model import walk
+
+    cfg, p = bh.from_torch(build("Llama", seed=1))
+    ids, y = ids_and_labels(2)
+    wrt = ["blocks.0.W_Q", "blocks.1.W_G", "W_H"]
+    H = bh.hessian(p, ids, cfg, loss="ce", target=y, wrt=wrt)
+    G = walk.hessian(p, ids, cfg, "ce", y, wrt, part="outer")
+    assert not G.has_parts
+    assert_close(G.dense(), H.outer.dense(), tol=1e-14, scale=fro(H.dense()), what="outer alone")
+
+
 @pytest.mark.parametrize("family", ["Qwen2", "Gemma"])
 def test_base_model_and_layer(float64_hf, family):
     """``{family}Model`` (the last hidden state, MSE) and ``{family}DecoderLayer`` (one layer, hidden states in;

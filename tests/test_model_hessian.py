@@ -120,6 +120,22 @@ def test_wrt_subset(name):
     assert_blocks_close(blocks_of(H.outer, full.outer), what="subset of the outer part")
 
 
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_one_part_alone(name):
+    """``blockhess.model.walk.hessian(part=...)``: the outer or functional part by its own passes, without the
+    full Hessian's, equal to the full result's ``.outer`` / ``.functional``; a result without parts."""
+    from blockhess.model import walk
+
+    cfg, p, x, loss, T = make_model_case(*NAMED_MODELS[name])
+    H = bh.hessian(p, x, cfg, loss=loss, target=T)
+    for part in ("outer", "functional"):
+        P = walk.hessian(p, x, cfg, loss, T, part=part)
+        assert not P.has_parts and P.names == H.names
+        assert_close(P.dense(), getattr(H, part).dense(), tol=1e-14, scale=fro(H.dense()), what=part)
+    with pytest.raises(ValueError, match="part must be one of"):
+        walk.hessian(p, x, cfg, loss, T, part="ggn")
+
+
 # ----------------------------------------------------------------------------- float32, one sequence, batches
 
 @pytest.mark.parametrize("row", [

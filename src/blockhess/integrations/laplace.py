@@ -48,8 +48,8 @@ except ImportError as e:  # an optional integration: the library runs without la
 
 from ..adapters import from_torch, hf
 from ..config import ModelConfig
-from ..hessian import hessian
 from ..model import forward
+from ..model.walk import hessian as model_hessian
 from ..operators import hessian_operator, lanczos_eigs, mean_operator
 
 __all__ = ["ExactCurvature", "BlockhessGGN", "BlockhessHessian", "find_model", "check_output", "OUTPUT_TOL"]
@@ -174,7 +174,8 @@ class ExactCurvature(CurvatureInterface):
         """``(factor · loss, factor · H)`` on the batch: ``H`` ``(P, P)`` the exact GGN or Hessian of the
         summed loss over laplace-torch's parameters (``P`` of them, or ``len(subnetwork_indices)``), dtype
         of the model. Errors: the class docstring's, ``InsufficientMemoryError`` before a result that
-        would not fit (:func:`blockhess.hessian`)."""
+        would not fit (:func:`blockhess.hessian`). One part's passes only: the GGN alone for
+        :class:`BlockhessGGN` (:func:`blockhess.model.walk.hessian`, ``part="outer"``), not the Hessian first."""
         self._check_structure()
         inner, cfg, params, inputs, f = self._read(x)
         names = self._names(inner)
@@ -194,8 +195,7 @@ class ExactCurvature(CurvatureInterface):
         start = torch.tensor([0] + sizes).cumsum(0).tolist()
         H = torch.zeros(start[-1], start[-1], dtype=dtype, device=device)
         if wrt:  # else every kept tensor is one the model read does not use: its blocks are zero
-            Hb = hessian(params, inputs, cfg, loss=loss, target=y, wrt=wrt)
-            Hm = (Hb.outer if self.part == "outer" else Hb).to_module(inner)
+            Hm = model_hessian(params, inputs, cfg, loss=loss, target=y, wrt=wrt, part=self.part).to_module(inner)
             for a, i in enumerate(keep):
                 for b, j in enumerate(keep):
                     if names[i] in Hm.names and names[j] in Hm.names:

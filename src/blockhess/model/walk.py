@@ -420,7 +420,11 @@ def prepare(params: dict, inputs, cfg: ModelConfig, loss, target, wrt):
     return params, inputs, loss, target, names, t
 
 
-def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=None) -> HessianBlocks:
+#: what :func:`hessian`'s ``part`` computes: the Hessian (its parts on first access) or one part alone
+PARTS = ("full", "outer", "functional")
+
+
+def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=None, part: str = "full") -> HessianBlocks:
     r"""The exact Hessian of a model's loss w.r.t. its parameters (``wrt``: a subset), by curvature
     back-propagation in closed form (module docstring; :func:`blockhess.hessian` for a model).
 
@@ -446,12 +450,19 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     ``InsufficientMemoryError`` before any pass if the ``n × n`` result, or it with a callable loss's
     ``B`` Hessians and the largest pass (:func:`_sequence_entries`), would not fit.
 
+    ``part``: ``"full"`` (the Hessian, its parts on first access), or ``"outer"`` (the Gauss–Newton matrix) or
+    ``"functional"`` alone: only that part's passes, a result without parts (what :func:`blockhess.hessian`'s
+    ``.outer`` computes, without the full Hessian's passes first); ``ValueError`` for another value, before any
+    work.
+
     Blocks with :attr:`~blockhess.config.BlockConfig.llama_options` (RMSNorm, the gated FFN, grouped-query
     attention, RoPE, ...) have no Kronecker factors for the walk: the Hessian is then assembled column block
     by column block from the model's exact products (:func:`_assembled`), the same result type and split.
     """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     if any(b.llama_options for b in getattr(cfg, "blocks", ())):  # the walk composes the blocks' Kronecker factors
-        return _assembled(params, inputs, cfg, loss, target, wrt)
+        return _assembled(params, inputs, cfg, loss, target, wrt, part)
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
     z, t = t.z, None  # the output, for a callable loss's derivatives; the rest of the plain trace goes
     shapes = model_param_shapes(cfg)
@@ -473,11 +484,13 @@ def hessian(params: dict, inputs, cfg: ModelConfig, loss="ce", target=None, wrt=
     ld = losses.derivatives(loss, target, z, batch=B) if callable(loss) else None
     del z
 
-    def part(which: str) -> HessianBlocks:
+    def of_part(which: str) -> HessianBlocks:
         check_fits(need, f"the {which} part of the Hessian ({n}x{n}) with a pass", like.device)
         return _passes(params, inputs, cfg, loss, target, names, chunks, which, like, ld=ld)
 
-    return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=part, ld=ld)
+    if part != "full":
+        return of_part(part)
+    return _passes(params, inputs, cfg, loss, target, names, chunks, "full", like, parts=of_part, ld=ld)
 
 
 def _product_entries(cfg: ModelConfig, B: int, L: int) -> int:
@@ -490,7 +503,7 @@ def _product_entries(cfg: ModelConfig, B: int, L: int) -> int:
     return blocks + B * L * (4 * cfg.d_model + 3 * cfg.n_out) + 4 * n
 
 
-def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> HessianBlocks:
+def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt, part: str = "full") -> HessianBlocks:
     r""":func:`hessian` for a model whose blocks have :attr:`~blockhess.config.BlockConfig.llama_options`:
     column ``j`` is the model's exact product :math:`H e_j` (:class:`~.directional.ModelProduct`, the
     engine of :func:`blockhess.hessian_operator`: tangents up the stages, second-order adjoints down, no
@@ -499,7 +512,8 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
     ones (restricted: the tangents start at the chunk's stage, the adjoints stop there), written into the
     block lower triangle of the ``n × n`` result and mirrored (:func:`blockhess.block.assembled.assemble`). ``.outer`` and ``.functional`` by their own products
     (the output's loss Hessian kept, the second-order terms dropped; and the reverse), so
-    ``outer + functional == full`` is a check. The tied ``W_E``'s two uses are summed in each product.
+    ``outer + functional == full`` is a check; ``part`` other than ``"full"``: that part's products alone. The tied
+    ``W_E``'s two uses are summed in each product.
     Raises as :func:`hessian`; ``InsufficientMemoryError`` before any product if the result, its
     symmetrising temporary and one product's working set would not fit."""
     params, inputs, loss, target, names, t = prepare(params, inputs, cfg, loss, target, wrt)
@@ -531,12 +545,14 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt) -> Hes
 
         return assemble(product, names, sizes, like, step, lower=True)
 
-    def part(which: str) -> HessianBlocks:
+    def of_part(which: str) -> HessianBlocks:
         check_fits(need, f"the {which} part of the Hessian ({n}x{n}) from exact products", like.device)
         H = HessianBlocks.from_buffer(names, shapes, matrix(which), cfg=cfg)
         check_result({f"the Hessian's {which} part": H.dense()})
         return H
 
-    H = HessianBlocks.from_buffer(names, shapes, matrix("full"), part, cfg=cfg)
+    if part != "full":
+        return of_part(part)
+    H = HessianBlocks.from_buffer(names, shapes, matrix("full"), of_part, cfg=cfg)
     check_result({"the Hessian": H.dense()})
     return H
