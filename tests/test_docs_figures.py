@@ -1146,8 +1146,8 @@ def test_settings_quoted():
 # --------------------------------------------------------------------------- compare (docs/results.md)
 
 #: the run of record of ``blockhess compare``, one JSON per preset in benchmarks/results/
-COMPARE = {"gpt2": "compare-gpt2-f24ec7b", "vit": "compare-vit-f24ec7b", "llama": "compare-llama-08debca"}
-COMPARE_METHODS = ("kfac", "ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_100", "hutchinson_2",
+COMPARE = {"gpt2": "compare-gpt2-4aa2646", "vit": "compare-vit-4aa2646", "llama": "compare-llama-4aa2646"}
+COMPARE_METHODS = ("kfac", "ekfac", "kronfluence_ekfac", "gptq_raw", "gptq_best", "sophia_1", "sophia_100", "hutchinson_2",
                    "hutchinson_100")
 
 
@@ -1180,14 +1180,27 @@ def test_results_compare_quotes():
     mods = {p: compare_run(p)["results"]["outer"] for p in COMPARE}
     kfac = [r["kfac"]["rel_fro"] for p in ("gpt2", "vit") for k, r in mods[p].items() if k != "whole" and "kfac" in r]
     ll_kfac = [r["kfac"]["rel_fro"] for k, r in mods["llama"].items() if k != "whole" and "kfac" in r]
+    kf = {p: [r["kronfluence_ekfac"]["rel_fro"] < r["ekfac"]["rel_fro"] for k, r in mods[p].items()
+              if k != "whole" and "ekfac" in r] for p in ("gpt2", "llama")}
     check_quotes("docs/results.md", [
+        ("closer than curvlinops' EKFAC on {} of GPT-2's {} weight matrices and {} of the Llama model's {}",
+         [sum(kf["gpt2"]), len(kf["gpt2"]), sum(kf["llama"]), len(kf["llama"])]),
         ("GPT-2 ({} weights in the whole model's {} matrices)", [sum(g["modules"][n] for n in g["whole"]), len(g["whole"])]),
         ("ViT ({} weights in {} matrices)", [sum(v["modules"][n] for n in v["whole"]), len(v["whole"])]),
         ("`LlamaForCausalLM` ({} weights in {} matrices;", [sum(ll["modules"][n] for n in ll["whole"]), len(ll["whole"])]),
         ("per weight matrix, KFAC's relative error against the GGN block runs from {} to {}", [min(kfac), max(kfac)]),
-        ("(`compare-gpt2-f24ec7b`: {} s", [g["timings"]["total_s"]]),
-        ("`compare-vit-f24ec7b`: {} s", [v["timings"]["total_s"]]),
-        ("`compare-llama-08debca`: {} s", [ll["timings"]["total_s"]]),
+        ("(`compare-gpt2-4aa2646`: {} s", [g["timings"]["total_s"]]),
+        ("`compare-vit-4aa2646`: {} s", [v["timings"]["total_s"]]),
+        ("`compare-llama-4aa2646`: {} s", [ll["timings"]["total_s"]]),
+        ("as close to the GGN as KFAC over the whole GPT-2 ({} against {})",
+         [g["results"]["outer"]["whole"][k]["rel_fro"] for k in ("kronfluence_ekfac", "kfac")]),
+        ("(GPT-2's `blocks.0.W_O`: {} against {})", [mods["gpt2"]["blocks.0.W_O"][k]["rel_fro"]
+                                                      for k in ("kronfluence_ekfac", "ekfac")]),
+        ("(whole model {} against {}; the\n  head, which curvlinops' matches to {}, {} from 800 draws)",
+         [v["results"]["outer"]["whole"]["kronfluence_ekfac"]["rel_fro"], v["results"]["outer"]["whole"]["ekfac"]["rel_fro"],
+          mods["vit"]["W_H"]["ekfac"]["rel_fro"], mods["vit"]["W_H"]["kronfluence_ekfac"]["rel_fro"]]),
+        ("is\n  {} (GPT-2), {} (ViT) and {} (Llama)", [compare_run(p)["results"]["outer"]["whole"]["kronfluence_ekfac"]["spearman"]
+                                                 for p in COMPARE]),
         ("Over the\n  whole model its error is {} (GPT-2) and {} (ViT)", [g["results"]["outer"]["whole"]["kfac"]["rel_fro"],
                                                              v["results"]["outer"]["whole"]["kfac"]["rel_fro"]]),
         ("nearly\n  orthogonal to the GGN's (alignment {})", [g["results"]["outer"]["whole"]["kfac"]["top_cos"]]),
@@ -1209,6 +1222,7 @@ def test_results_compare_quotes():
          [ll["results"]["outer"]["whole"]["gptq_best"]["rel_fro"], ll["results"]["outer"]["whole"]["gptq_best"]["top_cos"]]),
         ("(`‖G‖_F` {}, `‖H‖_F` {})", [ll["exact"]["outer"]["whole"]["fro"], ll["exact"]["full"]["whole"]["fro"]]),
     ])
+    assert all(r["methods"]["kronfluence_ekfac"]["draws"] * r["settings"]["batch"] == 800 for r in (g, v, ll))
     assert min(ll_kfac) == mods["llama"]["W_H"]["kfac"]["rel_fro"]
     assert max(ll_kfac) == mods["llama"]["blocks.0.W_2"]["kfac"]["rel_fro"]
     hq = [r["hutchinson_2"]["rel_fro"] for k, r in mods["gpt2"].items() if k in ("blocks.0.W_Q", "blocks.0.W_K")]
