@@ -32,8 +32,8 @@ FORWARD_ALLOWED = {
     ("blockhess_lab.bench_worker", "layer_norm"): "the LayerNorm Jacobian benchmark's autograd baseline",
     ("blockhess_lab.scaling", "C @ params['W_V']"): "makes a weight (W_V centred), not a forward pass",
     ("blockhess.block.second_order", "g @ p['W_O'].T"): "the gradient back through W_O, not a forward pass",
-    ("blockhess_lab.compare", "softmax"): "Sophia's labels drawn from the model's output probabilities (its logits "
-                                          "from bh.forward), not the block",
+    ("blockhess_lab.compare", "softmax"): "Sophia's and kronfluence's sampled labels, drawn from the model's output "
+                                          "probabilities, not the block",
 }
 WEIGHTS = {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2"}
 
