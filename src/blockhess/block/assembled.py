@@ -54,8 +54,7 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
     for k in names:
         offsets[k] = o
         o += sizes[k]
-    for j0 in range(0, n, step):
-        j1 = min(n, j0 + step)
+    for j0, j1 in _spans(n, step, sorted(offsets[k] + sizes[k] for k in names)):
         k = j1 - j0
         V = {}
         for name in names:
@@ -74,14 +73,25 @@ def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=Non
     if not lower:
         buf.add_(buf.T.clone()).mul_(0.5)
         return buf
-    for i, a in enumerate(names):  # the block upper triangle written: the diagonal blocks' mean, the rest mirrored
-        ra = slice(offsets[a], offsets[a] + sizes[a])
-        D = buf[ra, ra]
+    for a in names:  # the block upper triangle written: the diagonal blocks' mean, the rest mirrored (a's rows at once)
+        lo, hi = offsets[a], offsets[a] + sizes[a]
+        D = buf[lo:hi, lo:hi]
         D.add_(D.T.clone()).mul_(0.5)
-        for b in names[i + 1:]:
-            rb = slice(offsets[b], offsets[b] + sizes[b])
-            buf[rb, ra] = buf[ra, rb].T
+        buf[hi:, lo:hi] = buf[lo:hi, hi:].T
     return buf
+
+
+def _spans(n: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
+    """The column chunks ``[(j0, j1)]`` covering ``0..n``, each at most ``step`` wide and ending where a variable
+    ends (``ends``, ascending) when one ends within it: a chunk then starts at a variable's first column, and its
+    restricted rows (``lower``) start at that variable, not at one whose columns it shares with the chunk before."""
+    out, j0 = [], 0
+    while j0 < n:
+        fit = [e for e in ends if j0 < e <= j0 + step]
+        j1 = fit[-1] if fit else min(n, j0 + step)
+        out.append((j0, j1))
+        j0 = j1
+    return out
 
 
 def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:

@@ -99,24 +99,30 @@ def rope_tables(L: int, d_k: int, theta: float, like: torch.Tensor,
     return ang.cos().to(like.dtype).to(like.device), ang.sin().to(like.dtype).to(like.device)
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat([-t[..., h:], t[..., :h]], -1)
+def _signed(sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """The rotation's sine table with the signs of rotate-half folded in: with ``rotate_half(t) = [-t_2, t_1]``
+    (halves ``1`` and ``2`` of the last axis) and ``roll(t, d_k/2) = [t_2, t_1]``, ``rotate_half(t) ⊙ sin`` is
+    ``roll(t, d_k/2) ⊙ [-sin_1, sin_2]`` (``transpose=False``) and ``-rotate_half(t ⊙ sin)`` is
+    ``roll(t, d_k/2) ⊙ [sin_2, -sin_1]`` (``transpose=True``)."""
+    h = sin.shape[-1] // 2
+    lo, hi = sin[..., :h], sin[..., h:]
+    return torch.cat([hi, -lo] if transpose else [-lo, hi], -1)
 
 
 def rotate(t, cs):
     """``t R_l`` per token: ``t ⊙ cos + rotate_half(t) ⊙ sin`` for ``t`` ``(..., L, d_k)`` (``None``: ``None``;
-    ``cs`` ``None``: ``t``)."""
+    ``cs`` ``None``: ``t``), the half-swap taken as a roll with the signs in the table (:func:`_signed`)."""
     if t is None or cs is None:
         return t
-    return t * cs[0] + _rotate_half(t) * cs[1]
+    return torch.addcmul(t * cs[0], t.roll(t.shape[-1] // 2, -1), _signed(cs[1], False))
 
 
 def unrotate(t, cs):
-    """The transpose, ``t R_lᵀ``: ``t ⊙ cos - rotate_half(t ⊙ sin)`` (``rotate_half`` is antisymmetric)."""
+    """The transpose, ``t R_lᵀ``: ``t ⊙ cos - rotate_half(t ⊙ sin)`` (``rotate_half`` is antisymmetric),
+    as :func:`rotate` with the transpose's signs."""
     if t is None or cs is None:
         return t
-    return t * cs[0] - _rotate_half(t * cs[1])
+    return torch.addcmul(t * cs[0], t.roll(t.shape[-1] // 2, -1), _signed(cs[1], True))
 
 
 def _kv(c: Cache, t):
