@@ -527,8 +527,10 @@ def _products(pairs, alpha: float = 1.0):
     the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
     own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
     never copied per direction; where each is small (:data:`FOLD_ENTRIES`), one product for every
-    direction, the directions' factor laid out with ``k`` beside its rows (or columns); a pair with
-    both factors per direction, one product over ``k·B·H``. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    direction, the directions' factor laid out with ``k`` beside its rows (or columns), the shared one
+    scaled by ``alpha``, and the result left in the product's own layout (``B·H`` outermost: a strided
+    view, which the next such product reads without a copy); a pair with both factors per direction, one
+    product over ``k·B·H``. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
     out = None
     for x, y in pairs:
         if x is None or y is None:
@@ -536,28 +538,33 @@ def _products(pairs, alpha: float = 1.0):
         lead = (x if x.ndim == 5 else y).shape[:3]
         k = lead[0]
         (m, p), q = x.shape[-2:], y.shape[-1]
-        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, -1, m, p)
-        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, -1, p, q)
-        first = out is None
-        if first:
-            out = x.new_empty(k, lead[1] * lead[2], m, q)
         n = lead[1] * lead[2]
+        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, n, m, p)
+        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, n, p, q)
         if x.ndim == 5 and y.ndim == 5:  # both per direction: one product over k·B·H
-            out.view(k * n, m, q).baddbmm_(x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0 if first else 1,
-                                           alpha=alpha)
+            if out is not None and out.is_contiguous():
+                out.view(k * n, m, q).baddbmm_(x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), alpha=alpha)
+                continue
+            r = torch.baddbmm(x3.new_empty(()), x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0,
+                              alpha=alpha).view(k, n, m, q)
         elif k > 1 and n * m * p * q <= FOLD_ENTRIES:  # small products: the k directions folded into one GEMM's rows
             if x.ndim == 5:  # (B·H, k·m, p) @ (B·H, p, q)
-                r = torch.bmm(x3.transpose(0, 1).reshape(n, k * m, p), y3).reshape(n, k, m, q).transpose(0, 1)
+                r = torch.bmm(x3.transpose(0, 1).reshape(n, k * m, p), y3 if alpha == 1.0 else y3 * alpha)
+                r = r.view(n, k, m, q).transpose(0, 1)
             else:  # (B·H, m, p) @ (B·H, p, k·q)
-                r = torch.bmm(x3, y3.permute(1, 2, 0, 3).reshape(n, p, k * q)).reshape(n, m, k, q).permute(2, 0, 1, 3)
-            if first:
-                torch.mul(r, alpha, out=out) if alpha != 1.0 else out.copy_(r)
-            else:
-                out.add_(r, alpha=alpha)
+                r = torch.bmm(x3 if alpha == 1.0 else x3 * alpha, y3.permute(1, 2, 0, 3).reshape(n, p, k * q))
+                r = r.view(n, m, k, q).permute(2, 0, 1, 3)
         else:
+            if out is None:
+                out = x.new_empty(k, n, m, q)
+                beta = 0
+            else:
+                beta = 1
             for i in range(k):
                 xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
-                out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
+                out[i].baddbmm_(xi, yi, beta=beta, alpha=alpha)  # beta 0: the empty slice ignored
+            continue
+        out = r if out is None else out.add_(r)
     return None if out is None else out.reshape(*lead, *out.shape[-2:])
 
 

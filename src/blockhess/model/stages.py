@@ -377,14 +377,11 @@ class HeadStage:
             gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
         out = {}
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
-            if functional and dx is not None:  # over the rows stacked twice: the table written once
-                left, right = torch.cat([dgf, gf.expand(k, -1, -1)], 1), torch.cat([hf.expand(k, -1, -1),
-                                                                                  dx.reshape(k, B * P, d)], 1)
-            else:
-                left, right = dgf, hf.expand(k, -1, -1)
             dest = (into or {}).get(w)
-            out[w] = (torch.matmul(left.mT, right, out=dest) if self.tied else
-                      torch.matmul(right.mT, left, out=dest))
+            out[w] = torch.matmul(dgf.mT, hf, out=dest) if self.tied else torch.matmul(hf.T, dgf, out=dest)
+            if functional and dx is not None:  # + gᵀ ḣ: a second product into the first's (no stacked copies)
+                dxf, gk = dx.reshape(k, B * P, d), gf.expand(k, -1, -1)
+                out[w].baddbmm_(*((gk.mT, dxf) if self.tied else (dxf.mT, gk)))
         if b in names:
             out[b] = dgf.sum(1)
         return gh.reshape(k, B, P, d), out
@@ -549,7 +546,8 @@ class SoftmaxHead:
 
     def omega(self, dz: torch.Tensor) -> torch.Tensor:
         """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)``."""
-        return (self.p * dz - self.p * (self.p * dz).sum(-1, keepdim=True)) / self.N
+        pdz = self.p * dz
+        return torch.addcmul(pdz, self.p, pdz.sum(-1, keepdim=True), value=-1).div_(self.N)
 
     def head(self) -> "HeadStage":
         """The head as a plain stage (for products: its tangents and second-order adjoints)."""
