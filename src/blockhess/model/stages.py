@@ -208,7 +208,7 @@ class NormStage:
     def _n_dot(self, dx: torch.Tensor) -> torch.Tensor:
         """``J_n ẋ`` per token: ``r (C ẋ − n (n·ẋ)/d)``, ``dx`` ``(k, B, L, d)``."""
         d = dx.shape[-1]
-        return self.r * (self._c(dx) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
+        return torch.addcmul(self._c(dx), self.y, (self.y * dx).sum(-1, keepdim=True) / d, value=-1).mul_(self.r)
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``u̇ = γ ⊙ J_n ẋ + γ̇ ⊙ n + β̇`` ``(k, B, L, d)``; ``dx`` ``(k, B, L, d)`` or ``None``."""
@@ -243,10 +243,12 @@ class NormStage:
         if functional and dx is not None:  # Γ(g_n) ẋ, the contracted norm Hessian along ẋ (Theorem 3; C = I: RMSNorm)
             gn = g if gam is None else g * gam
             gh = self._c(gn)
-            s = (gn * self.y).sum(-1, keepdim=True)
+            c = self.r ** 2 / d  # (B, L, 1): the factor of every term, folded into the per-token numbers
+            u = (gn * self.y).sum(-1, keepdim=True) * c
             ydx = (self.y * dx).sum(-1, keepdim=True)
-            gx = gx - (self.r ** 2 / d) * (gh * ydx + self.y * (gh * dx).sum(-1, keepdim=True)
-                                           + s * (self._c(dx) - 3 * self.y * ydx / d))
+            t = gh * (ydx * c)
+            t.addcmul_(self.y, (gh * dx).sum(-1, keepdim=True) * c).addcmul_(self._c(dx), u)
+            gx = gx.sub_(t.addcmul_(self.y, ydx * (u * (-3 / d))))
         return gx, out
 
     def curv(self, g: torch.Tensor, names, acc=None):
