@@ -128,10 +128,12 @@ def unrotate(t, cs):
 def _kv(c: Cache, t):
     """Key/value rows ``(..., B, L, G·w)`` as the query heads read them, ``(..., B, H, L, w)`` (each of
     the ``G`` heads repeated for its ``H/G`` query heads); ``None``: ``None``."""
-    if t is None:
-        return None
-    G = c.n_kv or c.n_heads
-    th = _heads(t, G)
+    return None if t is None else _repeat(c, _heads(t, c.n_kv or c.n_heads))
+
+
+def _repeat(c: Cache, th: torch.Tensor) -> torch.Tensor:
+    """``(..., B, G, L, w) -> (..., B, H, L, w)``: each key/value head repeated for its ``H/G`` query heads."""
+    G = th.shape[-3]
     return th if G == c.n_heads else th.repeat_interleave(c.n_heads // G, dim=-3)
 
 
@@ -539,6 +541,18 @@ def _products(pairs, alpha: float = 1.0):
         k = lead[0]
         (m, p), q = x.shape[-2:], y.shape[-1]
         n = lead[1] * lead[2]
+        folded = k > 1 and n * m * p * q <= FOLD_ENTRIES and (x.ndim == 4 or y.ndim == 4)
+        if folded:  # small products: the k directions folded into one GEMM's rows (or columns), laid out in one copy
+            if x.ndim == 5:  # (B·H, k·m, p) @ (B·H, p, q)
+                y3 = y.reshape(-1, p, q)
+                r = torch.bmm(x.permute(1, 2, 0, 3, 4).reshape(n, k * m, p), y3 if alpha == 1.0 else y3 * alpha)
+                r = r.view(n, k, m, q).transpose(0, 1)
+            else:  # (B·H, m, p) @ (B·H, p, k·q)
+                x3 = x.reshape(-1, m, p)
+                r = torch.bmm(x3 if alpha == 1.0 else x3 * alpha, y.permute(1, 2, 3, 0, 4).reshape(n, p, k * q))
+                r = r.view(n, m, k, q).permute(2, 0, 1, 3)
+            out = r if out is None else out.add_(r)
+            continue
         x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, n, m, p)
         y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, n, p, q)
         if x.ndim == 5 and y.ndim == 5:  # both per direction: one product over k·B·H
@@ -547,13 +561,6 @@ def _products(pairs, alpha: float = 1.0):
                 continue
             r = torch.baddbmm(x3.new_empty(()), x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0,
                               alpha=alpha).view(k, n, m, q)
-        elif k > 1 and n * m * p * q <= FOLD_ENTRIES:  # small products: the k directions folded into one GEMM's rows
-            if x.ndim == 5:  # (B·H, k·m, p) @ (B·H, p, q)
-                r = torch.bmm(x3.transpose(0, 1).reshape(n, k * m, p), y3 if alpha == 1.0 else y3 * alpha)
-                r = r.view(n, k, m, q).transpose(0, 1)
-            else:  # (B·H, m, p) @ (B·H, p, k·q)
-                r = torch.bmm(x3 if alpha == 1.0 else x3 * alpha, y3.permute(1, 2, 0, 3).reshape(n, p, k * q))
-                r = r.view(n, m, k, q).permute(2, 0, 1, 3)
         else:
             if out is None:
                 out = x.new_empty(k, n, m, q)
@@ -592,7 +599,7 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
     dK = linear.tangent(c.X, p["W_K"], dX, dp.get("W_K"), dp.get("b_K") if c.rope is not None else None)
     dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
     dQ = None if dQ is None else rotate(_heads(dQ, H), c.rope)
-    dK = None if dK is None else rotate(_kv(c, dK), c.rope)
+    dK = None if dK is None else _repeat(c, rotate(_heads(dK, c.n_kv or H), c.rope))  # rotated per K/V head, then repeated
     dV = _kv(c, dV)
     Qh, Kh, Vh = _heads(c.Q, H), _kv(c, c.K), _kv(c, c.V)
     dT = _products([(dQ, Kh.mT), (Qh, None if dK is None else dK.mT)], alpha=s)
