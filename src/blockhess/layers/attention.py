@@ -535,10 +535,10 @@ def _products(pairs, alpha: float = 1.0):
     the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
     own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
     never copied per direction; where each is small (:data:`FOLD_ENTRIES`), one product for every
-    direction, the directions' factor laid out with ``k`` beside its rows (or columns), the shared one
-    scaled by ``alpha``, and the result left in the product's own layout (``B·H`` outermost: a strided
-    view, which the next such product reads without a copy); a pair with both factors per direction, one
-    product over ``k·B·H``. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    direction, the directions' factor laid out with ``k`` beside its rows (or columns) in one copy, the
+    shared one scaled by ``alpha``; a pair with both factors per direction, one product over ``k·B·H``.
+    Returns ``(k, B, H, m, q)``, contiguous (the elementwise work after it is slower on the product's own
+    strided layout than one copy), or ``None`` when no pair has both factors."""
     out = None
     for x, y in pairs:
         if x is None or y is None:
@@ -578,7 +578,7 @@ def _products(pairs, alpha: float = 1.0):
                 out[i].baddbmm_(xi, yi, beta=beta, alpha=alpha)  # beta 0: the empty slice ignored
             continue
         out = r if out is None else out.add_(r)
-    return None if out is None else out.reshape(*lead, *out.shape[-2:])
+    return None if out is None else out.reshape(*lead, *out.shape[-2:]).contiguous()
 
 
 def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
