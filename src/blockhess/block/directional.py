@@ -52,6 +52,7 @@ class Adjoints(NamedTuple):
     gF: torch.Tensor  # (B, L, d) at the heads' concatenated output O (W_O's input)
     att: attention.Adjoint
     gX1: torch.Tensor | None  # (T, d) pre-LN: LN_1's input adjoint of the attention's input adjoint
+    gX: torch.Tensor | None = None  # (B, L, d) pre-LN: the block's input adjoint gU + gX1 (the gradient at X)
 
 
 def _center(cfg) -> bool:
@@ -87,9 +88,11 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
         gP = gU.reshape(B, L, d)
     gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
     att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg), n=c.ln1[0] if pre_ln(cfg) else None)
+    gX = None
     if pre_ln(cfg):
         gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"), center=_center(cfg))
-    return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
+        gX = (gU + gX1).reshape(B, L, d)
+    return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1, gX=gX)
 
 
 def work_entries(cfg, B: int, L: int, k: int) -> int:
