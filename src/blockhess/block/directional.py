@@ -33,7 +33,7 @@ import torch
 from ..config import param_shapes
 from ..layers import attention, ffn, layernorm, linear
 from ..layers.linear import add
-from ..validation import check_bool, check_fits, check_tensor
+from ..validation import check_bool, check_finite, check_fits, check_tensor
 from .forward_pass import Cache, pre_ln
 
 __all__ = ["Adjoints", "adjoints", "hvp", "vjp", "jvp", "work_entries"]
@@ -125,7 +125,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
         raise ValueError(f"V must map names of the block's weights {list(shapes)}, got {bad}{hint}")
     k = None
     for n, v in V.items():
-        check_tensor(f"V[{n!r}]", v, like=c.X)
+        check_tensor(f"V[{n!r}]", v, like=c.X, finite=False)  # finite: with dX below, in one check
         if v.ndim != len(shapes[n]) + 1 or tuple(v.shape[1:]) != tuple(shapes[n]) or v.shape[0] < 1:
             raise ValueError(f"V[{n!r}] must have shape (k, {', '.join(map(str, shapes[n]))}) with k >= 1 "
                              f"(k directions stacked on a leading axis), got {tuple(v.shape)}")
@@ -134,7 +134,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
                              f"{v.shape[0]} for {n!r}")
         k = v.shape[0]
     if dX is not None:
-        check_tensor("dX", dX, like=c.X)
+        check_tensor("dX", dX, like=c.X, finite=False)
         B, L, d = c.X.shape
         ok = (dX.ndim == 4 and tuple(dX.shape[1:]) == (B, L, d)) or (
             dX.ndim == len(c.x_shape) + 1 and tuple(dX.shape[1:]) == tuple(c.x_shape))
@@ -146,6 +146,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
         dX = dX.reshape(k, B, L, d)
     if k is None:
         raise ValueError("hvp needs at least one direction: V must not be empty unless dX is given")
+    check_finite({**{f"V[{n!r}]": v for n, v in V.items()}, **({} if dX is None else {"dX": dX})})
     return {n: V.get(n) for n in shapes}, dX, k
 
 
