@@ -33,8 +33,9 @@ install-dev: $(VENV)/.installed-dev
 run: install
 	$(VENV)/bin/blockhess report --out report
 
+TEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile  # the files shared out among TEST_WORKERS processes (tests/conftest.py)
 
 docs: $(VENV)/.installed-docs
 	$(PY) docs/gallery.py

@@ -16,6 +16,9 @@ the lists of cases are in ``settings.py``.
   sum of ``n`` terms in the dtype, ``n ε`` (:func:`rounding`, :func:`assert_identities`).
 * norms by :func:`fro` (no overflow for entries near 1e200).
 
+``make test`` runs the files in ``TEST_WORKERS`` (default 2) pytest-xdist processes, a file's tests in one of them
+(``--dist loadfile``: a module's fixtures are built once), each with its share of the cores as torch threads.
+
 Hypothesis profiles (tests/test_hessian_properties.py): ``fast`` (the default, ``make test``: 100
 examples, derandomized so CI is reproducible) and ``long`` (``HYPOTHESIS_PROFILE=long``; the
 count from ``HYPOTHESIS_EXAMPLES``, default 3000).
@@ -25,6 +28,11 @@ from __future__ import annotations
 
 import math
 import os
+
+# make test runs the suite in pytest-xdist workers (Makefile, TEST_WORKERS): the cores are shared out among
+# them, else each worker's torch takes a thread per core and their OpenMP teams wait on each other
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest
 import torch

@@ -37,51 +37,86 @@ def _columns(cfg, B: int, L: int, n: int, e: int) -> int:
     return max(1, min(n, CHUNK_BYTES // per))
 
 
-def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=None, lower: bool = False) -> torch.Tensor:
+def assemble(product, names, sizes: dict, like: torch.Tensor, step: int, out=None, lower: bool = False,
+             order=None) -> torch.Tensor:
     """The ``(n, n)`` matrix whose column ``j`` is ``product`` along the ``j``-th canonical direction over
     ``names`` (sizes ``sizes``), ``step`` columns at a time, symmetrised (the mean with its transpose, one
     ``n × n`` temporary: the exact matrix is symmetric, the two triangles differ by rounding only).
     ``product(V, rows)`` takes ``{name: (k, numel)}`` (the names the chunk's columns touch; the others' are
     zero) and returns the rows ``{name: (k, ...)}`` of ``numel`` entries each of the names ``rows``: every
-    name, or with ``lower`` those from the chunk's first name on (the block upper triangle, as ``H e_j``
-    is row ``j`` too; the blocks below it are the transposes of those above, the diagonal blocks the
-    mean of theirs). ``out``: the
-    buffer written, else a new one in ``like``'s dtype and device. Used for a block (:func:`hessian`) and
-    for a model (:func:`blockhess.model.walk.hessian`)."""
+    name, or with ``lower`` those from the chunk's first name on in ``order`` (the columns are taken in
+    ``order``, a permutation of ``names``, default ``names``; ``H e_j`` is row ``j`` too, so the blocks of a
+    name with those before it in ``order`` are the transposes of blocks formed already, and the diagonal
+    blocks the mean of theirs). ``order`` is how the work goes, not the layout: a model's columns taken in
+    its layers' forward order ask each chunk's products for the rows of its own layer and those above only,
+    and the pass back stops there. ``out``: the buffer written, else a new one in ``like``'s dtype and
+    device. Used for a block (:func:`hessian`) and for a model (:func:`blockhess.model.walk.hessian`)."""
+    order = tuple(names) if order is None else tuple(order)
+    if sorted(order) != sorted(names):
+        raise ValueError(f"order must be a permutation of names; got {order} for {tuple(names)}")
     n = sum(sizes[k] for k in names)
     buf = out if out is not None else like.new_empty(n, n)
     offsets, o = {}, 0
     for k in names:
         offsets[k] = o
         o += sizes[k]
-    for j0 in range(0, n, step):
-        j1 = min(n, j0 + step)
+    starts, o = {}, 0  # each name's first position in the work's order
+    for k in order:
+        starts[k] = o
+        o += sizes[k]
+    for j0, j1 in _spans(n, step, sorted(starts[k] + sizes[k] for k in order)):
         k = j1 - j0
-        V = {}
-        for name in names:
-            lo, hi = offsets[name], offsets[name] + sizes[name]
+        V, pieces = {}, []
+        for name in order:
+            lo, hi = starts[name], starts[name] + sizes[name]
             a0, a1 = max(lo, j0), min(hi, j1)
             if a0 >= a1:
                 continue
             basis = like.new_zeros(k, sizes[name])
             basis[a0 - j0:a1 - j0, a0 - lo:a1 - lo].diagonal().fill_(1.0)
             V[name] = basis
-        wanted = tuple(names[names.index(next(iter(V))):]) if lower else tuple(names)
+            pieces.append((a0 - j0, a1 - j0, offsets[name] + a0 - lo))  # chunk rows -> the buffer's rows
+        wanted = tuple(order[order.index(next(iter(V))):]) if lower else tuple(names)
         rows = product(V, wanted)
         for name in wanted:  # H e_j is row j too (H symmetric): written as rows, contiguous
-            buf[j0:j1, offsets[name]:offsets[name] + sizes[name]] = rows[name].reshape(k, -1)
+            r = rows[name].reshape(k, -1)
+            for q0, q1, b0 in pieces:
+                buf[b0:b0 + q1 - q0, offsets[name]:offsets[name] + sizes[name]] = r[q0:q1]
         del rows, V
     if not lower:
         buf.add_(buf.T.clone()).mul_(0.5)
         return buf
-    for i, a in enumerate(names):  # the block upper triangle written: the diagonal blocks' mean, the rest mirrored
-        ra = slice(offsets[a], offsets[a] + sizes[a])
-        D = buf[ra, ra]
+    for i, a in enumerate(order):  # the blocks formed: the diagonal blocks' mean, the rest mirrored (runs at once)
+        lo, hi = offsets[a], offsets[a] + sizes[a]
+        D = buf[lo:hi, lo:hi]
         D.add_(D.T.clone()).mul_(0.5)
-        for b in names[i + 1:]:
-            rb = slice(offsets[b], offsets[b] + sizes[b])
-            buf[rb, ra] = buf[ra, rb].T
+        for r0, r1 in _runs(sorted((offsets[b], offsets[b] + sizes[b]) for b in order[i + 1:])):
+            buf[r0:r1, lo:hi] = buf[lo:hi, r0:r1].T
     return buf
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ascending ``[(lo, hi)]`` ranges with the adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _spans(n: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
+    """The column chunks ``[(j0, j1)]`` covering ``0..n``, each at most ``step`` wide and ending where a variable
+    ends (``ends``, ascending) when one ends within it: a chunk then starts at a variable's first column, and its
+    restricted rows (``lower``) start at that variable, not at one whose columns it shares with the chunk before."""
+    out, j0 = [], 0
+    while j0 < n:
+        fit = [e for e in ends if j0 < e <= j0 + step]
+        j1 = fit[-1] if fit else min(n, j0 + step)
+        out.append((j0, j1))
+        j0 = j1
+    return out
 
 
 def _assemble(c, a, omega, names, shapes, which: str, out=None) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from ..config import param_shapes
 from ..layers import attention, ffn, layernorm, linear
 from ..layers.linear import add
-from ..validation import check_bool, check_fits, check_tensor
+from ..validation import check_bool, check_finite, check_fits, check_tensor
 from .forward_pass import Cache, pre_ln
 
 __all__ = ["Adjoints", "adjoints", "hvp", "vjp", "jvp", "work_entries"]
@@ -52,6 +52,7 @@ class Adjoints(NamedTuple):
     gF: torch.Tensor  # (B, L, d) at the heads' concatenated output O (W_O's input)
     att: attention.Adjoint
     gX1: torch.Tensor | None  # (T, d) pre-LN: LN_1's input adjoint of the attention's input adjoint
+    gX: torch.Tensor | None = None  # (B, L, d) pre-LN: the block's input adjoint gU + gX1 (the gradient at X)
 
 
 def _center(cfg) -> bool:
@@ -87,9 +88,11 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
         gP = gU.reshape(B, L, d)
     gF = linear.adjoint(p["W_O"], gP) if cfg.out_proj else gP
     att = attention.adjoint(c.att, p, gF, want_input=pre_ln(cfg), n=c.ln1[0] if pre_ln(cfg) else None)
+    gX = None
     if pre_ln(cfg):
         gX1 = layernorm.adjoint(c.ln1[0], c.r1, att.gX.reshape(-1, d), p.get("gamma_1"), center=_center(cfg))
-    return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1)
+        gX = (gU + gX1).reshape(B, L, d)
+    return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1, gX=gX)
 
 
 def work_entries(cfg, B: int, L: int, k: int) -> int:
@@ -122,7 +125,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
         raise ValueError(f"V must map names of the block's weights {list(shapes)}, got {bad}{hint}")
     k = None
     for n, v in V.items():
-        check_tensor(f"V[{n!r}]", v, like=c.X)
+        check_tensor(f"V[{n!r}]", v, like=c.X, finite=False)  # finite: with dX below, in one check
         if v.ndim != len(shapes[n]) + 1 or tuple(v.shape[1:]) != tuple(shapes[n]) or v.shape[0] < 1:
             raise ValueError(f"V[{n!r}] must have shape (k, {', '.join(map(str, shapes[n]))}) with k >= 1 "
                              f"(k directions stacked on a leading axis), got {tuple(v.shape)}")
@@ -131,7 +134,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
                              f"{v.shape[0]} for {n!r}")
         k = v.shape[0]
     if dX is not None:
-        check_tensor("dX", dX, like=c.X)
+        check_tensor("dX", dX, like=c.X, finite=False)
         B, L, d = c.X.shape
         ok = (dX.ndim == 4 and tuple(dX.shape[1:]) == (B, L, d)) or (
             dX.ndim == len(c.x_shape) + 1 and tuple(dX.shape[1:]) == tuple(c.x_shape))
@@ -143,6 +146,7 @@ def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | Non
         dX = dX.reshape(k, B, L, d)
     if k is None:
         raise ValueError("hvp needs at least one direction: V must not be empty unless dX is given")
+    check_finite({**{f"V[{n!r}]": v for n, v in V.items()}, **({} if dX is None else {"dX": dX})})
     return {n: V.get(n) for n in shapes}, dX, k
 
 

@@ -99,33 +99,43 @@ def rope_tables(L: int, d_k: int, theta: float, like: torch.Tensor,
     return ang.cos().to(like.dtype).to(like.device), ang.sin().to(like.dtype).to(like.device)
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat([-t[..., h:], t[..., :h]], -1)
+def _signed(sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """The rotation's sine table with the signs of rotate-half folded in: with ``rotate_half(t) = [-t_2, t_1]``
+    (halves ``1`` and ``2`` of the last axis) and ``roll(t, d_k/2) = [t_2, t_1]``, ``rotate_half(t) ⊙ sin`` is
+    ``roll(t, d_k/2) ⊙ [-sin_1, sin_2]`` (``transpose=False``) and ``-rotate_half(t ⊙ sin)`` is
+    ``roll(t, d_k/2) ⊙ [sin_2, -sin_1]`` (``transpose=True``)."""
+    h = sin.shape[-1] // 2
+    lo, hi = sin[..., :h], sin[..., h:]
+    return torch.cat([hi, -lo] if transpose else [-lo, hi], -1)
 
 
 def rotate(t, cs):
     """``t R_l`` per token: ``t ⊙ cos + rotate_half(t) ⊙ sin`` for ``t`` ``(..., L, d_k)`` (``None``: ``None``;
-    ``cs`` ``None``: ``t``)."""
+    ``cs`` ``None``: ``t``), the half-swap taken as a roll with the signs in the table (:func:`_signed`)."""
     if t is None or cs is None:
         return t
-    return t * cs[0] + _rotate_half(t) * cs[1]
+    t = t.contiguous()  # a product's strided layout laid out once: the roll of a strided tensor is far slower
+    return torch.addcmul(t * cs[0], t.roll(t.shape[-1] // 2, -1), _signed(cs[1], False))
 
 
 def unrotate(t, cs):
-    """The transpose, ``t R_lᵀ``: ``t ⊙ cos - rotate_half(t ⊙ sin)`` (``rotate_half`` is antisymmetric)."""
+    """The transpose, ``t R_lᵀ``: ``t ⊙ cos - rotate_half(t ⊙ sin)`` (``rotate_half`` is antisymmetric),
+    as :func:`rotate` with the transpose's signs."""
     if t is None or cs is None:
         return t
-    return t * cs[0] - _rotate_half(t * cs[1])
+    t = t.contiguous()  # as in rotate
+    return torch.addcmul(t * cs[0], t.roll(t.shape[-1] // 2, -1), _signed(cs[1], True))
 
 
 def _kv(c: Cache, t):
     """Key/value rows ``(..., B, L, G·w)`` as the query heads read them, ``(..., B, H, L, w)`` (each of
     the ``G`` heads repeated for its ``H/G`` query heads); ``None``: ``None``."""
-    if t is None:
-        return None
-    G = c.n_kv or c.n_heads
-    th = _heads(t, G)
+    return None if t is None else _repeat(c, _heads(t, c.n_kv or c.n_heads))
+
+
+def _repeat(c: Cache, th: torch.Tensor) -> torch.Tensor:
+    """``(..., B, G, L, w) -> (..., B, H, L, w)``: each key/value head repeated for its ``H/G`` query heads."""
+    G = th.shape[-3]
     return th if G == c.n_heads else th.repeat_interleave(c.n_heads // G, dim=-3)
 
 
@@ -134,7 +144,11 @@ def _kv_sum(c: Cache, t):
     G = c.n_kv or c.n_heads
     if t is None or G == c.n_heads:
         return t
-    return t.reshape(*t.shape[:-3], G, c.n_heads // G, *t.shape[-2:]).sum(-3)
+    v = t.reshape(*t.shape[:-3], G, c.n_heads // G, *t.shape[-2:])  # a view: the head axis split
+    out = v[..., 0, :, :] + v[..., 1, :, :]  # the group's heads added one by one (faster than a reduction on strides)
+    for i in range(2, v.shape[-3]):
+        out += v[..., i, :, :]
+    return out
 
 
 class Head(NamedTuple):
@@ -521,8 +535,10 @@ def _products(pairs, alpha: float = 1.0):
     the ``k`` directions): one batched product over ``B·H`` per pair and direction, into the result's
     own slice, the sum and the scaling done by the GEMMs themselves (``baddbmm``), the shared factor
     never copied per direction; where each is small (:data:`FOLD_ENTRIES`), one product for every
-    direction, the directions' factor laid out with ``k`` beside its rows (or columns); a pair with
-    both factors per direction, one product over ``k·B·H``. Returns ``(k, B, H, m, q)``, or ``None`` when no pair has both factors."""
+    direction, the directions' factor laid out with ``k`` beside its rows (or columns) in one copy, the
+    shared one scaled by ``alpha``; a pair with both factors per direction, one product over ``k·B·H``.
+    Returns ``(k, B, H, m, q)``, contiguous (the elementwise work after it is slower on the product's own
+    strided layout than one copy), or ``None`` when no pair has both factors."""
     out = None
     for x, y in pairs:
         if x is None or y is None:
@@ -530,29 +546,39 @@ def _products(pairs, alpha: float = 1.0):
         lead = (x if x.ndim == 5 else y).shape[:3]
         k = lead[0]
         (m, p), q = x.shape[-2:], y.shape[-1]
-        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, -1, m, p)
-        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, -1, p, q)
-        first = out is None
-        if first:
-            out = x.new_empty(k, lead[1] * lead[2], m, q)
         n = lead[1] * lead[2]
-        if x.ndim == 5 and y.ndim == 5:  # both per direction: one product over k·B·H
-            out.view(k * n, m, q).baddbmm_(x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0 if first else 1,
-                                           alpha=alpha)
-        elif k > 1 and n * m * p * q <= FOLD_ENTRIES:  # small products: the k directions folded into one GEMM's rows
+        folded = k > 1 and n * m * p * q <= FOLD_ENTRIES and (x.ndim == 4 or y.ndim == 4)
+        if folded:  # small products: the k directions folded into one GEMM's rows (or columns), laid out in one copy
             if x.ndim == 5:  # (B·H, k·m, p) @ (B·H, p, q)
-                r = torch.bmm(x3.transpose(0, 1).reshape(n, k * m, p), y3).reshape(n, k, m, q).transpose(0, 1)
+                y3 = y.reshape(-1, p, q)
+                r = torch.bmm(x.permute(1, 2, 0, 3, 4).reshape(n, k * m, p), y3 if alpha == 1.0 else y3 * alpha)
+                r = r.view(n, k, m, q).transpose(0, 1)
             else:  # (B·H, m, p) @ (B·H, p, k·q)
-                r = torch.bmm(x3, y3.permute(1, 2, 0, 3).reshape(n, p, k * q)).reshape(n, m, k, q).permute(2, 0, 1, 3)
-            if first:
-                torch.mul(r, alpha, out=out) if alpha != 1.0 else out.copy_(r)
-            else:
-                out.add_(r, alpha=alpha)
+                x3 = x.reshape(-1, m, p)
+                r = torch.bmm(x3 if alpha == 1.0 else x3 * alpha, y.permute(1, 2, 3, 0, 4).reshape(n, p, k * q))
+                r = r.view(n, m, k, q).permute(2, 0, 1, 3)
+            out = r if out is None else out.add_(r)
+            continue
+        x3 = x.reshape(-1, m, p) if x.ndim == 4 else x.reshape(k, n, m, p)
+        y3 = y.reshape(-1, p, q) if y.ndim == 4 else y.reshape(k, n, p, q)
+        if x.ndim == 5 and y.ndim == 5:  # both per direction: one product over k·B·H
+            if out is not None and out.is_contiguous():
+                out.view(k * n, m, q).baddbmm_(x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), alpha=alpha)
+                continue
+            r = torch.baddbmm(x3.new_empty(()), x3.reshape(k * n, m, p), y3.reshape(k * n, p, q), beta=0,
+                              alpha=alpha).view(k, n, m, q)
         else:
+            if out is None:
+                out = x.new_empty(k, n, m, q)
+                beta = 0
+            else:
+                beta = 1
             for i in range(k):
                 xi, yi = (x3 if x.ndim == 4 else x3[i]), (y3 if y.ndim == 4 else y3[i])
-                out[i].baddbmm_(xi, yi, beta=0 if first else 1, alpha=alpha)  # beta 0: the empty slice ignored
-    return None if out is None else out.reshape(*lead, *out.shape[-2:])
+                out[i].baddbmm_(xi, yi, beta=beta, alpha=alpha)  # beta 0: the empty slice ignored
+            continue
+        out = r if out is None else out.add_(r)
+    return None if out is None else out.reshape(*lead, *out.shape[-2:]).contiguous()
 
 
 def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
@@ -579,7 +605,7 @@ def tangent(c: Cache, p: dict, dp: dict, dX=None, m=None) -> Tangent:
     dK = linear.tangent(c.X, p["W_K"], dX, dp.get("W_K"), dp.get("b_K") if c.rope is not None else None)
     dV = linear.tangent(c.X, p["W_V"], dX, dp.get("W_V"), dp.get("b_V"))
     dQ = None if dQ is None else rotate(_heads(dQ, H), c.rope)
-    dK = None if dK is None else rotate(_kv(c, dK), c.rope)
+    dK = None if dK is None else _repeat(c, rotate(_heads(dK, c.n_kv or H), c.rope))  # rotated per K/V head, then repeated
     dV = _kv(c, dV)
     Qh, Kh, Vh = _heads(c.Q, H), _kv(c, c.K), _kv(c, c.V)
     dT = _products([(dQ, Kh.mT), (Qh, None if dK is None else dK.mT)], alpha=s)

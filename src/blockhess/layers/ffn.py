@@ -321,7 +321,7 @@ def tangent(c: Cache, p: dict, dp: dict, dY=None) -> Tangent:
     dHg = None
     if c.W_G is not None:
         dHg = linear.tangent(_Yf(c), c.W_G, dYf, dp.get("W_G"), dp.get("b_G"))
-        dh = add(None if dHg is None else dHg * (c.D * c.up), None if dH1 is None else dH1 * c.gate)
+        dh = _fma(None if dH1 is None else dH1 * c.gate, dHg, c.D * c.up)
     else:
         dh = None if dH1 is None else dH1 * c.D
     dS = add(linear.tangent(c.h, c.W_2, dh, dp.get("W_2"), dp.get("b_2")), dY)
@@ -421,20 +421,31 @@ def _ln2_second_adjoint(c, p, dp, a, t, dg, dg_Yf, hv, want, second, want_input,
     return (add(dg, dg_Yf) if want_input else None), hv
 
 
+def _fma(acc, x, y):
+    """``acc + x ⊙ y`` for a tensor ``x`` (``None``: ``acc``), written into ``acc`` (a temporary of the caller's
+    own, never a cached or given tensor) where ``acc`` is a tensor of the result's shape, else a new tensor."""
+    if x is None:
+        return acc
+    if acc is None:
+        return x * y
+    if acc.shape == x.shape and y.dim() <= x.dim():  # y broadcast over x's leading axes (a cached (T, ·) factor)
+        return acc.addcmul_(x, y)
+    return torch.addcmul(acc, x, y)
+
+
 def _gated_second_adjoint(c, p, dp, a, t, dg, dg_h, hv, want, second, want_input, ln2):
     """:func:`second_adjoint` below ``W_2`` for a gated FFN: the two branches' adjoint tangents, each
     through its projection (``W_G`` with ``b_G``, ``W_1`` with ``b_1``), summed at ``Y_f``."""
     dg_Hg = None if dg_h is None else dg_h * (c.D * c.up)
     dg_H1 = None if dg_h is None else dg_h * c.gate
-    if second:
+    if second:  # the sums formed in place (every term above is this call's own tensor)
         ag = a.g_h * c.D  # a' ⊙ g_h
         if t.dHg is not None:
             if c.D2 is not None:
-                psi = c.D2 * c.up * a.g_h if a.psi is None else a.psi
-                dg_Hg = add(dg_Hg, t.dHg * psi)
-            dg_H1 = add(dg_H1, t.dHg * ag)
+                dg_Hg = _fma(dg_Hg, t.dHg, c.D2 * c.up * a.g_h if a.psi is None else a.psi)
+            dg_H1 = _fma(dg_H1, t.dHg, ag)
         if t.dH1 is not None:
-            dg_Hg = add(dg_Hg, t.dH1 * ag)
+            dg_Hg = _fma(dg_Hg, t.dH1, ag)
     below = want_input or ln2
     dg_Yf = None
     for w, b, g, dgw, dH in (("W_G", "b_G", a.g_Hg, dg_Hg, t.dHg), ("W_1", "b_1", a.g_H, dg_H1, t.dH1)):

@@ -250,7 +250,8 @@ def tangent(y: torch.Tensor, r: torch.Tensor, dx: torch.Tensor, center: bool = T
     Any ``eps >= 0`` (it is in ``r``). ``center=False``: RMSNorm (``C = I``). Kernel: no checks."""
     d = y.shape[-1]
     rho = r * (y * dx).sum(-1, keepdim=True) / d
-    return r * ((dx - dx.mean(-1, keepdim=True)) if center else dx) - y * rho, rho
+    out = r * ((dx - dx.mean(-1, keepdim=True)) if center else dx)
+    return out.addcmul_(y, rho, value=-1), rho
 
 
 def affine_tangent(y: torch.Tensor, dy=None, gamma=None, dgamma=None, dbeta=None):
@@ -270,7 +271,8 @@ def adjoint(y: torch.Tensor, r: torch.Tensor, g: torch.Tensor, gamma=None, cente
     ``J`` is symmetric. ``center=False``: RMSNorm (``C = I``). Kernel: no checks."""
     gy = g if gamma is None else g * gamma
     d = y.shape[-1]
-    return r * ((gy - gy.mean(-1, keepdim=True)) if center else gy) - r * y * (y * gy).sum(-1, keepdim=True) / d
+    s = (y * gy).sum(-1, keepdim=True) / d
+    return torch.addcmul((gy - gy.mean(-1, keepdim=True)) if center else gy, y, s, value=-1).mul_(r)
 
 
 def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=None, gamma=None, dgamma=None,
@@ -301,10 +303,12 @@ def second_adjoint(y: torch.Tensor, r: torch.Tensor, g, g_x, dg, dy=None, rho=No
     dg_x = None
     if want_input:
         dg_x = None if dg_y is None else adjoint(y, r, dg_y, center=center)
-        if second and dy is not None:
+        if second and dy is not None:  # the bracket formed in place: r/d folded into the per-token sums
             gy = g if gamma is None else g * gamma
-            s_g, s_dy = (y * gy).sum(-1, keepdim=True), (dy * gy).sum(-1, keepdim=True)
-            dg_x = add(dg_x, -rho * g_x - r * (dy * s_g + y * s_dy) / d)
+            rd = r / d
+            t = dy * ((y * gy).sum(-1, keepdim=True) * rd)
+            t.addcmul_(y, (dy * gy).sum(-1, keepdim=True) * rd).addcmul_(rho, g_x)
+            dg_x = t.neg_() if dg_x is None else dg_x.sub_(t)
     hv_gamma = hv_beta = None
     if variables[0]:
         hv_gamma = add(None if dg is None else (dg * y).sum(1), (g * dy).sum(1) if second and dy is not None else None)

@@ -47,8 +47,8 @@ class ModelProduct:
             st = self.stages[k]
             if isinstance(st, BlockStage):
                 self.adj[k] = adjoints(st.c, g)
-                if k:
-                    g = st.grad_in(g)
+                if k:  # pre-LN: the adjoints hold the gradient at the input already
+                    g = self.adj[k].gX if self.adj[k].gX is not None else st.grad_in(g)
             elif k and st.back is not None:
                 B = g.shape[0]
                 g = st.back(g.reshape(B, 1, -1))[:, 0].reshape(B, -1, d_model)

@@ -208,7 +208,7 @@ class NormStage:
     def _n_dot(self, dx: torch.Tensor) -> torch.Tensor:
         """``J_n ẋ`` per token: ``r (C ẋ − n (n·ẋ)/d)``, ``dx`` ``(k, B, L, d)``."""
         d = dx.shape[-1]
-        return self.r * (self._c(dx) - self.y * (self.y * dx).sum(-1, keepdim=True) / d)
+        return torch.addcmul(self._c(dx), self.y, (self.y * dx).sum(-1, keepdim=True) / d, value=-1).mul_(self.r)
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``u̇ = γ ⊙ J_n ẋ + γ̇ ⊙ n + β̇`` ``(k, B, L, d)``; ``dx`` ``(k, B, L, d)`` or ``None``."""
@@ -243,10 +243,12 @@ class NormStage:
         if functional and dx is not None:  # Γ(g_n) ẋ, the contracted norm Hessian along ẋ (Theorem 3; C = I: RMSNorm)
             gn = g if gam is None else g * gam
             gh = self._c(gn)
-            s = (gn * self.y).sum(-1, keepdim=True)
+            c = self.r ** 2 / d  # (B, L, 1): the factor of every term, folded into the per-token numbers
+            u = (gn * self.y).sum(-1, keepdim=True) * c
             ydx = (self.y * dx).sum(-1, keepdim=True)
-            gx = gx - (self.r ** 2 / d) * (gh * ydx + self.y * (gh * dx).sum(-1, keepdim=True)
-                                           + s * (self._c(dx) - 3 * self.y * ydx / d))
+            t = gh * (ydx * c)
+            t.addcmul_(self.y, (gh * dx).sum(-1, keepdim=True) * c).addcmul_(self._c(dx), u)
+            gx = gx.sub_(t.addcmul_(self.y, ydx * (u * (-3 / d))))
         return gx, out
 
     def curv(self, g: torch.Tensor, names, acc=None):
@@ -377,14 +379,11 @@ class HeadStage:
             gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
         out = {}
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
-            if functional and dx is not None:  # over the rows stacked twice: the table written once
-                left, right = torch.cat([dgf, gf.expand(k, -1, -1)], 1), torch.cat([hf.expand(k, -1, -1),
-                                                                                  dx.reshape(k, B * P, d)], 1)
-            else:
-                left, right = dgf, hf.expand(k, -1, -1)
             dest = (into or {}).get(w)
-            out[w] = (torch.matmul(left.mT, right, out=dest) if self.tied else
-                      torch.matmul(right.mT, left, out=dest))
+            out[w] = torch.matmul(dgf.mT, hf, out=dest) if self.tied else torch.matmul(hf.T, dgf, out=dest)
+            if functional and dx is not None:  # + gᵀ ḣ: a second product into the first's (no stacked copies)
+                dxf, gk = dx.reshape(k, B * P, d), gf.expand(k, -1, -1)
+                out[w].baddbmm_(*((gk.mT, dxf) if self.tied else (dxf.mT, gk)))
         if b in names:
             out[b] = dgf.sum(1)
         return gh.reshape(k, B, P, d), out
@@ -549,7 +548,8 @@ class SoftmaxHead:
 
     def omega(self, dz: torch.Tensor) -> torch.Tensor:
         """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)``."""
-        return (self.p * dz - self.p * (self.p * dz).sum(-1, keepdim=True)) / self.N
+        pdz = self.p * dz
+        return torch.addcmul(pdz, self.p, pdz.sum(-1, keepdim=True), value=-1).div_(self.N)
 
     def head(self) -> "HeadStage":
         """The head as a plain stage (for products: its tangents and second-order adjoints)."""

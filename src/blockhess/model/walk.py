@@ -28,7 +28,7 @@ import math
 import torch
 
 from .. import losses
-from ..block import select_wrt, work_entries
+from ..block import pre_ln, select_wrt, work_entries
 from ..block.assembled import CHUNK_BYTES, assemble
 from ..block.directional import hvp
 from ..block.directional import work_entries as directional_work
@@ -503,6 +503,31 @@ def _product_entries(cfg: ModelConfig, B: int, L: int) -> int:
     return blocks + B * L * (4 * cfg.d_model + 3 * cfg.n_out) + 4 * n
 
 
+#: a pre-LN block's variables by the layer they enter at, bottom to top: LN_1, the attention with W_O, LN_2, the FFN
+_PRE_LN_LAYERS = (("gamma_1", "beta_1"), ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O"), ("gamma_2", "beta_2"),
+                  ("W_G", "b_G", "W_1", "b_1", "W_2", "b_2"))
+
+
+def _forward_order(names, cfg: ModelConfig) -> tuple[str, ...]:
+    """``names`` (canonical order) with each pre-LN block's variables in the order its layers run
+    (:data:`_PRE_LN_LAYERS`: LN_1's scale first, LN_2's before the FFN; the canonical order lists them after
+    their sub-layer, as post-LN runs); every other name where it is. The dense assembly takes its columns
+    so (:func:`blockhess.block.assembled.assemble`'s ``order``): a chunk of a layer's columns then asks for
+    the rows of that layer and the ones above, and the pass back stops at it."""
+    out = list(names)
+    for i, b in enumerate(getattr(cfg, "blocks", ())):
+        if not pre_ln(b):
+            continue
+        p = block_prefix(i)
+        mine = [k for k in out if k.startswith(p)]
+        if not mine:
+            continue
+        ranked = sorted(mine, key=lambda k: next((j for j, layer in enumerate(_PRE_LN_LAYERS) if k[len(p):] in layer), 1))
+        at = out.index(mine[0])
+        out[at:at + len(mine)] = ranked  # a block's names are consecutive in the canonical order
+    return tuple(out)
+
+
 def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt, part: str = "full") -> HessianBlocks:
     r""":func:`hessian` for a model whose blocks have :attr:`~blockhess.config.BlockConfig.llama_options`:
     column ``j`` is the model's exact product :math:`H e_j` (:class:`~.directional.ModelProduct`, the
@@ -543,7 +568,7 @@ def _assembled(params: dict, inputs, cfg: ModelConfig, loss, target, wrt, part: 
             rows = tuple(rows) + ((TIED_HEAD,) if cfg.tied and "W_E" in rows else ())
             return unfold_tied(prod(V, rows, outer=outer, functional=functional))
 
-        return assemble(product, names, sizes, like, step, lower=True)
+        return assemble(product, names, sizes, like, step, lower=True, order=_forward_order(names, cfg))
 
     def of_part(which: str) -> HessianBlocks:
         check_fits(need, f"the {which} part of the Hessian ({n}x{n}) from exact products", like.device)
