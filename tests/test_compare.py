@@ -487,3 +487,27 @@ def test_data_with_batch_options_exit_2(run, tmp_path, capsys):
     assert main(["compare", "--model", str(model_dir), "--data", str(tmp_path / "ids.npy"), "--seq-len", "3",
                  "--out", str(tmp_path / "o")]) == 2
     assert "--seq-len: with --data the batch is the file's rows" in capsys.readouterr().err
+
+
+def test_identical_training_sequences_give_undefined_rank_correlations(run, tmp_path):
+    """Three equal training sequences have equal influence scores under every matrix: their rank correlation is
+    undefined, written null and "undefined", and the run still writes every other number."""
+    import numpy as np
+
+    model_dir, _, _ = run
+    ids = _random_ids(1)
+    ids[1:3] = ids[0]
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    args = [a for i, a in enumerate(ARGS) if a not in ("--batch", "--seq-len") and ARGS[i - 1] not in ("--batch", "--seq-len")]
+    assert main(["compare", "--model", str(model_dir), "--data", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "o"),
+                 "--quiet", *args]) == 0
+    rep = json.loads((tmp_path / "o" / "compare.json").read_text())
+    cells = [m for ref in rep["results"].values() for row in ref.values() for m in row.values() if isinstance(m, dict)]
+    assert cells and all(m["spearman"] is None for m in cells if "spearman" in m)
+    assert all(isinstance(m["rel_fro"], float) for m in cells if "rel_fro" in m)
+    assert "undefined" in (tmp_path / "o" / "compare.md").read_text()
+
+
+def test_spearman_of_constant_scores_is_undefined():
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    assert C.spearman(a, a.flip(0)) == pytest.approx(-1.0) and C.spearman(a, torch.full((3,), 2.0)) is None

@@ -45,7 +45,8 @@ eigenvalue); ``inverse_cos`` the cosine of ``(H + λI)⁻¹ g`` and
 ``(Ĥ + λI)⁻¹ g`` for ``g`` the batch gradient; ``spearman`` the Spearman rank correlation of the
 influence scores ``g_iᵀ (H + λI)⁻¹ g_test`` of the batch's training sequences on a test sequence,
 exact against approximate; for the diagonal methods ``diag_rel`` ``‖d̂ − diag H‖ / ‖diag H‖``; for
-Hutchinson ``trace_rel`` ``|t̂ − tr H| / |tr H|``. ``λ = --damping · λ_max(G)``, ``G`` the exact GGN of the
+Hutchinson ``trace_rel`` ``|t̂ − tr H| / |tr H|``. A cosine of a zero vector or a rank correlation of constant scores
+is undefined: ``null`` in the JSON, "undefined" in the tables. ``λ = --damping · λ_max(G)``, ``G`` the exact GGN of the
 whole model (the same ``λ`` everywhere).
 
 Presets (``--preset``, random weights from ``--seed``, float64): ``gpt2`` a two-layer
@@ -764,14 +765,20 @@ def _inv(M: torch.Tensor, lam: float, B: torch.Tensor) -> torch.Tensor:
     return X
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The cosine of ``a`` and ``b``; ``None`` (undefined) where either is zero."""
+    if not (a.norm() > 0 and b.norm() > 0):
+        return None
     return float(a @ b / (a.norm() * b.norm()))
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman's rank correlation of two score vectors (SciPy's, average ranks for ties)."""
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Spearman's rank correlation of two score vectors (SciPy's, average ranks for ties); ``None``
+    (undefined, written ``null`` and "undefined") where either vector is constant: it has no ranks to correlate."""
     from scipy.stats import spearmanr
 
+    if bool((a == a[0]).all()) or bool((b == b[0]).all()):
+        return None
     return float(spearmanr(a.numpy(), b.numpy()).statistic)
 
 
@@ -938,7 +945,8 @@ def markdown(rep: dict) -> str:
                 continue
             lines += [f"### {metric}", "", "| module | " + " | ".join(used) + " |", "|---" * (len(used) + 1) + "|"]
             for row, r in res.items():
-                cells = [f"{r[c][metric]:.3g}" if c in r and metric in r[c] else "–" for c in used]
+                cells = [("undefined" if r[c][metric] is None else f"{r[c][metric]:.3g}") if c in r and metric in r[c]
+                         else "–" for c in used]
                 lines.append(f"| `{row}` | " + " | ".join(cells) + " |")
             lines.append("")
     lines += ["Figures: " + ", ".join(f"`{f}`" for f in rep["figures"]) + ".", "",
