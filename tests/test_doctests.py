@@ -27,7 +27,10 @@ def _python_blocks(path: Path) -> list[str]:
 
 
 PYTHON_BLOCKS = _python_blocks(README)
-ALL_BLOCKS = [(p.relative_to(ROOT).as_posix(), i, b) for p in PAGES for i, b in enumerate(_python_blocks(p))]
+#: (page, index, code): the README's blocks each alone; a docs page's after its earlier blocks, as a reader pastes a
+#: page in one interpreter (a fragment that needs the reader's own objects is fenced ```py, not run)
+ALL_BLOCKS = [(p.relative_to(ROOT).as_posix(), i, b if p == README else "\n".join(_python_blocks(p)[:i + 1]))
+              for p in PAGES for i, b in enumerate(_python_blocks(p))]
 
 
 @pytest.mark.parametrize("module", [blockhess, convergence], ids=lambda m: m.__name__)
@@ -53,11 +56,14 @@ class _Paste(code.InteractiveConsole):
 
 @pytest.mark.parametrize("index", range(len(ALL_BLOCKS)), ids=lambda i: f"{ALL_BLOCKS[i][0]}-block{ALL_BLOCKS[i][1] + 1}")
 def test_readme_python_block_runs_alone(index, tmp_path, monkeypatch):
-    """Each ```python block of README.md and of the docs' pages, pasted alone line by line into a fresh
-    interactive interpreter, runs without an error, and what it echoes is short."""
+    """Each ```python block of README.md pasted alone, and of a docs page after the page's earlier blocks, line by
+    line into a fresh interactive interpreter, runs without an error, and what it echoes is short."""
     monkeypatch.chdir(tmp_path)  # what a block writes (the digits checkpoint) stays out of the tree
     monkeypatch.setattr(vit, "DEFAULT_STEPS", 20)  # the block runs as written; 20 training steps instead of 2,000 for time
     threads = torch.get_num_threads()  # the first block sets one thread, as it advises
+    # the console reports a traceback through sys.excepthook where something has replaced it (an import can):
+    # the default hook makes it write to the console, where it is collected
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     try:
         console = _Paste()
         shown = []
