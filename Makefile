@@ -43,6 +43,7 @@ docs: $(VENV)/.installed-docs
 
 bench: install
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[bench]"
+	$(PIP) install -q --no-deps -c $(CONSTRAINTS) -r requirements-laplace.txt  # curvlinops without torchvision
 	$(VENV)/bin/blockhess bench --out bench-results
 
 docs-data: install

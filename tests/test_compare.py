@@ -376,14 +376,15 @@ def test_seq_len_past_positions_exit_2(run, tmp_path, capsys):
 
 
 def test_missing_extras_exit_2(tmp_path, capsys, monkeypatch):
-    """Without curvlinops (the bench extra) the command says which package and extra it needs, one line."""
+    """Without curvlinops (requirements-laplace.txt) the command says which package it needs and how to install it, one line."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "curvlinops" else real(name, *a))
     assert main(["compare", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "needs curvlinops: pip install 'blockhess[bench]'" in err and not (tmp_path / "o").exists()
+    assert "needs curvlinops: pip install 'blockhess[hf]' and pip install --no-deps -r requirements-laplace.txt" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_llama_other_rope_exit_2(tmp_path, capsys):

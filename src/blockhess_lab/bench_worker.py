@@ -428,7 +428,7 @@ def setup_curvlinops(P: Problem):
         import curvlinops
         from curvlinops import HessianLinearOperator
     except ImportError as exc:
-        raise Skip(f"curvlinops-for-pytorch not installed ({exc.__class__.__name__}); pip install -e '.[bench]'") from exc
+        raise Skip(f"curvlinops-for-pytorch not installed ({exc.__class__.__name__}); pip install --no-deps -r requirements-laplace.txt") from exc
     from blockhess import reference
 
     cfg, loss, head, names = P.cfg, P.loss, P.head if P.kind == "hessian" else None, P.names

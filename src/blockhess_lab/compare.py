@@ -971,8 +971,9 @@ def figures(tmp: Path, rep: dict) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     missing = [m for m in ("transformers", "curvlinops") if importlib.util.find_spec(m) is None]
-    if missing:  # the models come from transformers, KFAC and EKFAC from curvlinops: the hf and bench extras
-        raise ValueError(f"blockhess compare needs {' and '.join(missing)}: pip install 'blockhess[bench]'")
+    if missing:  # the models come from transformers (the hf extra), KFAC and EKFAC from curvlinops (requirements-laplace.txt)
+        raise ValueError(f"blockhess compare needs {' and '.join(missing)}: pip install 'blockhess[hf]' and "
+                         "pip install --no-deps -r requirements-laplace.txt")
     s = settings(args)
     check_out(args.out)
     with torch_threads(args.threads):
