@@ -512,3 +512,24 @@ def test_identical_training_sequences_give_undefined_rank_correlations(run, tmp_
 def test_spearman_of_constant_scores_is_undefined():
     a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     assert C.spearman(a, a.flip(0)) == pytest.approx(-1.0) and C.spearman(a, torch.full((3,), 2.0)) is None
+
+
+def test_a_file_torch_load_fails_on_in_any_way_is_one_line(run, tmp_path, capsys, monkeypatch):
+    """torch.load raises many kinds for a corrupt file (a KeyError among them): each is one line naming --data."""
+    model_dir, _, _ = run
+    torch.save(_random_ids(1), tmp_path / "d.pt")
+
+    def corrupt(*args, **kwargs):
+        raise KeyError(101)
+
+    monkeypatch.setattr(torch, "load", corrupt)
+    assert main(["compare", "--model", str(model_dir), "--data", str(tmp_path / "d.pt"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"blockhess compare: error: --data {tmp_path / 'd.pt'}: cannot read it (KeyError: 101)", err
+    assert not (tmp_path / "o").exists()
+
+
+def test_preset_and_model_together_exit_2(run, tmp_path, capsys):
+    model_dir, _, _ = run
+    assert main(["compare", "--model", str(model_dir), "--preset", "vit", "--out", str(tmp_path / "o")]) == 2
+    assert "--preset and --model exclude each other" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -138,7 +138,7 @@ def test_checkpoint_series_warm_starts(tmp_path):
     (["--model", "/nonexistent/folder"], "neither a preset"),
     (["--checkpoints", "/nonexistent/a,/nonexistent/b"], "not a save_pretrained folder"),
     (["--model", "gpt2-tiny", "--tensors", "blocks.0.W_X"], "unknown tensor 'blocks.0.W_X'"),
-    (["--model", "gpt2-tiny", "--seq-len", "100"], "exceed the model's 64 positions"),
+    (["--model", "gpt2-tiny", "--seq-len", "100"], "--seq-len: sequences of 100 tokens exceed the model's 64 positions"),
     (["--model", "gpt2-tiny", "--blocks", "W_E"], "--blocks is an option of the --preset models"),
     (["--tensors", "W_E"], "--tensors applies with --model"),
     (["--model", "gpt2-tiny", "--density", "4,8"], "--density is an option of the --preset models"),

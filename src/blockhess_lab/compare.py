@@ -130,7 +130,7 @@ FORWARD_TOL = 1e-12
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="compare", metavar="DIR", help=out_help("compare", "compare.json, compare.md, PNG figures"))
-    p.add_argument("--preset", default="gpt2", metavar="NAME",
+    p.add_argument("--preset", default=None, metavar="NAME",
                    help=f"the model, random weights from --seed: {', '.join(PRESETS)} (default: gpt2)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="a save_pretrained folder (GPT2LMHeadModel, ViTForImageClassification or LlamaForCausalLM) read "
@@ -192,8 +192,11 @@ def _counts(option: str, text: str, low: int) -> tuple[int, ...]:
 
 def settings(args: argparse.Namespace) -> Settings:
     """The run's :class:`Settings`; raises ``ValueError`` (one line, naming the option) on a bad one."""
-    if args.model is None and args.preset not in PRESETS:
-        raise ValueError(f"--preset: unknown preset {args.preset!r}; expected one of {', '.join(PRESETS)}")
+    if args.model is not None and args.preset is not None:
+        raise ValueError("--preset and --model exclude each other: the model is one or the other")
+    preset = "gpt2" if args.preset is None else args.preset
+    if args.model is None and preset not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     if args.model is not None and not Path(args.model, "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a save_pretrained folder (no config.json in it)")
     if args.data is not None:
@@ -212,7 +215,7 @@ def settings(args: argparse.Namespace) -> Settings:
             raise ValueError(f"{option} must be >= {low}, got {value}")
     if not (math.isfinite(args.damping) and args.damping > 0):
         raise ValueError(f"--damping must be a finite number > 0, got {args.damping:g}")
-    return Settings(None if args.model else args.preset, args.model, args.batch, args.seq_len,
+    return Settings(None if args.model else preset, args.model, args.batch, args.seq_len,
                     _counts("--sophia-samples", args.sophia_samples, 1),
                     _counts("--hutchinson-samples", args.hutchinson_samples, 2), float(args.damping), args.seed,
                     args.kronfluence_draws, args.data)
@@ -412,8 +415,6 @@ def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
     most a learned position table's length; image files (``.npz``) with ``images`` ``(N, C, H, W)`` of the
     model's image shape, finite floats (cast to ``dtype``), and integer ``labels`` ``(N,)`` in ``[0, classes)``.
     Raises ``ValueError`` naming ``--data`` and the file for anything else."""
-    import pickle
-    import zipfile
 
     import numpy as np
 
@@ -431,8 +432,8 @@ def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
         else:
             with np.load(path, allow_pickle=False) as f:
                 arrays = {k: f[k] for k in f.files}
-    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{where}: cannot read it: {(str(exc) or type(exc).__name__).splitlines()[0]}") from None
+    except Exception as exc:  # torch.load and np.load raise many kinds (KeyError among them) for a file they cannot read
+        raise ValueError(f"{where}: cannot read it ({type(exc).__name__}: {(str(exc) or '-').splitlines()[0]})") from None
     if not tokens:
         missing = [k for k in ("images", "labels") if k not in arrays]
         if missing:

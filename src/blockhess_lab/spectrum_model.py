@@ -239,18 +239,21 @@ def tokens(path: str | None, vocab: int, batch: int, seq_len: int, seed: int, n_
             try:
                 ids = torch.load(path, weights_only=True)
             except Exception as exc:  # torch.load raises many kinds for a file that is not a saved tensor
-                raise ValueError(f"--data {path}: cannot read it as a saved tensor: {str(exc).splitlines()[0]}") from None
+                raise ValueError(f"--data {path}: cannot read it as a saved tensor ({type(exc).__name__}: "
+                                 f"{(str(exc) or '-').splitlines()[0]})") from None
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool \
                 or ids.is_complex() or ids.shape[1] < 2 or ids.shape[0] < 1:
             raise ValueError(f"--data {path}: expected one 2-d integer tensor of token ids (B, L + 1) with L >= 1, got "
-                             f"{type(ids).__name__}{tuple(ids.shape) if isinstance(ids, torch.Tensor) else ''}")
+                             f"{type(ids).__name__}{tuple(ids.shape) if isinstance(ids, torch.Tensor) else ''}"
+                             f"{' of ' + str(ids.dtype) if isinstance(ids, torch.Tensor) else ''}")
         ids = ids.to(torch.int64)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             raise ValueError(f"--data {path}: token ids must lie in [0, {vocab}) (the model's vocabulary), got "
                              f"[{lo}, {hi}]")
     if n_positions is not None and ids.shape[1] - 1 > n_positions:
-        raise ValueError(f"sequences of {ids.shape[1] - 1} tokens exceed the model's {n_positions} positions")
+        raise ValueError(f"{'--data ' + str(path) if path is not None else '--seq-len'}: sequences of {ids.shape[1] - 1} "
+                         f"tokens exceed the model's {n_positions} positions")
     return ids
 
 
