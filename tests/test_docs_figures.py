@@ -1069,7 +1069,7 @@ UNSTORED = {
         "its full run about 40 minutes on 2 quiet\ncores, `--quick` about 2 minutes there",  # benchmarks/README.md
     ],
     "docs/getting-started.md": [
-        "in 12 minutes on 2 busy cores (1 Dec 2026, not stored)",  # the whole suite, one run
+        "in about 4 minutes on 2 cores, in two pytest-xdist workers (2 Dec 2026, not stored)",  # the whole suite, one run
     ],
     "docs/results.md": [
         "(2.7e-13 and 3.0e-13 along random directions",  # tests/test_high_precision.py, not a command
