@@ -209,12 +209,14 @@ class ExactCurvature(CurvatureInterface):
             H = H[sel][:, sel]
         return self.factor * self.lossfunc(f, y).detach(), H
 
-    def diag(self, x, y: torch.Tensor, **kwargs):
-        """Refused (``NotImplementedError``): a whole model has no closed-form diagonal (attention above a
-        weight mixes the tokens, docs/derivations.md §19)."""
-        raise NotImplementedError("hessian_structure='diag': a whole model's exact curvature has no closed-form "
-                                  "diagonal in blockhess (attention above a weight mixes the tokens); use "
-                                  "hessian_structure='full' (exact, dense) or 'lowrank' (exact top eigenpairs)")
+    def diag(self, x, y: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(factor · loss, diag)``: the exact diagonal ``(P,)`` of :meth:`full`'s matrix, taken from it. A whole
+        model has no closed-form diagonal without its dense block (attention above a weight mixes the tokens,
+        docs/derivations.md §19), so the dense matrix over laplace-torch's parameters is formed first: ``P²``
+        entries, checked before the allocation (``InsufficientMemoryError`` naming the bytes needed and
+        available); the last layer's or a subnetwork's is small. Errors: :meth:`full`'s."""
+        loss, H = self.full(x, y, **kwargs)
+        return loss, torch.diagonal(H).clone()
 
     def kron(self, x, y: torch.Tensor, N: int, **kwargs):
         """Refused (``NotImplementedError``): the exact curvature is not a Kronecker product."""
