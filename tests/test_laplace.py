@@ -326,3 +326,21 @@ def test_diag_is_the_exact_matrix_diagonal(subset):
     lml = -float(la.loss) - 0.5 * (float(torch.log(P).sum()) - float(torch.log(la.prior_precision_diag).sum())) \
         - 0.5 * float(la.scatter)
     assert abs(float(la.log_marginal_likelihood()) - lml) <= 1e-10 * abs(lml)
+
+
+def test_backpack_and_asdl_fail_where_ours_fits():
+    """On every weight of the ViT (its LayerNorms and attention), laplace-torch's BackPACK and ASDL backends
+    raise; BlockhessGGN fits (and equals CurvlinopsGGN: test_vit_ggn_matches_curvlinops)."""
+    from laplace.curvature import AsdlGGN
+
+    model, (X, y) = vit(7), images(8)
+    failures = {}
+    for backend in (BackPackGGN, AsdlGGN):
+        with pytest.raises(Exception) as info:
+            Laplace(model, "classification", subset_of_weights="all", hessian_structure="full", backend=backend).fit(
+                loader(X, y))
+        failures[backend.__name__] = type(info.value).__name__
+    assert set(failures) == {"BackPackGGN", "AsdlGGN"}, failures
+    la = fitted(model, BlockhessGGN, loader(X, y))
+    n = sum(p.numel() for p in model.parameters())
+    assert la.H.shape == (n, n) and bool(torch.isfinite(la.log_marginal_likelihood()))
