@@ -334,13 +334,11 @@ def test_backpack_and_asdl_fail_where_ours_fits():
     from laplace.curvature import AsdlGGN
 
     model, (X, y) = vit(7), images(8)
-    failures = {}
-    for backend in (BackPackGGN, AsdlGGN):
-        with pytest.raises(Exception) as info:
+    # BackPACK has no extension for the ViT's layers (no grad_batch); ASDL's hooks clash with the module's own
+    for backend, error, says in ((BackPackGGN, AttributeError, "grad_batch"), (AsdlGGN, RuntimeError, "backward hooks")):
+        with pytest.raises(error, match=says):
             Laplace(model, "classification", subset_of_weights="all", hessian_structure="full", backend=backend).fit(
                 loader(X, y))
-        failures[backend.__name__] = type(info.value).__name__
-    assert set(failures) == {"BackPackGGN", "AsdlGGN"}, failures
     la = fitted(model, BlockhessGGN, loader(X, y))
     n = sum(p.numel() for p in model.parameters())
     assert la.H.shape == (n, n) and bool(torch.isfinite(la.log_marginal_likelihood()))
