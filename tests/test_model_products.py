@@ -90,3 +90,81 @@ def test_products_equal_dense_hessian(name, part):
     HV = unfold_tied(prod(fold_tied(V, internal), names, outer=part != "functional", functional=part != "outer"))
     got = torch.cat([HV[n].reshape(k, -1) for n in shapes], 1).T
     assert_close(got, D @ Vflat, what=f"{name} {part} H @ V")
+
+
+def _head_case(dtype=torch.float64):
+    from blockhess.model.stages import SoftmaxHead
+
+    gen = torch.Generator().manual_seed(3)
+    B, P, d, C = 2, 3, 6, 11
+    h = torch.randn(B, P, d, generator=gen, dtype=dtype)
+    W = torch.randn(d, C, generator=gen, dtype=dtype)
+    y = torch.randint(0, C, (B, P), generator=gen)
+    y[1, 0] = losses.IGNORE
+    return SoftmaxHead(h, W, None, y, 5, ("W_H",)), gen
+
+
+def _head_reference(top, dx):
+    """The head's plain pass the long way: the logit tangents, the softmax Hessian per row, back by ``Wᵀ``."""
+    k = dx.shape[0]
+    stage = top.head()
+    dz = stage.tangent(dx, {}, k)
+    dg, _ = stage.adjoint2(top.g, dx, {}, top.omega(dz), [], True)
+    return dg
+
+
+def test_head_pass_equals_the_logit_path_before_and_after_its_matrices(monkeypatch):
+    from blockhess.model import stages
+
+    top, gen = _head_case()
+    d = top.W.shape[0]
+    formed = []
+    real = stages.SoftmaxHead.gram
+    monkeypatch.setattr(stages.SoftmaxHead, "gram", lambda self: formed.append(1) or real(self))
+    monkeypatch.setattr(stages, "THROUGH_CHUNK_BYTES", 1)  # chunks of 256 columns: one here; below, several
+    for k in (1, d // 2 - 1, 2):  # below the break-even, then past it
+        dx = torch.randn(k, *top.h.shape, generator=gen, dtype=top.h.dtype)
+        assert_close(top.through(dx), _head_reference(top, dx), what=f"head pass k={k}")
+    assert len(formed) == 1
+    # the matrices themselves: W Ω_t Wᵀ per row, zero for an ignored row
+    p = top.p.reshape(-1, top.W.shape[1])
+    ref = torch.stack([top.W @ (torch.diag(pt) - torch.outer(pt, pt)) @ top.W.T for pt in p]) / top.N
+    M = top.gram()
+    assert_close(M, ref, what="per-row head matrices")
+    assert float(M[3].abs().max()) == 0.0  # the row of target -100
+    assert_close(M, M.transpose(1, 2), what="symmetry")
+
+
+def test_head_pass_in_vocabulary_chunks_and_without_memory(monkeypatch):
+    from blockhess.model import stages
+    from blockhess.validation import InsufficientMemoryError
+
+    gen = torch.Generator().manual_seed(4)
+    B, P, d, C = 1, 2, 4, 600  # 600 columns: chunks of 256, 256, 88
+    h = torch.randn(B, P, d, generator=gen, dtype=torch.float64)
+    W = torch.randn(d, C, generator=gen, dtype=torch.float64)
+    top = stages.SoftmaxHead(h, W, None, torch.randint(0, C, (B, P), generator=gen), 2, ("W_H",))
+    monkeypatch.setattr(stages, "THROUGH_CHUNK_BYTES", 1)
+
+    def refuse(nbytes, what, device="cpu"):
+        raise InsufficientMemoryError(f"{what}: {nbytes}")
+
+    monkeypatch.setattr(stages, "check_fits", refuse)
+    monkeypatch.setattr(stages.SoftmaxHead, "gram", lambda self: pytest.fail("formed without the memory"))
+    for _ in range(4):  # 4 × 3 columns, past d/2, but the matrices do not fit: the chunked pass every time
+        dx = torch.randn(3, B, P, d, generator=gen, dtype=torch.float64)
+        assert_close(top.through(dx), _head_reference(top, dx), what="chunked head pass")
+
+
+def test_restricted_products_through_the_head_equal_dense_rows():
+    # directions on one block only, one column a call: the head's plain pass, its matrices formed on the way
+    cfg, params, x, loss, target = _case("lm-tied")
+    target = target.clone()
+    target[0, 1] = losses.IGNORE
+    H = bh.hessian(params, x, cfg, loss=loss, target=target)
+    for part in ("full", "outer"):
+        V = bh.hessian_operator(params, x, cfg, loss=loss, target=target, part=part)["blocks.0.W_1", "blocks.0.W_1"]
+        ref = (H if part == "full" else H.outer)["blocks.0.W_1", "blocks.0.W_1"]
+        E = torch.eye(V.shape[0], dtype=torch.float64)
+        cols = torch.cat([V @ E[:, i:i + 1] for i in range(V.shape[0])], 1)  # 24 calls, past d/2 = 2 columns
+        assert_close(cols, ref, what=f"{part}: one column a call")

@@ -173,6 +173,12 @@ class ModelProduct:
                     if below:
                         found.update(zip(gs, split(dg, gs)))
             else:
+                if k + 1 == n and isinstance(self.top, SoftmaxHead):  # the head's own pass for plain tangents
+                    plain = [c for c in calls if not c[2] and not c[3]]
+                    calls = [c for c in calls if c[2] or c[3]]
+                    for gs, dx, _, _, below in plain:
+                        if below:
+                            found.update(zip(gs, split(self.top.through(dx) if outer else torch.zeros_like(dx), gs)))
                 dys = [st.tangent(dx, Vk, sum(ks[g] for g in gs)) for gs, dx, Vk, _, _ in calls]
                 dgs = up(k, calls, dys, held)
                 for (gs, dx, Vk, here, below), dg_out in zip(calls, dgs):

@@ -37,10 +37,14 @@ from ..config import param_shapes
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
+from ..validation import check_fits
 from .forward_pass import embed_scale
 
 __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage", "OutputLoss", "SoftmaxHead",
            "TIED_HEAD"]
+
+#: the bytes of logit tangents :meth:`SoftmaxHead.through` holds at a time (a chunk of the vocabulary's columns)
+THROUGH_CHUNK_BYTES = 16 << 20
 
 #: the internal name of the token embedding's second use, as the tied head ``W_H = W_E^T`` ``(d, vocab)``
 TIED_HEAD = "W_E@head"
@@ -545,11 +549,85 @@ class SoftmaxHead:
             w = keep.to(h.dtype)[..., None]
             self.p, onehot = self.p * w, onehot * w
         self.g = (self.p - onehot) / count  # (B, P, C)
+        self._qs = self._gram = None  # W p_t and the per-row W Ω_t Wᵀ, when first needed (:meth:`through`)
+        self._through_columns, self._gram_refused = 0, False
 
     def omega(self, dz: torch.Tensor) -> torch.Tensor:
-        """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)``."""
-        pdz = self.p * dz
-        return torch.addcmul(pdz, self.p, pdz.sum(-1, keepdim=True), value=-1).div_(self.N)
+        """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)`` (three passes:
+        ``u = (p/N) ⊙ ż``, its row sums, ``u − p Σu``)."""
+        u = torch.mul(dz, self.p).div_(self.N)
+        return u.addcmul_(self.p, u.sum(-1, keepdim=True), value=-1)
+
+    def through(self, dx: torch.Tensor) -> torch.Tensor:
+        r"""The head's part of the outer product for tangents ``dx`` ``(k, B, P, d)`` at ``h`` that carry no
+        direction of the head's own variables: :math:`\dot g_h = W\Omega_t W^	op \dot h_t` per row, ``(k, B,
+        P, d)``. Without forming the logit tangents' ``(k, B, P, C)`` tensor: :math:`\dot h W` is taken ``C``
+        by ``C`` (a column chunk at a time, about :data:`THROUGH_CHUNK_BYTES` of it, scaled by ``p/N`` and
+        multiplied back by ``Wᵀ`` into the sum), and the rank-one term in ``h``'s space, :math:`p_t\cdot\dot
+        z_t = \dot h_t\cdot q_t` with :math:`q_t = W p_t` (docs/derivations.md §18, "The head's pass").
+        Once the columns through it have cost as much as forming them would, the per-row ``d × d`` matrices
+        :math:`W\Omega_t W^	op` are formed (where they fit in memory) and used from then on
+        (:meth:`gram`)."""
+        k, B, P, d = dx.shape
+        C = self.W.shape[1]
+        rows = dx.reshape(k, B * P, d)
+        if self._gram is None and self._gram_due(k):
+            self._gram = self.gram()
+        if self._gram is not None:  # (B P, d, d) per row, symmetric
+            return torch.einsum("tij,ktj->kti", self._gram, rows).reshape(k, B, P, d)
+        q = self._q()
+        out = rows.new_empty(k, B * P, d)  # −(ḣ·q) q / N, laid out as the rows' sum below writes it
+        torch.mul(torch.einsum("ktd,td->kt", rows, q)[..., None], q, out=out).div_(-self.N)
+        pN = self.p.reshape(B * P, C) / self.N
+        R = k * B * P
+        step = max(256, min(C, THROUGH_CHUNK_BYTES // max(1, R * dx.element_size())))
+        flat = rows.reshape(R, d)
+        acc = out.reshape(R, d)
+        buf = None
+        for c0 in range(0, C, step):
+            c1 = min(C, c0 + step)
+            Wc = self.W[:, c0:c1]
+            buf = torch.mm(flat, Wc, out=buf if buf is not None and buf.shape[1] == c1 - c0 else None)
+            buf.view(k, B * P, c1 - c0).mul_(pN[:, c0:c1])
+            acc.addmm_(buf, Wc.T)
+        return out.reshape(k, B, P, d)
+
+    def _q(self) -> torch.Tensor:
+        """``q_t = W p_t`` ``(B P, d)``, once."""
+        if self._qs is None:
+            self._qs = self.p.reshape(-1, self.W.shape[1]) @ self.W.T
+        return self._qs
+
+    def _gram_due(self, k: int) -> bool:
+        """Whether the per-row matrices should be formed now: the columns through the head so far (``k`` of
+        them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``C·d²`` a row (the
+        break-even at ``d/2`` columns: never more than twice the cheaper choice's cost, whatever the number
+        of products to come), and ``(B P, d, d)`` of the dtype fits in half the memory available."""
+        self._through_columns += k
+        d = self.W.shape[0]
+        if self._through_columns < d / 2 or self._gram_refused:
+            return False
+        nbytes = self.p.shape[0] * self.p.shape[1] * d * d * self.p.element_size()
+        try:
+            check_fits(2 * nbytes, "the head's per-row matrices", self.p.device)
+        except MemoryError:
+            self._gram_refused = True
+            return False
+        return True
+
+    def gram(self) -> torch.Tensor:
+        r"""The per-row matrices :math:`W\Omega_tW^	op = (W\,\mathrm{diag}(p_t)\,W^	op - q_tq_t^	op)/N`
+        ``(B P, d, d)`` (symmetric; rows of target ``-100`` are zero), summed over column chunks of ``C``."""
+        d, C = self.W.shape
+        p = self.p.reshape(-1, C)
+        q = self._q()
+        M = torch.einsum("ti,tj->tij", q, -q)
+        step = max(256, min(C, THROUGH_CHUNK_BYTES // (d * self.p.element_size())))
+        for c0 in range(0, C, step):
+            Wc = self.W[:, c0:c0 + step]
+            for t in range(p.shape[0]):
+                M[t].addmm_(Wc * p[t, c0:c0 + step], Wc.T)
+        return M.div_(self.N)
 
     def head(self) -> "HeadStage":
         """The head as a plain stage (for products: its tangents and second-order adjoints)."""
