@@ -113,13 +113,14 @@ def tangent(x: torch.Tensor, W: torch.Tensor, dx=None, dW=None, db=None):
             return None
         return db.reshape(db.shape[0], *([1] * (x.ndim - 1)), d_out).expand(db.shape[0], *x.shape[:-1], d_out)
     k = (dx if dx is not None else dW).shape[0]
-    out, owned = (None if db is None else db[:, None, :]), False  # ḃ: the first product adds it into a new tensor
-    for a, b in ((None if dx is None else dx.reshape(k, -1, d_in), W), (_tokens(x, d_in), dW)):
-        if a is None or b is None:
-            continue
-        a3, b3 = (a if a.ndim == 3 else a.expand(k, -1, -1)), (b if b.ndim == 3 else b.expand(k, -1, -1))
-        out = torch.bmm(a3, b3) if out is None else (out.baddbmm_(a3, b3) if owned else torch.baddbmm(out, a3, b3))
-        owned = True
+    out = None
+    if dx is not None:  # ẋ W: one GEMM over every direction's rows (the weight is shared)
+        out = torch.mm(dx.reshape(-1, d_in), W).view(k, -1, d_out)
+    if dW is not None:  # x Ẇ: one product per direction, into the first
+        xt = _tokens(x, d_in)
+        out = torch.matmul(xt, dW) if out is None else out.baddbmm_(xt.expand(k, -1, -1), dW)
+    if db is not None:
+        out.add_(db[:, None, :])
     return out.reshape(k, *x.shape[:-1], d_out)
 
 
