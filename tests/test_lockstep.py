@@ -192,6 +192,30 @@ def test_blockwise_slq_equals_per_block():
     assert S.products == max(S.calls.values()) == 8
 
 
+def test_lockstep_memory_checked_for_every_block_before_any_product(monkeypatch):
+    from blockhess.operators import lockstep
+    from blockhess.operators.estimators import lanczos_bytes, slq_bytes
+    from blockhess.validation import InsufficientMemoryError
+
+    A, D = _lm()
+    asked = []
+
+    def refuse(nbytes, what, device="cpu"):
+        asked.append(nbytes)
+        raise InsufficientMemoryError(f"{what} would need {nbytes} bytes")
+
+    monkeypatch.setattr(lockstep, "check_fits", refuse)
+    monkeypatch.setattr(D, "products", lambda X, out=None: pytest.fail("a product before the memory check"))
+    with pytest.raises(InsufficientMemoryError, match="lock-step estimators' bases"):
+        blockwise_slq(D, n_probes=3, n_iter=8)
+    assert asked[-1] == sum(slq_bytes(n, DT, 3, 8) for n in D.sizes)
+    with pytest.raises(InsufficientMemoryError, match="lock-step estimators' bases"):
+        blockwise_eigs(D, k=2, ncv=6)
+    assert asked[-1] == sum(lanczos_bytes(n, DT, 2, 6) for n in D.sizes)
+    assert slq_bytes(10, DT, 3, 8) == 3 * 8 * 10 * 8 and slq_bytes(10, DT, 3, 8, "none") == 3 * 3 * 10 * 8
+    assert lanczos_bytes(100, torch.float32, 5) == 100 * (60 + 10) * 4  # the default ncv, 60 columns
+
+
 def test_js_distance():
     p = torch.tensor([0.2, 0.5, 0.3, 0.0], dtype=DT)
     q = torch.tensor([0.1, 0.1, 0.4, 0.4], dtype=DT)

@@ -36,7 +36,8 @@ from .. import linalg
 from ..validation import InsufficientMemoryError, check_bool, check_fits, check_int
 from .checks import asymmetry, check_operator, check_symmetric
 
-__all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace",
+__all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "lanczos_bytes",
+           "slq_bytes", "hutchpp_trace",
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
 
 WHICH = ("LA", "SA", "LM")
@@ -454,6 +455,22 @@ def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> to
     return abs(theta_k) + bound_k - rho.abs()
 
 
+def lanczos_bytes(n: int, dtype: torch.dtype, k: int = 1, ncv: int | None = None, block_size: int | None = None,
+                  check: int = CHECK_COLUMNS) -> int:
+    """The bytes :func:`lanczos_eigs` on an ``(n, n)`` operator of ``dtype`` checks for before its basis is
+    allocated (its arguments ``k``, ``ncv``, ``block_size``, ``check``, defaults as there): ``n · (min(n,
+    max(ncv, k + check)) + 2k)`` entries (a check that needs more grows it later, checked again then)."""
+    p = min(n, 1 if block_size is None else block_size)
+    ncv = min(n, max(3 * k + 2 * p, NCV_DEFAULT) if ncv is None else ncv)
+    return n * (min(n, max(ncv, k + check)) + 2 * k) * (torch.finfo(dtype).bits // 8)
+
+
+def slq_bytes(n: int, dtype: torch.dtype, n_probes: int = 16, n_iter: int = 64, reorth: str = "full") -> int:
+    """The bytes of :func:`slq_density`'s Lanczos bases on an ``(n, n)`` operator of ``dtype``: ``n_probes ·
+    min(n_iter, n) · n`` entries with ``reorth="full"``, ``3 · n_probes · n`` with ``"none"``."""
+    return (min(n_iter, n) if reorth == "full" else 3) * n * n_probes * (torch.finfo(dtype).bits // 8)
+
+
 def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: str = "each", max_matvecs: int = 5000,
                  ncv: int | None = None, block_size: int | None = None, check: int = CHECK_COLUMNS, seed: int = 0,
                  v0: torch.Tensor | None = None, allow_unconverged: bool = False, dense_below: int = 0,
@@ -565,8 +582,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     ncv = min(ncv, n)
     gen = _generator(seed)
     width = min(n, max(ncv, k + check))  # the basis' storage: the check's k + check columns too
-    check_fits(n * (width + 2 * k) * (torch.finfo(A.dtype).bits // 8), f"the Lanczos basis ({n} x {width} + 2 x {k})",
-               A.device)
+    check_fits(lanczos_bytes(n, A.dtype, k, ncv, p, check), f"the Lanczos basis ({n} x {width} + 2 x {k})", A.device)
 
     # the start block
     if v0 is None:
@@ -906,7 +922,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         _check_grid(grid)  # before the Lanczos work; broadening checks again for SLQResult.broaden's grids
     gen = _generator(seed)
     bytes_ = torch.finfo(A.dtype).bits // 8
-    check_fits((m if reorth == "full" else 3) * n * P * bytes_, f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
+    check_fits(slq_bytes(n, A.dtype, P, m, reorth), f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
     eps = torch.finfo(A.dtype).eps
     q = _rademacher(gen, (n, P), A) / math.sqrt(n)
     q_prev = torch.zeros_like(q)

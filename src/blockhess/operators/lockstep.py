@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from .estimators import EigResult, SLQResult, lanczos_eigs, slq_density
+from ..validation import check_fits
+from .estimators import CHECK_COLUMNS, EigResult, SLQResult, lanczos_bytes, lanczos_eigs, slq_bytes, slq_density
 from .operator import BlockDiagonalOperator
 
 __all__ = ["Blockwise", "blockwise_eigs", "blockwise_slq", "js_distance"]
@@ -120,11 +121,18 @@ class _Step:
                 self.cv.notify_all()
 
 
-def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict) -> Blockwise:
-    """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step."""
+def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable) -> Blockwise:
+    """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(view)``
+    the memory one block's estimator allocates, the sum over the blocks checked before any work (the blocks'
+    estimators then allocate at once, each checking only its own)."""
     if not isinstance(D, BlockDiagonalOperator):
         raise ValueError(f"D must be a BlockDiagonalOperator (A.block_diagonal(blocks)), got {type(D).__name__}")
     m = len(D.blocks)
+    try:
+        need = sum(nbytes(v) for v in D.views)
+    except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
+        need = 0
+    check_fits(need, f"the lock-step estimators' bases ({m} blocks, n = {D.shape[0]})", D.device)
     step = _Step(D, range(m))
     stands = [_Stand(step, j) for j in range(m)]
     results, errors = {}, {}
@@ -188,7 +196,16 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
     :class:`~.operator.BlockDiagonalOperator` or a bad ``v0``; every block's errors as
     :func:`~.estimators.lanczos_eigs` (the first block's that raised, after every block has finished; its
     :class:`~.estimators.NotConvergedError` holds that block's result)."""
-    return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0))
+    def nbytes(view):
+        n = view.shape[0]
+        if n <= kwargs.get("dense_below", 0):
+            return 2 * n * n * view.dtype.itemsize
+        if view.kronecker_factors() is not None:
+            return 0
+        return lanczos_bytes(n, view.dtype, k, kwargs.get("ncv"), kwargs.get("block_size"),
+                             kwargs.get("check", CHECK_COLUMNS))
+
+    return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0), nbytes)
 
 
 def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
@@ -198,7 +215,8 @@ def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
     the per-block call draws), every block's probes multiplied in one ``D.products`` per Lanczos step.
     Returns a :class:`Blockwise` of :class:`SLQResult`. Raises ``ValueError`` for a ``D`` that is not a
     :class:`~.operator.BlockDiagonalOperator`; every block's errors as :func:`~.estimators.slq_density`."""
-    return _lockstep(D, slq_density, kwargs, {})
+    return _lockstep(D, slq_density, kwargs, {}, lambda view: slq_bytes(
+        view.shape[0], view.dtype, kwargs.get("n_probes", 16), kwargs.get("n_iter", 64), kwargs.get("reorth", "full")))
 
 
 def _probabilities(p, what: str) -> torch.Tensor:
