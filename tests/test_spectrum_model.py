@@ -95,8 +95,10 @@ def test_llama_folder_with_token_file(tmp_path):
     np.save(tmp_path / "ids.npy", ids.numpy())
     out = tmp_path / "sp"
     names = ["blocks.1.W_K", "blocks.0.W_G", "W_E"]
-    assert _run(out, "--model", str(folder), "--data", str(tmp_path / "ids.npy"), "--tensors", ",".join(names)) == 0
+    assert _run(out, "--model", str(folder), "--data", str(tmp_path / "ids.npy"), "--tensors", ",".join(names),
+                "--reorth", "none", "--ncv", "8") == 0
     rep = _report(out)
+    assert rep["settings"]["reorth"] == "none" and rep["settings"]["ncv"] == 8
     assert rep["model_config"]["family"] == "llama" and rep["tokens"]["batch"] == 2 and rep["tokens"]["seq_len"] == 5
     cfg, params = _problem(SM.read_folder(str(folder), "--model"), None)
     A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
@@ -143,6 +145,8 @@ def test_checkpoint_series_warm_starts(tmp_path):
     (["--tensors", "W_E"], "--tensors applies with --model"),
     (["--model", "gpt2-tiny", "--density", "4,8"], "--density is an option of the --preset models"),
     (["--model", "gpt2-tiny", "--probes", "1"], "--probes must be >= 2"),
+    (["--model", "gpt2-tiny", "--ncv", "6"], "--ncv must be at least --k + 2 = 7"),
+    (["--reorth", "none"], "--reorth applies with --model"),
     (["--model", "gpt2-tiny", "--data", "x.txt"], "expected an existing .pt or .npy"),
 ])
 def test_bad_inputs_exit_2(tmp_path, capsys, args, words):

@@ -95,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Lanczos steps per SLQ probe with --model (default: {DEFAULTS['slq_steps']})")
     p.add_argument("--probes", type=int, default=None, metavar="P",
                    help=f"SLQ probes with --model (default: {DEFAULTS['probes']})")
+    p.add_argument("--reorth", choices=("full", "none"), default=None,
+                   help="SLQ's reorthogonalisation with --model: full (each probe's basis kept, probes x steps vectors "
+                        "per tensor) or none (the three-term recurrence, 3 x probes vectors per tensor) (default: full)")
+    p.add_argument("--ncv", type=int, default=None, metavar="N",
+                   help="Lanczos basis vectors per tensor with --model (default: lanczos_eigs's, max(3k + 2, 60)); "
+                        "the bases of every tensor are held at once, checked against the memory before any work")
 
 
 # ----------------------------------------------------------------------------- options
@@ -117,7 +123,8 @@ def wanted(args: argparse.Namespace, default) -> bool:
     options without it, or the presets' options with it (``default``: an option's default by destination,
     ``argparse.ArgumentParser.get_default`` of the command's parser)."""
     mine = [o for o, v in (("--data", args.data), ("--seq-len", args.seq_len), ("--tensors", args.tensors),
-                           ("--slq-steps", args.slq_steps), ("--probes", args.probes)) if v is not None]
+                           ("--slq-steps", args.slq_steps), ("--probes", args.probes), ("--reorth", args.reorth),
+                           ("--ncv", args.ncv)) if v is not None]
     if args.model is None and args.checkpoints is None:
         if mine:
             raise ValueError(f"{mine[0]} applies with --model or --checkpoints (a causal LM)")
@@ -125,7 +132,7 @@ def wanted(args: argparse.Namespace, default) -> bool:
     bad = _other_options(args, default)
     if bad:
         raise ValueError(f"{bad[0]} is an option of the --preset models; with --model use --tensors, --data, "
-                         "--checkpoints, --probes, --slq-steps (the full Hessian's top-k and density)")
+                         "--checkpoints, --probes, --slq-steps, --reorth, --ncv (the full Hessian's top-k and density)")
     return True
 
 
@@ -154,6 +161,8 @@ def check(args: argparse.Namespace) -> dict:
             raise ValueError("--batch and --seq-len size the random tokens; --data gives the tokens")
         if Path(args.data).suffix not in (".pt", ".npy") or not Path(args.data).is_file():
             raise ValueError(f"--data {args.data}: expected an existing .pt or .npy file of token ids")
+    if args.ncv is not None and args.ncv < args.k + 2:
+        raise ValueError(f"--ncv must be at least --k + 2 = {args.k + 2}, got {args.ncv}")
     if args.k < 1 or args.max_matvecs < 1 or args.seed < 0:
         raise ValueError("--k and --max-matvecs must be >= 1 and --seed >= 0")
     if not (math.isfinite(args.tol) and 0 < args.tol < 1):
@@ -164,7 +173,8 @@ def check(args: argparse.Namespace) -> dict:
     return {"model": args.model, "checkpoints": dirs, "dtype": dtype, "k": args.k, "which": args.which,
             "tol": float(args.tol), "max_matvecs": args.max_matvecs, "seed": args.seed,
             "probes": args.probes or DEFAULTS["probes"], "slq_steps": args.slq_steps or DEFAULTS["slq_steps"],
-            "batch": args.batch or DEFAULTS["batch"], "seq_len": args.seq_len or DEFAULTS["seq_len"]}
+            "batch": args.batch or DEFAULTS["batch"], "seq_len": args.seq_len or DEFAULTS["seq_len"],
+            "reorth": args.reorth or "full", "ncv": args.ncv}
 
 
 # ----------------------------------------------------------------------------- the model and the tokens
@@ -293,7 +303,8 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
     t = time.perf_counter()
     D @ V
     product = time.perf_counter() - t
-    kw = dict(which=s["which"], tol=s["tol"], max_matvecs=s["max_matvecs"], seed=s["seed"], allow_unconverged=True)
+    kw = dict(which=s["which"], tol=s["tol"], max_matvecs=s["max_matvecs"], seed=s["seed"], allow_unconverged=True,
+              ncv=s["ncv"])
     log and log(f"top-{s['k']} of {len(names)} tensors in lock-step" + (" (warm start)" if v0 is not None else ""))
     t = time.perf_counter()
     E = blockwise_eigs(D, k=s["k"], v0=v0, **kw)
@@ -309,7 +320,7 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
                        "converged": all(C[b].converged for b in names)}
     log and log(f"SLQ densities, {s['probes']} probes x {s['slq_steps']} steps")
     t = time.perf_counter()
-    S = blockwise_slq(D, n_probes=s["probes"], n_iter=s["slq_steps"], seed=s["seed"])
+    S = blockwise_slq(D, n_probes=s["probes"], n_iter=s["slq_steps"], seed=s["seed"], reorth=s["reorth"])
     slq_s = time.perf_counter() - t
     for b in names:
         r, d = E[b], S[b]
@@ -379,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
                "tokens": {"source": args.data or "random", "batch": ids.shape[0], "seq_len": ids.shape[1] - 1},
                "settings": {"tensors": names, "k": s["k"], "which": s["which"], "tol": s["tol"],
                             "max_matvecs": s["max_matvecs"], "probes": s["probes"], "slq_steps": s["slq_steps"],
-                            "seed": s["seed"]},
+                            "seed": s["seed"], "reorth": s["reorth"], "ncv": s["ncv"]},
                "points": results, "converged": all(r["converged"] for r in results), "figures": figs,
                "products": {"total": sum(r["eigs"]["products"] + r["slq"]["products"] + r.get("cold", {}).get("products", 0)
                                          for r in results),
