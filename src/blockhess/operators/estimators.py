@@ -921,7 +921,6 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if isinstance(grid, torch.Tensor):
         _check_grid(grid)  # before the Lanczos work; broadening checks again for SLQResult.broaden's grids
     gen = _generator(seed)
-    bytes_ = torch.finfo(A.dtype).bits // 8
     check_fits(slq_bytes(n, A.dtype, P, m, reorth), f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
     eps = torch.finfo(A.dtype).eps
     q = _rademacher(gen, (n, P), A) / math.sqrt(n)
