@@ -95,7 +95,7 @@ def adjoints(c: Cache, g: torch.Tensor) -> Adjoints:
     return Adjoints(gZ=gZ, gS=gS, fc=fc, gU=gU, gP=gP, gF=gF, att=att, gX1=gX1, gX=gX)
 
 
-def work_entries(cfg, B: int, L: int, k: int, weights: bool = True) -> int:
+def work_entries(cfg, B: int, L: int, k: int, weights=None) -> int:
     r"""An upper estimate of the tensor entries one :func:`hvp` of ``k`` directions holds at once for
     ``B`` sequences of ``L`` tokens, its result included (the forward cache, the :class:`Adjoints` and
     the directions not: they are the operator's and the caller's). Per token and direction, with
@@ -104,16 +104,16 @@ def work_entries(cfg, B: int, L: int, k: int, weights: bool = True) -> int:
     softmax's temporaries (``10HL``), two dozen rows of ``d`` (or of ``H·d_v`` where wider) and six of
     ``d_ff`` (ten for a gated FFN); per direction,
     four copies of the ``n`` weights (the result, its summands, the directions laid out for one
-    matrix product), only with ``weights`` (``False``: a call with no weight direction and no weight's
-    rows, a model's tangent passing through the block). The coefficients are counts checked against the
-    peaks (docs/derivations.md §18)."""
+    matrix product), ``n`` the entries of the weights in ``weights`` (a collection of names: those with a
+    direction or wanted rows; empty for a model's tangent passing through the block; ``None``: every
+    weight). The coefficients are counts checked against the peaks (docs/derivations.md §18)."""
     d, H = cfg.d_model, cfg.n_heads
     q = H * cfg.head_dim
     w = max(d, H * getattr(cfg, "value_dim", d // H))  # a row of d, or of the heads' H·d_v outputs if wider
     ff = cfg.d_ff if cfg.kind == "block" else 0
     ff_rows = 10 if getattr(cfg, "gated", False) else 6  # a gated FFN: the gate's tangent and adjoints as well
-    n = sum(math.prod(s) for s in param_shapes(cfg).values())
-    return k * (B * L * (6 * q + 24 * w + 10 * H * L + ff_rows * ff) + (4 * n if weights else 0))
+    n = sum(math.prod(s) for name, s in param_shapes(cfg).items() if weights is None or name in weights)
+    return k * (B * L * (6 * q + 24 * w + 10 * H * L + ff_rows * ff) + 4 * n)
 
 
 def _directions(c: Cache, V, dX, shapes: dict) -> tuple[dict, torch.Tensor | None, int]:
@@ -409,7 +409,7 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
             if tuple(g.shape) not in ((B, L, d), tuple(c.x_shape)):
                 raise ValueError(f"g must have the output's shape ({B}, {L}, {d}), got {tuple(g.shape)}")
             a = None
-    check_fits(work_entries(cfg, B, L, k, weights=bool(dp) or bool(want)) * c.X.element_size(),
+    check_fits(work_entries(cfg, B, L, k, weights=set(dp) | set(want)) * c.X.element_size(),
                f"the Hessian-vector products of {k} directions", c.X.device)
     if functional and a is None:
         a = adjoints(c, g.reshape(B, L, d))
