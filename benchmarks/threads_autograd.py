@@ -5,7 +5,7 @@
 The case is the bench's ``b/mse/16x32x64`` (one sequence, L = 16, d = 32, d_ff = 64, MSE, float64, n = 7,168
 here as there; ``blockhess_lab.bench_worker``'s own set-ups, ``closed_form_out`` and ``func_hessian``). For each
 condition (threads 1 or 2; a busy process ``while True: pass`` started beside or not) the two methods are
-timed in interleaved rounds after a warm-up in this process (the order rotated each round); the JSON keeps
+timed in interleaved rounds after a warm-up in this process (``interleaved.rounds``: the order rotated each round); the JSON keeps
 every time, the medians, torch.func's median over ours per condition and ``os.getloadavg()`` before and after.
 """
 
@@ -25,24 +25,12 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import torch  # noqa: E402
 
+import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
 from blockhess_lab import bench_worker as bw  # noqa: E402
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 SPEC = dict(kind="hessian", L=16, d=32, d_ff=64, B=0, dtype="float64", loss="mse", seed=0)
 METHODS = ("closed_form_out", "func_hessian")
-
-
-def rounds(calls: dict, n: int) -> dict:
-    for f in calls.values():  # warm-up
-        f()
-    times = {m: [] for m in calls}
-    names = list(calls)
-    for r in range(n):
-        for m in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            calls[m]()
-            times[m].append(time.perf_counter() - t)
-    return times
 
 
 def main() -> int:
@@ -61,7 +49,7 @@ def main() -> int:
                 time.sleep(1.0)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                times = rounds(calls, args.rounds)
+                times, _ = interleaved.rounds(calls, args.rounds, 1, lambda msg: None, keep=lambda m, out: None)
                 med = {m: statistics.median(t) for m, t in times.items()}
                 key = f"threads{threads}" + ("_busy" if busy else "")
                 rep["conditions"][key] = {"seconds": times, "median_s": med,

@@ -744,3 +744,20 @@ def test_rows_written_into_the_callers_destinations():
     assert [n for n, t in into.items() if got[n] is t] == ["W_O", "W_1", "W_2"]
     with pytest.raises(ValueError, match=r"into\['W_1'\] must be a contiguous"):
         hvp(c, a, V, omega=omega, into={"W_1": torch.zeros(1, 3, 3, dtype=torch.float64)})
+
+
+def test_memory_check_counts_only_the_weights_a_call_touches(monkeypatch):
+    cfg = bh.BlockConfig(d_model=4, d_ff=5)
+    p = bh.init_params(cfg, seed=0)
+    X = randn((1, 8, 4), gen(0))
+    c = forward_cache(p, X, cfg, plain=True)
+    g = torch.zeros(1, 8, 4, dtype=DT)
+    asked = []
+    monkeypatch.setattr(directional, "check_fits", lambda nbytes, what, device="cpu": asked.append(nbytes))
+    dX = randn((3, 1, 8, 4), gen(1))
+    hvp(c, g, {}, lambda dZ: dZ, dX=dX, wanted=())  # a model's tangent through the block: no weight copies
+    hvp(c, g, directions(p, 3, 0, names=("W_1",)), lambda dZ: dZ, wanted=("W_1",))  # W_1's direction and rows
+    hvp(c, g, directions(p, 3, 0, names=("W_1",)), lambda dZ: dZ)  # W_1's direction, every weight's rows
+    per_token = directional.work_entries(cfg, 1, 8, 3, weights=())
+    assert asked == [per_token * 8, (per_token + 3 * 4 * p["W_1"].numel()) * 8,
+                     directional.work_entries(cfg, 1, 8, 3) * 8]

@@ -409,7 +409,7 @@ def hvp(c: Cache, g, V: dict, omega=None, dX=None, outer: bool = True, functiona
             if tuple(g.shape) not in ((B, L, d), tuple(c.x_shape)):
                 raise ValueError(f"g must have the output's shape ({B}, {L}, {d}), got {tuple(g.shape)}")
             a = None
-    check_fits(work_entries(cfg, B, L, k, weights=set(dp) | set(want)) * c.X.element_size(),
+    check_fits(work_entries(cfg, B, L, k, weights={n for n, v in dp.items() if v is not None} | want) * c.X.element_size(),
                f"the Hessian-vector products of {k} directions", c.X.device)
     if functional and a is None:
         a = adjoints(c, g.reshape(B, L, d))

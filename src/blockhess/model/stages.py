@@ -560,13 +560,13 @@ class SoftmaxHead:
 
     def through(self, dx: torch.Tensor) -> torch.Tensor:
         r"""The head's part of the outer product for tangents ``dx`` ``(k, B, P, d)`` at ``h`` that carry no
-        direction of the head's own variables: :math:`\dot g_h = W\Omega_t W^	op \dot h_t` per row, ``(k, B,
+        direction of the head's own variables: :math:`\dot g_h = W\Omega_t W^\top \dot h_t` per row, ``(k, B,
         P, d)``. Without forming the logit tangents' ``(k, B, P, C)`` tensor: :math:`\dot h W` is taken ``C``
         by ``C`` (a column chunk at a time, about :data:`THROUGH_CHUNK_BYTES` of it, scaled by ``p/N`` and
         multiplied back by ``Wᵀ`` into the sum), and the rank-one term in ``h``'s space, :math:`p_t\cdot\dot
         z_t = \dot h_t\cdot q_t` with :math:`q_t = W p_t` (docs/derivations.md §18, "The head's pass").
         Once the columns through it have cost as much as forming them would, the per-row ``d × d`` matrices
-        :math:`W\Omega_t W^	op` are formed (where they fit in memory) and used from then on
+        :math:`W\Omega_t W^\top` are formed (where they fit in memory) and used from then on
         (:meth:`gram`)."""
         k, B, P, d = dx.shape
         C = self.W.shape[1]
@@ -616,7 +616,7 @@ class SoftmaxHead:
         return True
 
     def gram(self) -> torch.Tensor:
-        r"""The per-row matrices :math:`W\Omega_tW^	op = (W\,\mathrm{diag}(p_t)\,W^	op - q_tq_t^	op)/N`
+        r"""The per-row matrices :math:`W\Omega_tW^\top = (W\,\mathrm{diag}(p_t)\,W^\top - q_tq_t^\top)/N`
         ``(B P, d, d)`` (symmetric; rows of target ``-100`` are zero), summed over column chunks of ``C``."""
         d, C = self.W.shape
         p = self.p.reshape(-1, C)
