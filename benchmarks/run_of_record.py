@@ -85,18 +85,21 @@ def main() -> int:
         t = time.perf_counter()
         E = blockwise_eigs(D, k=args.k, tol=args.tol, ncv=args.ncv, seed=args.seed, allow_unconverged=True)
         rep["phases"][f"eigs_{g}"] = {"seconds": time.perf_counter() - t, "products": E.products,
-                                      "matvecs": dict(E.matvecs)}
+                                      "matvecs": dict(E.matvecs), "product_bytes": E.product_bytes,
+                                      "peak_rss_bytes_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         eigs.update(E.results)
         log(f"top-{args.k} {g}: {rep['phases'][f'eigs_{g}']['seconds']:.0f} s, {E.products} products")
         del D, E
     D = counted(A.block_diagonal(names), "SLQ")
     t = time.perf_counter()
     S = blockwise_slq(D, n_probes=args.probes, n_iter=args.steps, seed=args.seed, reorth=args.reorth)
-    rep["phases"]["slq"] = {"seconds": time.perf_counter() - t, "products": S.products, "matvecs": dict(S.matvecs)}
+    rep["phases"]["slq"] = {"seconds": time.perf_counter() - t, "products": S.products, "matvecs": dict(S.matvecs),
+                            "product_bytes": S.product_bytes}
     log(f"SLQ: {rep['phases']['slq']['seconds']:.0f} s, {S.products} products")
     rep["tensors"] = {b: {"n": int(D.sizes[i]), "eigenvalues": eigs[b].eigenvalues.double().tolist(),
                           "residuals": eigs[b].residuals.double().tolist(), "converged": bool(eigs[b].converged),
                           "miss_probability": float(eigs[b].miss_probability), "method": eigs[b].method,
+                          "matvecs": int(eigs[b].matvecs), "check_matvecs": int(eigs[b].check_matvecs),
                           "density": {"grid": S[b].grid.double().tolist(), "density": S[b].density.double().tolist(),
                                       "sigma": float(S[b].sigma)}}
                       for i, b in enumerate(names)}

@@ -235,3 +235,29 @@ def test_js_distance():
     a, b = S["W_E"], S["blocks.0.W_Q"]
     assert js_distance(a, a) == pytest.approx(0, abs=1e-7) and 0 < js_distance(a, b) <= 1
     assert js_distance(a, b) == pytest.approx(js_distance(b, a), rel=1e-12)
+
+
+def test_lockstep_estimators_keep_the_products_memory_free(monkeypatch):
+    """Every estimator's own memory checks run keeping free what the products needed at most so far (by the
+    products' own checks: ``R.product_bytes``), so that a basis that grows cannot take the products' work
+    space; the results are those of the run without any check."""
+    from blockhess import validation
+    from blockhess.operators import estimators
+
+    A, D = _lm()
+    plain = blockwise_eigs(D, k=2, tol=1e-9)
+    monkeypatch.setattr(validation, "SMALL_BYTES", 0)  # every request checked and recorded
+    seen = []
+    real = estimators.check_fits
+
+    def spy(nbytes, what, device="cpu"):
+        room = getattr(validation._scope, "headroom", None)
+        seen.append(None if room is None else room.bytes)
+        return real(nbytes, what, device)
+
+    monkeypatch.setattr(estimators, "check_fits", spy)
+    R = blockwise_eigs(D, k=2, tol=1e-9)
+    assert plain.product_bytes == 0 < R.product_bytes  # below SMALL_BYTES nothing is recorded
+    assert len(seen) == len(D.blocks) and None not in seen  # each block's basis, in its thread, with the headroom
+    for b in D.blocks:
+        assert_close(R[b].eigenvalues, plain[b].eigenvalues, tol=0.0, what=b)

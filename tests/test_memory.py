@@ -320,3 +320,57 @@ def test_model_passes_hold_no_more_than_the_estimate(name, layout, monkeypatch):
                                                      pairs * walk._weight_entries(cfg, L, loss))
     peak = _live_peak_bytes(lambda: bh.hessian(p, x, cfg, loss=loss, target=T).dense())
     assert n * n * 8 < peak <= need * 8, (peak, need * 8)
+
+
+def test_headroom_is_kept_free_and_needs_are_recorded(monkeypatch):
+    """``keeping_free``: every check in the thread (below ``SMALL_BYTES`` too) asks for the headroom's bytes
+    more, and the refusal names what they are kept for; ``recording_needs``: the largest request plus what
+    the stretch had taken by then (the fall in available memory since it began)."""
+    from blockhess.validation import SMALL_BYTES, Headroom, InsufficientMemoryError, check_fits, keeping_free, recording_needs
+
+    _available(monkeypatch, 1000)
+    room = Headroom("the products beside it", 400)
+    with keeping_free(room):
+        check_fits(600, "a basis")  # 600 + 400 <= 1000
+        with pytest.raises(InsufficientMemoryError, match=r"a basis would need 601 .* 400 bytes are kept free for the products"):
+            check_fits(601, "a basis")
+        room.bytes = 0
+        check_fits(1000, "a basis")
+    check_fits(10**6, "a small request")  # outside: below SMALL_BYTES, not checked
+    big = SMALL_BYTES
+    _available(monkeypatch, 10 * GiB)
+    with recording_needs() as need:
+        check_fits(big, "one")
+        assert need.peak == big
+        _available(monkeypatch, 9 * GiB)  # the stretch has taken 1 GiB since it began
+        check_fits(big, "two")
+        assert need.peak == big + GiB
+        _available(monkeypatch, 11 * GiB)  # freed: nothing taken
+        check_fits(2 * big, "three")
+        assert need.peak == big + GiB
+    check_fits(4 * big, "after")
+    assert need.peak == big + GiB  # no longer recorded
+
+
+def test_a_growing_check_asks_only_for_its_new_piece(monkeypatch):
+    """The check's basis grows by pieces (the capacity doubles, nothing copied): each growth's memory check
+    asks for the new piece alone, ``n`` × the capacity so far; the results are the same as when it fits."""
+    from blockhess.operators import estimators
+
+    lam = torch.logspace(-8, 4, 200, dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(200, 200, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    M = (Q * lam) @ Q.T
+    M = (M + M.T) / 2
+    asked = []
+    real = estimators.check_fits
+
+    def spy(nbytes, what, device="cpu"):
+        asked.append((nbytes, what))
+        return real(nbytes, what, device)
+
+    monkeypatch.setattr(estimators, "check_fits", spy)
+    res = estimators.lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
+    grown = [b for b, w in asked if w.startswith("the check's Lanczos basis")]
+    width = max(estimators.NCV_DEFAULT, 1 + estimators.CHECK_COLUMNS)
+    assert grown and grown == [200 * width * 2**i * 8 for i in range(len(grown))]
+    assert res.converged and abs(float(res.eigenvalues[0]) - 1e-8) <= 1e-10 * 1e4

@@ -7,17 +7,20 @@ call these first.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
 import sys
+import threading
 import warnings
 
 import psutil
 import torch
 
 __all__ = ["InsufficientMemoryError", "check_tensor", "check_finite", "check_result", "check_params", "check_fits",
-           "check_ln_variance", "check_int", "check_eps", "check_bool", "saved_bytes"]
+           "check_ln_variance", "check_int", "check_eps", "check_bool", "saved_bytes", "Headroom", "keeping_free",
+           "recording_needs"]
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64)  # float16/bfloat16 are too coarse for these sums (docs/derivations.md §8)
@@ -227,24 +230,83 @@ def _caller_level() -> int:
 SMALL_BYTES = 64 << 20  # requests below this are not checked: reading the free memory would dominate small calls
 
 
+_scope = threading.local()  # this thread's Headroom (keeping_free) and Needs (recording_needs), where set
+
+
+class Headroom:
+    """Bytes that :func:`check_fits` keeps free in the threads that hold it (:func:`keeping_free`), for
+    work that another thread of the same computation does between their allocations; ``why`` names that
+    work in the error. ``bytes`` may be raised at any time (by the other thread)."""
+
+    def __init__(self, why: str, nbytes: int = 0):
+        self.why, self.bytes = why, int(nbytes)
+
+
+@contextlib.contextmanager
+def keeping_free(headroom: Headroom):
+    """In this thread, every :func:`check_fits` (whatever its size) asks for ``headroom.bytes`` more."""
+    _scope.headroom = headroom
+    try:
+        yield headroom
+    finally:
+        _scope.headroom = None
+
+
+class Needs:
+    """The most memory a stretch of work in one thread needed at once, by its own checks: the largest
+    over its :func:`check_fits` calls of the bytes asked plus what the stretch had taken when it asked
+    (the fall of the available memory since :func:`recording_needs` began, ``0`` where it rose)."""
+
+    def __init__(self):
+        self.peak, self._start = 0, {}
+
+    def note(self, device: torch.device, nbytes: int, available: int) -> None:
+        start = self._start.setdefault(str(device), available)
+        self.peak = max(self.peak, int(nbytes) + max(0, start - available))
+
+
+@contextlib.contextmanager
+def recording_needs():
+    """Record, in this thread, the :class:`Needs` of the checks made inside the block (CPU memory read at
+    entry; a device's at its first check)."""
+    rec = Needs()
+    rec._start["cpu"] = _available(torch.device("cpu"))
+    _scope.needs = rec
+    try:
+        yield rec
+    finally:
+        _scope.needs = None
+
+
+def _available(device: torch.device) -> int:
+    if device.type == "cuda":  # free on the device, plus what PyTorch's allocator holds unused
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
+    return psutil.virtual_memory().available
+
+
 def check_fits(nbytes: int, what: str, device: torch.device | str = "cpu") -> None:
     """Raise ``InsufficientMemoryError`` (a ``MemoryError`` and a ``ValueError``) if ``nbytes``
     exceeds the memory available now on ``device`` (CUDA: the device's free memory plus the
     cached blocks PyTorch's allocator holds unused); the message gives both byte counts.
     Requests under ``SMALL_BYTES`` bytes are not checked: a machine that cannot hold
-    them fails in the allocator anyway, and the check would dominate small calls."""
-    if nbytes < SMALL_BYTES:
+    them fails in the allocator anyway, and the check would dominate small calls. In a thread
+    :func:`keeping_free` a :class:`Headroom`, every request is checked with the headroom's bytes
+    added; in one :func:`recording_needs`, each checked request is recorded."""
+    keep = getattr(_scope, "headroom", None)
+    if nbytes < SMALL_BYTES and keep is None:
         return
     device = torch.device(device)
-    if device.type == "cuda":  # free on the device, plus what PyTorch's allocator holds unused
-        available = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                     - torch.cuda.memory_allocated(device))
-    else:
-        available = psutil.virtual_memory().available
-    if nbytes > available:
+    available = _available(device)
+    rec = getattr(_scope, "needs", None)
+    if rec is not None:
+        rec.note(device, nbytes, available)
+    extra = keep.bytes if keep is not None else 0
+    if nbytes + extra > available:
+        kept = f", and {extra:,} bytes are kept free for {keep.why}" if extra else ""
         raise InsufficientMemoryError(
             f"{what} would need {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) but only {available:,} bytes "
-            f"({available / 2**30:.2f} GiB) are available on {device}"
+            f"({available / 2**30:.2f} GiB) are available on {device}{kept}"
         )
 
 

@@ -327,21 +327,30 @@ def _columns(A, n_in: int):
         yield j, _mm(A, E)
 
 
-def _project_out(B: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``W`` minus its projection on the orthonormal columns of ``B`` by classical Gram–Schmidt, a second
+def _project_out(B, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``W`` minus its projection on the orthonormal columns of ``B`` (a tensor, or a sequence of tensors whose
+    columns side by side are the basis: a basis held in pieces) by classical Gram–Schmidt, a second
     pass where the first cancelled more than ``1 − 1/√2`` of a column's norm (Daniel, Gragg, Kaufman &
     Stewart 1976; "twice is enough", Kahan): ``(W', Bᵀ W of the passes together, ref)``, ``ref`` the
     Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``)."""
-    if B.shape[1] == 0:
+    Bs = [B] if isinstance(B, torch.Tensor) else [b for b in B if b.shape[1]]
+    if not Bs or Bs[0].shape[1] == 0:
         return W, W.new_zeros(0, W.shape[1]), float(W.norm())
+
+    def one_pass(W):
+        C = [b.T @ W for b in Bs]
+        out = torch.addmm(W, Bs[0], C[0], alpha=-1)
+        for b, c in zip(Bs[1:], C[1:]):
+            out.addmm_(b, c, alpha=-1)
+        return out, torch.cat(C) if len(C) > 1 else C[0]
+
     before = W.norm(dim=0)
-    C = B.T @ W
-    W = W - B @ C
+    W, C = one_pass(W)
     if bool((W.norm(dim=0) >= DGKS * before).all()):
         return W, C, float(before.norm())
     ref = float(W.norm())
-    C2 = B.T @ W
-    return W - B @ C2, C + C2, ref
+    W, C2 = one_pass(W)
+    return W, C + C2, ref
 
 
 def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
@@ -682,8 +691,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm, miss, short, V = _check(A, V, X, c, gen, float(lam[-1]), float(bounds[-1]), which,
-                                            max_matvecs - matvecs, failure_probability)
+        rho, Z, cm, miss, short = _check(A, V, X, c, gen, float(lam[-1]), float(bounds[-1]), which,
+                                         max_matvecs - matvecs, failure_probability, max(1, wmax - k))
         matvecs += cm
         check_mv += cm
         scale = max(scale, float(rho.abs().max()))
@@ -701,7 +710,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                                f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}, and "
                                "the budget left no room to take it in")
             break
-        start, known = torch.cat([X, Z[:, beat][:, : max(1, wmax - k)]], 1), AX  # take them in, go on
+        start, known = torch.cat([X, Z], 1), AX  # take them in, go on
         restarts += 1
     # the check's Ritz values may raise the scale: the bounds with it (looser, so what was met stays met, and
     # the check's threshold, from the smaller bound, certified the stronger statement)
@@ -739,11 +748,47 @@ def _check_bound(log_beta: float, rho: torch.Tensor, theta_k: float, bound_k: fl
     return min(1.0, _miss_bound(log_beta, rho, top, N) + _miss_bound(log_beta, rho, -top, N))
 
 
+class _Pieces:
+    """A basis of ``n``-vectors held in pieces, column-major (each vector contiguous): the first piece the
+    caller's storage, each later one as many columns as all before it (the capacity doubles, as one
+    reallocation would) taken with :func:`torch.empty` when the earlier ones are full, its memory checked
+    then. Growing copies nothing and holds no old and new storage at once; the columns not yet written are
+    never read (nor, in a large piece the C library maps, resident)."""
+
+    def __init__(self, first: torch.Tensor):
+        self.pieces, self.starts, self.capacity = [first], [0], first.shape[1]
+
+    def grow(self) -> None:
+        """One more piece of :attr:`capacity` columns; raises ``InsufficientMemoryError`` if it does not fit."""
+        first = self.pieces[0]
+        n, cols = first.shape[0], self.capacity
+        check_fits(n * cols * first.element_size(), f"the check's Lanczos basis ({n} x {2 * cols}, "
+                   f"its second half)", first.device)
+        self.pieces.append(torch.empty(cols, n, dtype=first.dtype, device=first.device).T)
+        self.starts.append(self.capacity)
+        self.capacity += cols
+
+    def column(self, j: int) -> torch.Tensor:
+        """Column ``j`` as an ``(n, 1)`` view (written in place)."""
+        i = max(i for i, s in enumerate(self.starts) if s <= j)
+        return self.pieces[i][:, j - self.starts[i] : j - self.starts[i] + 1]
+
+    def upto(self, j: int, lo: int = 0) -> list:
+        """Columns ``lo:j`` as views, one per piece they lie in."""
+        out = []
+        for s, P in zip(self.starts, self.pieces):
+            a, b = max(lo, s), min(j, s + P.shape[1])
+            if a < b:
+                out.append(P[:, a - s : b - s])
+        return out
+
+
 def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bound_k: float, which: str,
-           budget: int, failure: float):
+           budget: int, failure: float, take: int):
     r"""Lanczos from one random start on ``A`` restricted to the orthogonal complement of ``X`` ``(n, k)``
     (every vector orthogonalised against ``X`` and the check's own basis), without restarts (a restart
-    would lose the start's guarantee), in ``V``'s storage after ``X``, grown when full: at least ``c``
+    would lose the start's guarantee), in ``V``'s storage after ``X``, grown when full (by pieces,
+    :class:`_Pieces`: ``V`` itself is not replaced): at least ``c``
     products, then on until a Ritz value lies beyond the ``k``-th found value's threshold
     (:func:`_margin`: it *beats* the found ones), or :func:`_check_bound` is at most ``failure``, or the
     Krylov space is invariant (every eigenvalue of the restriction with a component along the start is
@@ -751,24 +796,26 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     are spent, or the bound falls too slowly to reach ``failure`` within four times the products so far
     and the complement has more than four times as many dimensions left (*stalled*, judged each time the
     basis fills), or
-    a larger basis would not fit in memory. ``(Ritz values, Ritz vectors, products, bound, why, V)``:
+    a larger basis would not fit in memory. ``(Ritz values, Ritz vectors, products, bound, why)``: the
+    Ritz vectors those of the first ``take`` values (ascending) that beat the threshold, ``(n, ≤ take)``;
     ``bound`` the last miss bound (``1`` where a value beat the threshold), ``why`` ``None`` or the reason
-    it stopped short of ``failure``, ``V`` the storage (a larger tensor where it grew)."""
+    it stopped short of ``failure``."""
     n, k = X.shape
     N = n - k
     eps = torch.finfo(X.dtype).eps
     V[:, :k] = X
+    basis = _Pieces(V)
     W = _project_out(X, _gaussian(gen, (n, 1), A))[0]
     W = _project_out(X, W)[0]  # twice: the start is uniform on the complement's unit sphere to rounding
-    V[:, k : k + 1] = W / W.norm()
+    basis.column(k).copy_(W / W.norm())
     T = torch.zeros(0, 0, dtype=torch.float64, device=V.device)
     m, products, log_beta, bound, why, seen = 0, 0, 0.0, 1.0, None, 0.0
     grown_at, log_bound_then = 0, 0.0
     rho = T.new_zeros(0)
     while True:
-        AB = _mm(A, V[:, k + m : k + m + 1])
+        AB = _mm(A, basis.column(k + m))
         products += 1
-        W, C, ortho = _project_out(V[:, : k + m + 1], AB)
+        W, C, ortho = _project_out(basis.upto(k + m + 1), AB)
         C = C[k:, 0].double()  # the coefficients along X are the found pairs' residuals: not the restriction's
         T2 = T.new_zeros(m + 1, m + 1)
         T2[:m, :m] = T
@@ -777,7 +824,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         T, m = T2, m + 1
         beta = float(W.norm())
         invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(float(AB.norm()), seen)
-        full = k + m + 1 > V.shape[1]  # the basis fills: the progress is judged below
+        full = k + m + 1 > basis.capacity  # the basis fills: the progress is judged below
         # T's eigenvalues each step while the basis is small, then every m/16 steps (the bound is judged a few
         # steps late at most; an eigvalsh per step would cost O(m^4) over a long check)
         if invariant or full or (products >= c and (m <= 64 or m % (m // 16) == 0)):
@@ -798,7 +845,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         log_beta += math.log(beta)
         u = W / beta
         if beta < 0.5 * ortho:  # dividing by a small β magnifies W's rounding along the basis: once more
-            u = _project_out(V[:, : k + m], u)[0]
+            u = _project_out(basis.upto(k + m), u)[0]
             u = u / u.norm()
         if full:  # the basis is full: judge the progress, then grow it
             lb = math.log(max(_check_bound(log_beta, rho, theta_k, bound_k, which, N), 1e-300))
@@ -808,18 +855,20 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
                        f"{failure:g} within four times as many")
                 break
             grown_at, log_bound_then = m, lb
-            cols = min(n, 2 * V.shape[1])
             try:
-                check_fits(n * cols * V.element_size(), f"the check's Lanczos basis ({n} x {cols})", V.device)
+                basis.grow()
             except InsufficientMemoryError as e:
                 why = f"a larger basis would not fit ({e})"
                 break
-            V2 = torch.zeros(cols, n, dtype=V.dtype, device=V.device).T
-            V2[:, : k + m] = V[:, : k + m]
-            V = V2
-        V[:, k + m : k + m + 1] = u
+        basis.column(k + m).copy_(u)
     rho, Y = linalg.eigh(T.to(V.dtype))
-    return rho, V[:, k : k + m] @ Y, products, bound, why, V
+    beat = (_margin(rho, theta_k, bound_k, which) < 0).nonzero()[:take, 0]
+    Z = V.new_zeros(n, beat.numel())
+    lo = 0
+    for P in basis.upto(k + m, k):  # the wanted Ritz vectors only (never n x m), piece by piece
+        Z.addmm_(P, Y[lo : lo + P.shape[1], beat])
+        lo += P.shape[1]
+    return rho, Z, products, bound, why
 
 
 def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..validation import check_fits
+from ..validation import Headroom, check_fits, keeping_free, recording_needs
 from .estimators import CHECK_COLUMNS, EigResult, SLQResult, lanczos_bytes, lanczos_eigs, slq_bytes, slq_density
 from .operator import BlockDiagonalOperator
 
@@ -31,13 +31,16 @@ __all__ = ["Blockwise", "blockwise_eigs", "blockwise_slq", "js_distance"]
 class Blockwise:
     """The lock-step results: ``results`` ``{block: result}`` in ``D.blocks``' order (an :class:`EigResult`
     or :class:`SLQResult` each), ``matvecs`` ``{block: columns of that block multiplied}``, ``products`` the
-    number of calls of ``D.products`` (each one pass for all the blocks then running). ``R[b]`` is
-    ``R.results[b]``; iterating gives the blocks."""
+    number of calls of ``D.products`` (each one pass for all the blocks then running), ``product_bytes``
+    the most memory one of them needed at once by its own checks (:class:`~blockhess.validation.Needs`;
+    ``0`` where every request was below the checked size), which the estimators' own allocations kept free.
+    ``R[b]`` is ``R.results[b]``; iterating gives the blocks."""
 
     results: dict
     matvecs: dict
     calls: dict
     products: int
+    product_bytes: int = 0
 
     def __getitem__(self, block):
         return self.results[block]
@@ -80,8 +83,8 @@ class _Step:
     """The gathering of products: each estimator's thread posts its block's ``X`` and waits; when every block
     still running has posted, :meth:`serve` (the caller's thread) multiplies them in one ``D.products``."""
 
-    def __init__(self, D: BlockDiagonalOperator, running):
-        self.D, self.cv = D, threading.Condition()
+    def __init__(self, D: BlockDiagonalOperator, running, room: Headroom):
+        self.D, self.cv, self.room = D, threading.Condition(), room
         self.posted: dict = {}
         self.ready: dict = {}
         self.running = set(running)
@@ -112,7 +115,9 @@ class _Step:
                     return
                 batch, self.posted = self.posted, {}
             try:
-                Y = self.D.products(batch)
+                with recording_needs() as need:
+                    Y = self.D.products(batch)
+                self.room.bytes = max(self.room.bytes, need.peak)  # the estimators' allocations leave it free
             except BaseException as e:  # each waiting estimator raises it in its thread
                 Y = {j: e for j in batch}
             with self.cv:
@@ -124,7 +129,10 @@ class _Step:
 def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable) -> Blockwise:
     """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(view)``
     the memory one block's estimator allocates, the sum over the blocks checked before any work (the blocks'
-    estimators then allocate at once, each checking only its own)."""
+    estimators then allocate at once, each checking only its own). Later, each estimator's own memory checks
+    (a check's basis growing) keep free what the products needed at most so far, by the products' own checks
+    (:class:`~blockhess.validation.Headroom`): a block that cannot grow stops by name (its check's reason),
+    the products go on."""
     if not isinstance(D, BlockDiagonalOperator):
         raise ValueError(f"D must be a BlockDiagonalOperator (A.block_diagonal(blocks)), got {type(D).__name__}")
     m = len(D.blocks)
@@ -133,13 +141,15 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
     except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
         need = 0
     check_fits(need, f"the lock-step estimators' bases ({m} blocks, n = {D.shape[0]})", D.device)
-    step = _Step(D, range(m))
+    room = Headroom(f"the lock-step products of the {m} blocks (the most their own checks asked for)")
+    step = _Step(D, range(m), room)
     stands = [_Stand(step, j) for j in range(m)]
     results, errors = {}, {}
 
     def work(j):
         try:
-            results[j] = estimator(stands[j], **kwargs, **per_block.get(j, {}))
+            with keeping_free(room):
+                results[j] = estimator(stands[j], **kwargs, **per_block.get(j, {}))
         except BaseException as e:  # re-raised in the caller's thread below
             errors[j] = e
         finally:
@@ -157,7 +167,7 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
         e.add_note(f"(in the lock-step estimator of block {D.blocks[j]!r})")
         raise e
     return Blockwise({D.blocks[j]: results[j] for j in range(m)}, {D.blocks[j]: stands[j].matvecs for j in range(m)},
-                     {D.blocks[j]: stands[j].calls for j in range(m)}, step.products)
+                     {D.blocks[j]: stands[j].calls for j in range(m)}, step.products, room.bytes)
 
 
 def _warm_starts(D: BlockDiagonalOperator, v0) -> dict:
