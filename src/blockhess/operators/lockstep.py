@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..heap import release_free
 from ..validation import Headroom, check_fits, keeping_free, recording_needs
 from .estimators import CHECK_COLUMNS, EigResult, SLQResult, lanczos_bytes, lanczos_eigs, slq_bytes, slq_density
 from .operator import BlockDiagonalOperator
@@ -161,6 +162,7 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
     step.serve()
     for t in threads:
         t.join()
+    release_free()  # what the blocks' threads freed stays in their C heaps' arenas otherwise (GBs: the bases)
     if errors:
         j = min(errors)
         e = errors[j]
