@@ -174,6 +174,28 @@ def test_twelve_decades_the_bottom_from_its_eigenvector_is_certified_by_spanning
     assert res.miss_probability <= 1e-6 and res.check_matvecs < 199
 
 
+def test_a_growing_check_asks_only_for_its_new_piece(monkeypatch):
+    """The check of the twelve decades above grows its basis by pieces (the capacity doubles, nothing is
+    copied): each growth's memory check asks for the new piece alone, ``n`` × the capacity so far, and the
+    result is certified as there."""
+    from blockhess.operators import estimators
+
+    M, Q = _twelve_decades(200)
+    asked = []
+    real = estimators.check_fits
+
+    def spy(nbytes, what, device="cpu"):
+        asked.append((nbytes, what))
+        return real(nbytes, what, device)
+
+    monkeypatch.setattr(estimators, "check_fits", spy)
+    res = lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
+    grown = [b for b, w in asked if w.startswith("the check's Lanczos basis")]
+    width = max(estimators.NCV_DEFAULT, 1 + estimators.CHECK_COLUMNS)
+    assert len(grown) >= 1 and grown == [200 * width * 2**i * 8 for i in range(len(grown))]
+    _assert_extreme(res, M, 1, "SA", tol=1e-10)
+
+
 def test_twelve_decades_a_check_whose_bound_falls_too_slowly_stops_before_the_budget():
     """The same at ``n = 800``: the check's bound has not moved from 1 when its basis fills for the second
     time (119 products), and the complement is far from spanned: ``NotConvergedError`` a hundred-odd

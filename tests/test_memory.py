@@ -351,26 +351,3 @@ def test_headroom_is_kept_free_and_needs_are_recorded(monkeypatch):
     check_fits(4 * big, "after")
     assert need.peak == big + GiB  # no longer recorded
 
-
-def test_a_growing_check_asks_only_for_its_new_piece(monkeypatch):
-    """The check's basis grows by pieces (the capacity doubles, nothing copied): each growth's memory check
-    asks for the new piece alone, ``n`` × the capacity so far; the results are the same as when it fits."""
-    from blockhess.operators import estimators
-
-    lam = torch.logspace(-8, 4, 200, dtype=torch.float64)
-    Q, _ = torch.linalg.qr(torch.randn(200, 200, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
-    M = (Q * lam) @ Q.T
-    M = (M + M.T) / 2
-    asked = []
-    real = estimators.check_fits
-
-    def spy(nbytes, what, device="cpu"):
-        asked.append((nbytes, what))
-        return real(nbytes, what, device)
-
-    monkeypatch.setattr(estimators, "check_fits", spy)
-    res = estimators.lanczos_eigs(M, k=1, which="SA", tol=1e-10, rel="scale", v0=Q[:, 0].clone())
-    grown = [b for b, w in asked if w.startswith("the check's Lanczos basis")]
-    width = max(estimators.NCV_DEFAULT, 1 + estimators.CHECK_COLUMNS)
-    assert grown and grown == [200 * width * 2**i * 8 for i in range(len(grown))]
-    assert res.converged and abs(float(res.eigenvalues[0]) - 1e-8) <= 1e-10 * 1e4

@@ -244,12 +244,14 @@ class Headroom:
 
 @contextlib.contextmanager
 def keeping_free(headroom: Headroom):
-    """In this thread, every :func:`check_fits` (whatever its size) asks for ``headroom.bytes`` more."""
+    """In this thread, every :func:`check_fits` (whatever its size) asks for ``headroom.bytes`` more (the
+    thread's earlier headroom, if any, back after the block)."""
+    before = getattr(_scope, "headroom", None)
     _scope.headroom = headroom
     try:
         yield headroom
     finally:
-        _scope.headroom = None
+        _scope.headroom = before
 
 
 class Needs:
@@ -268,14 +270,14 @@ class Needs:
 @contextlib.contextmanager
 def recording_needs():
     """Record, in this thread, the :class:`Needs` of the checks made inside the block (CPU memory read at
-    entry; a device's at its first check)."""
-    rec = Needs()
-    rec._start["cpu"] = _available(torch.device("cpu"))
+    entry; a device's at its first check; the thread's earlier record, if any, back after the block)."""
+    rec, before = Needs(), getattr(_scope, "needs", None)
+    rec.note(torch.device("cpu"), 0, _available(torch.device("cpu")))  # the start (a request of 0 bytes)
     _scope.needs = rec
     try:
         yield rec
     finally:
-        _scope.needs = None
+        _scope.needs = before
 
 
 def _available(device: torch.device) -> int:
