@@ -196,6 +196,44 @@ def test_a_growing_check_asks_only_for_its_new_piece(monkeypatch):
     _assert_extreme(res, M, 1, "SA", tol=1e-10)
 
 
+def test_long_float32_norms_and_inner_products_are_accumulated_in_float64():
+    """Over 2^24 + 1 float32 entries (past ``DOT_ROWS``) the norms and inner products Lanczos divides and
+    projects by agree with float64's to 1e-6: a float32 running sum of 2^24 squares is off by about 1e-3."""
+    from blockhess.operators import estimators
+
+    g = torch.Generator().manual_seed(0)
+    n = 2**24 + 1
+    X = torch.randn(n, 2, generator=g, dtype=torch.float32)
+    Xd = X.double()
+    rel = lambda got, want: float(((got.double() - want) / want).abs().max())  # noqa: E731
+    assert rel(estimators._norms(X), Xd.norm(dim=0)) < 1e-6
+    assert rel(estimators._norms(X.T.contiguous(), 1), Xd.norm(dim=0)) < 1e-6
+    assert abs(estimators._fro(X) / float(Xd.norm()) - 1) < 1e-6
+    assert rel(estimators._dots(X, X).diagonal(), (Xd * Xd).sum(0)) < 1e-6
+
+
+def test_blocked_inner_products_and_rotation_give_the_same_eigenpairs(monkeypatch):
+    """The blocked paths (inner products by blocks of rows, a restart's rotation in place by blocks), forced on
+    with tiny blocks, give the unblocked run's eigenpairs in float64 to rounding, through restarts and the
+    check; the rotation alone equals ``V[:, :m] @ Y`` exactly."""
+    from blockhess.operators import estimators
+
+    g = torch.Generator().manual_seed(1)
+    V = torch.randn(9, 1000, generator=g, dtype=DT).T
+    Y = torch.randn(9, 4, generator=g, dtype=DT)
+    want = V @ Y
+    monkeypatch.setattr(estimators, "ROTATE_ENTRIES", 50)
+    estimators._rotate(V, 9, Y)
+    assert torch.equal(V[:, :4], want)
+    M = _matrix(torch.cat([torch.tensor([5.0, 4.0, 3.9], dtype=DT), _bulk(297, 0.0, 3.0, 7)]))
+    plain = lanczos_eigs(M, k=3, tol=1e-10, ncv=12, seed=3)
+    monkeypatch.setattr(estimators, "DOT_ROWS", 37)
+    blocked = lanczos_eigs(M, k=3, tol=1e-10, ncv=12, seed=3)
+    assert plain.restarts >= 1 and blocked.check_matvecs >= 1
+    torch.testing.assert_close(blocked.eigenvalues, plain.eigenvalues, rtol=1e-12, atol=0)
+    _assert_extreme(blocked, M, 3, "LA")
+
+
 def test_twelve_decades_a_check_whose_bound_falls_too_slowly_stops_before_the_budget():
     """The same at ``n = 800``: the check's bound has not moved from 1 when its basis fills for the second
     time (119 products), and the complement is far from spanned: ``NotConvergedError`` a hundred-odd

@@ -44,6 +44,8 @@ WHICH = ("LA", "SA", "LM")
 RELS = ("each", "scale")
 NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
 DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept less of its norm
+DOT_ROWS = 1 << 16  # inner products over more rows than this are summed by blocks in float64: _dots
+ROTATE_ENTRIES = 1 << 22  # a restart's rows in blocks of this many basis entries (16 MB in float32): _rotate
 CHECK_COLUMNS = 10  # lanczos_eigs's default check: at least this many products on the complement of the found vectors
 FAILURE_PROBABILITY = 1e-6  # lanczos_eigs's default: the check's bound on the probability of a missed eigenvalue
 IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
@@ -327,6 +329,34 @@ def _columns(A, n_in: int):
         yield j, _mm(A, E)
 
 
+def _norms(W: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The 2-norms of ``W``'s columns (``dim=0``; rows: ``dim=1``), in ``W``'s dtype; over more than ``DOT_ROWS``
+    entries accumulated in float64: torch's float32 ``norm`` on the CPU sums the squares in float32, 2.7e-3
+    off for 38.6M entries (docs/derivations.md §17), which Lanczos' normalised vectors would carry."""
+    if W.shape[dim] <= DOT_ROWS:
+        return W.norm(dim=dim)
+    return torch.linalg.vector_norm(W, dim=dim, dtype=torch.float64).to(W.dtype)
+
+
+def _fro(W: torch.Tensor) -> float:
+    """The Frobenius norm of ``W`` (``(n,)`` or ``(n, b)``) as a float, by :func:`_norms`."""
+    return float(_norms(W.reshape(W.shape[0], -1)).double().norm())
+
+
+def _dots(B: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``Bᵀ W`` (``B`` ``(n, m)``, ``W`` ``(n, b)``), for ``n > DOT_ROWS`` as the float64 sum of the products of
+    blocks of ``DOT_ROWS`` rows: a BLAS product accumulates in ``W``'s dtype, whose rounding grows with the
+    rows summed (about ``√n · ε`` of ``‖B‖‖W‖``: 7e-4 for 38.6M float32 rows, where Lanczos' Ritz vectors then
+    stall at residuals of 1e-3 of ``‖A‖``, docs/derivations.md §17); by blocks it is ``√DOT_ROWS · ε``."""
+    n = B.shape[0]
+    if n <= DOT_ROWS:
+        return B.T @ W
+    C = torch.zeros(B.shape[1], W.shape[1], dtype=torch.float64, device=W.device)
+    for r in range(0, n, DOT_ROWS):
+        C += (B[r : r + DOT_ROWS].T @ W[r : r + DOT_ROWS]).double()
+    return C.to(W.dtype)
+
+
 def _project_out(B, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``W`` minus its projection on the orthonormal columns of ``B`` (a tensor, or a sequence of tensors whose
     columns side by side are the basis: a basis held in pieces) by classical Gram–Schmidt, a second
@@ -335,22 +365,32 @@ def _project_out(B, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]
     Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``)."""
     Bs = [B] if isinstance(B, torch.Tensor) else [b for b in B if b.shape[1]]
     if not Bs or Bs[0].shape[1] == 0:
-        return W, W.new_zeros(0, W.shape[1]), float(W.norm())
+        return W, W.new_zeros(0, W.shape[1]), _fro(W)
 
     def one_pass(W):
-        C = [b.T @ W for b in Bs]
+        C = [_dots(b, W) for b in Bs]
         out = torch.addmm(W, Bs[0], C[0], alpha=-1)
         for b, c in zip(Bs[1:], C[1:]):
             out.addmm_(b, c, alpha=-1)
         return out, torch.cat(C) if len(C) > 1 else C[0]
 
-    before = W.norm(dim=0)
+    before = _norms(W)
     W, C = one_pass(W)
-    if bool((W.norm(dim=0) >= DGKS * before).all()):
+    if bool((_norms(W) >= DGKS * before).all()):
         return W, C, float(before.norm())
-    ref = float(W.norm())
+    ref = _fro(W)
     W, C2 = one_pass(W)
     return W, C + C2, ref
+
+
+def _rotate(V: torch.Tensor, m: int, Y: torch.Tensor) -> None:
+    """``V[:, :j] = V[:, :m] @ Y`` in place (``Y`` ``(m, j)``, ``j <= m``: a restart's kept Ritz vectors), in
+    blocks of rows, each row's new entries depending only on its old ones: no ``(n, j)`` temporary (for a
+    38.6M-row basis and 12 kept vectors 1.9 GB), only a block's ``ROTATE_ENTRIES``."""
+    n, j = V.shape[0], Y.shape[1]
+    step = max(1, ROTATE_ENTRIES // max(m, 1))
+    for r in range(0, n, step):
+        V[r : r + step, :j] = V[r : r + step, :m] @ Y
 
 
 def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
@@ -389,7 +429,7 @@ def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, 
     eps = torch.finfo(W.dtype).eps
     ortho = ref if ortho is None else ortho
     if W.shape[1] == 1:  # one column: its norm is its singular value, no SVD or QR
-        S = W.norm(dim=0)
+        S = _norms(W)
         U = W / S if float(S) > 0 else W[:, :0]
     else:
         U, S, _ = torch.linalg.svd(W, full_matrices=False)
@@ -399,7 +439,7 @@ def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, 
         if B.shape[1] and float(S[U.shape[1] - 1]) < 0.5 * ortho:
             U = _project_out(B, U)[0]
         if U.shape[1] == 1:
-            u = U.norm(dim=0)
+            u = _norms(U)
             U = U / u if float(u) > 0.5 else U[:, :0]  # a column that kept half its norm is orthogonal to rounding
         else:
             Q, R = torch.linalg.qr(U)
@@ -615,7 +655,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     scale, worst_before, check_value, why, miss = 0.0, math.inf, None, None, 1.0
     while True:  # a Krylov–Schur run from `start`, its residual product, the check
         m, q = 0, start.shape[1]
-        V[:, :q] = start
+        if start.data_ptr() != V.data_ptr():  # (a start taken in after a check is V's first columns already)
+            V[:, :q] = start
         T.zero_()
         while True:
             b = q - m
@@ -639,16 +680,16 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             # one column: ‖w‖ |y_b| (no n × k product); a block: the product, not y_bᵀ (WᵀW) y_b, which
             # cancels to about √ε ‖W‖ |y_b| where W is nearly rank-deficient along y_b (a start block holding
             # eigenvectors: docs/derivations.md §17)
-            est = W.norm() * Yb[0].abs() if b == 1 else (W @ Yb).norm(dim=0)
+            est = _norms(W)[0] * Yb[0].abs() if b == 1 else _norms(W @ Yb)
             if idx.numel() == k and bool((est <= _bounds(theta[idx], scale, tol, rel)).all()):
                 break
-            U = _new_block(W, V[:, :m], min(n - m, wmax), float(AB.norm()), gen, A, ortho)
+            U = _new_block(W, V[:, :m], min(n - m, wmax), _fro(AB), gen, A, ortho)
             if U.shape[1] == 0 or matvecs + U.shape[1] + k > max_matvecs:
                 break
             if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
                 w = U.shape[1]
                 kept = _order(theta, which)[: min(k + max(0, (ncv - w - k) // 2), ncv - w, m - 1)]
-                V[:, : kept.numel()] = V[:, :m] @ Y[:, kept]
+                _rotate(V, m, Y[:, kept])
                 m = kept.numel()
                 T.zero_()
                 T[:m, :m] = torch.diag(theta[kept])
@@ -659,7 +700,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         lam = theta[idx]
         AX = _mm(A, X)
         matvecs += X.shape[1]
-        res = (AX - X * lam).norm(dim=0)
+        res = torch.stack([_norms(AX[:, i : i + 1] - X[:, i : i + 1] * lam[i])[0] for i in range(X.shape[1])])  # no (n, k) temporaries
         bounds = _bounds(lam, scale, tol, rel)
         met = idx.numel() == k and bool((res <= bounds).all())
         if not met:
@@ -710,7 +751,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                                f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}, and "
                                "the budget left no room to take it in")
             break
-        start, known = torch.cat([X, Z], 1), AX  # take them in, go on
+        V[:, k : k + Z.shape[1]] = Z  # take them in (X is in V[:, :k], the check's first columns), go on
+        start, known, Z = V[:, : k + Z.shape[1]], AX, None
         restarts += 1
     # the check's Ritz values may raise the scale: the bounds with it (looser, so what was met stays met, and
     # the check's threshold, from the smaller bound, certified the stronger statement)
@@ -807,7 +849,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     basis = _Pieces(V)
     W = _project_out(X, _gaussian(gen, (n, 1), A))[0]
     W = _project_out(X, W)[0]  # twice: the start is uniform on the complement's unit sphere to rounding
-    basis.column(k).copy_(W / W.norm())
+    basis.column(k).copy_(W / _fro(W))
     T = torch.zeros(0, 0, dtype=torch.float64, device=V.device)
     m, products, log_beta, bound, why, seen = 0, 0, 0.0, 1.0, None, 0.0
     grown_at, log_bound_then = 0, 0.0
@@ -822,8 +864,8 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         T2[:, m] = C
         T2[m, :] = C
         T, m = T2, m + 1
-        beta = float(W.norm())
-        invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(float(AB.norm()), seen)
+        beta = _fro(W)
+        invariant = m == N or beta <= math.sqrt(k + m + 1) * eps * max(_fro(AB), seen)
         full = k + m + 1 > basis.capacity  # the basis fills: the progress is judged below
         # T's eigenvalues each step while the basis is small, then every m/16 steps (the bound is judged a few
         # steps late at most; an eigvalsh per step would cost O(m^4) over a long check)
@@ -846,7 +888,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
         u = W / beta
         if beta < 0.5 * ortho:  # dividing by a small β magnifies W's rounding along the basis: once more
             u = _project_out(basis.upto(k + m), u)[0]
-            u = u / u.norm()
+            u = u / _fro(u)
         if full:  # the basis is full: judge the progress, then grow it
             lb = math.log(max(_check_bound(log_beta, rho, theta_k, bound_k, which, N), 1e-300))
             if grown_at and N - m > 4 * m and (lb >= log_bound_then or  # (spanning the complement ends it too)
@@ -994,12 +1036,12 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         if basis is not None:
             basis[:, j] = q.T
             Q, Wt = basis[:, : j + 1], W.T.contiguous()[:, :, None]  # (P, j+1, n), (P, n, 1)
-            before = Wt.norm(dim=1)
+            before = _norms(Wt, 1)
             Wt = Wt - torch.bmm(Q.transpose(1, 2), torch.bmm(Q, Wt))
-            if bool((Wt.norm(dim=1) < before / math.sqrt(2)).any()):  # a second pass where the first cancelled
+            if bool((_norms(Wt, 1) < before / math.sqrt(2)).any()):  # a second pass where the first cancelled
                 Wt = Wt - torch.bmm(Q.transpose(1, 2), torch.bmm(Q, Wt))  # (DGKS: "twice is enough", Kahan)
             W = Wt[:, :, 0].T
-        bn = W.norm(dim=0)
+        bn = _norms(W)
         alpha[:, j] = a * alive
         scale = max(scale, float(a.abs().max()), float(bn.max()))
         dead = alive & (bn <= n * eps * scale)
