@@ -3,6 +3,7 @@ and second-order adjoint, the blocks' by ``blockhess.block.hvp``) against its de
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -36,6 +37,10 @@ POST = bh.BlockConfig(d_model=4, d_ff=5, d_k=3, bias=True, ln_affine=True, ln_ep
 CASES = {
     "lm-tied": (ModelConfig(blocks=(BLK, BLK), embedding="token", vocab=5, positions="learned", n_positions=4,
                             final_norm=True, head=5, tied=True, head_bias=False), "tokens", "ce-token"),
+    # d = 16 > 2·B·P = 12: the tied head's rows as one product over the stacked tokens (HeadStage.adjoint2)
+    "lm-tied-wide": (ModelConfig(blocks=(dataclasses.replace(BLK, d_model=16),), embedding="token", vocab=5,
+                                 positions="learned", n_positions=4, final_norm=True, head=5, tied=True,
+                                 head_bias=False), "tokens", "ce-token"),
     "vit": (ModelConfig(blocks=(BLK,), embedding="patch", image=(1, 4, 4), patch=2, cls_token=True, positions="learned",
                         n_positions=5, final_norm=True, pool="first", head=3), "images", "ce"),
     "bert-mse": (ModelConfig(blocks=(POST, POST), embedding="token", vocab=6, positions="learned", n_positions=4,

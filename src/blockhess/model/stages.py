@@ -384,10 +384,16 @@ class HeadStage:
         out = {}
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
             dest = (into or {}).get(w)
-            out[w] = torch.matmul(dgf.mT, hf, out=dest) if self.tied else torch.matmul(hf.T, dgf, out=dest)
-            if functional and dx is not None:  # + gᵀ ḣ: a second product into the first's (no stacked copies)
-                dxf, gk = dx.reshape(k, B * P, d), gf.expand(k, -1, -1)
-                out[w].baddbmm_(*((gk.mT, dxf) if self.tied else (dxf.mT, gk)))
+            both = functional and dx is not None
+            if both and 2 * B * P < d:  # few rows: [ġ; g]ᵀ [h; ḣ], one product writing the (C, d) rows once
+                L = torch.cat([dgf, gf.expand(k, -1, -1)], 1)  # (stacking 2·B·P·C entries costs less than
+                R = torch.cat([hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)  # a second pass over C·d)
+                out[w] = torch.matmul(L.mT, R, out=dest) if self.tied else torch.matmul(R.mT, L, out=dest)
+            else:
+                out[w] = torch.matmul(dgf.mT, hf, out=dest) if self.tied else torch.matmul(hf.T, dgf, out=dest)
+                if both:  # + gᵀ ḣ: a second product into the first's (no stacked copies)
+                    dxf, gk = dx.reshape(k, B * P, d), gf.expand(k, -1, -1)
+                    out[w].baddbmm_(*((gk.mT, dxf) if self.tied else (dxf.mT, gk)))
         if b in names:
             out[b] = dgf.sum(1)
         return gh.reshape(k, B, P, d), out
