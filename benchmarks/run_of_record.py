@@ -6,12 +6,14 @@ eigenvalues (``blockwise_eigs``, Lanczos to ``--tol``, its check included) and t
 
 Memory: the 25 tensors hold 66.9M entries, 38.6M of them ``W_E``'s. Every lock-step block keeps its own
 Lanczos basis and, once its residuals are met, its check's, which grows until it certifies the block: at
-``ncv`` 20 the 25 at once went past this machine's 24 GB. So the top-5 runs as two lock-step calls, the 24
-layer tensors together and ``W_E`` alone (``--eigs-groups``), each on the same operator; the densities run as
-one lock-step call over all 25, without reorthogonalisation (``--reorth none``: 3 vectors per probe and
-tensor; with ``full`` 32 GB). The log prints every 10 lock-step products; the JSON keeps each phase's wall
-time, products and columns per tensor, the eigenvalues, residuals, checks and densities, ``os.getloadavg()``
-at start and end, and the peak resident memory.
+``ncv`` 20 the 25 at once went past this machine's 24 GB. So the top-5 runs as two lock-step calls, ``W_E``
+alone and the 24 layer tensors together, and the densities as one lock-step call over all 25, without
+reorthogonalisation (``--reorth none``: 3 vectors per probe and tensor; with ``full`` 32 GB). Each of the
+three phases (``--phases``) runs in a fresh process with its own operator: ``W_E``'s top-5 after the layers'
+in one process was killed by the kernel at 24 GB (docs/results.md, "The run of record"). The log prints every
+10 lock-step products; the JSON keeps each phase's wall time (and its process's, set-up included), products,
+columns per tensor and peak resident memory, the eigenvalues, residuals, checks and densities,
+``os.getloadavg()`` at start and end; ``total_s`` is the whole run's wall time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 
@@ -35,6 +38,50 @@ from blockhess_lab import spectrum_model as SM  # noqa: E402
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 
+PHASES = ("eigs_W_E", "eigs_layers", "slq")
+
+
+def phase(args, name: str, log) -> dict:
+    """One phase in this process: ``eigs_W_E``, ``eigs_layers`` (the top-k of ``W_E`` alone or of the 24 layer
+    tensors together) or ``slq`` (every tensor's density); its wall time, products, columns, peak memory and
+    per-tensor results."""
+    cfg, params, family = SM.read_model(SM.preset_model(args.model, args.seed), torch.float32, args.model)
+    ids = SM.tokens(None, cfg.vocab, 1, args.seq_len, args.seed, cfg.n_positions)
+    names = SM.default_tensors(cfg, family)
+    t = time.perf_counter()
+    A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
+    out = {"operator_s": time.perf_counter() - t}
+    log(f"{name}: operator {out['operator_s']:.1f} s; {len(names)} tensors")
+    blocks = {"eigs_W_E": ["W_E"], "eigs_layers": [n for n in names if n != "W_E"], "slq": names}[name]
+    D = A.block_diagonal(blocks)
+    real, state = D.products, {"n": 0, "t": time.perf_counter()}
+
+    def products(X, out=None):
+        state["n"] += 1
+        if state["n"] % 10 == 0:
+            log(f"{name}: {state['n']} products ({time.perf_counter() - state['t']:.0f} s), "
+                f"{sum(x.shape[1] for x in X.values())} columns in this one")
+        return real(X) if out is None else real(X, out)
+    D.products = products
+    t = time.perf_counter()
+    if name == "slq":
+        R = blockwise_slq(D, n_probes=args.probes, n_iter=args.steps, seed=args.seed, reorth=args.reorth)
+        tensors = {b: {"density": {"grid": R[b].grid.double().tolist(), "density": R[b].density.double().tolist(),
+                                   "sigma": float(R[b].sigma)}} for b in blocks}
+    else:
+        R = blockwise_eigs(D, k=args.k, tol=args.tol, ncv=args.ncv, seed=args.seed, allow_unconverged=True)
+        tensors = {b: {"eigenvalues": R[b].eigenvalues.double().tolist(), "residuals": R[b].residuals.double().tolist(),
+                       "converged": bool(R[b].converged), "miss_probability": float(R[b].miss_probability),
+                       "method": R[b].method, "matvecs": int(R[b].matvecs), "check_matvecs": int(R[b].check_matvecs)}
+                   for b in blocks}
+    out.update({"seconds": time.perf_counter() - t, "products": R.products, "matvecs": dict(R.matvecs),
+                "product_bytes": R.product_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    for i, b in enumerate(blocks):
+        tensors[b]["n"] = int(D.sizes[i])
+    log(f"{name}: {out['seconds']:.0f} s, {R.products} products")
+    return {"phase": out, "tensors": tensors}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-small", help="a GPT-2 preset of blockhess spectrum --model")
@@ -45,9 +92,10 @@ def main() -> int:
     p.add_argument("--probes", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--reorth", default="none", choices=("full", "none"))
-    p.add_argument("--eigs-groups", default="layers,W_E", help="lock-step calls of the top-k: layers (the 24), W_E, all")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, each in a fresh process: {PHASES}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # a worker: one phase, its JSON to --out
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -55,57 +103,31 @@ def main() -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
-    rep = {"benchmark": "run_of_record", "commit": git_commit(), "environment": environment(), "settings": vars(args),
-           "load_average_at_start": load_average(), "phases": {}}
-    cfg, params, family = SM.read_model(SM.preset_model(args.model, args.seed), torch.float32, args.model)
-    ids = SM.tokens(None, cfg.vocab, 1, args.seq_len, args.seed, cfg.n_positions)
-    names = SM.default_tensors(cfg, family)
-    t = time.perf_counter()
-    A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
-    rep["operator_s"] = time.perf_counter() - t
-    log(f"operator {rep['operator_s']:.1f} s; {len(names)} tensors")
-
-    def counted(D, label):
-        real = D.products
-        state = {"n": 0, "t": time.perf_counter()}
-
-        def products(X, out=None):
-            state["n"] += 1
-            if state["n"] % 10 == 0:
-                log(f"{label}: {state['n']} products ({time.perf_counter() - state['t']:.0f} s), "
-                    f"{sum(x.shape[1] for x in X.values())} columns in this one")
-            return real(X) if out is None else real(X, out)
-        D.products = products
-        return D
-
-    groups = {"layers": [n for n in names if n != "W_E"], "W_E": ["W_E"], "all": names}
-    eigs = {}
-    for g in args.eigs_groups.split(","):
-        D = counted(A.block_diagonal(groups[g]), f"top-{args.k} {g}")
+    if args.phase:
+        with open(args.out, "w") as f:
+            json.dump(phase(args, args.phase, log), f)
+        return 0
+    settings = {k: v for k, v in vars(args).items() if k != "phase"}
+    rep = {"benchmark": "run_of_record", "commit": git_commit(), "environment": environment(), "settings": settings,
+           "load_average_at_start": load_average(), "phases": {}, "tensors": {}}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if k not in ("phases", "out")]
+    for name in args.phases.split(","):
+        part = f"{args.out}.{name}.part"
         t = time.perf_counter()
-        E = blockwise_eigs(D, k=args.k, tol=args.tol, ncv=args.ncv, seed=args.seed, allow_unconverged=True)
-        rep["phases"][f"eigs_{g}"] = {"seconds": time.perf_counter() - t, "products": E.products,
-                                      "matvecs": dict(E.matvecs), "product_bytes": E.product_bytes,
-                                      "peak_rss_bytes_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        eigs.update(E.results)
-        log(f"top-{args.k} {g}: {rep['phases'][f'eigs_{g}']['seconds']:.0f} s, {E.products} products")
-        del D, E
-    D = counted(A.block_diagonal(names), "SLQ")
-    t = time.perf_counter()
-    S = blockwise_slq(D, n_probes=args.probes, n_iter=args.steps, seed=args.seed, reorth=args.reorth)
-    rep["phases"]["slq"] = {"seconds": time.perf_counter() - t, "products": S.products, "matvecs": dict(S.matvecs),
-                            "product_bytes": S.product_bytes}
-    log(f"SLQ: {rep['phases']['slq']['seconds']:.0f} s, {S.products} products")
-    rep["tensors"] = {b: {"n": int(D.sizes[i]), "eigenvalues": eigs[b].eigenvalues.double().tolist(),
-                          "residuals": eigs[b].residuals.double().tolist(), "converged": bool(eigs[b].converged),
-                          "miss_probability": float(eigs[b].miss_probability), "method": eigs[b].method,
-                          "matvecs": int(eigs[b].matvecs), "check_matvecs": int(eigs[b].check_matvecs),
-                          "density": {"grid": S[b].grid.double().tolist(), "density": S[b].density.double().tolist(),
-                                      "sigma": float(S[b].sigma)}}
-                      for i, b in enumerate(names)}
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, f"--phase={name}", f"--out={part}"])
+        if done.returncode != 0:
+            log(f"{name}: the worker exited with {done.returncode}; no JSON written")
+            return 1
+        with open(part) as f:
+            got = json.load(f)
+        os.remove(part)
+        got["phase"]["process_s"] = time.perf_counter() - t
+        rep["phases"][name] = got["phase"]
+        for b, v in got["tensors"].items():
+            rep["tensors"].setdefault(b, {}).update(v)
     rep["total_s"] = time.perf_counter() - t0
     rep["columns"] = sum(sum(ph["matvecs"].values()) for ph in rep["phases"].values())
-    rep["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rep["peak_rss_bytes"] = max(ph["peak_rss_bytes"] for ph in rep["phases"].values())
     rep["load_average_at_end"] = load_average()
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)
