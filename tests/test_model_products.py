@@ -173,3 +173,32 @@ def test_restricted_products_through_the_head_equal_dense_rows():
         E = torch.eye(V.shape[0], dtype=torch.float64)
         cols = torch.cat([V @ E[:, i:i + 1] for i in range(V.shape[0])], 1)  # 24 calls, past d/2 = 2 columns
         assert_close(cols, ref, what=f"{part}: one column a call")
+
+
+def test_a_product_leaves_no_reference_cycle_holding_tensors():
+    """After a product and its result are dropped, nothing is left for the cyclic garbage collector: the
+    pass's recursive closures (``run``/``up``, ``nest``) are broken when it ends, so the directions, the
+    rows and every stage's tangents are freed at once, not when the collector next runs (over a lock-step
+    run the uncollected ones held GBs)."""
+    import gc
+
+    cfg, params, x, loss, target = _case("lm-tied")
+    prod = product(params, x, cfg, loss, target)
+    shapes = model_param_shapes(cfg)
+    V = fold_tied({n: torch.randn(2, *s, dtype=torch.float64) for n, s in shapes.items()},
+                  dict(shapes, **{TIED_HEAD: shapes["W_E"][::-1]}))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        HV = prod(V, tuple(shapes) + (TIED_HEAD,))
+        assert HV
+        del HV
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []
+

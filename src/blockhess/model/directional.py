@@ -163,10 +163,13 @@ class ModelProduct:
                                                 functional=functional, input_adjoint=below, wanted=local(st, here),
                                                 into={m[p:]: t for m, t in dest.items() if m in st.names})
 
-                if calls:
-                    nest(0, [])
-                else:
-                    held.update(run(k + 1, []))
+                try:
+                    if calls:
+                        nest(0, [])
+                    else:
+                        held.update(run(k + 1, []))
+                finally:
+                    nest = None  # nest refers to itself: a cycle holding the calls' tangents until the cyclic GC
                 for (gs, *_, below), (HV, dg) in zip(calls, results):
                     if HV:
                         outs[gs[0]].update({st.prefix + m: v for m, v in HV.items()})
@@ -202,8 +205,11 @@ class ModelProduct:
                     found[g] = dg
             return found
 
-        run(min(min(s0), min(s1)), [])
-        return outs
+        try:
+            run(min(min(s0), min(s1)), [])
+            return outs
+        finally:  # run and up refer to each other: a cycle that would hold the directions, the rows and every
+            run = up = None  # stage's tangents of this product until the cyclic GC ran (GBs over a lock-step run)
 
 
 def fold_tied(V: dict, shapes: dict) -> dict:
