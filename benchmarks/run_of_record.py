@@ -115,8 +115,12 @@ def main() -> int:
         part = f"{args.out}.{name}.part"
         t = time.perf_counter()
         done = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, f"--phase={name}", f"--out={part}"])
-        if done.returncode != 0:
-            log(f"{name}: the worker exited with {done.returncode}; no JSON written")
+        if done.returncode != 0:  # the phases before it are kept, the failure named
+            rep.update(failed=name, returncode=done.returncode, total_s=time.perf_counter() - t0,
+                       load_average_at_end=load_average())
+            with open(args.out, "w") as f:
+                json.dump(rep, f, indent=1)
+            log(f"{name}: the worker exited with {done.returncode}; the phases before it written to {args.out}")
             return 1
         with open(part) as f:
             got = json.load(f)
