@@ -762,3 +762,23 @@ def test_hutchinson_intervals_of_an_exactly_diagonal_operator_hold_its_entries()
     est = hutchinson_diagonal(torch.diag(d), 30)
     assert bool(((est.ci_low <= d) & (d <= est.ci_high)).all())
     assert float((est.ci_high - est.ci_low).max()) <= 64 * torch.finfo(torch.float64).eps * float(d.abs().max())
+
+
+def test_slq_on_a_long_float32_operator_runs_every_step():
+    """On 2^24 float32 rows ``n ε = 2``: a breakdown test at ``n ε · scale`` took every probe for broken down
+    after one step (a one-node density, as if exact); at the rounding of a length-n inner product the probes
+    run their ``n_iter`` steps, the Ritz values inside the spectrum."""
+    n = 2**24
+    d = torch.linspace(0.5, 2.0, n, dtype=torch.float32)
+
+    class Diag:
+        shape, dtype, device = (n, n), torch.float32, torch.device("cpu")
+
+        def __matmul__(self, X):
+            return d[:, None] * X
+
+    from blockhess.operators import slq_density
+
+    res = slq_density(Diag(), n_probes=2, n_iter=5, seed=0, reorth="none")
+    assert res.matvecs == 2 * 5
+    assert float(res.nodes.min()) >= 0.5 - 1e-3 and float(res.nodes.max()) <= 2.0 + 1e-3

@@ -1044,7 +1044,9 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         bn = _norms(W)
         alpha[:, j] = a * alive
         scale = max(scale, float(a.abs().max()), float(bn.max()))
-        dead = alive & (bn <= n * eps * scale)
+        # a breakdown (an invariant subspace) below the rounding of a length-n inner product, typically √n ε (not
+        # n ε: for W_E's 38.6M float32 rows n ε = 4.6, every probe then 'broke down' after one step)
+        dead = alive & (bn <= math.sqrt(n) * eps * scale)
         length[dead.cpu()] = j + 1
         alive = alive & ~dead
         beta[:, j] = bn * alive
