@@ -1,5 +1,10 @@
 """blockhess.threads: small operations on one thread, large ones on the caller's count, the caller's setting restored."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -9,8 +14,12 @@ from blockhess.threads import PARALLEL_ENTRIES, PARALLEL_MACS, serial, threads_f
 
 
 @pytest.fixture
-def two_threads():
-    """torch on 2 intra-op threads for the test (the suite runs on 1), restored after."""
+def two_threads(monkeypatch):
+    """torch on 2 intra-op threads for the test (the suite runs on 1), restored after; both cores read as free
+    (the suite's other worker must not change what these tests see)."""
+    monkeypatch.setattr(threads, "_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 0)
+    monkeypatch.setitem(threads._reading, "free", None)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     if torch.get_num_threads() != 2:
@@ -87,3 +96,63 @@ def test_result_does_not_depend_on_the_callers_count(two_threads):
     torch.set_num_threads(1)
     H1 = bh.hessian(params, X, cfg, loss="ce", target=torch.tensor([[0, 1, 2], [3, 0, 1]])).dense()
     assert torch.equal(H1, H2)  # every operation here is below the thresholds: the same single-thread arithmetic
+
+
+def test_serial_gives_large_work_no_more_threads_than_free_cores(two_threads, monkeypatch):
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 1)  # one core held by another process
+    monkeypatch.setitem(threads._reading, "free", None)
+    with serial():
+        with threads_for(macs=PARALLEL_MACS):
+            assert torch.get_num_threads() == 1
+        with serial():  # nested: the outermost call's team
+            monkeypatch.setattr(threads, "_running_elsewhere", lambda: 0)
+            monkeypatch.setitem(threads._reading, "free", None)
+            with threads_for(macs=PARALLEL_MACS):
+                assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2  # the caller's own setting is untouched
+    with serial():  # the other process gone: the team is 2 again
+        with threads_for(macs=PARALLEL_MACS):
+            assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("elsewhere, cores, free", [(0, 2, 2), (1, 2, 1), (5, 2, 1), (1, 8, 7), (None, 4, 4)])
+def test_free_cores_from_the_reading(monkeypatch, elsewhere, cores, free):
+    monkeypatch.setattr(threads, "_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: elsewhere)
+    monkeypatch.setitem(threads._reading, "free", None)
+    assert threads.free_cores() == free
+
+
+def test_free_cores_reading_is_kept_for_its_ttl(monkeypatch):
+    calls = []
+    monkeypatch.setattr(threads, "_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: calls.append(1) or 0)
+    monkeypatch.setitem(threads._reading, "free", None)
+    clock = iter([100.0, 100.0 + threads.FREE_CORES_TTL / 2, 100.0 + 2 * threads.FREE_CORES_TTL])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    threads.free_cores(), threads.free_cores()
+    assert len(calls) == 1
+    threads.free_cores()
+    assert len(calls) == 2
+
+
+def test_free_cores_can_be_switched_off(monkeypatch):
+    monkeypatch.setattr(threads, "_FIT", False)
+    monkeypatch.setattr(threads, "_cores", lambda: 3)
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 2)
+    monkeypatch.setitem(threads._reading, "free", None)
+    assert threads.free_cores() == 3
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="reads Linux's /proc")
+def test_running_elsewhere_sees_a_busy_process():
+    quiet = threads._running_elsewhere()
+    assert quiet is not None and quiet >= 0
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        seen = [threads._running_elsewhere() for _ in range(5)]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert max(seen) >= 1  # a task that never blocks is always runnable

@@ -18,23 +18,81 @@ thread. Both restore the thread count on exit, also after an error. They call
 ``torch.set_num_threads`` meanwhile: the OpenMP and MKL counts it sets are the calling
 thread's, the default it records for threads that start their first parallel work during
 the call is the process's.
+
+*The team fits the free cores.* :func:`serial` gives large work at most :func:`free_cores` threads: the
+cores of the process's affinity that no runnable task of another process holds at the call's start. A
+team larger than that waits, at every join, for the thread that shares a core with the other work to be
+scheduled again: beside one busy process on 2 cores a team of 2 made the dense n = 7,168 block Hessian
+4.5× slower than one thread did (docs/results.md, "Threads against autograd"). The reading is Linux's
+count of runnable tasks (``/proc/loadavg``) less this process's own running threads
+(``/proc/self/task/*/stat``), taken at most every ``FREE_CORES_TTL`` seconds; where ``/proc`` cannot be read,
+or with the environment variable ``BLOCKHESS_FIT_FREE_CORES=0`` (a container whose ``/proc/loadavg`` counts
+a whole shared host's tasks), every core of the affinity counts as free.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["serial", "threads_for", "PARALLEL_MACS", "PARALLEL_ENTRIES", "TRANSPOSE_ENTRIES"]
+__all__ = ["serial", "threads_for", "free_cores", "PARALLEL_MACS", "PARALLEL_ENTRIES", "TRANSPOSE_ENTRIES",
+           "FREE_CORES_TTL"]
 
 # From where a team gains on one thread on an idle machine (docs/results.md, "Threads", "The fix"):
 PARALLEL_MACS = 1 << 18  # multiply-adds per parallel region of a matrix product or factorisation
 PARALLEL_ENTRIES = 1 << 18  # entries written by one copy, sum or fill (contiguous rows)
 TRANSPOSE_ENTRIES = 4  # a transposed copy counts each entry this many times (docs/results.md, "The fix")
 
-_state = threading.local()  # .threads: the outermost serial() caller's thread count
+FREE_CORES_TTL = 0.05  # seconds a reading of free_cores() is kept (a reading costs about 50 µs)
+
+_state = threading.local()  # .threads: the team for large work within the outermost serial() call
+_reading = {"at": -1.0, "free": None}  # the last free_cores() reading and its time.monotonic()
+_FIT = os.environ.get("BLOCKHESS_FIT_FREE_CORES", "1") != "0"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _running_elsewhere() -> int | None:
+    """The runnable tasks of other processes now: ``/proc/loadavg``'s running count (every process's,
+    this reading thread included) less this process's threads in state ``R``; ``None`` where unreadable."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    own = 0
+    for path in glob.glob("/proc/self/task/*/stat"):
+        try:
+            with open(path) as f:
+                stat = f.read()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        end = stat.rfind(")")  # the state follows the command name, which may hold spaces or parentheses
+        own += end >= 0 and stat[end + 2 : end + 3] == "R"
+    return max(0, running - max(own, 1))
+
+
+def free_cores() -> int:
+    """The cores of this process's affinity not held by another process's runnable task now, at least 1
+    (every core of the affinity where ``/proc`` cannot be read or ``BLOCKHESS_FIT_FREE_CORES=0``); a reading
+    is kept ``FREE_CORES_TTL`` seconds."""
+    now = time.monotonic()
+    if _reading["free"] is None or now - _reading["at"] > FREE_CORES_TTL:
+        cores = _cores()
+        elsewhere = _running_elsewhere() if _FIT else None
+        _reading["free"] = cores if elsewhere is None else max(1, cores - elsewhere)
+        _reading["at"] = now
+    return _reading["free"]
 
 
 def _set(n: int) -> None:
@@ -45,12 +103,13 @@ def _set(n: int) -> None:
 @contextmanager
 def serial():
     """Run the enclosed torch calls on one intra-op thread (those inside :func:`threads_for`
-    with enough work on the caller's count); nested uses keep the outermost caller's count.
-    Restores ``torch.get_num_threads()`` on exit. Usable as a decorator, ``@serial()``."""
+    with enough work on the caller's count, at most :func:`free_cores` at the outermost call's start);
+    nested uses keep the outermost caller's team. Restores ``torch.get_num_threads()`` on exit. Usable
+    as a decorator, ``@serial()``."""
     n = torch.get_num_threads()
     outer = getattr(_state, "threads", None)
     if outer is None:
-        _state.threads = n
+        _state.threads = min(n, free_cores()) if n > 1 else n
     _set(1)
     try:
         yield
@@ -62,7 +121,7 @@ def serial():
 
 class threads_for:
     """Run the enclosed operation on the caller's thread count (inside :func:`serial`: the
-    count its outermost caller had) if it does at least ``PARALLEL_MACS`` multiply-adds per
+    team its outermost call took) if it does at least ``PARALLEL_MACS`` multiply-adds per
     parallel region (``macs``: a whole ``mm`` or contiguous ``bmm``, one matrix of a ``bmm``
     into a strided output, a column of a factorisation) or writes at least
     ``PARALLEL_ENTRIES`` entries (``entries``), else on one thread. Restores the thread count
