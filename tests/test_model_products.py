@@ -140,6 +140,27 @@ def test_head_pass_equals_the_logit_path_before_and_after_its_matrices(monkeypat
     assert_close(M, M.transpose(1, 2), what="symmetry")
 
 
+@pytest.mark.parametrize("d", [1, 3, 4, 5, 9, 17])
+def test_head_matrices_by_block_triangle_at_every_width(d):
+    """The per-row matrices formed by their upper block triangle (``GRAM_BLOCKS`` block rows, the last one
+    short where ``d`` does not divide) equal ``W Ω_t Wᵀ`` formed whole, and are exactly symmetric."""
+    from blockhess.model import stages
+    from blockhess.model.stages import SoftmaxHead
+
+    gen = torch.Generator().manual_seed(d)
+    B, P, C = 1, 3, 7
+    h = torch.randn(B, P, d, generator=gen, dtype=torch.float64)
+    W = torch.randn(d, C, generator=gen, dtype=torch.float64)
+    top = SoftmaxHead(h, W, None, torch.randint(0, C, (B, P), generator=gen), 3, ("W_H",))
+    p = top.p.reshape(-1, C)
+    ref = torch.stack([W @ (torch.diag(pt) - torch.outer(pt, pt)) @ W.T for pt in p]) / top.N
+    M = top.gram()
+    assert_close(M, ref, what=f"per-row head matrices, d={d}")
+    assert_close(M, M.transpose(1, 2), what="symmetry")
+    b = -(-d // stages.GRAM_BLOCKS)
+    assert torch.equal(M[:, b:, :b], M[:, :b, b:].transpose(1, 2))  # the first block column: the first block row's
+
+
 def test_head_pass_in_vocabulary_chunks_and_without_memory(monkeypatch):
     from blockhess.model import stages
     from blockhess.validation import InsufficientMemoryError

@@ -46,6 +46,17 @@ __all__ = ["BlockStage", "EmbeddingStage", "NormStage", "PoolStage", "HeadStage"
 #: the bytes of logit tangents :meth:`SoftmaxHead.through` holds at a time (a chunk of the vocabulary's columns)
 THROUGH_CHUNK_BYTES = 16 << 20
 
+#: the block rows :meth:`SoftmaxHead.gram` splits ``d`` into, forming the upper block triangle only
+GRAM_BLOCKS = 4
+
+
+def _gram_share(d: int) -> float:
+    """The share of the full ``d × d`` products that :meth:`SoftmaxHead.gram`'s upper block triangle costs."""
+    b = -(-d // GRAM_BLOCKS)
+    nb = -(-d // b)
+    return sum(min(b, d - i * b) * (d - i * b) for i in range(nb)) / d**2 if d else 1.0
+
+
 #: the internal name of the token embedding's second use, as the tied head ``W_H = W_E^T`` ``(d, vocab)``
 TIED_HEAD = "W_E@head"
 
@@ -606,12 +617,13 @@ class SoftmaxHead:
 
     def _gram_due(self, k: int) -> bool:
         """Whether the per-row matrices should be formed now: the columns through the head so far (``k`` of
-        them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``C·d²`` a row (the
-        break-even at ``d/2`` columns: never more than twice the cheaper choice's cost, whatever the number
-        of products to come), and ``(B P, d, d)`` of the dtype fits in half the memory available."""
+        them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``f·C·d²`` a row (``f =
+        (b + 1)/(2b)``, ``b`` = :data:`GRAM_BLOCKS`: their upper block triangle; the break-even at ``f·d/2``
+        columns: never more than twice the cheaper choice's cost, whatever the number of products to come),
+        and ``(B P, d, d)`` of the dtype fits in half the memory available."""
         self._through_columns += k
         d = self.W.shape[0]
-        if self._through_columns < d / 2 or self._gram_refused:
+        if self._through_columns < _gram_share(d) * d / 2 or self._gram_refused:
             return False
         nbytes = self.p.shape[0] * self.p.shape[1] * d * d * self.p.element_size()
         try:
@@ -623,16 +635,22 @@ class SoftmaxHead:
 
     def gram(self) -> torch.Tensor:
         r"""The per-row matrices :math:`W\Omega_tW^\top = (W\,\mathrm{diag}(p_t)\,W^\top - q_tq_t^\top)/N`
-        ``(B P, d, d)`` (symmetric; rows of target ``-100`` are zero), summed over column chunks of ``C``."""
+        ``(B P, d, d)`` (symmetric; rows of target ``-100`` are zero), summed over column chunks of ``C``: the
+        products for the upper block triangle only (:data:`GRAM_BLOCKS` block rows), the lower mirrored."""
         d, C = self.W.shape
         p = self.p.reshape(-1, C)
         q = self._q()
         M = torch.einsum("ti,tj->tij", q, -q)
+        bs = -(-d // GRAM_BLOCKS)
         step = max(256, min(C, THROUGH_CHUNK_BYTES // (d * self.p.element_size())))
         for c0 in range(0, C, step):
             Wc = self.W[:, c0:c0 + step]
             for t in range(p.shape[0]):
-                M[t].addmm_(Wc * p[t, c0:c0 + step], Wc.T)
+                S = Wc * p[t, c0:c0 + step]
+                for i0 in range(0, d, bs):  # block row i0: its diagonal block and those right of it
+                    M[t, i0:i0 + bs, i0:].addmm_(S[i0:i0 + bs], Wc[i0:].T)
+        for i0 in range(bs, d, bs):  # the blocks left of the diagonal: the transposes of those above it
+            M[:, i0:i0 + bs, :i0] = M[:, :i0, i0:i0 + bs].transpose(1, 2)
         return M.div_(self.N)
 
     def head(self) -> "HeadStage":
