@@ -1042,7 +1042,9 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
             W[:, alive] = _mm(A, q[:, alive])
         matvecs += int(alive.sum())
         a = (q * W).sum(0)
-        W = W - q * a - q_prev * (beta[:, j - 1] if j else 0.0)
+        W = torch.addcmul(W, q, a, value=-1)  # a fresh tensor (A's product may be A's own): the rest in place on it
+        if j:
+            W.addcmul_(q_prev, beta[:, j - 1], value=-1)
         if basis is not None:
             basis[:, j] = q.T
             Q, Wt = basis[:, : j + 1], W.T.contiguous()[:, :, None]  # (P, j+1, n), (P, n, 1)
@@ -1060,7 +1062,9 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         length[dead.cpu()] = j + 1
         alive = alive & ~dead
         beta[:, j] = bn * alive
-        q_prev, q = q, torch.where(alive, W / bn.clamp_min(torch.finfo(A.dtype).tiny), torch.zeros_like(W))
+        q_prev, q = q, W.div_(bn.clamp_min(torch.finfo(A.dtype).tiny))  # W's storage, n x P, reused as the next q
+        if not bool(alive.all()):
+            q[:, ~alive] = 0
         if not bool(alive.any()) or j == m - 1:
             break
     nodes = torch.zeros(P, m, dtype=A.dtype, device=A.device)
