@@ -192,6 +192,36 @@ def test_blockwise_slq_equals_per_block():
     assert S.products == max(S.calls.values()) == 8
 
 
+def test_lockstep_estimators_tell_the_head_their_plan(monkeypatch):
+    """Before the first product each lock-step estimator gives ``D`` the columns it will multiply at the least;
+    the model's head hears those of the blocks without a direction of its own (the tied ``W_E``'s are not
+    counted); the results are those without the hint (the per-block estimators' above)."""
+    from blockhess.model import stages
+    from blockhess.operators.estimators import CHECK_COLUMNS
+
+    heard = []
+    real = stages.SoftmaxHead.expect
+    monkeypatch.setattr(stages.SoftmaxHead, "expect", lambda self, c: heard.append(c) or real(self, c))
+    _, D = _lm()
+    others = [n for b, n in zip(D.blocks, D.sizes) if b != "W_E"]
+    blockwise_slq(D, n_probes=3, n_iter=8, seed=5)
+    assert heard == [sum(3 * min(8, n) for n in others)]
+    _, D = _lm()
+    blockwise_eigs(D, k=2, tol=1e-9)
+    assert heard[1] == sum(2 * min(2, n) + (min(CHECK_COLUMNS, n - 2) if n > 2 else 0) for n in others)
+
+
+def test_expect_columns_refusals():
+    A, D = _lm()
+    with pytest.raises(ValueError, match="columns"):
+        A.expect_columns(-1)
+    with pytest.raises(ValueError, match="block indices"):
+        D.expect_columns({len(D.blocks): 3})
+    with pytest.raises(ValueError, match=r"columns\[0\]"):
+        D.expect_columns({0: 2.5})
+    A.expect_columns(0), D.expect_columns({})  # nothing to say: accepted
+
+
 def test_lockstep_memory_checked_for_every_block_before_any_product(monkeypatch):
     from blockhess.operators import lockstep
     from blockhess.operators.estimators import lanczos_bytes, slq_bytes

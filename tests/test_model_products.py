@@ -140,6 +140,30 @@ def test_head_pass_equals_the_logit_path_before_and_after_its_matrices(monkeypat
     assert_close(M, M.transpose(1, 2), what="symmetry")
 
 
+def test_head_matrices_formed_at_the_first_pass_a_plan_pays_for(monkeypatch):
+    """``expect``: a promise below the break-even changes nothing; one past it forms the per-row matrices at the
+    next pass, long before the columns through would have (2 of the 5 at d = 16); the passes stay exact."""
+    from blockhess.model import stages
+
+    gen = torch.Generator().manual_seed(8)
+    B, P, d, C = 1, 3, 16, 9
+    h = torch.randn(B, P, d, generator=gen, dtype=torch.float64)
+    W = torch.randn(d, C, generator=gen, dtype=torch.float64)
+    top = stages.SoftmaxHead(h, W, None, torch.randint(0, C, (B, P), generator=gen), 3, ("W_H",))
+    assert stages._gram_share(d) * d / 2 == 5.0
+    formed = []
+    real = stages.SoftmaxHead.gram
+    monkeypatch.setattr(stages.SoftmaxHead, "gram", lambda self: formed.append(1) or real(self))
+    top.expect(1)
+    dx = torch.randn(1, B, P, d, generator=gen, dtype=torch.float64)
+    assert_close(top.through(dx), _head_reference(top, dx), what="head pass, a small plan")
+    assert formed == []
+    top.expect(d)
+    dx = torch.randn(1, B, P, d, generator=gen, dtype=torch.float64)
+    assert_close(top.through(dx), _head_reference(top, dx), what="head pass, the matrices formed on the plan")
+    assert formed == [1] and top._through_columns == 2
+
+
 @pytest.mark.parametrize("d", [1, 3, 4, 5, 9, 17])
 def test_head_matrices_by_block_triangle_at_every_width(d):
     """The per-row matrices formed by their upper block triangle (``GRAM_BLOCKS`` block rows, the last one

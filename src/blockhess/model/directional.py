@@ -56,6 +56,12 @@ class ModelProduct:
     def __call__(self, V: dict, names, outer: bool = True, functional: bool = True, into=None) -> dict:
         return self.columns([(V, names)], outer, functional, [into])[0]
 
+    def expect(self, columns: int) -> None:
+        """A hint that at least ``columns`` more columns carrying no direction of the head's own variables will
+        be multiplied: passed to a softmax head (:meth:`~.stages.SoftmaxHead.expect`); nothing else uses it."""
+        if isinstance(self.top, SoftmaxHead):
+            self.top.expect(columns)
+
     def columns(self, groups, outer: bool = True, functional: bool = True, into=None) -> list[dict]:
         """The products of several groups of directions in one pass: ``groups`` a sequence of ``(V, names)``
         (each as for ``self(V, names)``, with its own ``k``), ``into`` ``None`` or one destination dict (or

@@ -568,6 +568,15 @@ class SoftmaxHead:
         self.g = (self.p - onehot) / count  # (B, P, C)
         self._qs = self._gram = None  # W p_t and the per-row W Ω_t Wᵀ, when first needed (:meth:`through`)
         self._through_columns, self._gram_refused = 0, False
+        self._through_promised = 0  # the columns through the head known to come in all (:meth:`expect`)
+
+    def expect(self, columns: int) -> None:
+        """A hint that at least ``columns`` more columns will cross the head by :meth:`through` (a lock-step
+        estimator's plan): the break-even of :meth:`_gram_due` is judged on the larger of the columns through
+        so far and those plus the promised, so that a plan past it forms the per-row matrices at the first
+        pass instead of after ``f·d/2`` columns on the chunked pass. Results do not depend on it beyond the
+        two paths' rounding."""
+        self._through_promised = max(self._through_promised, self._through_columns + int(columns))
 
     def omega(self, dz: torch.Tensor) -> torch.Tensor:
         """``Ω ż = (p ⊙ ż − p (p·ż))/N`` per row for logit tangents ``dz`` ``(k, B, P, C)`` (three passes:
@@ -619,11 +628,12 @@ class SoftmaxHead:
         """Whether the per-row matrices should be formed now: the columns through the head so far (``k`` of
         them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``f·C·d²`` a row (``f =
         (b + 1)/(2b)``, ``b`` = :data:`GRAM_BLOCKS`: their upper block triangle; the break-even at ``f·d/2``
-        columns: never more than twice the cheaper choice's cost, whatever the number of products to come),
-        and ``(B P, d, d)`` of the dtype fits in half the memory available."""
+        columns: never more than twice the cheaper choice's cost, whatever the number of products to come;
+        at once where :meth:`expect` promised that many), and ``(B P, d, d)`` of the dtype fits in half the
+        memory available."""
         self._through_columns += k
         d = self.W.shape[0]
-        if self._through_columns < _gram_share(d) * d / 2 or self._gram_refused:
+        if max(self._through_columns, self._through_promised) < _gram_share(d) * d / 2 or self._gram_refused:
             return False
         nbytes = self.p.shape[0] * self.p.shape[1] * d * d * self.p.element_size()
         try:

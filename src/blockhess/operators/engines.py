@@ -22,7 +22,7 @@ from ..block.diagonal import block_diagonal
 from ..block.directional import adjoints, hvp
 from ..config import ModelConfig, param_shapes
 from ..model.directional import ModelProduct, fold_tied, unfold_tied
-from ..model.stages import TIED_HEAD
+from ..model.stages import TIED_HEAD, SoftmaxHead
 from ..model.walk import ce_tokens, prepare, stages_of
 from ..validation import detached
 from .operator import HessianOperator, head_views
@@ -64,7 +64,7 @@ def _block_engine(params, X, cfg, loss, target, names, outer, functional):
         h = c.fc.h.reshape(-1, c.fc.h.shape[-1])
         return (2.0 / (B * L * d)) * (h.T @ h), d
 
-    return product, X.shape[0], X.dtype, X.device, diagonal, kronecker, None
+    return product, X.shape[0], X.dtype, X.device, diagonal, kronecker, None, None
 
 
 def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
@@ -86,13 +86,18 @@ def _model_engine(params, inputs, cfg, loss, target, names, outer, functional):
         into = None if into is None else [fold_tied(i, internal) if i else i for i in into]
         return [unfold_tied(r) for r in prod.columns(groups, outer=outer, functional=functional, into=into)]
 
+    head = {"W_E" if n == TIED_HEAD else n for n in top.names} if isinstance(top, SoftmaxHead) else set()
+
+    def expect(groups):  # [(a group's parameters with directions, columns)]: the head's pass for those without its own
+        prod.expect(sum(c for params_, c in groups if not head & set(params_)))
+
     def diagonal(wanted):
         raise NotImplementedError("a model's operator has no closed-form diagonal: attention in the blocks above a "
                                   "weight mixes the tokens, so the block's per-token walk (docs/derivations.md §19) "
                                   "does not carry over; blockhess.operators.hutchinson_diagonal estimates it by "
                                   "sampling")
 
-    return product, len(inputs), like.dtype, like.device, diagonal, None, products
+    return product, len(inputs), like.dtype, like.device, diagonal, None, products, expect
 
 
 def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=None, part: str = "full") -> HessianOperator:
@@ -123,8 +128,8 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
     outer, functional = part in ("full", "outer"), part in ("full", "functional")
     names = select_wrt(tuple(param_shapes(cfg)), wrt)
     engine = _model_engine if isinstance(cfg, ModelConfig) else _block_engine
-    product, count, dtype, device, diagonal, kronecker, products = engine(params, inputs, cfg, loss, target, names, outer,
-                                                                functional)
+    product, count, dtype, device, diagonal, kronecker, products, expect = engine(params, inputs, cfg, loss, target, names,
+                                                                        outer, functional)
     shapes = param_shapes(cfg)
 
     def restricted(V, wanted_out, into=None):  # the operator over names: other parameters have zero directions
@@ -135,4 +140,4 @@ def hessian_operator(params: dict, inputs, cfg, loss="mse", target=None, wrt=Non
 
     return HessianOperator(restricted, names, {n: shapes[n] for n in names}, dtype, device, diagonal=diagonal,
                            split=head_views(cfg), count=count, writes_into=True, cfg=cfg, kronecker=kronecker,
-                           products=None if products is None else restricted_groups)
+                           products=None if products is None else restricted_groups, expect=expect)

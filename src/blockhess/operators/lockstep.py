@@ -127,10 +127,11 @@ class _Step:
                 self.cv.notify_all()
 
 
-def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable) -> Blockwise:
+def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable, plan: Callable) -> Blockwise:
     """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(view)``
     the memory one block's estimator allocates, the sum over the blocks checked before any work (the blocks'
-    estimators then allocate at once, each checking only its own). Later, each estimator's own memory checks
+    estimators then allocate at once, each checking only its own); ``plan(view)`` the columns it multiplies at
+    the least (fewer only where it stops early), given to ``D`` as a hint before the first product (:meth:`~.operator.BlockDiagonalOperator.expect_columns`). Later, each estimator's own memory checks
     (a check's basis growing) keep free what the products needed at most so far, by the products' own checks
     (:class:`~blockhess.validation.Headroom`): a block that cannot grow stops by name (its check's reason),
     the products go on."""
@@ -142,6 +143,10 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
     except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
         need = 0
     check_fits(need, f"the lock-step estimators' bases ({m} blocks, n = {D.shape[0]})", D.device)
+    try:
+        D.expect_columns({j: plan(v) for j, v in enumerate(D.views)})
+    except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
+        pass
     room = Headroom(f"the lock-step products of the {m} blocks (the most their own checks asked for)")
     step = _Step(D, range(m), room)
     stands = [_Stand(step, j) for j in range(m)]
@@ -217,7 +222,13 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
         return lanczos_bytes(n, view.dtype, k, kwargs.get("ncv"), kwargs.get("block_size"),
                              kwargs.get("check", CHECK_COLUMNS))
 
-    return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0), nbytes)
+    def plan(view):  # a converged run's fewest: k Ritz vectors, their residual product, the check's first products
+        n = view.shape[0]
+        if n <= kwargs.get("dense_below", 0) or view.kronecker_factors() is not None:
+            return 0
+        return 2 * min(k, n) + (min(kwargs.get("check", CHECK_COLUMNS), n - k) if n > k else 0)
+
+    return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0), nbytes, plan)
 
 
 def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
@@ -228,7 +239,8 @@ def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
     Returns a :class:`Blockwise` of :class:`SLQResult`. Raises ``ValueError`` for a ``D`` that is not a
     :class:`~.operator.BlockDiagonalOperator`; every block's errors as :func:`~.estimators.slq_density`."""
     return _lockstep(D, slq_density, kwargs, {}, lambda view: slq_bytes(
-        view.shape[0], view.dtype, kwargs.get("n_probes", 16), kwargs.get("n_iter", 64), kwargs.get("reorth", "full")))
+        view.shape[0], view.dtype, kwargs.get("n_probes", 16), kwargs.get("n_iter", 64), kwargs.get("reorth", "full")),
+        lambda view: kwargs.get("n_probes", 16) * min(kwargs.get("n_iter", 64), view.shape[0]))  # (fewer on a breakdown)
 
 
 def _probabilities(p, what: str) -> torch.Tensor:

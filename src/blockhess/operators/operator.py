@@ -204,7 +204,7 @@ class HessianOperator(_MatmulBase):
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
                  device: torch.device | str, *, diagonal: Diagonal | None = None, split: Split | None = None,
                  count: int | None = None, max_columns: int | None = None, writes_into: bool = False,
-                 cfg=None, kronecker=None, products: Products | None = None):
+                 cfg=None, kronecker=None, products: Products | None = None, expect=None):
         if not callable(product):
             raise ValueError(f"product must be callable as product(V, wanted_out), got {type(product).__name__}")
         if diagonal is not None and not callable(diagonal):
@@ -225,6 +225,9 @@ class HessianOperator(_MatmulBase):
         if products is not None and not callable(products):
             raise ValueError(f"products must be None or callable as products(groups), got {type(products).__name__}")
         self._products = products
+        if expect is not None and not callable(expect):
+            raise ValueError(f"expect must be None or callable as expect(groups), got {type(expect).__name__}")
+        self._expect = expect
         self.params = names
         self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
         self.dtype = dtype
@@ -513,6 +516,21 @@ class HessianOperator(_MatmulBase):
             return [self._product(V, wanted) for V, wanted in groups]
         return [self._product(V, wanted, into=i) for (V, wanted), i in zip(groups, into)]
 
+    def _params_of(self, names) -> tuple[str, ...]:
+        """The parameters that variables ``names`` lie in, in order, once each."""
+        return tuple(dict.fromkeys(self._vars[v][0] for v in names))
+
+    def expect_columns(self, columns: int) -> None:
+        r"""A hint that at least ``columns`` more columns of this view's products will follow (an estimator's
+        plan), for engines that trade a setup against work per product: a model's softmax head then forms its
+        per-row matrices :math:`W\Omega_tW^\top` at once where the columns reach their break-even, instead of
+        after that many columns on the chunked pass (docs/derivations.md §18, "The head's pass"). The products
+        are the same with or without it, to the rounding of the two paths. Raises ``ValueError`` for a
+        negative or non-integer ``columns``."""
+        columns = check_int("columns", columns, 0)
+        if self._expect is not None and columns:
+            self._expect([(self._params_of(self.in_names), columns)])
+
     def block_diagonal(self, blocks=None) -> "BlockDiagonalOperator":
         """The block-diagonal part ``D = diag(A[b_1, b_1], ..., A[b_m, b_m])`` of this square view over
         ``blocks`` (default: its variables, one block each; each block a name, a head's ``W_Q#h`` or a tuple
@@ -673,6 +691,20 @@ class BlockDiagonalOperator(_MatmulBase):
         out = self.A._grouped(groups)
         return {j: self.views[j]._stacked(rows, X[j].shape[1]) for j, rows in zip(order, out)}
 
+    def expect_columns(self, columns: dict) -> None:
+        """A hint that at least ``columns[j]`` more columns of block ``j``'s products will follow (``columns``
+        ``{block index: count}``), as :meth:`HessianOperator.expect_columns`; the lock-step estimators give
+        their plan here before their first product. Raises ``ValueError`` for a bad index or count."""
+        groups = []
+        for j, c in columns.items():
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(self.blocks):
+                raise ValueError(f"columns must map block indices in [0, {len(self.blocks)}) to counts, got key {j!r}")
+            c = check_int(f"columns[{j}]", c, 0)
+            if c:
+                groups.append((self.views[j]._params_of(self.views[j].in_names), c))
+        if self.A._expect is not None and groups:
+            self.A._expect(groups)
+
     def _matmat_columns(self, X: torch.Tensor) -> torch.Tensor:
         k = X.shape[1]
         cols = {j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))}
@@ -800,11 +832,16 @@ def mean_operator(parts: Sequence, counts: Sequence[int] | None = None, progress
                     out[a] = y[a] * w if a not in out else out[a].add_(y[a], alpha=w)
         return outs
 
+    def expect(groups):  # every batch's operator given as one (a lazy part's is made anew for each product)
+        for p in parts:
+            if isinstance(p, HessianOperator) and p._expect is not None:
+                p._expect(groups)
+
     has_diag = all(p._diagonal is not None for p in parts if isinstance(p, HessianOperator))
     split = {v: t for v, t in first._vars.items() if v != t[0]}
     return HessianOperator(product, first.params, first.param_shapes, first.dtype, first.device,
                            diagonal=diagonal if has_diag else None, split=split, count=total,
-                           max_columns=first.max_columns, cfg=first.cfg, products=products)
+                           max_columns=first.max_columns, cfg=first.cfg, products=products, expect=expect)
 
 
 @functools.singledispatch
