@@ -193,22 +193,32 @@ def test_blockwise_slq_equals_per_block():
 
 
 def test_lockstep_estimators_tell_the_head_their_plan(monkeypatch):
-    """Before the first product each lock-step estimator gives ``D`` the columns it will multiply at the least;
-    the model's head hears those of the blocks without a direction of its own (the tied ``W_E``'s are not
-    counted); the results are those without the hint (the per-block estimators' above)."""
+    """Before the first product each lock-step estimator gives ``D`` the columns it means to multiply; the
+    model's head hears those of the blocks without a direction of its own (the tied ``W_E``'s are not
+    counted), no more than then cross it, and the results equal those of a run whose head hears nothing."""
     from blockhess.model import stages
     from blockhess.operators.estimators import CHECK_COLUMNS
 
-    heard = []
     real = stages.SoftmaxHead.expect
+    monkeypatch.setattr(stages.SoftmaxHead, "expect", lambda self, c: None)
+    _, D = _lm()
+    deaf = blockwise_slq(D, n_probes=3, n_iter=8, seed=5)
+    deaf_eigs = blockwise_eigs(D, k=2, tol=1e-9)
+    heard, crossed = [], []
+    through = stages.SoftmaxHead.through
     monkeypatch.setattr(stages.SoftmaxHead, "expect", lambda self, c: heard.append(c) or real(self, c))
+    monkeypatch.setattr(stages.SoftmaxHead, "through", lambda self, dx: crossed.append(dx.shape[0]) or through(self, dx))
     _, D = _lm()
+    S = blockwise_slq(D, n_probes=3, n_iter=8, seed=5)
     others = [n for b, n in zip(D.blocks, D.sizes) if b != "W_E"]
-    blockwise_slq(D, n_probes=3, n_iter=8, seed=5)
-    assert heard == [sum(3 * min(8, n) for n in others)]
+    assert heard == [sum(3 * min(8, n) for n in others)] and heard[0] <= sum(crossed)
+    crossed.clear()
     _, D = _lm()
-    blockwise_eigs(D, k=2, tol=1e-9)
-    assert heard[1] == sum(2 * min(2, n) + (min(CHECK_COLUMNS, n - 2) if n > 2 else 0) for n in others)
+    R = blockwise_eigs(D, k=2, tol=1e-9)
+    assert heard[1] == sum(2 * min(2, n) + (min(CHECK_COLUMNS, n - 2) if n > 2 else 0) for n in others) <= sum(crossed)
+    for b in D.blocks:
+        assert_close(S[b].density, deaf[b].density, tol=1e-10, what=f"{b} SLQ with and without the plan")
+        assert_close(R[b].eigenvalues, deaf_eigs[b].eigenvalues, tol=1e-10, what=f"{b} top-k with and without")
 
 
 def test_expect_columns_refusals():
@@ -219,6 +229,8 @@ def test_expect_columns_refusals():
         D.expect_columns({len(D.blocks): 3})
     with pytest.raises(ValueError, match=r"columns\[0\]"):
         D.expect_columns({0: 2.5})
+    with pytest.raises(ValueError, match="dict"):
+        D.expect_columns([3])
     A.expect_columns(0), D.expect_columns({})  # nothing to say: accepted
 
 

@@ -13,13 +13,21 @@ from blockhess import threads
 from blockhess.threads import PARALLEL_ENTRIES, PARALLEL_MACS, serial, threads_for
 
 
+def _fit(monkeypatch, cores: int, elsewhere):
+    """The fit on (whatever BLOCKHESS_FIT_FREE_CORES says), ``cores`` cores, all online, ``elsewhere`` tasks
+    of other processes running; no reading kept."""
+    monkeypatch.setattr(threads, "_FIT", True)
+    monkeypatch.setattr(threads, "_cores", lambda: cores)
+    monkeypatch.setattr(threads, "_whole_machine", lambda: True)
+    monkeypatch.setattr(threads, "_running_elsewhere", lambda: elsewhere)
+    monkeypatch.setitem(threads._reading, "free", None)
+
+
 @pytest.fixture
 def two_threads(monkeypatch):
     """torch on 2 intra-op threads for the test (the suite runs on 1), restored after; both cores read as free
     (the suite's other worker must not change what these tests see)."""
-    monkeypatch.setattr(threads, "_cores", lambda: 2)
-    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 0)
-    monkeypatch.setitem(threads._reading, "free", None)
+    _fit(monkeypatch, cores=2, elsewhere=0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     if torch.get_num_threads() != 2:
@@ -99,8 +107,7 @@ def test_result_does_not_depend_on_the_callers_count(two_threads):
 
 
 def test_serial_gives_large_work_no_more_threads_than_free_cores(two_threads, monkeypatch):
-    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 1)  # one core held by another process
-    monkeypatch.setitem(threads._reading, "free", None)
+    _fit(monkeypatch, cores=2, elsewhere=1)  # one core held by another process
     with serial():
         with threads_for(macs=PARALLEL_MACS):
             assert torch.get_num_threads() == 1
@@ -117,19 +124,23 @@ def test_serial_gives_large_work_no_more_threads_than_free_cores(two_threads, mo
 
 @pytest.mark.parametrize("elsewhere, cores, free", [(0, 2, 2), (1, 2, 1), (5, 2, 1), (1, 8, 7), (None, 4, 4)])
 def test_free_cores_from_the_reading(monkeypatch, elsewhere, cores, free):
-    monkeypatch.setattr(threads, "_cores", lambda: cores)
-    monkeypatch.setattr(threads, "_running_elsewhere", lambda: elsewhere)
-    monkeypatch.setitem(threads._reading, "free", None)
+    _fit(monkeypatch, cores, elsewhere)
     assert threads.free_cores() == free
+
+
+def test_free_cores_not_fitted_on_a_narrower_affinity(monkeypatch):
+    """Pinned to 2 of 8 cores: the machine's count of tasks says nothing about those two; both are free."""
+    _fit(monkeypatch, cores=2, elsewhere=5)
+    monkeypatch.setattr(threads, "_whole_machine", lambda: False)
+    assert threads.free_cores() == 2
 
 
 def test_free_cores_reading_is_kept_for_its_ttl(monkeypatch):
     calls = []
-    monkeypatch.setattr(threads, "_cores", lambda: 2)
+    _fit(monkeypatch, cores=2, elsewhere=0)
     monkeypatch.setattr(threads, "_running_elsewhere", lambda: calls.append(1) or 0)
-    monkeypatch.setitem(threads._reading, "free", None)
     clock = iter([100.0, 100.0 + threads.FREE_CORES_TTL / 2, 100.0 + 2 * threads.FREE_CORES_TTL])
-    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(threads, "_clock", lambda: next(clock))
     threads.free_cores(), threads.free_cores()
     assert len(calls) == 1
     threads.free_cores()
@@ -137,10 +148,8 @@ def test_free_cores_reading_is_kept_for_its_ttl(monkeypatch):
 
 
 def test_free_cores_can_be_switched_off(monkeypatch):
+    _fit(monkeypatch, cores=3, elsewhere=2)
     monkeypatch.setattr(threads, "_FIT", False)
-    monkeypatch.setattr(threads, "_cores", lambda: 3)
-    monkeypatch.setattr(threads, "_running_elsewhere", lambda: 2)
-    monkeypatch.setitem(threads._reading, "free", None)
     assert threads.free_cores() == 3
 
 

@@ -20,14 +20,15 @@ thread's, the default it records for threads that start their first parallel wor
 the call is the process's.
 
 *The team fits the free cores.* :func:`serial` gives large work at most :func:`free_cores` threads: the
-cores of the process's affinity that no runnable task of another process holds at the call's start. A
-team larger than that waits, at every join, for the thread that shares a core with the other work to be
-scheduled again: beside one busy process on 2 cores a team of 2 made the dense n = 7,168 block Hessian
-4.5× slower than one thread did (docs/results.md, "Threads against autograd"). The reading is Linux's
-count of runnable tasks (``/proc/loadavg``) less this process's own running threads
-(``/proc/self/task/*/stat``), taken at most every ``FREE_CORES_TTL`` seconds; where ``/proc`` cannot be read,
-or with the environment variable ``BLOCKHESS_FIT_FREE_CORES=0`` (a container whose ``/proc/loadavg`` counts
-a whole shared host's tasks), every core of the affinity counts as free.
+machine's cores that no runnable task of another process holds at the call's start. A team larger than
+that waits, at every join, for the thread that shares a core with the other work to be scheduled again
+(docs/results.md, "Threads against autograd"). The reading is Linux's count of runnable tasks on the whole
+machine (``/proc/loadavg``) less this process's own running threads (``/proc/self/task/*/stat``, read before
+and after it, the larger count taken), taken at most every ``FREE_CORES_TTL`` seconds. It is taken only
+where the process may run on every online core: a count over the whole machine says nothing about the
+cores of a narrower affinity (``taskset``, a cpuset), so there, where ``/proc`` cannot be read, or with the
+environment variable ``BLOCKHESS_FIT_FREE_CORES=0`` (read at import; for a container whose
+``/proc/loadavg`` counts a whole shared host's tasks) every core of the affinity counts as free.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ FREE_CORES_TTL = 0.05  # seconds a reading of free_cores() is kept (a reading co
 _state = threading.local()  # .threads: the team for large work within the outermost serial() call
 _reading = {"at": -1.0, "free": None}  # the last free_cores() reading and its time.monotonic()
 _FIT = os.environ.get("BLOCKHESS_FIT_FREE_CORES", "1") != "0"
+_clock = time.monotonic
 
 
 def _cores() -> int:
@@ -62,14 +64,8 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _running_elsewhere() -> int | None:
-    """The runnable tasks of other processes now: ``/proc/loadavg``'s running count (every process's,
-    this reading thread included) less this process's threads in state ``R``; ``None`` where unreadable."""
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
+def _own_running() -> int:
+    """This process's threads in state ``R`` (``/proc/self/task/*/stat``; 0 where unreadable)."""
     own = 0
     for path in glob.glob("/proc/self/task/*/stat"):
         try:
@@ -79,17 +75,36 @@ def _running_elsewhere() -> int | None:
             continue
         end = stat.rfind(")")  # the state follows the command name, which may hold spaces or parentheses
         own += end >= 0 and stat[end + 2 : end + 3] == "R"
-    return max(0, running - max(own, 1))
+    return own
+
+
+def _running_elsewhere() -> int | None:
+    """The runnable tasks of other processes now: ``/proc/loadavg``'s running count (every process's,
+    this reading thread included) less this process's threads in state ``R`` (counted before and after
+    it, the larger count: a spinning thread of ours that sleeps meanwhile is not taken for another
+    process's); ``None`` where unreadable."""
+    before = _own_running()
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - max(before, _own_running(), 1))
+
+
+def _whole_machine() -> bool:
+    """Whether this process may run on every online core (where a count of the machine's tasks applies)."""
+    return _cores() == (os.cpu_count() or 1)
 
 
 def free_cores() -> int:
-    """The cores of this process's affinity not held by another process's runnable task now, at least 1
-    (every core of the affinity where ``/proc`` cannot be read or ``BLOCKHESS_FIT_FREE_CORES=0``); a reading
-    is kept ``FREE_CORES_TTL`` seconds."""
-    now = time.monotonic()
+    """The cores not held by another process's runnable task now, at least 1, where the process may run on
+    every online core; else, where ``/proc`` cannot be read, or with ``BLOCKHESS_FIT_FREE_CORES=0``, every
+    core of its affinity. A reading is kept ``FREE_CORES_TTL`` seconds."""
+    now = _clock()
     if _reading["free"] is None or now - _reading["at"] > FREE_CORES_TTL:
         cores = _cores()
-        elsewhere = _running_elsewhere() if _FIT else None
+        elsewhere = _running_elsewhere() if _FIT and _whole_machine() else None
         _reading["free"] = cores if elsewhere is None else max(1, cores - elsewhere)
         _reading["at"] = now
     return _reading["free"]

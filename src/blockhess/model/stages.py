@@ -53,8 +53,7 @@ GRAM_BLOCKS = 4
 def _gram_share(d: int) -> float:
     """The share of the full ``d × d`` products that :meth:`SoftmaxHead.gram`'s upper block triangle costs."""
     b = -(-d // GRAM_BLOCKS)
-    nb = -(-d // b)
-    return sum(min(b, d - i * b) * (d - i * b) for i in range(nb)) / d**2 if d else 1.0
+    return sum(min(b, d - i) * (d - i) for i in range(0, d, b)) / d**2
 
 
 #: the internal name of the token embedding's second use, as the tied head ``W_H = W_E^T`` ``(d, vocab)``
@@ -194,8 +193,21 @@ class NormStage:
         self.b_name = names[-1] if beta is not None else None
         y, r = layernorm.normalise(x, eps, center=center)
         self.y, self.r = y, r  # normalised rows, their 1/sigma (B, L, 1)
-        self.Jn = layernorm.per_token_jacobian(y, r, center=center)  # (B, L, d, d), unscaled
-        self.J = self.Jn if gamma is None else gamma[:, None] * self.Jn
+        self._Jn = None
+
+    @property
+    def Jn(self) -> torch.Tensor:
+        """The per-token Jacobians of the normalisation, unscaled, ``(B, L, d, d)`` (Theorem 2), formed on first
+        use by the dense walk (:meth:`fwd`, :meth:`curv`); the products and :meth:`back` take them in closed
+        form per token and never form them (``B·L·d²`` entries)."""
+        if self._Jn is None:
+            self._Jn = layernorm.per_token_jacobian(self.y, self.r, center=self.center)
+        return self._Jn
+
+    @property
+    def J(self) -> torch.Tensor:
+        """``diag(γ) J_n`` per token, ``(B, L, d, d)``, formed on each use (the dense walk's :meth:`fwd`)."""
+        return self.Jn if self.gamma is None else self.gamma[:, None] * self.Jn
 
     vjps = _each_vjp
 
@@ -207,9 +219,13 @@ class NormStage:
                 torch.einsum(f"brli->{o}i", w) for n in names}
 
     def back(self, W: torch.Tensor) -> torch.Tensor:
+        """``J_xᵀ w`` per row, ``(B, R, L·d)``: ``J_nᵀ (γ ⊙ w) = J_n (γ ⊙ w)`` per token (``J_n`` symmetric), in
+        closed form (:meth:`_n_dot`), no ``(B, L, d, d)`` Jacobians."""
         B, R = W.shape[:2]
-        w = W.reshape(B, R, *self.x.shape[1:])
-        return torch.einsum("blij,brli->brlj", self.J, w).reshape(B, R, -1)
+        w = W.reshape(B, R, *self.x.shape[1:]).transpose(0, 1)  # (R, B, L, d): the rows as directions
+        if self.gamma is not None:
+            w = w * self.gamma
+        return self._n_dot(w).transpose(0, 1).reshape(B, R, -1)
 
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
         B, _, n = G.shape
@@ -591,9 +607,9 @@ class SoftmaxHead:
         by ``C`` (a column chunk at a time, about :data:`THROUGH_CHUNK_BYTES` of it, scaled by ``p/N`` and
         multiplied back by ``Wᵀ`` into the sum), and the rank-one term in ``h``'s space, :math:`p_t\cdot\dot
         z_t = \dot h_t\cdot q_t` with :math:`q_t = W p_t` (docs/derivations.md §18, "The head's pass").
-        Once the columns through it have cost as much as forming them would, the per-row ``d × d`` matrices
-        :math:`W\Omega_t W^\top` are formed (where they fit in memory) and used from then on
-        (:meth:`gram`)."""
+        Once the columns through it have cost as much as forming them would, or :meth:`expect` has promised
+        that many, the per-row ``d × d`` matrices :math:`W\Omega_t W^\top` are formed (where they fit in
+        memory) and used from then on (:meth:`gram`)."""
         k, B, P, d = dx.shape
         C = self.W.shape[1]
         rows = dx.reshape(k, B * P, d)
@@ -626,8 +642,9 @@ class SoftmaxHead:
 
     def _gram_due(self, k: int) -> bool:
         """Whether the per-row matrices should be formed now: the columns through the head so far (``k`` of
-        them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``f·C·d²`` a row (``f =
-        (b + 1)/(2b)``, ``b`` = :data:`GRAM_BLOCKS`: their upper block triangle; the break-even at ``f·d/2``
+        them now) have cost ``2·C·d`` multiply-adds a row each, forming them costs ``f·C·d²`` a row (``f`` =
+        :func:`_gram_share`, their upper block triangle: 5/8 where :data:`GRAM_BLOCKS` divides ``d``; the
+        break-even at ``f·d/2``
         columns: never more than twice the cheaper choice's cost, whatever the number of products to come;
         at once where :meth:`expect` promised that many), and ``(B P, d, d)`` of the dtype fits in half the
         memory available."""

@@ -45,7 +45,7 @@ RELS = ("each", "scale")
 NCV_DEFAULT = 60  # lanczos_eigs's smallest default basis (docs/derivations.md §17: products against ncv)
 DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept less of its norm
 DOT_ROWS = 1 << 16  # inner products over more rows than this are summed by blocks in float64: _dots
-NORM_ROWS = 1 << 12  # ... and norms by blocks of this many entries (float32's own sum is exact enough there): _norms
+NORM_ROWS = 1 << 12  # ... and norms by blocks of this many entries, each block's in float32: _norms
 ROTATE_ENTRIES = 1 << 22  # a restart's rows in blocks of this many basis entries (16 MB in float32): _rotate
 CHECK_COLUMNS = 10  # lanczos_eigs's default check: at least this many products on the complement of the found vectors
 FAILURE_PROBABILITY = 1e-6  # lanczos_eigs's default: the check's bound on the probability of a missed eigenvalue
@@ -332,10 +332,10 @@ def _columns(A, n_in: int):
 
 def _norms(W: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """The 2-norms of ``W``'s columns (``dim=0``; rows: ``dim=1``), in ``W``'s dtype; over more than ``DOT_ROWS``
-    entries the float32 norms of blocks of ``NORM_ROWS`` entries, their squares summed in float64: torch's float32
-    ``norm`` on the CPU sums the squares in float32, 2.7e-3 off for 38.6M entries (docs/derivations.md §17),
-    which Lanczos' normalised vectors would carry; by blocks the result is float64's, correctly rounded to
-    within about ``ε``, without a float64 copy of ``W`` (27× faster at 38.6M rows)."""
+    entries the float32 norms of blocks of ``NORM_ROWS`` entries, their squares summed in float64 (one
+    ``vector_norm`` over a view of the blocks: no copy): within a few ε of float64's norm. torch's float32
+    ``norm`` over all the entries sums the squares in one running float32 sum, which drifts: 2.7e-3 off for
+    38.6M entries (docs/derivations.md §17), which Lanczos' normalised vectors would carry."""
     if W.shape[dim] <= DOT_ROWS:
         return W.norm(dim=dim)
     Wd = W.movedim(dim, 0)  # a view: the norms' dimension first, then split into blocks (a view as well)

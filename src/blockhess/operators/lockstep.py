@@ -130,8 +130,9 @@ class _Step:
 def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable, plan: Callable) -> Blockwise:
     """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(view)``
     the memory one block's estimator allocates, the sum over the blocks checked before any work (the blocks'
-    estimators then allocate at once, each checking only its own); ``plan(view)`` the columns it multiplies at
-    the least (fewer only where it stops early), given to ``D`` as a hint before the first product (:meth:`~.operator.BlockDiagonalOperator.expect_columns`). Later, each estimator's own memory checks
+    estimators then allocate at once, each checking only its own); ``plan(view)`` the columns it means to
+    multiply (fewer where it stops early), given to ``D`` before the first product
+    (:meth:`~.operator.BlockDiagonalOperator.expect_columns`). Later, each estimator's own memory checks
     (a check's basis growing) keep free what the products needed at most so far, by the products' own checks
     (:class:`~blockhess.validation.Headroom`): a block that cannot grow stops by name (its check's reason),
     the products go on."""
@@ -144,9 +145,10 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
         need = 0
     check_fits(need, f"the lock-step estimators' bases ({m} blocks, n = {D.shape[0]})", D.device)
     try:
-        D.expect_columns({j: plan(v) for j, v in enumerate(D.views)})
+        columns = {j: int(plan(v)) for j, v in enumerate(D.views)}
     except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
-        pass
+        columns = {}
+    D.expect_columns(columns)
     room = Headroom(f"the lock-step products of the {m} blocks (the most their own checks asked for)")
     step = _Step(D, range(m), room)
     stands = [_Stand(step, j) for j in range(m)]

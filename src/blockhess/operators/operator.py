@@ -528,8 +528,8 @@ class HessianOperator(_MatmulBase):
         are the same with or without it, to the rounding of the two paths. Raises ``ValueError`` for a
         negative or non-integer ``columns``."""
         columns = check_int("columns", columns, 0)
-        if self._expect is not None and columns:
-            self._expect([(self._params_of(self.in_names), columns)])
+        if self._expect is not None and columns:  # the parameters the columns carry or want rows of
+            self._expect([(self._params_of(self.in_names + self.names), columns)])
 
     def block_diagonal(self, blocks=None) -> "BlockDiagonalOperator":
         """The block-diagonal part ``D = diag(A[b_1, b_1], ..., A[b_m, b_m])`` of this square view over
@@ -681,7 +681,7 @@ class BlockDiagonalOperator(_MatmulBase):
         groups, order = [], list(X)
         for j in order:
             view = self.views[j]
-            groups.append((view._columns_to_params(X[j]), tuple(dict.fromkeys(view._vars[v][0] for v in view.names))))
+            groups.append((view._columns_to_params(X[j]), view._params_of(view.names)))
         if all(X[j].shape[1] == 1 for j in order) and self.A._writes_into and not any(X[j].requires_grad for j in order):
             dest = out or {j: X[j].new_empty(self.views[j].shape[0]) for j in order}  # the engine writes rows there
             out = self.A._grouped(groups, into=[self.views[j]._into(dest[j]) for j in order])
@@ -695,13 +695,15 @@ class BlockDiagonalOperator(_MatmulBase):
         """A hint that at least ``columns[j]`` more columns of block ``j``'s products will follow (``columns``
         ``{block index: count}``), as :meth:`HessianOperator.expect_columns`; the lock-step estimators give
         their plan here before their first product. Raises ``ValueError`` for a bad index or count."""
+        if not isinstance(columns, dict):
+            raise ValueError(f"columns must be a dict of block indices to counts, got {type(columns).__name__}")
         groups = []
         for j, c in columns.items():
-            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(self.blocks):
+            if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not 0 <= j < len(self.blocks):
                 raise ValueError(f"columns must map block indices in [0, {len(self.blocks)}) to counts, got key {j!r}")
             c = check_int(f"columns[{j}]", c, 0)
             if c:
-                groups.append((self.views[j]._params_of(self.views[j].in_names), c))
+                groups.append((self.views[int(j)]._params_of(self.views[int(j)].in_names), c))
         if self.A._expect is not None and groups:
             self.A._expect(groups)
 
