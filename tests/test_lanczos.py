@@ -199,9 +199,9 @@ def test_a_growing_check_asks_only_for_its_new_piece(monkeypatch):
 
 
 def test_long_float32_norms_and_inner_products_are_accumulated_in_float64():
-    """Over 2^24 + 1 float32 entries (past ``DOT_ROWS``) the norms Lanczos divides by are float64's, rounded, and
-    the inner products it projects by are within their blocks' rounding: a float32 running sum of 2^24 squares is
-    off by about 1e-3."""
+    """Over 2^24 + 1 float32 entries (past ``DOT_ROWS``) the norms Lanczos divides by are within a few ε of
+    float64's, and the inner products it projects by within their blocks' rounding: a float32 running sum of 2^24
+    squares is off by about 1e-3."""
     from blockhess.operators import estimators
 
     g = torch.Generator().manual_seed(0)

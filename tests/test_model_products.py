@@ -249,3 +249,25 @@ def test_a_product_leaves_no_reference_cycle_holding_tensors():
         gc.enable()
     assert cyclic == []
 
+
+
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_norm_stage_passes_in_closed_form_equal_its_jacobians(center, scaled):
+    """A norm stage's ``fwd`` (``J_x G``) and ``back`` (``J_xᵀ w``), taken per token in closed form, equal the
+    products with its per-token Jacobians ``diag(γ) J_n`` (Theorem 2) formed whole: LayerNorm and RMSNorm, with
+    and without ``γ``."""
+    from blockhess.model.stages import NormStage
+
+    gen = torch.Generator().manual_seed(2 * center + scaled)
+    B, L, d, n = 2, 3, 5, 4
+    x = torch.randn(B, L, d, generator=gen, dtype=torch.float64)
+    gamma = torch.randn(d, generator=gen, dtype=torch.float64) if scaled else None
+    st = NormStage(x, 1e-5, gamma, None, ("gamma_F",), center=center)
+    J = st.Jn if gamma is None else gamma[:, None] * st.Jn
+    G = torch.randn(B, L * d, n, generator=gen, dtype=torch.float64)
+    W = torch.randn(B, n, L * d, generator=gen, dtype=torch.float64)
+    assert_close(st.fwd(G), torch.einsum("blij,bljn->blin", J, G.reshape(B, L, d, n)).reshape(B, L * d, n),
+                 what="fwd")
+    assert_close(st.back(W), torch.einsum("blij,brli->brlj", J, W.reshape(B, n, L, d)).reshape(B, n, -1),
+                 what="back")

@@ -49,7 +49,7 @@ PARALLEL_MACS = 1 << 18  # multiply-adds per parallel region of a matrix product
 PARALLEL_ENTRIES = 1 << 18  # entries written by one copy, sum or fill (contiguous rows)
 TRANSPOSE_ENTRIES = 4  # a transposed copy counts each entry this many times (docs/results.md, "The fix")
 
-FREE_CORES_TTL = 0.05  # seconds a reading of free_cores() is kept (a reading costs about 50 µs)
+FREE_CORES_TTL = 0.05  # seconds a reading of free_cores() is kept (a reading scans this process's threads twice)
 
 _state = threading.local()  # .threads: the team for large work within the outermost serial() call
 _reading = {"at": -1.0, "free": None}  # the last free_cores() reading and its time.monotonic()

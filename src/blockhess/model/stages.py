@@ -198,16 +198,11 @@ class NormStage:
     @property
     def Jn(self) -> torch.Tensor:
         """The per-token Jacobians of the normalisation, unscaled, ``(B, L, d, d)`` (Theorem 2), formed on first
-        use by the dense walk (:meth:`fwd`, :meth:`curv`); the products and :meth:`back` take them in closed
-        form per token and never form them (``B·L·d²`` entries)."""
+        use by the dense walk's :meth:`curv` (its ``γ`` cross term is ``d`` wide per token anyway); the
+        products, :meth:`back` and :meth:`fwd` take them in closed form per token (:meth:`_n_dot`)."""
         if self._Jn is None:
             self._Jn = layernorm.per_token_jacobian(self.y, self.r, center=self.center)
         return self._Jn
-
-    @property
-    def J(self) -> torch.Tensor:
-        """``diag(γ) J_n`` per token, ``(B, L, d, d)``, formed on each use (the dense walk's :meth:`fwd`)."""
-        return self.Jn if self.gamma is None else self.gamma[:, None] * self.Jn
 
     vjps = _each_vjp
 
@@ -228,9 +223,14 @@ class NormStage:
         return self._n_dot(w).transpose(0, 1).reshape(B, R, -1)
 
     def fwd(self, G: torch.Tensor) -> torch.Tensor:
+        """``J_x G`` ``(B, L·d, n)`` for ``G`` ``(B, L·d, n)``: ``γ ⊙ (J_n g)`` per token and column (Theorem 2),
+        in closed form (:meth:`_n_dot`), no ``(B, L, d, d)`` Jacobians."""
         B, _, n = G.shape
         L, d = self.x.shape[1:]
-        return torch.einsum("blij,bljn->blin", self.J, G.reshape(B, L, d, n)).reshape(B, L * d, n)
+        out = self._n_dot(G.reshape(B, L, d, n).permute(3, 0, 1, 2))  # (n, B, L, d): the columns as directions
+        if self.gamma is not None:
+            out.mul_(self.gamma)
+        return out.permute(1, 2, 3, 0).reshape(B, L * d, n)
 
     def _c(self, t: torch.Tensor) -> torch.Tensor:
         """``C t`` per row: ``t − mean t`` (LayerNorm), ``t`` itself (RMSNorm)."""
