@@ -1,19 +1,22 @@
 """``python benchmarks/run_of_record.py --out FILE``: issue 29's run of record. On a GPT-2-small-sized
 ``GPT2LMHeadModel`` (the ``gpt2-small`` preset of ``blockhess spectrum --model``: random weights, vocabulary
 50,257), one sequence of 128 random tokens, mean next-token cross-entropy, float32, one thread: the top-5
-eigenvalues (``blockwise_eigs``, Lanczos to ``--tol``, its check included) and the SLQ density
-(``blockwise_slq``, ``--probes`` × ``--steps``) of Zhang et al.'s 25 tensors, in lock-step.
+eigenvalues (``blockwise_eigs``, Lanczos to ``--tol``, ``--check-runs`` checks of at least ``--check`` products
+each) and the SLQ density (``blockwise_slq``, ``--probes`` × ``--steps``) of Zhang et al.'s 25 tensors, in
+lock-step. The densities take the eigensolver's own runs as probes (``probes=``: its first run from a random
+start when ``--ncv`` leaves it ``--steps`` steps before a restart, and its checks, each on the complement of
+the found vectors; docs/derivations.md §17, "Probes kept from the eigensolver"): only the probes still
+missing are drawn and multiplied.
 
 Memory: the 25 tensors hold 66.9M entries, 38.6M of them ``W_E``'s. Every lock-step block keeps its own
-Lanczos basis and, once its residuals are met, its check's, which grows until it certifies the block: at
-``ncv`` 20 the 25 at once went past this machine's 24 GB. So the top-5 runs as two lock-step calls, ``W_E``
-alone and the 24 layer tensors together, and the densities as one lock-step call over all 25, without
-reorthogonalisation (``--reorth none``: 3 vectors per probe and tensor; with ``full`` 32 GB). Each of the
-three phases (``--phases``) runs in a fresh process with its own operator: ``W_E``'s top-5 after the layers'
-in one process was killed by the kernel at 24 GB (docs/results.md, "The run of record"). The log prints every
-10 lock-step products; the JSON keeps each phase's wall time (and its process's, set-up included), products,
-columns per tensor and peak resident memory, the eigenvalues, residuals, checks and densities,
-``os.getloadavg()`` at start and end; ``total_s`` is the whole run's wall time.
+Lanczos basis and its checks', which grow until they certify the block. So the work runs as two phases
+(``--phases``), each in a fresh process with its own operator: ``W_E`` alone and the 24 layer tensors
+together, each its top-5 and then its densities (``W_E``'s top-5 after the layers' in one process was
+killed by the kernel at 24 GB: docs/results.md, "The run of record"). The log prints every 10 lock-step
+products; the JSON keeps each phase's wall time (and its process's, set-up included), the top-5's and the
+densities' products and columns per tensor, the probes each density took from the eigensolver, peak
+resident memory, the eigenvalues, residuals, checks and densities, ``os.getloadavg()`` at start and end;
+``total_s`` is the whole run's wall time.
 """
 
 from __future__ import annotations
@@ -38,13 +41,12 @@ from blockhess_lab import spectrum_model as SM  # noqa: E402
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 
-PHASES = ("eigs_W_E", "eigs_layers", "slq")
+PHASES = ("W_E", "layers")
 
 
 def phase(args, name: str, log) -> dict:
-    """One phase in this process: ``eigs_W_E``, ``eigs_layers`` (the top-k of ``W_E`` alone or of the 24 layer
-    tensors together) or ``slq`` (every tensor's density); its wall time, products, columns, peak memory and
-    per-tensor results."""
+    """One phase in this process: ``W_E`` or ``layers`` (``W_E`` alone or the 24 layer tensors together), the
+    top-k and then the densities; their wall times, products, columns, peak memory and per-tensor results."""
     cfg, params, family = SM.read_model(SM.preset_model(args.model, args.seed), torch.float32, args.model)
     ids = SM.tokens(None, cfg.vocab, 1, args.seq_len, args.seed, cfg.n_positions)
     names = SM.default_tensors(cfg, family)
@@ -52,7 +54,7 @@ def phase(args, name: str, log) -> dict:
     A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
     out = {"operator_s": time.perf_counter() - t}
     log(f"{name}: operator {out['operator_s']:.1f} s; {len(names)} tensors")
-    blocks = {"eigs_W_E": ["W_E"], "eigs_layers": [n for n in names if n != "W_E"], "slq": names}[name]
+    blocks = ["W_E"] if name == "W_E" else [n for n in names if n != "W_E"]
     D = A.block_diagonal(blocks)
     real, state = D.products, {"n": 0, "t": time.perf_counter()}
 
@@ -64,21 +66,29 @@ def phase(args, name: str, log) -> dict:
         return real(X) if out is None else real(X, out)
     D.products = products
     t = time.perf_counter()
-    if name == "slq":
-        R = blockwise_slq(D, n_probes=args.probes, n_iter=args.steps, seed=args.seed, reorth=args.reorth)
-        tensors = {b: {"density": {"grid": R[b].grid.double().tolist(), "density": R[b].density.double().tolist(),
-                                   "sigma": float(R[b].sigma)}} for b in blocks}
-    else:
-        R = blockwise_eigs(D, k=args.k, tol=args.tol, ncv=args.ncv, seed=args.seed, allow_unconverged=True)
-        tensors = {b: {"eigenvalues": R[b].eigenvalues.double().tolist(), "residuals": R[b].residuals.double().tolist(),
-                       "converged": bool(R[b].converged), "miss_probability": float(R[b].miss_probability),
-                       "method": R[b].method, "matvecs": int(R[b].matvecs), "check_matvecs": int(R[b].check_matvecs)}
-                   for b in blocks}
-    out.update({"seconds": time.perf_counter() - t, "products": R.products, "matvecs": dict(R.matvecs),
-                "product_bytes": R.product_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    E = blockwise_eigs(D, k=args.k, tol=args.tol, ncv=args.ncv, check=args.check, check_runs=args.check_runs,
+                       seed=args.seed, allow_unconverged=True)
+    out["eigs"] = {"seconds": time.perf_counter() - t, "products": E.products, "matvecs": dict(E.matvecs),
+                   "product_bytes": E.product_bytes}
+    log(f"{name}: top-{args.k} {out['eigs']['seconds']:.0f} s, {E.products} products")
+    t = time.perf_counter()
+    S = blockwise_slq(D, n_probes=args.probes, n_iter=args.steps, seed=args.seed, reorth=args.reorth, probes=E)
+    out["slq"] = {"seconds": time.perf_counter() - t, "products": S.products, "matvecs": dict(S.matvecs),
+                  "product_bytes": S.product_bytes}
+    log(f"{name}: densities {out['slq']['seconds']:.0f} s, {S.products} products")
+    out.update({"seconds": out["eigs"]["seconds"] + out["slq"]["seconds"], "products": E.products + S.products,
+                "matvecs": {b: E.matvecs[b] + S.matvecs[b] for b in blocks},
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    tensors = {}
     for i, b in enumerate(blocks):
-        tensors[b]["n"] = int(D.sizes[i])
-    log(f"{name}: {out['seconds']:.0f} s, {R.products} products")
+        r, d = E[b], S[b]
+        tensors[b] = {"n": int(D.sizes[i]), "eigenvalues": r.eigenvalues.double().tolist(),
+                      "residuals": r.residuals.double().tolist(), "converged": bool(r.converged),
+                      "miss_probability": float(r.miss_probability), "method": r.method, "matvecs": int(r.matvecs),
+                      "check_matvecs": int(r.check_matvecs),
+                      "probes_kept": sum(1 for q in r.probes if q.steps >= args.steps),
+                      "density": {"grid": d.grid.double().tolist(), "density": d.density.double().tolist(),
+                                  "sigma": float(d.sigma), "matvecs": int(d.matvecs)}}
     return {"phase": out, "tensors": tensors}
 
 
@@ -88,7 +98,9 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--ncv", type=int, default=20)
+    p.add_argument("--ncv", type=int, default=40)
+    p.add_argument("--check", type=int, default=30, help="each check run's fewest products")
+    p.add_argument("--check-runs", type=int, default=3)
     p.add_argument("--probes", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--reorth", default="none", choices=("full", "none"))

@@ -36,7 +36,7 @@ from .. import linalg
 from ..validation import InsufficientMemoryError, check_bool, check_fits, check_int
 from .checks import asymmetry, check_operator, check_symmetric
 
-__all__ = ["NotConvergedError", "EigResult", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "lanczos_bytes",
+__all__ = ["NotConvergedError", "EigResult", "KrylovProbe", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "lanczos_bytes",
            "slq_bytes", "hutchpp_trace",
            "hutchinson_diagonal", "frobenius_norm", "diagonal", "per_block"]
 
@@ -98,6 +98,52 @@ class EigResult:
     method: str
     ncv: int
     miss_probability: float = 1.0
+    probes: tuple = ()
+
+
+@dataclass(frozen=True)
+class KrylovProbe:
+    r"""A Lanczos run of :func:`lanczos_eigs` from a random start, kept so that :func:`slq_density` can take it
+    as one of its probes (``probes=``) without multiplying again.
+
+    ``T`` ``(m, m)`` float64: the operator projected on the run's Krylov basis (full reorthogonalisation),
+    whose first vector is the start, in the operator's own scale. ``deflated`` ``(k,)``: empty for a start
+    uniform on the unit sphere of the whole space (the iteration's first run, before any restart); else
+    the run was on the operator restricted to the orthogonal complement of ``k`` found vectors, from a
+    start uniform on that complement's sphere (a check of :func:`lanczos_eigs`), and these are the found
+    vectors' Ritz values. ``n`` the operator's dimension. :meth:`rule` gives the Gauss rule of its first
+    ``m`` steps (docs/derivations.md §17, "Probes kept from the eigensolver")."""
+
+    T: torch.Tensor
+    deflated: torch.Tensor
+    n: int
+
+    @property
+    def steps(self) -> int:
+        """The run's Lanczos steps (``T``'s order)."""
+        return self.T.shape[0]
+
+    def rule(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        r"""``(nodes, weights, nodes_prev, weights_prev)``, float64: the Gauss rule of the first ``m <=``
+        :attr:`steps` steps (:math:`T_m = Y\Theta Y^	op`: nodes :math:`	heta_j`, weights
+        :math:`Y_{0j}^2`) and of ``m − 1`` steps (the same rule where ``m`` steps span the space: exact).
+        Deflated: the ``k`` found values with weight ``1/n`` each, then the complement's rule scaled by
+        ``(n − k)/n``, :math:`rac1n\sum_i\delta_{	heta_i} + rac{n-k}{n}\sum_j	au_j\delta_{
+ho_j}`: its
+        expectation is the spectral measure of :math:`X\Theta X^	op + PAP` (``P`` the projector on the
+        complement), whose eigenvalues are within :math:`\|PR\|_2 \le \|R\|_F` of ``A``'s (Weyl; ``R`` the
+        found pairs' residuals)."""
+        k = self.deflated.numel()
+        theta, Y = linalg.eigh(self.T[:m, :m])
+        if m < self.n - k:
+            theta_p, Y_p = linalg.eigh(self.T[: m - 1, : m - 1])
+        else:
+            theta_p, Y_p = theta, Y
+        share = (self.n - k) / self.n
+        one = torch.full((k,), 1 / self.n, dtype=torch.float64)
+        pad = torch.zeros(1, dtype=torch.float64) if theta_p.numel() < theta.numel() else one[:0]
+        return (torch.cat([self.deflated, theta]), torch.cat([one, share * Y[0] ** 2]),
+                torch.cat([self.deflated, theta_p, pad]), torch.cat([one, share * Y_p[0] ** 2, pad]))
 
 
 @dataclass(frozen=True)
@@ -533,7 +579,7 @@ def slq_bytes(n: int, dtype: torch.dtype, n_probes: int = 16, n_iter: int = 64, 
 def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: str = "each", max_matvecs: int = 5000,
                  ncv: int | None = None, block_size: int | None = None, check: int = CHECK_COLUMNS, seed: int = 0,
                  v0: torch.Tensor | None = None, allow_unconverged: bool = False, dense_below: int = 0,
-                 failure_probability: float = FAILURE_PROBABILITY) -> EigResult:
+                 failure_probability: float = FAILURE_PROBABILITY, check_runs: int = 1) -> EigResult:
     r"""The ``k`` extreme eigenpairs of a symmetric operator ``A`` ``(n, n)``, each to a stated residual
     :math:`\|A v_i - \lambda_i v_i\|_2 \le b_i`: an :class:`EigResult`.
 
@@ -618,6 +664,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         raise ValueError(f"rel must be one of {RELS}, got {rel!r}")
     max_matvecs = check_int("max_matvecs", max_matvecs, 1)
     check = check_int("check", check, 0)
+    check_runs = check_int("check_runs", check_runs, 1)
     if (isinstance(failure_probability, bool) or not isinstance(failure_probability, numbers.Real)
             or not (0 < failure_probability < 1)):
         raise ValueError(f"failure_probability must be a float in (0, 1), got {failure_probability!r}")
@@ -663,6 +710,13 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     wmax = max(p, (ncv - k) // 2)  # the widest block a restart leaves room for (k Ritz vectors kept)
     matvecs = iterations = restarts = check_mv = 0
     scale, worst_before, check_value, why, miss = 0.0, math.inf, None, None, 1.0
+    first, probes, checks = v0 is None and p == 1, [], []  # the first run from a random start: a probe
+
+    def keep_first(m):  # its Krylov space before any restart, in A's scale
+        nonlocal first
+        if first:
+            probes.append(KrylovProbe(pow2_scale(T[:m, :m].double(), A.e or 0), torch.zeros(0, dtype=torch.float64), n))
+            first = False
     while True:  # a Krylov–Schur run from `start`, its residual product, the check
         m, q = 0, start.shape[1]
         if start.data_ptr() != V.data_ptr():  # (a start taken in after a check is V's first columns already)
@@ -697,6 +751,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             if U.shape[1] == 0 or matvecs + U.shape[1] + k > max_matvecs:
                 break
             if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
+                keep_first(m)
                 w = U.shape[1]
                 kept = _order(theta, which)[: min(k + max(0, (ncv - w - k) // 2), ncv - w, m - 1)]
                 _rotate(V, m, Y[:, kept])
@@ -706,6 +761,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                 restarts += 1
             V[:, m : m + U.shape[1]] = U
             q = m + U.shape[1]
+        keep_first(m)
         X = V[:, :m] @ Y[:, idx]
         lam = theta[idx]
         AX = _mm(A, X)
@@ -742,19 +798,35 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
         if matvecs + c > max_matvecs:
             met, why = False, f"the budget left no room for the check ({c} products)"
             break
-        rho, Z, cm, miss, short = _check(A, V, X, c, gen, float(lam[-1]), float(bounds[-1]), which,
-                                         max_matvecs - matvecs, failure_probability, max(1, wmax - k))
-        matvecs += cm
-        check_mv += cm
-        scale = max(scale, float(rho.abs().max()))
-        check_value = float(rho[_order(rho, which)[0]])
-        beat = _margin(rho, float(lam[-1]), float(bounds[-1]), which) < 0
+        # check_runs independent runs, each from its own start: a miss needs every run to miss, so their bounds
+        # multiply (docs/derivations.md §17, "Several checks"); each run aims at its share of what is left
+        level, got, cm, checks = _product_level(failure_probability, check_runs), [], 0, []
+        for i in range(check_runs):
+            target = min(1.0, (level / math.prod(got)) ** (1 / (check_runs - i))) if all(got) else 1.0
+            rho, Z, cm_i, bound, short, Tc = _check(A, V, X, c, gen, float(lam[-1]), float(bounds[-1]), which,
+                                                    max_matvecs - matvecs, target, max(1, wmax - k))
+            matvecs += cm_i
+            check_mv += cm_i
+            cm += cm_i
+            scale = max(scale, float(rho.abs().max()))
+            check_value = float(rho[_order(rho, which)[0]])
+            beat = _margin(rho, float(lam[-1]), float(bounds[-1]), which) < 0
+            if bool(beat.any()) or short is not None:
+                break
+            got.append(bound)
+            checks.append(KrylovProbe(pow2_scale(Tc, A.e or 0), pow2_scale(lam.double(), A.e or 0), n))
+            if i + 1 < check_runs and matvecs + c > max_matvecs:
+                short = f"the budget left no room for check run {i + 2} of {check_runs} ({c} products)"
+                break
         if not bool(beat.any()):
+            miss = _product_tail(math.prod(got), check_runs) if len(got) == check_runs else 1.0
             if miss > failure_probability:
                 met, why = False, (f"the check could not rule out an eigenvalue beyond the k-th value "
                                    f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}: after {cm} products the probability that it missed one is "
                                    f"bounded only by {miss:.3g} > failure_probability={failure_probability:g} "
                                    f"({short}); raise max_matvecs, or loosen tol or failure_probability")
+            else:
+                probes.extend(checks)
             break
         if matvecs + k + int(beat.sum()) > max_matvecs:
             met, why = False, (f"the check found {math.ldexp(check_value, A.e or 0):.6g}, beyond the k-th value "
@@ -770,7 +842,8 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     e = A.e or 0  # back to A's own scale (exact)
     result = EigResult(pow2_scale(lam, e), X, pow2_scale(res, e), pow2_scale(bounds, e), math.ldexp(scale, e), tol,
                        rel, met, matvecs, iterations, restarts, check_mv,
-                       None if check_value is None else math.ldexp(check_value, e), which, "lanczos", ncv, miss)
+                       None if check_value is None else math.ldexp(check_value, e), which, "lanczos", ncv, miss,
+                       tuple(probes))
     return _finish(result, allow_unconverged, why)
 
 
@@ -798,6 +871,36 @@ def _check_bound(log_beta: float, rho: torch.Tensor, theta_k: float, bound_k: fl
         return _miss_bound(log_beta, rho, theta_k - bound_k, N)
     top = abs(theta_k) + bound_k
     return min(1.0, _miss_bound(log_beta, rho, top, N) + _miss_bound(log_beta, rho, -top, N))
+
+
+def _product_tail(delta: float, r: int) -> float:
+    r"""``P(U_1 ⋯ U_r <= delta)`` for ``r`` independent uniforms on ``[0, 1]``: :math:`\delta\sum_{j<r}
+    \ln(1/\delta)^j / j!` (:math:`-\ln\prod U_i` is Gamma(r, 1)); a bound for independent variables each at
+    least as large as a uniform (:math:`P(V_i \le t) \le t`). 1 for ``delta >= 1``, 0 for ``delta <= 0``."""
+    if delta >= 1:
+        return 1.0
+    if delta <= 0:
+        return 0.0
+    L, term, total = -math.log(delta), 1.0, 1.0
+    for j in range(1, r):
+        term *= L / j
+        total += term
+    return min(1.0, delta * total)
+
+
+def _product_level(failure: float, r: int) -> float:
+    """The ``delta`` with :func:`_product_tail` ``(delta, r) = failure`` (``failure`` itself for ``r = 1``), by
+    bisection on ``log delta``; never above ``failure``."""
+    if r == 1:
+        return failure
+    lo, hi = math.log(failure) - 10 * r - 50, math.log(failure)  # tail(e^lo) < failure <= tail(e^hi)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _product_tail(math.exp(mid), r) > failure:
+            hi = mid
+        else:
+            lo = mid
+    return math.exp(lo)
 
 
 class _Pieces:
@@ -851,7 +954,8 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     a larger basis would not fit in memory. ``(Ritz values, Ritz vectors, products, bound, why)``: the
     Ritz vectors those of the first ``take`` values (ascending) that beat the threshold, ``(n, ≤ take)``;
     ``bound`` the last miss bound (``1`` where a value beat the threshold), ``why`` ``None`` or the reason
-    it stopped short of ``failure``."""
+    it stopped short of ``failure``, ``T`` the restriction's projection on the check's basis (float64, in
+    ``A``'s scale as multiplied; its start first: a :class:`KrylovProbe`'s)."""
     n, k = X.shape
     N = n - k
     eps = torch.finfo(X.dtype).eps
@@ -920,7 +1024,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     for P in basis.upto(k + m, k):  # the wanted Ritz vectors only (never n x m), piece by piece
         Z.addmm_(P, Y[lo : lo + P.shape[1], beat])
         lo += P.shape[1]
-    return rho, Z, products, bound, why
+    return rho, Z, products, bound, why, T
 
 
 def _finish(result: EigResult, allow_unconverged: bool, why: str | None = None) -> EigResult:
@@ -982,7 +1086,8 @@ def _broaden(nodes, weights, nodes_prev, weights_prev, grid, sigma, n):
 
 
 def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: int | torch.Tensor = 512,
-                sigma: float | None = None, reorth: str = "full", *, confidence: float = 0.95) -> SLQResult:
+                sigma: float | None = None, reorth: str = "full", *, confidence: float = 0.95,
+                probes=()) -> SLQResult:
     r"""The spectral density of a symmetric operator ``A`` ``(n, n)`` by stochastic Lanczos quadrature
     (Lin, Saad & Yang 2016; Ubaru, Chen & Saad 2017): an :class:`SLQResult`.
 
@@ -1005,10 +1110,20 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     memory ``3 · n_probes · n``; finite-precision Lanczos still gives a Gauss rule of a nearby measure,
     Greenbaum 1989, with spurious copies of converged nodes).
 
+    ``probes``: :class:`KrylovProbe` runs already made on ``A`` (an :class:`EigResult`'s ``probes``: its first
+    run from a random start, its checks), each with at least ``n_iter`` steps, count as probes (the first
+    ``n_iter`` steps of each: the same Gauss rule a probe from its start would give; the first
+    ``n_probes`` of them); Rademacher probes are drawn and run only for the rest. Their starts are uniform
+    on a sphere (the whole space's, or the complement's of the found vectors, whose values then carry
+    weight ``1/n`` each: :meth:`KrylovProbe.rule`), so the average stays an unbiased estimate, of the
+    spectrum of a matrix within the found pairs' residual norm of ``A`` for a deflated one. ``matvecs``
+    counts the new products only. Shorter runs are not used.
+
     Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a
     dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_probes < 2``, ``n_iter < 2``, a bad
-    ``seed``, ``grid``, ``sigma``, ``reorth`` or ``confidence`` (a float in ``[0.5, 1)``);
-    ``InsufficientMemoryError`` when the basis does not fit.
+    ``seed``, ``grid``, ``sigma``, ``reorth``, ``confidence`` (a float in ``[0.5, 1)``) or ``probes`` (not
+    :class:`KrylovProbe` runs of an operator of ``A``'s dimension); ``InsufficientMemoryError`` when the basis
+    does not fit.
     """
     n, _ = check_operator(A, symmetric=True, who="slq_density")
     P = check_int("n_probes", n_probes, 2)
@@ -1021,6 +1136,32 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
         raise ValueError(f"grid must be an int >= 2 (points) or a 1-d tensor, got {grid!r}")
     if isinstance(grid, torch.Tensor):
         _check_grid(grid)  # before the Lanczos work; broadening checks again for SLQResult.broaden's grids
+    if isinstance(probes, (KrylovProbe, torch.Tensor)) or not all(isinstance(r, KrylovProbe) for r in probes):
+        raise ValueError("probes must be a sequence of KrylovProbe (an EigResult's probes)")
+    if any(r.n != n for r in probes):
+        raise ValueError(f"probes must be runs on an operator of dimension n = {n}, got "
+                         f"{sorted({r.n for r in probes})}")
+    kept = [r for r in probes if r.steps >= m][:P]
+    rules, matvecs = [r.rule(m) for r in kept], 0
+    P_all, P = P, P - len(kept)
+    if P:
+        fresh, matvecs = _slq_rules(A, n, P, m, seed, reorth)
+        rules += fresh
+    M = max(len(r[0]) for r in rules)
+
+    def stack(i):
+        out = torch.zeros(P_all, M, dtype=A.dtype, device=A.device)
+        for p_, r in enumerate(rules):
+            out[p_, : len(r[i])] = r[i].to(out)
+        return out
+    nodes, weights, nodes_prev, weights_prev = (stack(i) for i in range(4))
+    return _slq_result(A, n, m, P_all, nodes, weights, nodes_prev, weights_prev, grid, sigma, reorth, confidence,
+                       matvecs)
+
+
+def _slq_rules(A, n: int, P: int, m: int, seed, reorth: str) -> list:
+    """:func:`slq_density`'s ``P`` Rademacher probes through ``m`` Lanczos steps: ``(rules, matvecs)``, each
+    probe's rule ``(nodes, weights, nodes_prev, weights_prev)``."""
     gen = _generator(seed)
     check_fits(slq_bytes(n, A.dtype, P, m, reorth), f"the Lanczos bases ({P} probes x {m} x {n})", A.device)
     eps = torch.finfo(A.dtype).eps
@@ -1067,19 +1208,21 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
             q[:, ~alive] = 0
         if not bool(alive.any()) or j == m - 1:
             break
-    nodes = torch.zeros(P, m, dtype=A.dtype, device=A.device)
-    weights = torch.zeros_like(nodes)
-    nodes_prev, weights_prev = torch.zeros_like(nodes), torch.zeros_like(nodes)
+    rules = []
     for p in range(P):
         L = int(length[p])
         Tp = torch.diag(alpha[p, :L]) + torch.diag(beta[p, : L - 1], 1) + torch.diag(beta[p, : L - 1], -1)
         theta, Y = linalg.eigh(Tp)
-        nodes[p, :L], weights[p, :L] = theta, Y[0] ** 2
         if L == m and L < n:  # a full-length rule: compare with the one node fewer
-            theta, Y = linalg.eigh(Tp[: L - 1, : L - 1])
-            nodes_prev[p, : L - 1], weights_prev[p, : L - 1] = theta, Y[0] ** 2
+            theta_p, Y_p = linalg.eigh(Tp[: L - 1, : L - 1])
         else:  # the Krylov space is invariant: the rule is exact
-            nodes_prev[p], weights_prev[p] = nodes[p], weights[p]
+            theta_p, Y_p = theta, Y
+        rules.append((theta, Y[0] ** 2, theta_p, Y_p[0] ** 2))
+    return rules, matvecs
+
+
+def _slq_result(A, n, m, P, nodes, weights, nodes_prev, weights_prev, grid, sigma, reorth, confidence, matvecs):
+    """:func:`slq_density`'s result from its probes' Gauss rules ``(P, M)`` (zero weights past a rule's end)."""
     used = weights > 0
     lo, hi = float(nodes[used].min()), float(nodes[used].max())
     spread = hi - lo if hi > lo else (abs(hi) if hi != 0 else 1.0)  # one node value: its size (zero: no scale)

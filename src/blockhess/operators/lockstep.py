@@ -128,9 +128,9 @@ class _Step:
 
 
 def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Callable, plan: Callable) -> Blockwise:
-    """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(view)``
-    the memory one block's estimator allocates, the sum over the blocks checked before any work (the blocks'
-    estimators then allocate at once, each checking only its own); ``plan(view)`` the columns it means to
+    """``estimator(block j, **kwargs, **per_block[j])`` for every block of ``D``, in lock-step; ``nbytes(j,
+    view)`` the memory block ``j``'s estimator allocates, the sum over the blocks checked before any work (the
+    blocks' estimators then allocate at once, each checking only its own); ``plan(j, view)`` the columns it means to
     multiply (fewer where it stops early), given to ``D`` before the first product
     (:meth:`~.operator.BlockDiagonalOperator.expect_columns`). Later, each estimator's own memory checks
     (a check's basis growing) keep free what the products needed at most so far, by the products' own checks
@@ -140,12 +140,12 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
         raise ValueError(f"D must be a BlockDiagonalOperator (A.block_diagonal(blocks)), got {type(D).__name__}")
     m = len(D.blocks)
     try:
-        need = sum(nbytes(v) for v in D.views)
+        need = sum(nbytes(j, v) for j, v in enumerate(D.views))
     except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
         need = 0
     check_fits(need, f"the lock-step estimators' bases ({m} blocks, n = {D.shape[0]})", D.device)
     try:
-        columns = {j: int(plan(v)) for j, v in enumerate(D.views)}
+        columns = {j: int(plan(j, v)) for j, v in enumerate(D.views)}
     except (TypeError, ValueError):  # arguments the estimator refuses by name, in every block's thread below
         columns = {}
     D.expect_columns(columns)
@@ -179,27 +179,43 @@ def _lockstep(D, estimator: Callable, kwargs: dict, per_block: dict, nbytes: Cal
                      {D.blocks[j]: stands[j].calls for j in range(m)}, step.products, room.bytes)
 
 
+def _per_block(D: BlockDiagonalOperator, given, name: str, what: str, take: Callable) -> dict:
+    """``given`` (``None``, a :class:`Blockwise`, or ``{block: value}``) as ``{j: {name: take(value)}}``;
+    ``take`` returns ``None`` for a value it refuses (``ValueError`` naming ``name``, ``what`` it expected)."""
+    if given is None:
+        return {}
+    if isinstance(given, Blockwise):
+        given = given.results
+    if not isinstance(given, dict):
+        raise ValueError(f"{name} must be None, a Blockwise, or a dict block -> {what}, got {type(given).__name__}")
+    index = {b: j for j, b in enumerate(D.blocks)}
+    out = {}
+    for b, v in given.items():
+        key = b if isinstance(b, str) else tuple(b)
+        if key not in index:
+            raise ValueError(f"{name} names a block {b!r} that D does not have; D's blocks are {list(D.blocks)}")
+        got = take(v)
+        if got is None:
+            raise ValueError(f"{name}[{b!r}] must be {what}, got {type(v).__name__}")
+        out[index[key]] = {name: got}
+    return out
+
+
 def _warm_starts(D: BlockDiagonalOperator, v0) -> dict:
     """``v0`` (``None``, ``{block: (n_b,) or (n_b, j) tensor}``, or a :class:`Blockwise` / dict of
     :class:`EigResult`, whose eigenvectors are taken) as ``{j: {"v0": tensor}}``."""
-    if v0 is None:
-        return {}
-    if isinstance(v0, Blockwise):
-        v0 = v0.results
-    if not isinstance(v0, dict):
-        raise ValueError(f"v0 must be None, a dict block -> tensor or EigResult, or a Blockwise, got {type(v0).__name__}")
-    index = {b: j for j, b in enumerate(D.blocks)}
-    out = {}
-    for b, v in v0.items():
-        key = b if isinstance(b, str) else tuple(b)
-        if key not in index:
-            raise ValueError(f"v0 names a block {b!r} that D does not have; D's blocks are {list(D.blocks)}")
-        if isinstance(v, EigResult):
-            v = v.eigenvectors
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"v0[{b!r}] must be a tensor or an EigResult, got {type(v).__name__}")
-        out[index[key]] = {"v0": v}
-    return out
+    def take(v):
+        v = v.eigenvectors if isinstance(v, EigResult) else v
+        return v if isinstance(v, torch.Tensor) else None
+    return _per_block(D, v0, "v0", "a tensor or an EigResult", take)
+
+
+def _kept_probes(D: BlockDiagonalOperator, probes) -> dict:
+    """``probes`` (``None``, a :class:`Blockwise` of :class:`EigResult`, or ``{block: EigResult or sequence of
+    KrylovProbe}``) as ``{j: {"probes": tuple}}``."""
+    def take(r):
+        return tuple(r.probes) if isinstance(r, EigResult) else tuple(r) if isinstance(r, (list, tuple)) else None
+    return _per_block(D, probes, "probes", "an EigResult or a sequence of KrylovProbe", take)
 
 
 def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -> Blockwise:
@@ -215,7 +231,7 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
     :class:`~.operator.BlockDiagonalOperator` or a bad ``v0``; every block's errors as
     :func:`~.estimators.lanczos_eigs` (the first block's that raised, after every block has finished; its
     :class:`~.estimators.NotConvergedError` holds that block's result)."""
-    def nbytes(view):
+    def nbytes(j, view):
         n = view.shape[0]
         if n <= kwargs.get("dense_below", 0):
             return 2 * n * n * view.dtype.itemsize
@@ -224,25 +240,36 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
         return lanczos_bytes(n, view.dtype, k, kwargs.get("ncv"), kwargs.get("block_size"),
                              kwargs.get("check", CHECK_COLUMNS))
 
-    def plan(view):  # a converged run's fewest: k Ritz vectors, their residual product, the check's first products
+    def plan(j, view):  # a converged run's fewest: k Ritz vectors, their residual product, the checks' first products
         n = view.shape[0]
         if n <= kwargs.get("dense_below", 0) or view.kronecker_factors() is not None:
             return 0
-        return 2 * min(k, n) + (min(kwargs.get("check", CHECK_COLUMNS), n - k) if n > k else 0)
+        runs = kwargs.get("check_runs", 1)
+        return 2 * min(k, n) + (runs * min(kwargs.get("check", CHECK_COLUMNS), n - k) if n > k else 0)
 
     return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0), nbytes, plan)
 
 
-def blockwise_slq(D: BlockDiagonalOperator, **kwargs) -> Blockwise:
+def blockwise_slq(D: BlockDiagonalOperator, *, probes=None, **kwargs) -> Blockwise:
     r"""Every block's spectral density in lock-step: for each block ``b`` of ``D``,
     :func:`~.estimators.slq_density` on ``A[b, b]`` with ``kwargs`` (``n_probes``, ``n_iter``, ``seed``,
     ``grid``, ``sigma``, ``reorth``, ``confidence``: the same for every block, so each block gets the probes
     the per-block call draws), every block's probes multiplied in one ``D.products`` per Lanczos step.
-    Returns a :class:`Blockwise` of :class:`SLQResult`. Raises ``ValueError`` for a ``D`` that is not a
-    :class:`~.operator.BlockDiagonalOperator`; every block's errors as :func:`~.estimators.slq_density`."""
-    return _lockstep(D, slq_density, kwargs, {}, lambda view: slq_bytes(
-        view.shape[0], view.dtype, kwargs.get("n_probes", 16), kwargs.get("n_iter", 64), kwargs.get("reorth", "full")),
-        lambda view: kwargs.get("n_probes", 16) * min(kwargs.get("n_iter", 64), view.shape[0]))  # (fewer on a breakdown)
+    ``probes``: the runs :func:`blockwise_eigs` already made (its :class:`Blockwise`, or ``{block:
+    EigResult or sequence of KrylovProbe}``), taken as each block's ``probes=``: a block whose runs are long
+    enough makes no product. Returns a :class:`Blockwise` of :class:`SLQResult`. Raises ``ValueError`` for a
+    ``D`` that is not a :class:`~.operator.BlockDiagonalOperator` or bad ``probes``; every block's errors as
+    :func:`~.estimators.slq_density`."""
+    kept = _kept_probes(D, probes)
+    P, m = kwargs.get("n_probes", 16), kwargs.get("n_iter", 64)
+
+    def fresh(j, view):  # the probes block j still draws
+        runs = kept.get(j, {}).get("probes", ())
+        return max(0, P - sum(1 for r in runs if r.steps >= min(m, view.shape[0])))
+
+    return _lockstep(D, slq_density, kwargs, kept, lambda j, view: slq_bytes(
+        view.shape[0], view.dtype, fresh(j, view), m, kwargs.get("reorth", "full")),
+        lambda j, view: fresh(j, view) * min(m, view.shape[0]))  # (fewer on a breakdown)
 
 
 def _probabilities(p, what: str) -> torch.Tensor:
