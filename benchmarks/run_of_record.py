@@ -86,7 +86,7 @@ def phase(args, name: str, log) -> dict:
                       "residuals": r.residuals.double().tolist(), "converged": bool(r.converged),
                       "miss_probability": float(r.miss_probability), "method": r.method, "matvecs": int(r.matvecs),
                       "check_matvecs": int(r.check_matvecs),
-                      "probes_kept": sum(1 for q in r.probes if q.steps >= args.steps),
+                      "probes_kept": sum(1 for q in r.probes if q.covers(args.steps)),
                       "density": {"grid": d.grid.double().tolist(), "density": d.density.double().tolist(),
                                   "sigma": float(d.sigma), "matvecs": int(d.matvecs)}}
     return {"phase": out, "tensors": tensors}

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import blockhess as bh
-from blockhess.operators import HessianOperator, NotConvergedError, lanczos_eigs
+from blockhess.operators import HessianOperator, NotConvergedError, estimators, lanczos_eigs, slq_density
 
 DT = torch.float64
 EPS = torch.finfo(DT).eps
@@ -609,3 +609,114 @@ def test_an_operator_at_the_edge_of_the_dtype(dtype, scale):
     assert res.converged and torch.allclose(res.eigenvalues.double(), want, rtol=1e-4 if dtype == torch.float32 else 1e-9)
     assert bool((res.residuals <= res.bounds).all()) and bool((res.residuals > 0).any())
     assert res.scale == pytest.approx(3.0 * scale, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- several checks, the runs kept as probes
+
+
+def test_several_checks_multiply_their_bounds_by_the_gamma_tail():
+    """``check_runs`` independent checks certify together where the product of their bounds is at most the
+    level whose tail under a product of uniforms is ``failure_probability``: the tail formula against
+    sampling, the level against the tail, one run the old rule."""
+    tail, level = estimators._product_tail, estimators._product_level
+    assert tail(1e-3, 1) == 1e-3 and level(1e-6, 1) == 1e-6 and tail(1.5, 3) == 1.0 and tail(0.0, 3) == 0.0
+    for r in (2, 3, 5):
+        lv = level(1e-6, r)
+        assert lv < 1e-6 and tail(lv, r) <= 1e-6 and tail(lv * (1 + 1e-9), r) > 1e-6 * (1 - 1e-6)
+    U = torch.rand(400_000, 3, generator=torch.Generator().manual_seed(0), dtype=DT).prod(1)
+    for d in (1e-3, 1e-2, 0.1):
+        p, t = float((U <= d).double().mean()), tail(d, 3)
+        assert abs(p - t) <= 5 * math.sqrt(t * (1 - t) / U.numel()), (d, p, t)
+
+
+def test_the_first_run_is_kept_as_the_probe_of_its_start():
+    """The first run from a random start, up to its first restart, is the Lanczos run of that start (the
+    solver's first Gaussian draw): its projected matrix equals the one a plain Lanczos with full
+    reorthogonalisation builds from the same start, in ``A``'s scale (the operator is scaled by a power of
+    two inside); a warm start or a wider block keeps no such run."""
+    M = _matrix(torch.cat([torch.tensor([3.0, 2.9, 2.8], dtype=DT), _bulk(297, -1.0, 2.0, 2)]), seed=3) * 2.0**40
+    n, m = M.shape[0], 24
+    res = lanczos_eigs(M, k=3, tol=TOL, ncv=m, seed=7)
+    main = res.probes[0]
+    assert res.restarts > 0 and main.steps == m and main.deflated.numel() == 0 and main.n == n
+    q = estimators._gaussian(estimators._generator(7), (n, 1), M)[:, 0]
+    Q = torch.zeros(n, m, dtype=DT)
+    Q[:, 0] = q / q.norm()
+    for j in range(1, m):
+        w = M @ Q[:, j - 1]
+        for _ in range(2):
+            w = w - Q[:, :j] @ (Q[:, :j].T @ w)
+        Q[:, j] = w / w.norm()
+    T = Q.T @ M @ Q
+    assert float((main.T - T).norm() / T.norm()) < 1e-10
+    nodes, weights, _, _ = main.rule(m)
+    for j in range(4):  # the Gauss rule of the start's measure: its moments
+        moment = float(q @ torch.linalg.matrix_power(M / 2.0**40, j) @ q / (q @ q))
+        assert abs(float((weights * (nodes / 2.0**40) ** j).sum()) - moment) < 1e-10 * max(1.0, abs(moment))
+    assert all(p.deflated.numel() for p in lanczos_eigs(M, k=3, tol=TOL, ncv=m, v0=q).probes)
+    assert all(p.deflated.numel() for p in lanczos_eigs(M, k=3, tol=TOL, ncv=m, block_size=2).probes)
+
+
+def test_several_checks_are_kept_as_probes_of_the_complement():
+    """``check_runs=3``: three checks of at least ``check`` products each, the miss bound at most
+    ``failure_probability``, each kept as a run on the complement of the found vectors (their values its
+    ``deflated``); its Ritz values lie in the complement's spectrum, below the found ones."""
+    lam = torch.cat([torch.tensor([5.0, 4.0, 3.5], dtype=DT), _bulk(397, -1.0, 2.0, 4)])
+    M = _matrix(lam, seed=5)
+    res = lanczos_eigs(M, k=3, tol=TOL, check=20, check_runs=3, ncv=40)
+    _assert_extreme(res, M, 3, "LA")
+    assert res.miss_probability <= 1e-6 and res.check_matvecs >= 60
+    checks = [p for p in res.probes if p.deflated.numel()]
+    assert len(checks) == 3 and len(res.probes) == 4
+    for p in checks:
+        assert p.steps >= 20 and torch.equal(p.deflated, res.eigenvalues)
+        ritz = torch.linalg.eigvalsh(p.T)
+        assert float(ritz.max()) <= 2.0 + 1e-8 and float(ritz.min()) >= -1.0 - 1e-8
+        nodes, weights, _, _ = p.rule(20)
+        assert abs(float(weights.sum()) - 1) < 1e-12 and bool((weights[:3] == 1 / 400).all())
+    one = lanczos_eigs(M, k=3, tol=TOL, check=20)
+    assert one.miss_probability <= 1e-6 and len([p for p in one.probes if p.deflated.numel()]) == 1
+
+
+def test_the_kept_probes_average_to_the_spectral_measure():
+    """Over seeds, the density from the kept runs alone (no new product) integrates ``x`` and ``x²`` to
+    ``tr A / n`` and ``tr A² / n`` within sampling error; the checks' rules without the found values'
+    weight would miss the first by far (the test sees that weight)."""
+    lam = torch.cat([torch.tensor([20.0, 15.0, 12.0], dtype=DT), _bulk(77, -1.0, 1.0, 6)])
+    M = _matrix(lam, seed=8)
+    n = M.shape[0]
+    first, second, blind = [], [], []
+    for seed in range(150):
+        res = lanczos_eigs(M, k=3, tol=1e-10, ncv=20, check=8, check_runs=2, seed=seed)
+        S = slq_density(M, n_probes=3, n_iter=8, probes=res.probes)
+        assert S.matvecs == 0 and S.n_probes == 3
+        first.append(S.integral(lambda x: x).value)
+        second.append(S.integral(lambda x: x * x).value)
+        for p in res.probes[1:]:
+            nodes, w, _, _ = p.rule(8)
+            blind.append(float((w[3:] * nodes[3:]).sum() / w[3:].sum()))
+    for got, exact in ((first, float(lam.mean())), (second, float((lam**2).mean()))):
+        g = torch.tensor(got, dtype=DT)
+        assert abs(float(g.mean()) - exact) <= 4 * float(g.std()) / math.sqrt(g.numel()), (float(g.mean()), exact)
+    b = torch.tensor(blind, dtype=DT)
+    assert abs(float(b.mean()) - float(lam.mean())) > 8 * float(b.std()) / math.sqrt(b.numel())
+
+
+def test_slq_takes_the_kept_runs_long_enough_and_draws_the_rest():
+    """Runs shorter than ``n_iter`` are not used (the probes are drawn and multiplied instead); more runs
+    than ``n_probes``: the first ones; bad ``probes`` are refused by name."""
+    M = _matrix(torch.cat([torch.tensor([3.0, 2.5], dtype=DT), _bulk(118, -1.0, 1.0, 9)]), seed=9)
+    res = lanczos_eigs(M, k=2, tol=1e-10, ncv=30, check=10, check_runs=3)
+    assert len(res.probes) == 4 and min(p.steps for p in res.probes) >= 10
+    assert slq_density(M, n_probes=2, n_iter=10, probes=res.probes).matvecs == 0
+    assert slq_density(M, n_probes=6, n_iter=10, probes=res.probes).matvecs == 2 * 10
+    long = max(p.steps for p in res.probes) + 1
+    assert slq_density(M, n_probes=2, n_iter=long, probes=res.probes).matvecs == 2 * long
+    with pytest.raises(ValueError, match="probes must be a sequence of KrylovProbe"):
+        slq_density(M, n_probes=2, n_iter=10, probes=res.probes[0])
+    with pytest.raises(ValueError, match="probes must be a sequence of KrylovProbe"):
+        slq_density(M, n_probes=2, n_iter=10, probes=[res.eigenvectors])
+    with pytest.raises(ValueError, match=r"probes must be runs on an operator of dimension n = 60"):
+        slq_density(M[:60, :60], n_probes=2, n_iter=10, probes=res.probes)
+    with pytest.raises(ValueError, match="check_runs must be"):
+        lanczos_eigs(M, k=2, check_runs=0)

@@ -192,6 +192,28 @@ def test_blockwise_slq_equals_per_block():
     assert S.products == max(S.calls.values()) == 8
 
 
+def test_blockwise_slq_takes_the_eigensolvers_runs_as_probes():
+    """``blockwise_slq(D, probes=E)``: every block's density is the per-block ``slq_density`` with that block's
+    kept runs (the same nodes and density), and a block whose runs are enough (a check that spans its
+    complement included) multiplies nothing. Bad ``probes`` are refused by name."""
+    A, D = _lm()
+    E = blockwise_eigs(D, k=2, tol=1e-9, ncv=12, check=6, check_runs=2)
+    S = blockwise_slq(D, n_probes=3, n_iter=6, seed=5, probes=E)
+    for b in D.blocks:
+        one = slq_density(A[b, b], n_probes=3, n_iter=6, seed=5, probes=E[b].probes)
+        m = min(6, D.sizes[D.blocks.index(b)])
+        kept = sum(1 for p in E[b].probes if p.steps >= min(m, p.n - p.deflated.numel()))
+        assert S[b].matvecs == one.matvecs == S.matvecs[b] == max(0, 3 - kept) * m
+        assert_close(S[b].nodes, one.nodes, tol=1e-10, what=f"{b} SLQ nodes")
+        assert_close(S[b].density, one.density, tol=1e-10, what=f"{b} SLQ density")
+    assert any(S.matvecs[b] == 0 for b in D.blocks)
+    assert S.products == max(S.calls.values())
+    with pytest.raises(ValueError, match="probes names a block 'nope' that D does not have"):
+        blockwise_slq(D, n_probes=3, n_iter=6, probes={"nope": E["W_E"]})
+    with pytest.raises(ValueError, match=r"probes\['W_E'\] must be an EigResult or a sequence of KrylovProbe"):
+        blockwise_slq(D, n_probes=3, n_iter=6, probes={"W_E": 3})
+
+
 def test_lockstep_estimators_tell_the_head_their_plan(monkeypatch):
     """Before the first product each lock-step estimator gives ``D`` the columns it means to multiply; the
     model's head hears those of the blocks without a direction of its own (the tied ``W_E``'s are not

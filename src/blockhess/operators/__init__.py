@@ -8,7 +8,7 @@ product at once, and :mod:`blockhess.operators.lockstep` the blocks' estimators 
 (:mod:`blockhess.operators.solve`) give exact damped inverse products by CG or MINRES.
 """
 
-from .estimators import (EigResult, Estimate, NotConvergedError, SLQResult, diagonal, frobenius_norm,
+from .estimators import (EigResult, Estimate, KrylovProbe, NotConvergedError, SLQResult, diagonal, frobenius_norm,
                          hutchinson_diagonal, hutchpp_trace, lanczos_eigs, per_block, slq_density)
 from .operator import BlockDiagonalOperator, Diagonal, HessianOperator, Product, Products, head_views, mean_operator
 from .engines import hessian_operator
@@ -16,7 +16,7 @@ from .lockstep import Blockwise, blockwise_eigs, blockwise_slq, js_distance
 from .solve import IndefiniteError, InfluenceResult, SolveResult, influence, solve
 
 __all__ = ["hessian_operator", "HessianOperator", "Product", "Diagonal", "mean_operator", "head_views", "NotConvergedError", "EigResult",
-           "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace", "hutchinson_diagonal",
+           "KrylovProbe", "Estimate", "SLQResult", "lanczos_eigs", "slq_density", "hutchpp_trace", "hutchinson_diagonal",
            "frobenius_norm", "diagonal", "per_block", "solve", "influence", "SolveResult", "InfluenceResult",
            "IndefiniteError", "BlockDiagonalOperator", "Products", "Blockwise", "blockwise_eigs", "blockwise_slq",
            "js_distance"]

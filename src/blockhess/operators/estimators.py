@@ -78,8 +78,9 @@ class EigResult:
     Kronecker paths),
     ``miss_probability`` (the check's bound on the probability that an eigenvalue beyond the ``k``-th found
     one was missed: at most ``failure_probability`` when converged with a check, 1 without a check, 0 for
-    the dense path). Each eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for
-    symmetric ``A``)."""
+    the dense path), ``probes`` the runs from random starts kept for :func:`slq_density` (:class:`KrylovProbe`:
+    the first run before any restart, where it started at random with one column; the certifying checks).
+    Each eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
 
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
@@ -123,17 +124,22 @@ class KrylovProbe:
         """The run's Lanczos steps (``T``'s order)."""
         return self.T.shape[0]
 
+    def covers(self, m: int) -> bool:
+        """Whether the run has the ``m`` steps a probe of ``m`` steps needs: at least ``m``, or all of its
+        space's (``n``, or ``n − k`` on a complement: its Gauss rule is then exact)."""
+        return self.steps >= min(m, self.n - self.deflated.numel())
+
     def rule(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        r"""``(nodes, weights, nodes_prev, weights_prev)``, float64: the Gauss rule of the first ``m <=``
-        :attr:`steps` steps (:math:`T_m = Y\Theta Y^	op`: nodes :math:`	heta_j`, weights
+        r"""``(nodes, weights, nodes_prev, weights_prev)``, float64: the Gauss rule of the first ``m`` steps (all
+        of them where the run has fewer) (:math:`T_m = Y\Theta Y^\top`: nodes :math:`\theta_j`, weights
         :math:`Y_{0j}^2`) and of ``m − 1`` steps (the same rule where ``m`` steps span the space: exact).
         Deflated: the ``k`` found values with weight ``1/n`` each, then the complement's rule scaled by
-        ``(n − k)/n``, :math:`rac1n\sum_i\delta_{	heta_i} + rac{n-k}{n}\sum_j	au_j\delta_{
-ho_j}`: its
-        expectation is the spectral measure of :math:`X\Theta X^	op + PAP` (``P`` the projector on the
+        ``(n − k)/n``, :math:`\frac1n\sum_i\delta_{\theta_i} + \frac{n-k}{n}\sum_j\tau_j\delta_{\rho_j}`: its
+        expectation is the spectral measure of :math:`X\Theta X^\top + PAP` (``P`` the projector on the
         complement), whose eigenvalues are within :math:`\|PR\|_2 \le \|R\|_F` of ``A``'s (Weyl; ``R`` the
         found pairs' residuals)."""
         k = self.deflated.numel()
+        m = min(m, self.steps)
         theta, Y = linalg.eigh(self.T[:m, :m])
         if m < self.n - k:
             theta_p, Y_p = linalg.eigh(self.T[: m - 1, : m - 1])
@@ -625,6 +631,16 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     lies, with probability at least ``1 − miss_probability``, within :math:`b_k + \|R\|_2` of the
     ``i``-th wanted eigenvalue of ``A`` (``R = AX − XΘ``; docs/derivations.md §17).
 
+    ``check_runs`` (default 1): that many independent checks, one after another, each from its own start
+    and of at least ``check`` products. A missed eigenvalue must escape every one, so their bounds
+    :math:`p_i` multiply: the miss probability is at most :math:`\delta\sum_{j<r}\ln(1/\delta)^j/j!`,
+    :math:`\delta = \prod_i p_i` (the tail of a product of ``r`` uniforms; docs/derivations.md §17,
+    "Several checks"), and each run stops at its share of the level that makes this ``failure_probability``.
+    A run finding a value beyond the threshold starts the checks over after taking it in. The runs are
+    kept in ``probes`` (with the first run's, where it started at random with ``block_size`` 1, up to its
+    first restart): :func:`slq_density` takes them as probes, so a density after a top-k needs fewer
+    products or none.
+
     ``v0`` ``(n,)`` or ``(n, j)``: a warm start (e.g. the eigenvectors of a nearby operator); with ``j >=
     block_size`` the start block is ``block_size`` random combinations of its columns, else its columns
     plus random ones. Residuals certify eigenpairs; that they are the extreme ones is the check's to say.
@@ -644,7 +660,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     ``A`` not symmetric (an off-diagonal view ``A[a, b]``, a dense tensor beyond rounding; before any
     product), ``tol`` not in ``(ε, 1)`` of the dtype, ``failure_probability`` not in ``(0, 1)``, ``rel`` not ``"each"``
     or ``"scale"``, a bad ``ncv`` (``< k +
-    2·block_size`` below ``n``), ``block_size``, ``check``, ``max_matvecs``, ``seed`` or ``v0``;
+    2·block_size`` below ``n``), ``block_size``, ``check``, ``check_runs``, ``max_matvecs``, ``seed`` or ``v0``;
     ``InsufficientMemoryError`` when the basis ``n × max(ncv, k + check)`` (and the ``2k`` vectors of the residual
     product) does not fit. Source: Golub & Van Loan, *Matrix Computations*, §10.3 (block Lanczos); G. W.
     Stewart, SIAM J. Matrix Anal. Appl. 23 (2001) (Krylov–Schur); M. E. Hochstenbach, J. Sci. Comput. 57
@@ -1117,7 +1133,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     on a sphere (the whole space's, or the complement's of the found vectors, whose values then carry
     weight ``1/n`` each: :meth:`KrylovProbe.rule`), so the average stays an unbiased estimate, of the
     spectrum of a matrix within the found pairs' residual norm of ``A`` for a deflated one. ``matvecs``
-    counts the new products only. Shorter runs are not used.
+    counts the new products only. Shorter runs are not used (:meth:`KrylovProbe.covers`).
 
     Raises ``ValueError`` for an ``A`` that is not symmetric (an off-diagonal view ``A[a, b]``, named; a
     dense tensor with ``‖A − Aᵀ‖_F > n ε ‖A‖_F``; before any product), ``n_probes < 2``, ``n_iter < 2``, a bad
@@ -1141,7 +1157,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if any(r.n != n for r in probes):
         raise ValueError(f"probes must be runs on an operator of dimension n = {n}, got "
                          f"{sorted({r.n for r in probes})}")
-    kept = [r for r in probes if r.steps >= m][:P]
+    kept = [r for r in probes if r.covers(m)][:P]
     rules, matvecs = [r.rule(m) for r in kept], 0
     P_all, P = P, P - len(kept)
     if P:

@@ -265,7 +265,7 @@ def blockwise_slq(D: BlockDiagonalOperator, *, probes=None, **kwargs) -> Blockwi
 
     def fresh(j, view):  # the probes block j still draws
         runs = kept.get(j, {}).get("probes", ())
-        return max(0, P - sum(1 for r in runs if r.steps >= min(m, view.shape[0])))
+        return max(0, P - sum(1 for r in runs if r.covers(min(m, view.shape[0]))))
 
     return _lockstep(D, slq_density, kwargs, kept, lambda j, view: slq_bytes(
         view.shape[0], view.dtype, fresh(j, view), m, kwargs.get("reorth", "full")),
