@@ -19,7 +19,10 @@ tensors, :mod:`blockhess.operators.lockstep`):
    the relative residual ``--tol``, each converged value within its residual of an eigenvalue of the
    tensor's block ``A[b, b]``; an unconverged one recorded as such, exit 1);
 2. every tensor's spectral density by :func:`~blockhess.operators.blockwise_slq` (``--probes`` ×
-   ``--slq-steps``);
+   ``--slq-steps``), taking the top-k's own runs from random starts as probes: its first run (where
+   ``--ncv`` leaves it ``--slq-steps`` steps) and its ``--probes`` − 1 checks of at least ``--slq-steps``
+   products each, so that only the probes still missing are multiplied (docs/derivations.md §17, "Probes
+   kept from the eigensolver");
 3. the Jensen–Shannon distance (base 2) between every two tensors' densities,
    :func:`~blockhess.operators.js_distance`, both broadened with the wider of their two widths (a narrow
    density on the pair's grid would fall between its points), and its heat map;
@@ -45,6 +48,7 @@ import torch
 
 import blockhess as bh
 from blockhess.operators import blockwise_eigs, blockwise_slq, js_distance
+from blockhess.operators.estimators import CHECK_COLUMNS
 from . import plots
 from .bench_worker import peak_bytes
 from .compare import float64_llama
@@ -303,8 +307,10 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
     t = time.perf_counter()
     D @ V
     product = time.perf_counter() - t
+    # checks long enough to be the densities' probes (with the first run, where it is kept): docs/derivations.md
+    # §17, "Probes kept from the eigensolver"
     kw = dict(which=s["which"], tol=s["tol"], max_matvecs=s["max_matvecs"], seed=s["seed"], allow_unconverged=True,
-              ncv=s["ncv"])
+              ncv=s["ncv"], check=max(CHECK_COLUMNS, s["slq_steps"]), check_runs=max(1, s["probes"] - 1))
     log and log(f"top-{s['k']} of {len(names)} tensors in lock-step" + (" (warm start)" if v0 is not None else ""))
     t = time.perf_counter()
     E = blockwise_eigs(D, k=s["k"], v0=v0, **kw)
@@ -320,7 +326,7 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
                        "converged": all(C[b].converged for b in names)}
     log and log(f"SLQ densities, {s['probes']} probes x {s['slq_steps']} steps")
     t = time.perf_counter()
-    S = blockwise_slq(D, n_probes=s["probes"], n_iter=s["slq_steps"], seed=s["seed"], reorth=s["reorth"])
+    S = blockwise_slq(D, n_probes=s["probes"], n_iter=s["slq_steps"], seed=s["seed"], reorth=s["reorth"], probes=E)
     slq_s = time.perf_counter() - t
     for b in names:
         r, d = E[b], S[b]
