@@ -720,3 +720,23 @@ def test_slq_takes_the_kept_runs_long_enough_and_draws_the_rest():
         slq_density(M[:60, :60], n_probes=2, n_iter=10, probes=res.probes)
     with pytest.raises(ValueError, match="check_runs must be"):
         lanczos_eigs(M, k=2, check_runs=0)
+
+
+def test_the_last_columns_first_then_one_pass_over_the_basis(monkeypatch):
+    """``_project_out(B, W, recent)``: the same projection and coefficients as without ``recent`` (float64,
+    a basis in two pieces), and where ``W`` lies mostly along the last two columns (a Lanczos product) one
+    pass over the whole basis instead of two."""
+    g = torch.Generator().manual_seed(3)
+    Q = torch.linalg.qr(torch.randn(500, 30, generator=g, dtype=DT))[0]
+    pieces = [Q[:, :20], Q[:, 20:]]
+    W = 3.0 * Q[:, -1:] + 2.0 * Q[:, -2:-1] + 1e-3 * torch.randn(500, 1, generator=g, dtype=DT)
+    calls = []
+    dots = estimators._dots
+    monkeypatch.setattr(estimators, "_dots", lambda B, X: calls.append(B.shape[1]) or dots(B, X))
+    plain, C, _ = estimators._project_out(pieces, W)
+    passes_plain = calls.count(20)
+    calls.clear()
+    first, C2, _ = estimators._project_out(pieces, W, 2)
+    assert calls.count(20) == 1 < passes_plain == 2
+    assert float((first - plain).norm() / plain.norm()) < 1e-12 and float((C2 - C).norm() / C.norm()) < 1e-12
+    assert float((Q.T @ first).abs().max()) < 1e-15

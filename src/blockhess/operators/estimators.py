@@ -47,6 +47,7 @@ DGKS = 1 / math.sqrt(2)  # a Gram–Schmidt pass is repeated where a column kept
 DOT_ROWS = 1 << 16  # inner products over more rows than this are summed by blocks in float64: _dots
 NORM_ROWS = 1 << 12  # ... and norms by blocks of this many entries, each block's in float32: _norms
 ROTATE_ENTRIES = 1 << 22  # a restart's rows in blocks of this many basis entries (16 MB in float32): _rotate
+POW2_FREE = 16  # a first product of 2^-16 to 2^16 in size is not rescaled: _Pow2Scaled (exact either way)
 CHECK_COLUMNS = 10  # lanczos_eigs's default check: at least this many products on the complement of the found vectors
 FAILURE_PROBABILITY = 1e-6  # lanczos_eigs's default: the check's bound on the probability of a missed eigenvalue
 IDENTITY_COLUMNS = 512  # columns of the identity multiplied at a time for exact (column-by-column) results
@@ -350,8 +351,9 @@ def pow2_exponent(t: torch.Tensor) -> int:
 
 
 class _Pow2Scaled:
-    """``A`` times ``2^{-e}``, ``e`` fixed by its first product (:func:`pow2_exponent` of it): the same eigenvectors,
-    every eigenvalue, residual and bound scaled exactly, and the iteration's norms and inner products far from
+    """``A`` times ``2^{-e}``, ``e`` fixed by its first product (:func:`pow2_exponent` of it, taken as 0 within
+    ``±POW2_FREE``: no pass over the product where the scale is already safe): the same eigenvectors, every
+    eigenvalue, residual and bound scaled exactly, and the iteration's norms and inner products far from
     under- and overflow whatever ``A``'s scale (entries of ``1e-200`` square to zero in float64)."""
 
     def __init__(self, A):
@@ -361,7 +363,8 @@ class _Pow2Scaled:
     def __matmul__(self, X: torch.Tensor) -> torch.Tensor:
         Y = _mm(self.A, X)
         if self.e is None:
-            self.e = pow2_exponent(Y)
+            e = pow2_exponent(Y)
+            self.e = 0 if abs(e) <= POW2_FREE else e
         return pow2_scale(Y, -self.e)
 
 
@@ -419,15 +422,25 @@ def _dots(B: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     return C.to(W.dtype)
 
 
-def _project_out(B, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _project_out(B, W: torch.Tensor, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``W`` minus its projection on the orthonormal columns of ``B`` (a tensor, or a sequence of tensors whose
     columns side by side are the basis: a basis held in pieces) by classical Gram–Schmidt, a second
     pass where the first cancelled more than ``1 − 1/√2`` of a column's norm (Daniel, Gragg, Kaufman &
     Stewart 1976; "twice is enough", Kahan): ``(W', Bᵀ W of the passes together, ref)``, ``ref`` the
-    Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``)."""
+    Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``). ``recent``: the
+    basis' last ``recent`` columns are projected out first, alone (a Lanczos product lies mostly along
+    the last block and the one before, in exact arithmetic wholly): the pass over the whole basis then
+    cancels little, and the second pass over it is rarely needed (half the reads of a long basis)."""
     Bs = [B] if isinstance(B, torch.Tensor) else [b for b in B if b.shape[1]]
     if not Bs or Bs[0].shape[1] == 0:
         return W, W.new_zeros(0, W.shape[1]), _fro(W)
+    if recent > 0:
+        last = Bs[-1][:, -min(recent, Bs[-1].shape[1]) :]
+        C_last = _dots(last, W)
+        W = torch.addmm(W, last, C_last, alpha=-1)
+        W, C, ref = _project_out(Bs, W)
+        C[C.shape[0] - C_last.shape[0] :] += C_last
+        return W, C, ref
 
     def one_pass(W):
         C = [_dots(b, W) for b in Bs]
@@ -748,7 +761,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                 AB = _mm(A, V[:, m:q])
                 matvecs += b
             iterations += 1
-            W, C, ortho = _project_out(V[:, :q], AB)
+            W, C, ortho = _project_out(V[:, :q], AB, 2 * b)
             T[:q, m:q] = C
             T[m:q, :q] = C.T
             T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
@@ -987,7 +1000,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     while True:
         AB = _mm(A, basis.column(k + m))
         products += 1
-        W, C, ortho = _project_out(basis.upto(k + m + 1), AB)
+        W, C, ortho = _project_out(basis.upto(k + m + 1), AB, 2)
         C = C[k:, 0].double()  # the coefficients along X are the found pairs' residuals: not the restriction's
         T2 = T.new_zeros(m + 1, m + 1)
         T2[:m, :m] = T
