@@ -740,3 +740,18 @@ def test_the_last_columns_first_then_one_pass_over_the_basis(monkeypatch):
     assert calls.count(20) == 1 < passes_plain == 2
     assert float((first - plain).norm() / plain.norm()) < 1e-12 and float((C2 - C).norm() / C.norm()) < 1e-12
     assert float((Q.T @ first).abs().max()) < 1e-15
+
+
+def test_several_checks_cut_short_by_the_budget_are_not_converged():
+    """A budget that runs out before the third check has certified: ``NotConvergedError`` naming the
+    check, the result holding the bound of the runs made (a run not made counts as 1), above
+    ``failure_probability``, and no more products than the budget."""
+    M = _matrix(torch.cat([torch.tensor([3.0, 2.5], dtype=DT), _bulk(298, -1.0, 2.0, 11)]), seed=12)
+    full = lanczos_eigs(M, k=2, tol=1e-8, check=10, check_runs=3)
+    assert full.converged and full.miss_probability <= 1e-6
+    budget = full.matvecs - 1
+    with pytest.raises(NotConvergedError, match="check") as err:
+        lanczos_eigs(M, k=2, tol=1e-8, check=10, check_runs=3, max_matvecs=budget)
+    cut = err.value.result
+    assert 1e-6 < cut.miss_probability <= 1.0 and cut.matvecs <= budget and not cut.converged
+    assert not [p for p in cut.probes if p.deflated.numel()]  # no check kept from an uncertified round

@@ -840,15 +840,17 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             scale = max(scale, float(rho.abs().max()))
             check_value = float(rho[_order(rho, which)[0]])
             beat = _margin(rho, float(lam[-1]), float(bounds[-1]), which) < 0
-            if bool(beat.any()) or short is not None:
+            if bool(beat.any()):
                 break
-            got.append(bound)
+            got.append(bound)  # (a run not made counts as a bound of 1: the product stays a valid bound)
+            if short is not None:
+                break
             checks.append(KrylovProbe(pow2_scale(Tc, A.e or 0), pow2_scale(lam.double(), A.e or 0), n))
             if i + 1 < check_runs and matvecs + c > max_matvecs:
                 short = f"the budget left no room for check run {i + 2} of {check_runs} ({c} products)"
                 break
         if not bool(beat.any()):
-            miss = _product_tail(math.prod(got), check_runs) if len(got) == check_runs else 1.0
+            miss = _product_tail(math.prod(got), check_runs)
             if miss > failure_probability:
                 met, why = False, (f"the check could not rule out an eigenvalue beyond the k-th value "
                                    f"{math.ldexp(float(lam[-1]), A.e or 0):.6g}: after {cm} products the probability that it missed one is "
