@@ -725,7 +725,7 @@ def test_slq_takes_the_kept_runs_long_enough_and_draws_the_rest():
 def test_the_last_columns_first_then_one_pass_over_the_basis(monkeypatch):
     """``_project_out(B, W, recent)``: the same projection and coefficients as without ``recent`` (float64,
     a basis in two pieces), and where ``W`` lies mostly along the last two columns (a Lanczos product) one
-    pass over the whole basis instead of two."""
+    pass over the whole basis instead of two; with ``out`` the same numbers, computed in that tensor."""
     g = torch.Generator().manual_seed(3)
     Q = torch.linalg.qr(torch.randn(500, 30, generator=g, dtype=DT))[0]
     pieces = [Q[:, :20], Q[:, 20:]]
@@ -740,6 +740,10 @@ def test_the_last_columns_first_then_one_pass_over_the_basis(monkeypatch):
     assert calls.count(20) == 1 < passes_plain == 2
     assert float((first - plain).norm() / plain.norm()) < 1e-12 and float((C2 - C).norm() / C.norm()) < 1e-12
     assert float((Q.T @ first).abs().max()) < 1e-15
+    work, before = torch.empty_like(W), W.clone()
+    inplace, C3, _ = estimators._project_out(pieces, W, 2, work)  # in the caller's work space, W untouched
+    assert inplace.data_ptr() == work.data_ptr() and torch.equal(W, before)
+    assert torch.equal(inplace, first) and torch.equal(C3, C2)
 
 
 def test_several_checks_cut_short_by_the_budget_are_not_converged():

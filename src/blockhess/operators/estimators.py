@@ -185,7 +185,8 @@ class SLQResult:
     §17), ``quadrature_error`` ``(G,)`` the mean over probes of :math:`|\phi_p^{(m)}-\phi_p^{(m-1)}|` (the ``m``-
     and ``(m−1)``-node Gauss rules; 0 for a probe whose Krylov space became invariant: its rule is exact),
     ``sigma``; ``nodes``, ``weights`` ``(P, m)`` each probe's Ritz values and squared first components (a probe
-    with an invariant Krylov space of dimension ``L < m`` has zero weights after ``L``), ``nodes_prev``,
+    with an invariant Krylov space of dimension ``L < m`` has zero weights after ``L``; ``(P, m + k)`` where a
+    probe kept from a check carries the ``k`` found values first, :meth:`KrylovProbe.rule`), ``nodes_prev``,
     ``weights_prev`` the ``(m−1)``-node rules, ``n_probes``, ``n_iter`` (``m``), ``matvecs``, ``reorth``, ``n``
     (the operator's dimension), and the pointwise interval ``ci_low``, ``ci_high`` ``(G,)`` at ``confidence``:
     ``density ± max(q · stderr + quadrature_error, rounding)``, ``q`` Student's t quantile with ``P − 1``
@@ -422,7 +423,8 @@ def _dots(B: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     return C.to(W.dtype)
 
 
-def _project_out(B, W: torch.Tensor, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _project_out(B, W: torch.Tensor, recent: int = 0, out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``W`` minus its projection on the orthonormal columns of ``B`` (a tensor, or a sequence of tensors whose
     columns side by side are the basis: a basis held in pieces) by classical Gram–Schmidt, a second
     pass where the first cancelled more than ``1 − 1/√2`` of a column's norm (Daniel, Gragg, Kaufman &
@@ -430,32 +432,41 @@ def _project_out(B, W: torch.Tensor, recent: int = 0) -> tuple[torch.Tensor, tor
     Frobenius norm of what the last pass started from (``W' ⊥ B`` to about ``ε · ref``). ``recent``: the
     basis' last ``recent`` columns are projected out first, alone (a Lanczos product lies mostly along
     the last block and the one before, in exact arithmetic wholly): the pass over the whole basis then
-    cancels little, and the second pass over it is rarely needed (half the reads of a long basis)."""
+    cancels little, and the second pass over it is rarely needed (half the reads of a long basis).
+    ``out``: a tensor of ``W``'s shape, the caller's own work space (sharing no memory with ``B`` or ``W``),
+    that ``W`` is copied into and ``W'`` is computed in, in place (``W'`` is then ``out``): no fresh
+    tensor a pass, whose first writes are page faults (70 ms for 38.6M float32 rows, a copy 14 ms)."""
     Bs = [B] if isinstance(B, torch.Tensor) else [b for b in B if b.shape[1]]
     if not Bs or Bs[0].shape[1] == 0:
         return W, W.new_zeros(0, W.shape[1]), _fro(W)
+    own = out is not None  # W is ours to overwrite
+    if own:
+        W = out.copy_(W)
+    C_last = None
     if recent > 0:
         last = Bs[-1][:, -min(recent, Bs[-1].shape[1]) :]
         C_last = _dots(last, W)
-        W = torch.addmm(W, last, C_last, alpha=-1)
-        W, C, ref = _project_out(Bs, W)
-        C[C.shape[0] - C_last.shape[0] :] += C_last
-        return W, C, ref
+        W = W.addmm_(last, C_last, alpha=-1) if own else torch.addmm(W, last, C_last, alpha=-1)
+        own = True
 
-    def one_pass(W):
+    def one_pass(W, own):
         C = [_dots(b, W) for b in Bs]
-        out = torch.addmm(W, Bs[0], C[0], alpha=-1)
+        res = W.addmm_(Bs[0], C[0], alpha=-1) if own else torch.addmm(W, Bs[0], C[0], alpha=-1)
         for b, c in zip(Bs[1:], C[1:]):
-            out.addmm_(b, c, alpha=-1)
-        return out, torch.cat(C) if len(C) > 1 else C[0]
+            res.addmm_(b, c, alpha=-1)
+        return res, torch.cat(C) if len(C) > 1 else C[0]
 
     before = _norms(W)
-    W, C = one_pass(W)
+    W, C = one_pass(W, own)
     if bool((_norms(W) >= DGKS * before).all()):
-        return W, C, float(before.norm())
-    ref = _fro(W)
-    W, C2 = one_pass(W)
-    return W, C + C2, ref
+        ref = float(before.norm())
+    else:
+        ref = _fro(W)
+        W, C2 = one_pass(W, True)
+        C = C + C2
+    if C_last is not None:
+        C[C.shape[0] - C_last.shape[0] :] += C_last
+    return W, C, ref
 
 
 def _rotate(V: torch.Tensor, m: int, Y: torch.Tensor) -> None:
@@ -489,7 +500,8 @@ def _bounds(theta: torch.Tensor, scale: float, tol: float, rel: str) -> torch.Te
     return torch.where(a >= floor, tol * a, torch.full_like(a, floor))
 
 
-def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, ortho: float | None = None) -> torch.Tensor:
+def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, ortho: float | None = None,
+               own: bool = False) -> torch.Tensor:
     """An orthonormal basis ``(n, b')`` of the residual block ``W`` (already orthogonal to ``B``),
     ``b' = min(W's columns, room)``: its left singular vectors above rounding (``√(m+1) · ε · ref``, ``m``
     the columns of ``B``, ``ref`` the Frobenius norm of the product ``W`` came from), orthogonalised
@@ -497,7 +509,8 @@ def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, 
     ``ortho`` the norm the last Gram–Schmidt pass started from, :func:`_project_out`; default ``ref``,
     which dividing by a small singular value magnifies), re-orthonormalised by QR (one column: by its
     norm), completed by random vectors orthogonal to everything (an invariant subspace found: the Krylov
-    space continues in the complement, as a fresh start)."""
+    space continues in the complement, as a fresh start). ``own``: ``W`` is the caller's work space, one column
+    normalised in place (the result is then a view of it)."""
     width = min(W.shape[1], room)
     if width <= 0:
         return W[:, :0]
@@ -505,7 +518,7 @@ def _new_block(W: torch.Tensor, B: torch.Tensor, room: int, ref: float, gen, A, 
     ortho = ref if ortho is None else ortho
     if W.shape[1] == 1:  # one column: its norm is its singular value, no SVD or QR
         S = _norms(W)
-        U = W / S if float(S) > 0 else W[:, :0]
+        U = (W.div_(S) if own else W / S) if float(S) > 0 else W[:, :0]
     else:
         U, S, _ = torch.linalg.svd(W, full_matrices=False)
     good = S[:width] > math.sqrt(B.shape[1] + 1) * eps * max(ref, float(S.max()) if S.numel() else 0.0)
@@ -740,6 +753,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
     matvecs = iterations = restarts = check_mv = 0
     scale, worst_before, check_value, why, miss = 0.0, math.inf, None, None, 1.0
     first, probes, checks = v0 is None and p == 1, [], []  # the first run from a random start: a probe
+    work = None
 
     def keep_first(m):  # its Krylov space before any restart, in A's scale
         nonlocal first
@@ -761,7 +775,9 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
                 AB = _mm(A, V[:, m:q])
                 matvecs += b
             iterations += 1
-            W, C, ortho = _project_out(V[:, :q], AB, 2 * b)
+            if b == 1 and work is None:
+                work = torch.empty(n, 1, dtype=A.dtype, device=A.device)  # one column's work space, reused
+            W, C, ortho = _project_out(V[:, :q], AB, 2 * b, work if b == 1 else None)
             T[:q, m:q] = C
             T[m:q, :q] = C.T
             T[m:q, m:q] = (C[m:q] + C[m:q].T) / 2
@@ -776,7 +792,7 @@ def lanczos_eigs(A, k: int = 1, which: str = "LA", tol: float = 1e-4, *, rel: st
             est = _norms(W)[0] * Yb[0].abs() if b == 1 else _norms(W @ Yb)
             if idx.numel() == k and bool((est <= _bounds(theta[idx], scale, tol, rel)).all()):
                 break
-            U = _new_block(W, V[:, :m], min(n - m, wmax), _fro(AB), gen, A, ortho)
+            U = _new_block(W, V[:, :m], min(n - m, wmax), _fro(AB), gen, A, ortho, own=b == 1)
             if U.shape[1] == 0 or matvecs + U.shape[1] + k > max_matvecs:
                 break
             if m + U.shape[1] > ncv:  # restart: keep the most wanted Ritz vectors, then the pending block
@@ -992,6 +1008,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     eps = torch.finfo(X.dtype).eps
     V[:, :k] = X
     basis = _Pieces(V)
+    work = torch.empty(n, 1, dtype=X.dtype, device=X.device)  # each product's projection, in place
     W = _project_out(X, _gaussian(gen, (n, 1), A))[0]
     W = _project_out(X, W)[0]  # twice: the start is uniform on the complement's unit sphere to rounding
     basis.column(k).copy_(W / _fro(W))
@@ -1002,7 +1019,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
     while True:
         AB = _mm(A, basis.column(k + m))
         products += 1
-        W, C, ortho = _project_out(basis.upto(k + m + 1), AB, 2)
+        W, C, ortho = _project_out(basis.upto(k + m + 1), AB, 2, work)
         C = C[k:, 0].double()  # the coefficients along X are the found pairs' residuals: not the restriction's
         T2 = T.new_zeros(m + 1, m + 1)
         T2[:m, :m] = T
@@ -1030,7 +1047,7 @@ def _check(A, V: torch.Tensor, X: torch.Tensor, c: int, gen, theta_k: float, bou
             why = f"the budget max_matvecs ran out after {products} products of the check"
             break
         log_beta += math.log(beta)
-        u = W / beta
+        u = W.div_(beta)  # (the work space: copied into the basis below, before the next product)
         if beta < 0.5 * ortho:  # dividing by a small β magnifies W's rounding along the basis: once more
             u = _project_out(basis.upto(k + m), u)[0]
             u = u / _fro(u)
@@ -1178,7 +1195,7 @@ def slq_density(A, n_probes: int = 16, n_iter: int = 64, seed: int = 0, grid: in
     if P:
         fresh, matvecs = _slq_rules(A, n, P, m, seed, reorth)
         rules += fresh
-    M = max(len(r[0]) for r in rules)
+    M = max([m] + [len(r[0]) for r in rules])  # (m, or m + k for a deflated rule; zero weights past a rule's end)
 
     def stack(i):
         out = torch.zeros(P_all, M, dtype=A.dtype, device=A.device)
