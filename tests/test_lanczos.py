@@ -684,7 +684,6 @@ def test_the_kept_probes_average_to_the_spectral_measure():
     weight would miss the first by far (the test sees that weight)."""
     lam = torch.cat([torch.tensor([20.0, 15.0, 12.0], dtype=DT), _bulk(77, -1.0, 1.0, 6)])
     M = _matrix(lam, seed=8)
-    n = M.shape[0]
     first, second, blind = [], [], []
     for seed in range(150):
         res = lanczos_eigs(M, k=3, tol=1e-10, ncv=20, check=8, check_runs=2, seed=seed)
