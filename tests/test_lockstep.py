@@ -301,6 +301,23 @@ def test_js_distance():
     assert js_distance(a, b) == pytest.approx(js_distance(b, a), rel=1e-12)
 
 
+def test_js_distance_of_densities_at_scales_1e4_apart():
+    """Two densities of one spectrum scaled by 1e-4 and 1: the narrow one, at its own width, would vanish on the
+    pair's grid; the default takes the wider width for both (equal to giving it), and the distance is that of
+    a point mass at 0 beside the wide density (in (0, 1)). A width far below the grid's spacing is refused."""
+    gen = torch.Generator().manual_seed(3)
+    M = torch.randn(60, 60, dtype=DT, generator=gen)
+    M = (M + M.T) / 2
+    wide, narrow = slq_density(M, n_probes=3, n_iter=12, seed=1), slq_density(1e-4 * M, n_probes=3, n_iter=12, seed=1)
+    assert narrow.sigma < 1e-3 * wide.sigma
+    d = js_distance(narrow, wide)
+    assert 0 < d < 1 and d == js_distance(wide, narrow)
+    assert d == js_distance(narrow, wide, sigma=wide.sigma)
+    assert js_distance(wide, wide) == pytest.approx(0, abs=1e-7)
+    with pytest.raises(ValueError, match="density vanishes on every point of the grid"):
+        js_distance(narrow, wide, sigma=narrow.sigma)
+
+
 def test_lockstep_estimators_keep_the_products_memory_free(monkeypatch):
     """Every estimator's own memory checks run keeping free what the products needed at most so far (by the
     products' own checks: ``R.product_bytes``), so that a basis that grows cannot take the products' work

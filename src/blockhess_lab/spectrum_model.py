@@ -336,7 +336,7 @@ def spectra(params: dict, cfg, ids: torch.Tensor, names: list[str], s: dict, v0=
             "converged": bool(r.converged), "matvecs": E.matvecs[b], "method": r.method,
             "density": {"grid": d.grid.double().tolist(), "density": d.density.double().tolist(),
                         "stderr": d.stderr.double().tolist(), "sigma": float(d.sigma), "matvecs": S.matvecs[b]}}
-    js = [[0.0 if i == j else js_distance(S[a], S[b], sigma=max(S[a].sigma, S[b].sigma)) for j, b in enumerate(names)] for i, a in enumerate(names)]
+    js = [[0.0 if i == j else js_distance(S[a], S[b]) for j, b in enumerate(names)] for i, a in enumerate(names)]
     for i in range(len(names)):  # one value per pair: the (i, j) computed, (j, i) the same number
         for j in range(i):
             js[i][j] = js[j][i]

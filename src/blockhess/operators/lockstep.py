@@ -290,12 +290,19 @@ def js_distance(p, q, *, grid: int | torch.Tensor = 512, sigma: float | None = N
     disjoint supports; symmetric; a metric (Endres & Schindelin 2003).
 
     ``p``, ``q``: two :class:`SLQResult` (each discretised as its broadened density evaluated on one common
-    grid, :meth:`SLQResult.broaden`, with its own ``sigma`` unless ``sigma`` is given for both, then divided
-    by its sum over the grid: the probabilities of the grid's cells; ``grid``: a number of equally spaced
-    points from the lower of the two densities' grids' first points to the higher of their last, or a 1-d
-    tensor of points) or two 1-d tensors of non-negative weights on one grid (normalised to sum 1). Float
-    (the sums in float64). Raises ``ValueError`` for other inputs, weights of unequal lengths, negative or
-    non-finite weights or a zero sum, ``base`` not a float > 1, ``sigma`` not positive."""
+    grid, :meth:`SLQResult.broaden`, with one Gaussian width for both: ``sigma``, by default the wider of
+    the two densities' own, then divided by its sum over the grid: the probabilities of the grid's cells;
+    ``grid``: a number of equally spaced points from the lower of the two densities' grids' first points to
+    the higher of their last, or a 1-d tensor of points) or two 1-d tensors of non-negative weights on one
+    grid (normalised to sum 1). One width for both: a block whose spectrum spans ``1e-4`` beside one spanning
+    1 would, with its own width, fall between the common grid's points (all zero there); and two densities
+    compared at different widths differ by the broadening as well as by their spectra. The distance depends
+    on that width and so, through each density's default width (its nodes' spread over its steps), on the
+    number of Lanczos steps:
+    compare distances computed alike (docs/guide/estimators.md). Float (the sums in float64). Raises
+    ``ValueError`` for other inputs, weights of unequal lengths, negative or non-finite weights or a zero sum
+    (for ``SLQResult``\ s: a density that vanishes on every grid point, ``sigma`` given far below the grid's
+    spacing), ``base`` not a float > 1, ``sigma`` not positive."""
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
         raise ValueError(f"base must be a float > 1, got {base!r}")
     if isinstance(p, SLQResult) and isinstance(q, SLQResult):
@@ -307,8 +314,12 @@ def js_distance(p, q, *, grid: int | torch.Tensor = 512, sigma: float | None = N
             lo = min(float(p.grid[0]), float(q.grid[0]))
             hi = max(float(p.grid[-1]), float(q.grid[-1]))
             grid = torch.linspace(lo, hi, grid, dtype=torch.float64)
-        p = p.broaden(grid.to(p.nodes.dtype), p.sigma if sigma is None else float(sigma))[0]
-        q = q.broaden(grid.to(q.nodes.dtype), q.sigma if sigma is None else float(sigma))[0]
+        width = max(p.sigma, q.sigma) if sigma is None else float(sigma)
+        p, q = p.broaden(grid.to(p.nodes.dtype), width)[0], q.broaden(grid.to(q.nodes.dtype), width)[0]
+        for name, dens in (("p", p), ("q", q)):
+            if not bool(dens.sum() > 0):
+                raise ValueError(f"{name}'s density vanishes on every point of the grid at sigma = {width:.3g} "
+                                 f"(grid spacing {float(grid[1] - grid[0]):.3g}): give a wider sigma or a finer grid")
     elif isinstance(p, SLQResult) or isinstance(q, SLQResult):
         raise ValueError("p and q must both be SLQResults or both tensors of weights")
     p, q = _probabilities(p, "p").double().cpu(), _probabilities(q, "q").double().cpu()
