@@ -5,6 +5,7 @@ with warm starts, and the one-line errors of bad input."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -148,11 +149,28 @@ def test_checkpoint_series_warm_starts(tmp_path):
     (["--model", "gpt2-tiny", "--ncv", "6"], "--ncv must be at least --k + 2 = 7"),
     (["--reorth", "none"], "--reorth applies with --model"),
     (["--model", "gpt2-tiny", "--data", "x.txt"], "expected an existing .pt or .npy"),
+    (["--model", "gpt2-tiny", "--k", "0"], "--k must be >= 1, got 0"),
+    (["--model", "gpt2-tiny", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--model", "gpt2-tiny", "--tensors", "blocks.0.W_O,W_E", "--k", "100000"],
+     "--k 100000 is more than tensor blocks.0.W_O's"),
 ])
 def test_bad_inputs_exit_2(tmp_path, capsys, args, words):
     assert main(["spectrum", *args, "--out", str(tmp_path / "sp"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and not (tmp_path / "sp").exists()
+
+
+def test_token_file_torch_cannot_read(tmp_path, capsys):
+    """A text file and a pickle of other objects, both named ``.pt``: refused as such, never with torch's advice
+    to load them with ``weights_only=False``."""
+    (tmp_path / "text.pt").write_text("hello world")
+    with open(tmp_path / "objects.pt", "wb") as f:
+        pickle.dump({"ids": object}, f)
+    for name, words in (("text.pt", "not a file written by torch.save"), ("objects.pt", "objects other than tensors")):
+        assert main(["spectrum", "--model", "gpt2-tiny", "--data", str(tmp_path / name), "--out",
+                     str(tmp_path / "sp"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "weights_only" not in err and err.count("\n") == 1 and not (tmp_path / "sp").exists()
 
 
 def test_token_file_out_of_vocabulary_and_bad_folder(tmp_path, capsys):

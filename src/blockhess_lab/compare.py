@@ -92,7 +92,7 @@ from blockhess.operators import hutchinson_diagonal
 from . import plots
 from .bench_worker import peak_bytes
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, progress, torch_threads
+from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, load_saved, progress, torch_threads
 
 HELP = ("exact GGN and Hessian blocks of a model against KFAC, EKFAC (curvlinops), EK-FAC (kronfluence), the GPTQ "
         "proxy, Sophia's "
@@ -426,14 +426,15 @@ def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
                          + ("a .pt or .npy array of token ids" if tokens else "an .npz of images and labels"))
     try:
         if suffix == ".pt":
-            arrays = {"token ids": torch.load(path, weights_only=True)}
+            arrays = {"token ids": load_saved(path)}
         elif suffix == ".npy":
             arrays = {"token ids": np.load(path, allow_pickle=False)}
         else:
             with np.load(path, allow_pickle=False) as f:
                 arrays = {k: f[k] for k in f.files}
     except Exception as exc:  # torch.load and np.load raise many kinds (KeyError among them) for a file they cannot read
-        raise ValueError(f"{where}: cannot read it ({type(exc).__name__}: {(str(exc) or '-').splitlines()[0]})") from None
+        reason = str(exc) if suffix == ".pt" else f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"
+        raise ValueError(f"{where}: cannot read it: {reason}") from None
     if not tokens:
         missing = [k for k in ("images", "labels") if k not in arrays]
         if missing:

@@ -73,6 +73,27 @@ def progress(iterable=None, quiet: bool = False, **kw):
 
     return tqdm(iterable, disable=True if quiet else None, leave=False, dynamic_ncols=True, file=sys.stderr, **kw)
 
+def load_saved(path, map_location="cpu"):
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only, torch's warnings about the
+    file's pickle protocol silenced. Raises ``ValueError`` with why, in one line: a file of other objects is
+    named so (never with torch's advice to load it with ``weights_only=False``, which runs the file's code);
+    anything else is not a ``torch.save`` file, with the first line of what torch raised (at most 160
+    characters)."""
+    import pickle
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError("it holds objects other than tensors and plain containers, which are never loaded") from None
+    except Exception as exc:  # torch.load raises many kinds (KeyError, RuntimeError, EOFError) for other files
+        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first if len(first) <= 160 else first[:157] + "..."
+        raise ValueError(f"not a file written by torch.save ({type(exc).__name__}{': ' + first if first else ''})") from None
+
+
 def cpu_model() -> str:
     """The CPU model name (from /proc/cpuinfo where there is one)."""
     try:

@@ -53,7 +53,7 @@ from . import plots
 from .bench_worker import peak_bytes
 from .compare import float64_llama
 from .outputs import atomic_dir, write_json
-from .runtime import environment, load_average
+from .runtime import environment, load_average, load_saved
 
 #: presets: (family, config sizes); random weights from transformers' own initialisation under ``--seed``
 PRESETS = {
@@ -167,8 +167,9 @@ def check(args: argparse.Namespace) -> dict:
             raise ValueError(f"--data {args.data}: expected an existing .pt or .npy file of token ids")
     if args.ncv is not None and args.ncv < args.k + 2:
         raise ValueError(f"--ncv must be at least --k + 2 = {args.k + 2}, got {args.ncv}")
-    if args.k < 1 or args.max_matvecs < 1 or args.seed < 0:
-        raise ValueError("--k and --max-matvecs must be >= 1 and --seed >= 0")
+    for option, value, least in (("--k", args.k, 1), ("--max-matvecs", args.max_matvecs, 1), ("--seed", args.seed, 0)):
+        if value < least:
+            raise ValueError(f"{option} must be >= {least}, got {value}")
     if not (math.isfinite(args.tol) and 0 < args.tol < 1):
         raise ValueError(f"--tol must be in (0, 1), got {args.tol:g}")
     dtype = _DTYPES[args.dtype or "float32"]
@@ -251,10 +252,9 @@ def tokens(path: str | None, vocab: int, batch: int, seq_len: int, seed: int, n_
                 raise ValueError(f"--data {path}: cannot read it as .npy: {str(exc).splitlines()[0]}") from None
         else:
             try:
-                ids = torch.load(path, weights_only=True)
-            except Exception as exc:  # torch.load raises many kinds for a file that is not a saved tensor
-                raise ValueError(f"--data {path}: cannot read it as a saved tensor ({type(exc).__name__}: "
-                                 f"{(str(exc) or '-').splitlines()[0]})") from None
+                ids = load_saved(path)
+            except ValueError as exc:
+                raise ValueError(f"--data {path}: cannot read it as a saved tensor: {exc}") from None
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool \
                 or ids.is_complex() or ids.shape[1] < 2 or ids.shape[0] < 1:
             raise ValueError(f"--data {path}: expected one 2-d integer tensor of token ids (B, L + 1) with L >= 1, got "
@@ -373,6 +373,9 @@ def run(args: argparse.Namespace) -> int:
     log(f"reading {points[0][0]}")
     cfg, params, family = read_model(points[0][1](), dtype, points[0][0])
     names = tensor_names(args.tensors, cfg, params, family)
+    for name in names:
+        if params[name].numel() < s["k"]:
+            raise ValueError(f"--k {s['k']} is more than tensor {name}'s {params[name].numel()} entries")
     ids = tokens(args.data, cfg.vocab, s["batch"], s["seq_len"], s["seed"],
                  cfg.n_positions if cfg.positions == "learned" else None)
     model_desc = {"family": family, "n_layers": len(cfg.blocks), "d_model": cfg.blocks[0].d_model,

@@ -69,7 +69,7 @@ import torch.nn.functional as Fn
 
 from blockhess.config import BlockConfig, ModelConfig, block_prefix, init_params, model_param_shapes, sinusoidal_positions
 from blockhess.reference import forward as plain_forward
-from .runtime import progress, torch_threads
+from .runtime import load_saved, progress, torch_threads
 
 __all__ = [
     "DEFAULT_CHECKPOINT",
@@ -574,11 +574,9 @@ def load(path: str | os.PathLike) -> TrainedViT:
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}" if not path.exists() else f"checkpoint {path} is not a file")
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle/zip errors come in many types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        first = first if len(first) <= 160 else first[:157] + "..."
-        raise _bad(path, f"torch.load cannot read it ({type(exc).__name__}: {first})") from None
+        blob = load_saved(path)
+    except ValueError as exc:
+        raise _bad(path, f"torch.load cannot read it: {exc}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise _bad(path, f"no '{FORMAT}' format tag")
     version = blob.get("version")

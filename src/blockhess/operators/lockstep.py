@@ -228,7 +228,8 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
     (n_b, j) tensor}`` or the previous call's :class:`Blockwise` (each block's eigenvectors: a checkpoint's
     spectra from the one before). Returns a :class:`Blockwise` of :class:`EigResult` (its ``matvecs`` equal
     each result's). Raises ``ValueError`` for a ``D`` that is not a
-    :class:`~.operator.BlockDiagonalOperator` or a bad ``v0``; every block's errors as
+    :class:`~.operator.BlockDiagonalOperator`, a bad ``v0`` or a ``k`` above a block's size (the block
+    named, before any product); every block's errors as
     :func:`~.estimators.lanczos_eigs` (the first block's that raised, after every block has finished; its
     :class:`~.estimators.NotConvergedError` holds that block's result)."""
     def nbytes(j, view):
@@ -247,6 +248,10 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
         runs = kwargs.get("check_runs", 1)
         return 2 * min(k, n) + (runs * min(kwargs.get("check", CHECK_COLUMNS), n - k) if n > k else 0)
 
+    if isinstance(D, BlockDiagonalOperator) and isinstance(k, int) and not isinstance(k, bool):
+        for b, view in zip(D.blocks, D.views):
+            if k > view.shape[0]:
+                raise ValueError(f"k must be at most every block's size: block {b!r} has n = {view.shape[0]}, got k = {k}")
     return _lockstep(D, lanczos_eigs, dict(kwargs, k=k), _warm_starts(D, v0), nbytes, plan)
 
 
