@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -105,6 +107,20 @@ def test_llama_folder_with_token_file(tmp_path):
     A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
     _check_eigenvalues(rep, lambda n: A[n, n].dense())
     _check_js_and_markdown(out, rep)
+
+
+def test_quiet_reads_a_folder_silently(tmp_path):
+    """``--quiet``: nothing on stderr from transformers while the folder is read (this config's
+    ``bos_token_id`` outside the vocabulary draws its warning; the weights' loading bar), in a process of
+    its own (transformers' log handler keeps the stream it was first given)."""
+    import transformers as tf
+
+    folder = tmp_path / "gpt2"
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2)).save_pretrained(folder)
+    run = subprocess.run([sys.executable, "-m", "blockhess", "spectrum", "--model", str(folder), "--seq-len", "6",
+                          "--tensors", "blocks.0.W_O", "--out", str(tmp_path / "sp"), *FAST],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stderr == "" and run.stdout == "", run.stderr[-2000:]
 
 
 def test_checkpoint_series_warm_starts(tmp_path):

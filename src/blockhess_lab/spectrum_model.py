@@ -202,11 +202,26 @@ def preset_model(name: str, seed: int) -> torch.nn.Module:
     return tf.LlamaForCausalLM(c).eval()
 
 
-def read_folder(path: str, option: str) -> torch.nn.Module:
-    """A ``save_pretrained`` causal LM (:data:`ARCHITECTURES`) read offline, eval mode; raises ``ValueError``
-    naming ``option`` for a folder that cannot be read or another architecture."""
+def read_folder(path: str, option: str, quiet: bool = False) -> torch.nn.Module:
+    """A ``save_pretrained`` causal LM (:data:`ARCHITECTURES`) read offline, eval mode; with ``quiet``
+    transformers' warnings and loading bar silenced while it reads; raises ``ValueError`` naming ``option``
+    for a folder that cannot be read or another architecture."""
     import transformers as tf
 
+    if not quiet:
+        return _read_folder(tf, path, option)
+    logs, bars = tf.utils.logging.get_verbosity(), tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.set_verbosity_error()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        return _read_folder(tf, path, option)
+    finally:
+        tf.utils.logging.set_verbosity(logs)
+        if bars:
+            tf.utils.logging.enable_progress_bar()
+
+
+def _read_folder(tf, path: str, option: str) -> torch.nn.Module:
     try:
         c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -365,11 +380,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = s["dtype"]
     points = []  # (label, model loader)
     if s["checkpoints"]:
-        points = [(d, lambda d=d: read_folder(d, "--checkpoints")) for d in s["checkpoints"]]
+        points = [(d, lambda d=d: read_folder(d, "--checkpoints", quiet)) for d in s["checkpoints"]]
     elif s["model"] in PRESETS:
         points = [(s["model"], lambda: preset_model(s["model"], s["seed"]))]
     else:
-        points = [(s["model"], lambda: read_folder(s["model"], "--model"))]
+        points = [(s["model"], lambda: read_folder(s["model"], "--model", quiet))]
     log(f"reading {points[0][0]}")
     cfg, params, family = read_model(points[0][1](), dtype, points[0][0])
     names = tensor_names(args.tensors, cfg, params, family)
