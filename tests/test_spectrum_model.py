@@ -52,7 +52,11 @@ def _check_js_and_markdown(out, rep: dict) -> None:
         for name, t in r["tensors"].items():
             assert f"`{name}` | {t['n']:,} | {', '.join(f'{v:.4g}' for v in t['eigenvalues'])} |" in md
         assert f"{r['eigs']['products']} lock-step products" in md
+        # a tensor's columns are its own products; their sum is the point's columns
+        assert sum(t["matvecs"] for t in r["tensors"].values()) == r["eigs"]["matvecs"]
+        assert "| converged | columns |" in md
     assert f"{rep['products']['total']} lock-step products in all" in md
+    assert md.startswith(f"# blockhess spectrum: {', '.join(rep['checkpoints']) if rep['checkpoints'] else rep['model']}\n")
     for f in rep["figures"]:
         assert (out / f).read_bytes()[:8] == PNG
 
@@ -204,3 +208,19 @@ def test_token_file_out_of_vocabulary_and_bad_folder(tmp_path, capsys):
     (tmp_path / "vit" / "config.json").write_text('{"architectures": ["ViTForImageClassification"], "model_type": "vit"}')
     assert main(["spectrum", "--model", str(tmp_path / "vit"), "--out", str(tmp_path / "c"), "--quiet"]) == 2
     assert "architecture 'ViTForImageClassification'" in capsys.readouterr().err
+
+
+def test_budget_too_small_exits_1_and_says_how_many_were_found(tmp_path):
+    """``--max-matvecs`` below what a top-3 needs: exit 1, every tensor marked unconverged in the markdown,
+    and a tensor with fewer than ``--k`` values says how many of the ``k`` it lists."""
+    out = tmp_path / "sp"
+    assert main(["spectrum", "--model", "gpt2-tiny", "--seq-len", "6", "--tensors", "W_E,blocks.0.W_O", "--k", "3",
+                 "--max-matvecs", "5", "--dtype", "float64", "--slq-steps", "4", "--probes", "2", "--out", str(out),
+                 "--quiet"]) == 1
+    rep, md = _report(out), (out / "spectrum.md").read_text()
+    assert not rep["converged"]
+    for name, t in rep["points"][0]["tensors"].items():
+        row = next(line for line in md.splitlines() if line.startswith(f"| `{name}` |"))
+        assert "| NO |" in row
+        found = len(t["eigenvalues"])
+        assert (f"({found} of 3)" in row) == (found < 3)

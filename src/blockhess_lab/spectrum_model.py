@@ -441,8 +441,9 @@ def figures(tmp: Path, names: list[str], results: list, s: dict) -> list[str]:
                                                 last[b]["density"]["stderr"])} for b in names},
                     f"spectral density per tensor (lock-step SLQ, {s['probes']} probes x {s['slq_steps']} steps; "
                     "band: ±1 standard error)")
+    where = f" at {Path(results[-1]['label']).name}" if len(results) > 1 else ""
     plots.distance_matrix(tmp / out[2], names, results[-1]["js_distance"],
-                          "Jensen-Shannon distance between the tensors' spectral densities")
+                          f"Jensen-Shannon distance between the tensors' spectral densities{where}")
     if len(results) > 1:
         x = list(range(len(results)))
         traj = {b: {"full": [r["tensors"][b]["eigenvalues"] for r in results]} for b in names}
@@ -457,18 +458,22 @@ def figures(tmp: Path, names: list[str], results: list, s: dict) -> list[str]:
 def markdown(rep: dict) -> str:
     """``spectrum.md``: the model, the settings, per point a table of the tensors and the products."""
     s, m = rep["settings"], rep["model_config"]
-    lines = [f"# blockhess spectrum: {rep['model']}", "",
+    title = ", ".join(rep["checkpoints"]) if rep["checkpoints"] else rep["model"]
+    lines = [f"# blockhess spectrum: {title}", "",
              f"Model: {m['family']}, {m['n_layers']} layers, d {m['d_model']}, {m['n_heads']} heads, d_ff {m['d_ff']}, "
              f"vocabulary {m['vocab']}, {m['n_params']:,} parameters, products in {rep['dtype']}. Tokens: "
              f"{rep['tokens']['source']}, {rep['tokens']['batch']} x {rep['tokens']['seq_len']}.", "",
              f"Top {s['k']} ({s['which']}) per tensor by lock-step Lanczos to relative residual {s['tol']:g}; "
              f"SLQ {s['probes']} probes x {s['slq_steps']} steps; {len(s['tensors'])} tensors in one "
-             "A.block_diagonal.", ""]
+             "A.block_diagonal. A tensor's columns: the vectors its own block multiplied (its columns of the "
+             "lock-step products D @ V); an unconverged tensor lists the eigenvalues its budget reached.", ""]
     for r in rep["points"]:
-        lines += [f"## {r['label']}", "", "| tensor | n | eigenvalues | max residual | converged | products |",
+        lines += [f"## {r['label']}", "", "| tensor | n | eigenvalues | max residual | converged | columns |",
                   "|---|---|---|---|---|---|"]
         for b, t in r["tensors"].items():
-            lines.append(f"| `{b}` | {t['n']:,} | {', '.join(f'{v:.4g}' for v in t['eigenvalues'])} | "
+            found = len(t["eigenvalues"])
+            short = f" ({found} of {s['k']})" if found < s["k"] else ""
+            lines.append(f"| `{b}` | {t['n']:,} | {', '.join(f'{v:.4g}' for v in t['eigenvalues'])}{short} | "
                          f"{max(t['residuals']):.2g} | {'yes' if t['converged'] else 'NO'} | {t['matvecs']} |")
         js = [v for i, row in enumerate(r["js_distance"]) for j, v in enumerate(row) if j > i]
         lines += ["", f"Top-k: {r['eigs']['products']} lock-step products D @ V ({r['eigs']['matvecs']} columns), "
