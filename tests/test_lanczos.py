@@ -573,8 +573,10 @@ def test_a_kronecker_view_has_its_spectrum_from_the_factors(part, k):
     D = (H if part == "full" else H.outer)["W_2", "W_2"]
     assert torch.allclose(torch.kron(M, torch.eye(6, dtype=DT)), D, rtol=0, atol=1e-14 * float(D.abs().max()))
     res = lanczos_eigs(view, k=k, tol=TOL)
-    assert res.method == "kronecker" and res.matvecs == k and res.miss_probability == 0.0
+    assert res.method == "kronecker" and res.matvecs == k and res.miss_probability == 0.0 and res.multiplicity == 6
     _assert_extreme(res, D, k, "LA")
+    dense_mult = int((torch.linalg.eigvalsh(D) - res.eigenvalues[0]).abs().le(1e-12 * float(D.abs().max())).sum())
+    assert dense_mult == res.multiplicity  # M's top value is simple here: A's is exactly d
     mu = torch.linalg.eigvalsh(M).flip(0)
     top, lam = min(k, 6), res.eigenvalues
     assert torch.equal(lam[:top], lam[0].expand(top)) and torch.equal(lam[top:], lam[-1].expand(k - top))  # exact copies
@@ -592,7 +594,8 @@ def test_no_kronecker_factors_where_the_closed_form_has_none(case):
                             part="functional" if case == "functional" else "full")
     view = {"W_1": A["W_1", "W_1"], "W_2 and b_2": A[("W_2", "b_2"), ("W_2", "b_2")]}.get(case, A["W_2", "W_2"])
     assert view.kronecker_factors() is None
-    assert lanczos_eigs(view, k=2, tol=1e-8).method == "lanczos"
+    res = lanczos_eigs(view, k=2, tol=1e-8)
+    assert res.method == "lanczos" and res.multiplicity is None
 
 
 @pytest.mark.parametrize("dtype, scale", [(torch.float64, 1e-200), (torch.float64, 1e-300), (torch.float64, 1e300),

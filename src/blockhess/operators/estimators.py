@@ -80,8 +80,12 @@ class EigResult:
     ``miss_probability`` (the check's bound on the probability that an eigenvalue beyond the ``k``-th found
     one was missed: at most ``failure_probability`` when converged with a check, 1 without a check, 0 for
     the dense path), ``probes`` the runs from random starts kept for :func:`slq_density` (:class:`KrylovProbe`:
-    the first run before any restart, where it started at random with one column; the certifying checks).
-    Each eigenvalue lies within its residual of an eigenvalue of ``A`` (Weyl/Kahan for symmetric ``A``)."""
+    the first run before any restart, where it started at random with one column; the certifying checks),
+    ``multiplicity`` what the closed form proves of each returned eigenvalue's multiplicity: on the Kronecker
+    path ``d`` of ``A = M ⊗ I_d`` (each eigenvalue of ``M`` is an eigenvalue of ``A`` exactly ``d`` times its
+    multiplicity in ``M``: ``d`` times where ``M``'s is simple, a multiple of ``d`` always), ``None`` on the
+    other paths (nothing claimed). Each eigenvalue lies within its residual of an eigenvalue of ``A``
+    (Weyl/Kahan for symmetric ``A``)."""
 
     eigenvalues: torch.Tensor
     eigenvectors: torch.Tensor
@@ -101,6 +105,7 @@ class EigResult:
     ncv: int
     miss_probability: float = 1.0
     probes: tuple = ()
+    multiplicity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -578,7 +583,7 @@ def _kronecker_eigs(A, M: torch.Tensor, d: int, k: int, which: str, tol: float, 
     res = (_mm(A, X) - X * lam).norm(dim=0)
     bounds = _bounds(lam, scale, tol, rel)
     return EigResult(lam, X, res, bounds, scale, tol, rel, bool((res <= bounds).all()), k, 0, 0, 0, None, which,
-                     "kronecker", m * d, 0.0)
+                     "kronecker", m * d, 0.0, multiplicity=d)
 
 
 def _margin(rho: torch.Tensor, theta_k: float, bound_k: float, which: str) -> torch.Tensor:
