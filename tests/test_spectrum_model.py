@@ -224,3 +224,11 @@ def test_budget_too_small_exits_1_and_says_how_many_were_found(tmp_path):
         assert "| NO |" in row
         found = len(t["eigenvalues"])
         assert (f"({found} of 3)" in row) == (found < 3)
+
+
+def test_default_length_fits_a_small_model(tmp_path):
+    """Without ``--seq-len`` a model of fewer learned positions than the default 128 (``gpt2-tiny``: 64) runs on
+    sequences of its own length; a length asked for beyond them is refused (``test_bad_inputs_exit_2``)."""
+    out = tmp_path / "sp"
+    assert _run(out, "--model", "gpt2-tiny", "--tensors", "blocks.0.W_O") == 0
+    assert _report(out)["tokens"]["seq_len"] == 64

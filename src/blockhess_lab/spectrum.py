@@ -120,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the top eigenvalues at each training snapshot the checkpoint keeps and at the trained "
                         "weights, Lanczos warm-started from the previous point's eigenvectors and cold (digits only)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
-                   help="sequences per batch (default: 128 training images for digits, 8 for the random presets)")
+                   help="sequences per batch (default: 128 training images for digits, 8 for the random presets, "
+                        f"{spectrum_model.DEFAULTS['batch']} random sequence with --model)")
     p.add_argument("--batches", type=int, default=1, metavar="N",
                    help="batches: the Hessian of the mean loss over N disjoint batches (blockhess.operators.mean_operator) "
                         "(default: 1)")

@@ -91,10 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token ids: a .pt (torch.save of one 2-d integer tensor) or .npy (one 2-d integer array) of "
                         "shape (B, L + 1): inputs ids[:, :-1], next-token targets ids[:, 1:] (default: random ids)")
     p.add_argument("--seq-len", type=int, default=None, metavar="L",
-                   help=f"random tokens per sequence with --model (default: {DEFAULTS['seq_len']})")
+                   help=f"random tokens per sequence with --model (default: {DEFAULTS['seq_len']}, or the model's "
+                        "learned positions where fewer)")
     p.add_argument("--tensors", default=None, metavar="LIST",
-                   help="comma-separated parameters in blockhess's names (W_E, blocks.3.W_Q, ...) (default: W_E and the "
-                        "attention and MLP weights of layers 0, 3, 7, 11 that the model has)")
+                   help="comma-separated whole parameters in blockhess's names (W_E, blocks.3.W_Q, ...; no heads or "
+                        "groups: those are --blocks of the --preset models, or A.block_diagonal in Python) (default: W_E "
+                        "and the attention and MLP weights of layers 0, 3, 7, 11 that the model has)")
     p.add_argument("--slq-steps", type=int, default=None, metavar="M",
                    help=f"Lanczos steps per SLQ probe with --model (default: {DEFAULTS['slq_steps']})")
     p.add_argument("--probes", type=int, default=None, metavar="P",
@@ -178,7 +180,7 @@ def check(args: argparse.Namespace) -> dict:
     return {"model": args.model, "checkpoints": dirs, "dtype": dtype, "k": args.k, "which": args.which,
             "tol": float(args.tol), "max_matvecs": args.max_matvecs, "seed": args.seed,
             "probes": args.probes or DEFAULTS["probes"], "slq_steps": args.slq_steps or DEFAULTS["slq_steps"],
-            "batch": args.batch or DEFAULTS["batch"], "seq_len": args.seq_len or DEFAULTS["seq_len"],
+            "batch": args.batch or DEFAULTS["batch"], "seq_len": args.seq_len,
             "reorth": args.reorth or "full", "ncv": args.ncv}
 
 
@@ -391,8 +393,9 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         if params[name].numel() < s["k"]:
             raise ValueError(f"--k {s['k']} is more than tensor {name}'s {params[name].numel()} entries")
-    ids = tokens(args.data, cfg.vocab, s["batch"], s["seq_len"], s["seed"],
-                 cfg.n_positions if cfg.positions == "learned" else None)
+    positions = cfg.n_positions if cfg.positions == "learned" else None
+    seq_len = s["seq_len"] or min(DEFAULTS["seq_len"], positions or DEFAULTS["seq_len"])  # a small model's own length
+    ids = tokens(args.data, cfg.vocab, s["batch"], seq_len, s["seed"], positions)
     model_desc = {"family": family, "n_layers": len(cfg.blocks), "d_model": cfg.blocks[0].d_model,
                   "n_heads": cfg.blocks[0].n_heads, "d_ff": cfg.blocks[0].d_ff, "vocab": cfg.vocab,
                   "n_params": sum(v.numel() for v in params.values())}
