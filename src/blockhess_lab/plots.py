@@ -27,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 __all__ = ["log_abs", "hessian_heatmap", "block_norm_bars", "eigen_spectrum", "norm_grid", "training_curves",
            "block_eigenvalues", "densities", "trace_bars", "eigenvalue_trajectories", "distance_matrix", "per_module_metric"]
@@ -290,6 +291,9 @@ def densities(path, panels: dict, suptitle: str, ncols: int = 4, floors: dict | 
         ax.set_ylim(floor, peak * 2)
         ax.set_title(name, fontsize=9)
         ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(4))  # a spectrum spanning 1e-4 labels in scientific notation, apart
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+        ax.xaxis.get_offset_text().set_fontsize(7)
         ax.grid(alpha=0.3)
     for ax in axes.ravel()[len(panels):]:
         ax.axis("off")
