@@ -307,3 +307,26 @@ def test_options_are_refused_before_a_model_is_trained(argv, message, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith(f"blockhess {argv[0]}: error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "out").exists()
+
+
+def test_quiet_transformers_silences_and_restores():
+    """``runtime.quiet_transformers``: transformers' log at errors only and its progress bars off inside the
+    block, both as they were after it (also when the block raises); ``quiet=False`` changes nothing."""
+    from transformers.utils import logging as tf_logging
+
+    from blockhess_lab.runtime import quiet_transformers
+
+    original = (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled())
+    tf_logging.set_verbosity_warning()
+    tf_logging.enable_progress_bar()
+    before = (tf_logging.WARNING, True)
+    with quiet_transformers(False):
+        assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with quiet_transformers():
+            assert tf_logging.get_verbosity() == tf_logging.ERROR and not tf_logging.is_progress_bar_enabled()
+            raise RuntimeError("inside")
+    assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
+    tf_logging.set_verbosity(original[0])
+    if not original[1]:
+        tf_logging.disable_progress_bar()

@@ -156,6 +156,18 @@ def _lm():
                                 "blocks.1.b_2"])
 
 
+def test_blockwise_eigs_names_the_block_a_k_exceeds():
+    """``k`` above a block's size (a NumPy integer as well as an int): refused naming the block, before any
+    product."""
+    np = pytest.importorskip("numpy")
+    A, D = _lm()
+    small = min(range(len(D.blocks)), key=lambda j: D.views[j].shape[0])
+    n = D.views[small].shape[0]
+    for k in (n + 1, np.int64(n + 1)):
+        with pytest.raises(ValueError, match=f"block {D.blocks[small]!r} has n = {n}, got k = {n + 1}"):
+            blockwise_eigs(D, k=k)
+
+
 def test_blockwise_eigs_equals_per_block_and_dense():
     A, D = _lm()
     R = blockwise_eigs(D, k=2, tol=1e-9)
@@ -314,8 +326,17 @@ def test_js_distance_of_densities_at_scales_1e4_apart():
     assert 0 < d < 1 and d == js_distance(wide, narrow)
     assert d == js_distance(narrow, wide, sigma=wide.sigma)
     assert js_distance(wide, wide) == pytest.approx(0, abs=1e-7)
-    with pytest.raises(ValueError, match="density vanishes on every point of the grid"):
+    with pytest.raises(ValueError, match="density vanishes on every point of the grid at sigma = .*smallest spacing"):
         js_distance(narrow, wide, sigma=narrow.sigma)
+    with pytest.raises(ValueError, match="density vanishes on every point of the grid at sigma = [^(]*: give"):
+        js_distance(narrow, wide, grid=torch.tensor([5.0], dtype=DT), sigma=1e-3)  # one point: no spacing to name
+
+
+def test_js_distance_of_weights_at_the_least_subnormal():
+    """``m = (p + q)/2`` rounds to 0 at the least subnormal: the distance stays finite, in [0, 1]."""
+    tiny = torch.tensor([1.0, 5e-324], dtype=DT)
+    d = js_distance(tiny, torch.tensor([1.0, 0.0], dtype=DT))
+    assert math.isfinite(d) and 0 <= d <= 1
 
 
 def test_lockstep_estimators_keep_the_products_memory_free(monkeypatch):

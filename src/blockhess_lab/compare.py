@@ -92,13 +92,16 @@ from blockhess.operators import hutchinson_diagonal
 from . import plots
 from .bench_worker import peak_bytes
 from .outputs import atomic_dir, check_out, out_help, write_json
-from .runtime import add_quiet_argument, add_threads_argument, environment, load_average, load_saved, progress, torch_threads
+from .runtime import (add_quiet_argument, add_threads_argument, environment, load_average, load_saved, progress,
+                      read_pretrained, torch_threads)
 
 HELP = ("exact GGN and Hessian blocks of a model against KFAC, EKFAC (curvlinops), EK-FAC (kronfluence), the GPTQ "
         "proxy, Sophia's "
         "Gauss-Newton-Bartlett and Hutchinson diagonals: errors, eigenvector alignment, inverse products, influence")
 
 PRESETS = ("gpt2", "vit", "llama")
+#: the architectures --model reads (transformers' class names)
+READS = ("GPT2LMHeadModel", "ViTForImageClassification", "LlamaForCausalLM")
 PARTS = ("outer", "full")
 REFERENCE = {"outer": "exact GGN", "full": "exact Hessian"}
 METRICS = ("rel_fro", "top_cos", "inverse_cos", "spearman", "diag_rel", "trace_rel")
@@ -363,24 +366,6 @@ def float64_llama(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _read_dir(path: str):
-    import transformers as tf
-
-    try:
-        c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--model {path}: cannot read its config: {str(exc).splitlines()[0]}") from None
-    arch = (getattr(c, "architectures", None) or [None])[0]
-    classes = {"GPT2LMHeadModel": tf.GPT2LMHeadModel, "ViTForImageClassification": tf.ViTForImageClassification,
-               "LlamaForCausalLM": tf.LlamaForCausalLM}
-    if arch not in classes:
-        raise ValueError(f"--model {path}: architecture {arch!r}; compare reads {', '.join(classes)}")
-    c._attn_implementation = "sdpa"
-    if arch == "LlamaForCausalLM":
-        c.use_cache = False
-    return classes[arch].from_pretrained(path, config=c, local_files_only=True)
-
-
 def check_forward(model: torch.nn.Module, cfg: ModelConfig, params: dict, inputs: torch.Tensor, where: str) -> float:
     """The relative Frobenius difference of the module's logits on ``inputs`` (SDPA's math kernel) from
     :func:`blockhess.forward`'s; raises ``ValueError`` naming ``where`` when it exceeds :data:`FORWARD_TOL`
@@ -477,11 +462,12 @@ def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
     return x[:-1], y[:-1], (x[-1:], y[-1:])
 
 
-def problem(s: Settings) -> Problem:
-    """The model and batch of ``s`` (see the module docstring)."""
+def problem(s: Settings, quiet: bool = False) -> Problem:
+    """The model and batch of ``s`` (see the module docstring); ``quiet``: transformers silent while a
+    folder is read."""
     gen = torch.Generator().manual_seed(s.seed)
     where = f"--preset {s.preset}" if s.preset else f"--model {s.model_dir}"
-    model = _hf_preset(s.preset, s.seed) if s.preset else _read_dir(s.model_dir)
+    model = _hf_preset(s.preset, s.seed) if s.preset else read_pretrained(s.model_dir, "--model", READS, "compare", quiet)
     model = model.double().eval()
     if type(model).__name__ == "LlamaForCausalLM":
         try:
@@ -987,7 +973,7 @@ def _run(args: argparse.Namespace, s: Settings) -> int:
     out = Path(args.out)
     with atomic_dir(out) as tmp:
         env = environment()
-        pr = problem(s)
+        pr = problem(s, bool(args.quiet))
         body = compare(pr, s, bool(args.quiet))
         rep = {"command": "blockhess compare", "name": pr.name, "model": pr.description,
                "tokens": pr.cfg.embedding == "token",

@@ -74,24 +74,65 @@ def progress(iterable=None, quiet: bool = False, **kw):
     return tqdm(iterable, disable=True if quiet else None, leave=False, dynamic_ncols=True, file=sys.stderr, **kw)
 
 def load_saved(path, map_location="cpu"):
-    """``torch.load(path, weights_only=True)``: tensors and plain containers only, torch's warnings about the
-    file's pickle protocol silenced. Raises ``ValueError`` with why, in one line: a file of other objects is
-    named so (never with torch's advice to load it with ``weights_only=False``, which runs the file's code);
-    anything else is not a ``torch.save`` file, with the first line of what torch raised (at most 160
-    characters)."""
-    import pickle
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only, torch's warnings silenced
+    while it reads. Raises ``ValueError`` with why, in one line: a file that names a class the safe loader
+    refuses (torch's "Unsupported global") holds objects other than tensors (never with torch's advice to load
+    it with ``weights_only=False``, which runs the file's code); anything else is not a file ``torch.save``
+    wrote whole (the kind of exception torch raised)."""
     import warnings
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError("it holds objects other than tensors and plain containers, which are never loaded") from None
-    except Exception as exc:  # torch.load raises many kinds (KeyError, RuntimeError, EOFError) for other files
-        first = (str(exc).strip().splitlines() or [""])[0]
-        first = first if len(first) <= 160 else first[:157] + "..."
-        raise ValueError(f"not a file written by torch.save ({type(exc).__name__}{': ' + first if first else ''})") from None
+    except Exception as exc:  # torch.load raises many kinds (UnpicklingError, KeyError, RuntimeError, EOFError)
+        if "Unsupported global" in str(exc):
+            raise ValueError("it holds objects other than tensors and plain containers, which are never loaded") from None
+        raise ValueError(f"not a whole file written by torch.save ({type(exc).__name__})") from None
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool = True):
+    """With ``quiet``: transformers' log below errors and its progress bars off inside the block, both as
+    they were after it; without, nothing changes."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as tf_logging
+
+    level, bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
+        if bars:
+            tf_logging.enable_progress_bar()
+
+
+def read_pretrained(path: str, option: str, architectures, command: str, quiet: bool = False) -> torch.nn.Module:
+    """A Hugging Face ``save_pretrained`` folder read offline (``local_files_only``), SDPA attention, no KV
+    cache, eval mode; its architecture (``config.architectures[0]``) one of ``architectures`` (class names
+    of ``transformers``); ``quiet``: transformers silent while it reads (:func:`quiet_transformers`).
+    Raises ``ValueError`` naming ``option`` and ``path`` for a config or weights it cannot read and another
+    architecture (naming what ``command`` reads)."""
+    import transformers as tf
+
+    with quiet_transformers(quiet):
+        try:
+            c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{option} {path}: cannot read its config: {str(exc).splitlines()[0]}") from None
+        arch = (getattr(c, "architectures", None) or [None])[0]
+        if arch not in architectures:
+            raise ValueError(f"{option} {path}: architecture {arch!r}; {command} reads {', '.join(architectures)}")
+        c._attn_implementation = "sdpa"
+        c.use_cache = False
+        try:
+            return getattr(tf, arch).from_pretrained(path, config=c, local_files_only=True).eval()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{option} {path}: cannot read its weights: {str(exc).splitlines()[0]}") from None
 
 
 def cpu_model() -> str:

@@ -32,8 +32,8 @@ tensors, :mod:`blockhess.operators.lockstep`):
 Writes ``spectrum.json``, ``spectrum.md`` and ``eigenvalues.png``, ``density.png``, ``js.png`` (and
 ``series.png``) into ``--out`` with :mod:`.spectrum`'s figure helpers and output writing. Raises
 ``ValueError`` (one line: the command exits 2) for an unknown preset, a missing or unreadable folder,
-an architecture not read, a token file of another format or with ids outside the vocabulary, an unknown
-tensor, options of the other presets.
+an architecture not read, a token file torch cannot read safely, of another format or with ids outside the
+vocabulary, an unknown tensor, ``--k`` above a tensor's size, options of the other presets.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from . import plots
 from .bench_worker import peak_bytes
 from .compare import float64_llama
 from .outputs import atomic_dir, write_json
-from .runtime import environment, load_average, load_saved
+from .runtime import environment, load_average, load_saved, read_pretrained
 
 #: presets: (family, config sizes); random weights from transformers' own initialisation under ``--seed``
 PRESETS = {
@@ -205,38 +205,10 @@ def preset_model(name: str, seed: int) -> torch.nn.Module:
 
 
 def read_folder(path: str, option: str, quiet: bool = False) -> torch.nn.Module:
-    """A ``save_pretrained`` causal LM (:data:`ARCHITECTURES`) read offline, eval mode; with ``quiet``
-    transformers' warnings and loading bar silenced while it reads; raises ``ValueError`` naming ``option``
-    for a folder that cannot be read or another architecture."""
-    import transformers as tf
-
-    if not quiet:
-        return _read_folder(tf, path, option)
-    logs, bars = tf.utils.logging.get_verbosity(), tf.utils.logging.is_progress_bar_enabled()
-    tf.utils.logging.set_verbosity_error()
-    tf.utils.logging.disable_progress_bar()
-    try:
-        return _read_folder(tf, path, option)
-    finally:
-        tf.utils.logging.set_verbosity(logs)
-        if bars:
-            tf.utils.logging.enable_progress_bar()
-
-
-def _read_folder(tf, path: str, option: str) -> torch.nn.Module:
-    try:
-        c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{option} {path}: cannot read its config: {str(exc).splitlines()[0]}") from None
-    arch = (getattr(c, "architectures", None) or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{option} {path}: architecture {arch!r}; spectrum reads {', '.join(ARCHITECTURES)}")
-    c._attn_implementation = "sdpa"
-    c.use_cache = False
-    try:
-        return getattr(tf, arch).from_pretrained(path, config=c, local_files_only=True).eval()
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{option} {path}: cannot read its weights: {str(exc).splitlines()[0]}") from None
+    """A ``save_pretrained`` causal LM (:data:`ARCHITECTURES`) read offline, eval mode
+    (:func:`.runtime.read_pretrained`; ``quiet``: transformers silent while it reads); raises ``ValueError``
+    naming ``option`` for a folder that cannot be read or another architecture."""
+    return read_pretrained(path, option, ARCHITECTURES, "spectrum", quiet)
 
 
 def read_model(model: torch.nn.Module, dtype: torch.dtype, where: str) -> tuple:
@@ -438,13 +410,13 @@ def figures(tmp: Path, names: list[str], results: list, s: dict) -> list[str]:
     """``eigenvalues.png``, ``density.png``, ``js.png`` of the last point (and ``series.png``)."""
     last = results[-1]["tensors"]
     out = ["eigenvalues.png", "density.png", "js.png"]
+    where = f" at {Path(results[-1]['label']).name}" if len(results) > 1 else ""  # a series: its last checkpoint
     plots.block_eigenvalues(tmp / out[0], {"full": {b: (last[b]["eigenvalues"], "lanczos") for b in names}},
-                            f"top {s['k']} eigenvalues per tensor ({s['which']}, lock-step Lanczos)")
+                            f"top {s['k']} eigenvalues per tensor ({s['which']}, lock-step Lanczos){where}")
     plots.densities(tmp / out[1], {b: {"full": (last[b]["density"]["grid"], last[b]["density"]["density"],
                                                 last[b]["density"]["stderr"])} for b in names},
-                    f"spectral density per tensor (lock-step SLQ, {s['probes']} probes x {s['slq_steps']} steps; "
-                    "band: ±1 standard error)")
-    where = f" at {Path(results[-1]['label']).name}" if len(results) > 1 else ""
+                    f"spectral density per tensor{where} (lock-step SLQ, {s['probes']} probes x {s['slq_steps']} "
+                    "steps; band: ±1 standard error)")
     plots.distance_matrix(tmp / out[2], names, results[-1]["js_distance"],
                           f"Jensen-Shannon distance between the tensors' spectral densities{where}")
     if len(results) > 1:
@@ -468,10 +440,11 @@ def markdown(rep: dict) -> str:
              f"{rep['tokens']['source']}, {rep['tokens']['batch']} x {rep['tokens']['seq_len']}.", "",
              f"Top {s['k']} ({s['which']}) per tensor by lock-step Lanczos to relative residual {s['tol']:g}; "
              f"SLQ {s['probes']} probes x {s['slq_steps']} steps; {len(s['tensors'])} tensors in one "
-             "A.block_diagonal. A tensor's columns: the vectors its own block multiplied (its columns of the "
-             "lock-step products D @ V); an unconverged tensor lists the eigenvalues its budget reached.", ""]
+             "A.block_diagonal. A tensor's top-k columns: the vectors its own block multiplied for its top-k (its "
+             "columns of the top-k's lock-step products D @ V; the density's are in the JSON); an unconverged tensor "
+             "lists the eigenvalues its budget reached.", ""]
     for r in rep["points"]:
-        lines += [f"## {r['label']}", "", "| tensor | n | eigenvalues | max residual | converged | columns |",
+        lines += [f"## {r['label']}", "", "| tensor | n | eigenvalues | max residual | converged | top-k columns |",
                   "|---|---|---|---|---|---|"]
         for b, t in r["tensors"].items():
             found = len(t["eigenvalues"])

@@ -14,6 +14,7 @@ the products themselves run in the calling thread.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -248,7 +249,7 @@ def blockwise_eigs(D: BlockDiagonalOperator, k: int = 1, *, v0=None, **kwargs) -
         runs = kwargs.get("check_runs", 1)
         return 2 * min(k, n) + (runs * min(kwargs.get("check", CHECK_COLUMNS), n - k) if n > k else 0)
 
-    if isinstance(D, BlockDiagonalOperator) and isinstance(k, int) and not isinstance(k, bool):
+    if isinstance(D, BlockDiagonalOperator) and isinstance(k, numbers.Integral) and not isinstance(k, bool):
         for b, view in zip(D.blocks, D.views):
             if k > view.shape[0]:
                 raise ValueError(f"k must be at most every block's size: block {b!r} has n = {view.shape[0]}, got k = {k}")
@@ -323,19 +324,20 @@ def js_distance(p, q, *, grid: int | torch.Tensor = 512, sigma: float | None = N
         p, q = p.broaden(grid.to(p.nodes.dtype), width)[0], q.broaden(grid.to(q.nodes.dtype), width)[0]
         for name, dens in (("p", p), ("q", q)):
             if not bool(dens.sum() > 0):
-                raise ValueError(f"{name}'s density vanishes on every point of the grid at sigma = {width:.3g} "
-                                 f"(grid spacing {float(grid[1] - grid[0]):.3g}): give a wider sigma or a finer grid")
+                gap = f" (the grid's smallest spacing {float(grid.diff().abs().min()):.3g})" if grid.numel() > 1 else ""
+                raise ValueError(f"{name}'s density vanishes on every point of the grid at sigma = {width:.3g}{gap}: "
+                                 "give a wider sigma or a finer grid")
     elif isinstance(p, SLQResult) or isinstance(q, SLQResult):
         raise ValueError("p and q must both be SLQResults or both tensors of weights")
     p, q = _probabilities(p, "p").double().cpu(), _probabilities(q, "q").double().cpu()
     if p.shape != q.shape:
         raise ValueError(f"p and q must have equal lengths, got {p.numel()} and {q.numel()}")
     p, q = p / p.sum(), q / q.sum()
-    m = (p + q) / 2
+    s = p + q  # a / m taken as 2a / s: m = s / 2 rounds to 0 where s is the least subnormal (a / m would be inf)
 
     def kl(a):
         used = a > 0
-        return float((a[used] * torch.log(a[used] / m[used])).sum())
+        return float((a[used] * torch.log(2 * a[used] / s[used])).sum())
 
     jsd = (kl(p) + kl(q)) / (2 * math.log(base))
     return math.sqrt(max(jsd, 0.0))
