@@ -6,7 +6,8 @@ double backward on a graph kept from one ``create_graph=True`` gradient, and the
 process (docs/results.md, "A whole model's product", issue 29).
 
 For each ``(B, L)`` of ``--shapes``: the methods timed in interleaved rounds after a warm-up (medians,
-the order rotated each round), each result checked against the retained graph's (relative Euclidean
+the order rotated each round; ``ours_out``: our product by ``A.matvec(v, out=y)`` into one output kept
+across the rounds), each result checked against the retained graph's (relative Euclidean
 error in the model's layout); with ``--base COMMIT`` also our product by the package at ``COMMIT``
 (method ``ours_base``, a ``git archive`` imported beside this checkout's); then, with ``--memory``, each method in a fresh worker process
 (``--worker``): the kernel's peak resident memory over its setup and first product, above the process's
@@ -34,7 +35,7 @@ import blockhess as bh  # noqa: E402
 import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
-METHODS = ("gradient", "ours", "double_backward", "retained")
+METHODS = ("gradient", "ours", "ours_out", "double_backward", "retained")
 BASE = None  # with --base COMMIT: the package at COMMIT, imported as blockhess_base (method ours_base)
 
 
@@ -81,6 +82,10 @@ def setup(P: Problem, method: str):
     if method == "ours":
         A = bh.hessian_operator(P.params, P.ids, P.cfg, loss="ce", target=P.y)
         return lambda: A @ P.v
+    if method == "ours_out":  # A.matvec into one output kept across the products (no fresh n-vector each)
+        A = bh.hessian_operator(P.params, P.ids, P.cfg, loss="ce", target=P.y)
+        out = torch.empty_like(P.v)
+        return lambda: A.matvec(P.v, out=out)
     if method == "ours_base":
         cfg, params = BASE.from_torch(P.model)
         A = BASE.hessian_operator(params, P.ids, cfg, loss="ce", target=P.y)
@@ -113,7 +118,9 @@ def timed(P: Problem, rounds: int, warmup: int, log, methods=METHODS) -> dict:
     errors = {m: float((results[m] - ref).norm() / ref.norm()) for m in results}
     med = {m: statistics.median(times[m]) for m in methods}
     ratios = {"ratio_ours_base_over_ours": ("ours_base", "ours"), "ratio_double_backward_over_ours": ("double_backward", "ours"),
-              "ratio_retained_over_ours": ("retained", "ours"), "ratio_ours_over_gradient": ("ours", "gradient")}
+              "ratio_retained_over_ours": ("retained", "ours"), "ratio_ours_over_gradient": ("ours", "gradient"),
+              "ratio_retained_over_ours_out": ("retained", "ours_out"),
+              "ratio_double_backward_over_ours_out": ("double_backward", "ours_out")}
     return {"seconds": times, "median_s": med, f"rel_error_vs_{'retained' if 'retained' in results else 'double_backward'}": errors,
             **{k: med[a] / med[b] for k, (a, b) in ratios.items() if a in med and b in med}}
 

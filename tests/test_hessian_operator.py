@@ -288,3 +288,47 @@ def test_a_non_finite_direction_is_named_by_its_variable(name):
             with pytest.raises(ValueError, match=re.escape(f"(in the entries of {var!r})")):
                 A @ [t.reshape(s) for t, s in zip(v[:, 1].split(list(A.in_sizes)), A.in_shapes.values())]
         off += size
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_matvec_into_a_kept_output(name):
+    """``A.matvec(v, out=y)``: the numbers of ``A @ v`` (to rounding: BLAS rounds by the operands' alignment),
+    written into ``y`` (returned), for the
+    whole model, a view, a head's view and a block-diagonal part, twice into the same output (the second
+    product overwrites every entry: ``y`` starts as NaN); into the next column of a column-major basis (a
+    strided ``v`` beside it); refusals before any product."""
+    cfg, p, x, loss, T = _model_case(name)
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    heads = [n for n in A.in_names if "#" in n][:1]
+    ops = [A, A["blocks.0.W_Q", "blocks.0.W_Q"], A.block_diagonal(["W_E" if name == "gpt" else "blocks.0.W_1",
+                                                                    ("blocks.0.W_V", "blocks.0.W_2")])]
+    if heads:
+        ops.append(A[heads[0], heads[0]])
+    gen = torch.Generator().manual_seed(9)
+    for op in ops:
+        y = torch.full((op.shape[0],), float("nan"), dtype=torch.float64)
+        for _ in range(2):
+            v = torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
+            got, ref = op.matvec(v, out=y), op @ v
+            assert got is y and float((y - ref).norm()) <= 1e-14 * float(ref.norm())
+        ref = op @ v
+        assert float((op.matvec(v) - ref).norm()) <= 1e-14 * float(ref.norm())
+        basis = torch.zeros(3, op.shape[0], dtype=torch.float64).T  # column-major: each column contiguous
+        basis[:, 0] = torch.randn(op.shape[0], dtype=torch.float64, generator=gen)
+        op.matvec(basis[:, 0], out=basis[:, 1])
+        ref = op @ basis[:, 0].contiguous()
+        assert float((basis[:, 1] - ref).norm()) <= 1e-14 * float(ref.norm())
+    n = A.shape[0]
+    v = torch.randn(n, dtype=torch.float64, generator=gen)
+    for out, words in [(torch.zeros(n + 1, dtype=torch.float64), f"out must be a contiguous tensor of shape \\({n},\\)"),
+                       (torch.zeros(2 * n, dtype=torch.float64)[::2], "out must be a contiguous tensor"),
+                       (torch.zeros(n, dtype=torch.float32), "out must be torch.float64"),
+                       (torch.zeros(n, dtype=torch.float64, requires_grad=True), "out must not require grad"),
+                       (v, "out must not overlap v")]:
+        with pytest.raises(ValueError, match=words):
+            A.matvec(v, out=out)
+    both = torch.randn(2 * n - 1, dtype=torch.float64, generator=gen)
+    with pytest.raises(ValueError, match="out must not overlap v"):
+        A.matvec(both[: n], out=both[n - 1:])  # one shared entry
+    with pytest.raises(ValueError, match=f"v must be a tensor of shape \\({n},\\)"):
+        A.matvec(torch.zeros(n, 1, dtype=torch.float64))

@@ -126,6 +126,36 @@ class _MatmulBase:
         self._check_tensor(V)
         return self._matmat(V[:, None])[:, 0] if V.ndim == 1 else self._matmat(V)
 
+    def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``self @ v`` for one vector ``v`` ``(n_in,)``, written into ``out`` ``(n_out,)`` where given (then
+        returned): the product's rows go straight into it, so a caller multiplying many vectors can keep one
+        output instead of a fresh ``n``-vector a product (whose pages the system supplies on first write:
+        0.2 s for a GPT-2-small-sized model's 124M entries on this project's machine, docs/results.md). The
+        numbers are those of ``self @ v`` to rounding (BLAS kernels round by the operands' alignment, so two
+        products of one ``v`` into differently aligned outputs can differ in the last bits). Raises ``ValueError`` for a ``v`` not ``(n_in,)``
+        of the operator's dtype and device or not finite, and an ``out`` not a contiguous ``(n_out,)``
+        tensor of that dtype and device, overlapping ``v`` in memory, or requiring grad."""
+        if not isinstance(v, torch.Tensor) or v.ndim != 1 or v.shape[0] != self.shape[1]:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"v must be a tensor of shape ({self.shape[1]},), got {got}")
+        self._check_tensor(v)
+        if out is None:
+            return self._matmat(v[:, None])[:, 0]
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (self.shape[0],) or not out.is_contiguous():
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be a contiguous tensor of shape ({self.shape[0]},), got {got}")
+        if out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(f"out must be {self.dtype} on {self.device} like the operator, got {out.dtype} on "
+                             f"{out.device}")
+        if out.requires_grad:
+            raise ValueError("out must not require grad (the product is written into it in place)")
+        lo = v.data_ptr()  # the bytes v spans (a strided column of a matrix spans its stride's gaps too)
+        hi = lo + ((v.numel() - 1) * v.stride(0) + 1) * v.element_size()
+        if out.data_ptr() < hi and lo < out.data_ptr() + out.numel() * out.element_size():
+            raise ValueError("out must not overlap v in memory (the product reads v while it writes out)")
+        self._matmat_columns(v[:, None], out=out[:, None])
+        return out
+
     def _matmat(self, X: torch.Tensor) -> torch.Tensor:
         """``self @ X`` for ``X`` ``(n_in, k)`` of the operator's dtype and device: ``(n_out, k)``."""
         k = X.shape[1]
@@ -197,8 +227,9 @@ class HessianOperator(_MatmulBase):
     variables' shapes, each with an optional trailing ``k`` (curvlinops' tensor-list format; the result
     in that format). ``A[a, b]`` is the sub-block view (``a``, ``b`` a name, a head's name ``W_Q#h``, or a
     sequence of them). ``A.T`` / ``A.adjoint()``: the transpose (``A`` itself where rows and columns
-    agree). Products raise ``ValueError`` for an input of another shape, dtype or device, and
-    ``RuntimeError`` when the engine returns a tensor of the wrong shape.
+    agree). ``A.matvec(v, out=y)``: one vector's product written into a kept output (:meth:`matvec`).
+    Products raise ``ValueError`` for an input of another shape, dtype or device, and ``RuntimeError``
+    when the engine returns a tensor of the wrong shape.
     """
 
     def __init__(self, product: Product, names: Sequence[str], shapes: dict, dtype: torch.dtype,
@@ -359,13 +390,15 @@ class HessianOperator(_MatmulBase):
             V[param].view(k, *ref)[(slice(None), *idx)] = block.reshape(k, *self.in_shapes[var])
         return V
 
-    def _matmat_columns(self, X: torch.Tensor) -> torch.Tensor:
-        """``H_view @ X`` for ``X`` ``(n_in, k)``, ``1 <= k <= max_columns``: ``(n_out, k)``."""
+    def _matmat_columns(self, X: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``H_view @ X`` for ``X`` ``(n_in, k)``, ``1 <= k <= max_columns``: ``(n_out, k)``; ``out`` (one
+        column): ``(n_out, 1)``, written and returned."""
         k = X.shape[1]
         wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
         if k == 1 and self._writes_into and not X.requires_grad:  # (out= has no autograd: a tracked X is assembled)
-            return self._vector(X, wanted)
-        return self._stacked(self._product(self._columns_to_params(X), wanted), k)
+            return self._vector(X, wanted, out)
+        Y = self._stacked(self._product(self._columns_to_params(X), wanted), k)
+        return Y if out is None else out.copy_(Y)
 
     def _stacked(self, out: dict, k: int) -> torch.Tensor:
         """An engine's rows ``out`` (over parameters, ``k`` directions each) as this view's ``(n_out, k)``."""
@@ -382,10 +415,11 @@ class HessianOperator(_MatmulBase):
                                f"{(k, *self.param_shapes[param])}")
         return y if var == param else y.reshape(k, *ref)[(slice(None), *idx)]
 
-    def _vector(self, X: torch.Tensor, wanted: tuple) -> torch.Tensor:
+    def _vector(self, X: torch.Tensor, wanted: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         """``H_view @ x`` for one column ``X`` ``(n_in, 1)``, the engine writing a whole parameter's rows
-        straight into their slice of the output where it can (``into``), the rest copied there."""
-        flat = X.new_empty(self.shape[0], 1)
+        straight into their slice of the output (``out`` ``(n_out, 1)``, else a new one) where it can
+        (``into``), the rest copied there."""
+        flat = X.new_empty(self.shape[0], 1) if out is None else out
         out = self._product(self._columns_to_params(X), wanted, into=self._into(flat[:, 0]))
         self._collect(out, flat[:, 0])
         return flat
@@ -629,7 +663,8 @@ class BlockDiagonalOperator(_MatmulBase):
     Attributes: ``blocks`` (the keys: a name, or a tuple of names), ``views`` (each block's ``A[b, b]``),
     ``sizes`` (each ``n_b``), ``offsets`` (each block's first row), ``shape`` ``(n_D, n_D)``, ``dtype``,
     ``device``, ``is_symmetric`` and ``SELF_ADJOINT`` (``True``), ``max_columns`` (``A``'s). ``D.T`` /
-    ``D.adjoint()`` is ``D``; ``to_scipy()`` as :meth:`HessianOperator.to_scipy`. Products raise
+    ``D.adjoint()`` is ``D``; ``to_scipy()`` as :meth:`HessianOperator.to_scipy`; ``D.matvec(v, out=y)`` as
+    :meth:`HessianOperator.matvec`. Products raise
     ``ValueError`` for an input of another shape, dtype or device, or with NaN or Inf.
     """
 
@@ -707,18 +742,18 @@ class BlockDiagonalOperator(_MatmulBase):
         if self.A._expect is not None and groups:
             self.A._expect(groups)
 
-    def _matmat_columns(self, X: torch.Tensor) -> torch.Tensor:
+    def _matmat_columns(self, X: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = X.shape[1]
         cols = {j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))}
         if k == 1:  # one output vector, each block's rows written into its slice
-            flat = X.new_empty(self.shape[0])
+            flat = X.new_empty(self.shape[0]) if out is None else out[:, 0]
             Y = self.products(cols, out={j: flat[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))})
             for j, (o, s) in enumerate(zip(self.offsets, self.sizes)):
                 if Y[j].data_ptr() != flat[o:].data_ptr():
                     flat[o : o + s].copy_(Y[j][:, 0])
             return flat[:, None]
         Y = self.products(cols)
-        return torch.cat([Y[j] for j in range(len(self.blocks))], 0)
+        return torch.cat([Y[j] for j in range(len(self.blocks))], 0, out=out)
 
     def __matmul__(self, V):
         """``D @ V``; see the class docstring."""
