@@ -320,13 +320,15 @@ def test_quiet_transformers_silences_and_restores():
     tf_logging.set_verbosity_warning()
     tf_logging.enable_progress_bar()
     before = (tf_logging.WARNING, True)
-    with quiet_transformers(False):
+    try:
+        with quiet_transformers(False):
+            assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
+        with pytest.raises(RuntimeError, match="inside"):
+            with quiet_transformers():
+                assert tf_logging.get_verbosity() == tf_logging.ERROR and not tf_logging.is_progress_bar_enabled()
+                raise RuntimeError("inside")
         assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
-    with pytest.raises(RuntimeError, match="inside"):
-        with quiet_transformers():
-            assert tf_logging.get_verbosity() == tf_logging.ERROR and not tf_logging.is_progress_bar_enabled()
-            raise RuntimeError("inside")
-    assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
-    tf_logging.set_verbosity(original[0])
-    if not original[1]:
-        tf_logging.disable_progress_bar()
+    finally:  # the process's settings as they were, whatever failed
+        tf_logging.set_verbosity(original[0])
+        if not original[1]:
+            tf_logging.disable_progress_bar()

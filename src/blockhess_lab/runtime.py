@@ -73,6 +73,7 @@ def progress(iterable=None, quiet: bool = False, **kw):
 
     return tqdm(iterable, disable=True if quiet else None, leave=False, dynamic_ncols=True, file=sys.stderr, **kw)
 
+
 def load_saved(path, map_location="cpu"):
     """``torch.load(path, weights_only=True)``: tensors and plain containers only, torch's warnings silenced
     while it reads. Raises ``ValueError`` with why, in one line: a file that names a class the safe loader

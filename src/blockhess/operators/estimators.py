@@ -83,8 +83,9 @@ class EigResult:
     the first run before any restart, where it started at random with one column; the certifying checks),
     ``multiplicity`` what the closed form proves of each returned eigenvalue's multiplicity: on the Kronecker
     path ``d`` of ``A = M ⊗ I_d`` (each eigenvalue of ``M`` is an eigenvalue of ``A`` exactly ``d`` times its
-    multiplicity in ``M``: ``d`` times where ``M``'s is simple, a multiple of ``d`` always), ``None`` on the
-    other paths (nothing claimed). Each eigenvalue lies within its residual of an eigenvalue of ``A``
+    multiplicity in ``M``: ``d`` times where ``M``'s is simple, a multiple of ``d`` always; the spectrum of
+    a Kronecker product, Horn & Johnson, *Topics in Matrix Analysis*, Thm 4.2.12), ``None`` on the other
+    paths (nothing claimed). Each eigenvalue lies within its residual of an eigenvalue of ``A``
     (Weyl/Kahan for symmetric ``A``)."""
 
     eigenvalues: torch.Tensor

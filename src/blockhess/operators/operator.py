@@ -129,12 +129,12 @@ class _MatmulBase:
     def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``self @ v`` for one vector ``v`` ``(n_in,)``, written into ``out`` ``(n_out,)`` where given (then
         returned): the product's rows go straight into it, so a caller multiplying many vectors can keep one
-        output instead of a fresh ``n``-vector a product (whose pages the system supplies on first write:
-        0.2 s for a GPT-2-small-sized model's 124M entries on this project's machine, docs/results.md). The
-        numbers are those of ``self @ v`` to rounding (BLAS kernels round by the operands' alignment, so two
-        products of one ``v`` into differently aligned outputs can differ in the last bits). Raises ``ValueError`` for a ``v`` not ``(n_in,)``
-        of the operator's dtype and device or not finite, and an ``out`` not a contiguous ``(n_out,)``
-        tensor of that dtype and device, overlapping ``v`` in memory, or requiring grad."""
+        output instead of a fresh ``n``-vector a product, whose pages the system supplies on first write
+        (docs/results.md, "Into a kept output"). The numbers are those of ``self @ v`` to rounding (BLAS
+        kernels round by the operands' alignment, so two products of one ``v`` into differently aligned
+        outputs can differ in the last bits). Raises ``ValueError`` for a ``v`` not ``(n_in,)`` of the
+        operator's dtype and device or not finite, and an ``out`` not a contiguous ``(n_out,)`` tensor of
+        that dtype and device, overlapping ``v`` in memory, or requiring grad."""
         if not isinstance(v, torch.Tensor) or v.ndim != 1 or v.shape[0] != self.shape[1]:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"v must be a tensor of shape ({self.shape[1]},), got {got}")
