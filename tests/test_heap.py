@@ -84,3 +84,46 @@ def test_tensors_in_use_are_unchanged():
     del parts
     heap.release_free()
     assert torch.equal(x, y)
+
+
+def test_pool_recycles_only_what_the_caller_dropped(monkeypatch):
+    """An output's memory goes back to the pool when its storage is freed (not while the tensor or any view
+    of it lives), and only to an output of the same size and dtype; other devices' and smaller outputs are
+    plain ``torch.empty``; :meth:`clear` lets go of what it keeps."""
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 800)
+    pool = heap.OutputPool()
+    a = pool.empty(100, torch.float64, torch.device("cpu"))
+    assert a.shape == (100,) and a.dtype == torch.float64 and a.is_contiguous()
+    ptr = a.data_ptr()
+    part = a[10:20]
+    del a
+    b = pool.empty(100, torch.float64, torch.device("cpu"))
+    assert b.data_ptr() != ptr  # a view of the first output still lives
+    part.fill_(7.0)
+    del part
+    c = pool.empty(100, torch.float64, torch.device("cpu"))
+    assert c.data_ptr() == ptr  # the first output's memory, now that nothing holds it
+    assert b.data_ptr() != c.data_ptr()
+    del c
+    assert pool._free is not None
+    assert pool.empty(100, torch.float32, torch.device("cpu")).data_ptr() != ptr  # another dtype: fresh
+    pool.clear()
+    assert pool._free is None
+    for n, dtype in ((99, torch.float64), (1000, torch.float16), (1000, torch.int64)):  # below the threshold;
+        t = pool.empty(n, dtype, torch.device("cpu"))  # no NumPy twin: torch.empty, never kept
+        assert t.dtype == dtype and t.shape == (n,)
+        del t
+        assert pool._free is None
+
+
+def test_pool_takes_outputs_dropped_on_another_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 0)
+    pool = heap.OutputPool()
+    box = [pool.empty(64, torch.float32, torch.device("cpu"))]
+    ptr = box[0].data_ptr()
+    t = threading.Thread(target=box.clear)
+    t.start()
+    t.join()
+    assert pool.empty(64, torch.float32, torch.device("cpu")).data_ptr() == ptr

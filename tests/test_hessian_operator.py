@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import blockhess as bh
+from blockhess import heap
 from blockhess.config import ModelConfig
 from blockhess.layers import attention
 from blockhess.model import directional as model_directional
@@ -288,6 +289,35 @@ def test_a_non_finite_direction_is_named_by_its_variable(name):
             with pytest.raises(ValueError, match=re.escape(f"(in the entries of {var!r})")):
                 A @ [t.reshape(s) for t, s in zip(v[:, 1].split(list(A.in_sizes)), A.in_shapes.values())]
         off += size
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_a_dropped_output_is_recycled_and_overwritten(name, monkeypatch):
+    """With every output pooled (``heap.POOL_MIN_BYTES`` 0): a product's output the caller dropped, its entries
+    set to NaN first, is the next product's memory, and that product overwrites every entry (the numbers of a
+    fresh output's); an output the caller keeps is left as it was, for the whole model, a view, a head's view
+    and a block-diagonal part."""
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 0)
+    cfg, p, x, loss, T = _model_case(name)
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    heads = [n for n in A.in_names if "#" in n][:1]
+    ops = [A, A["blocks.0.W_Q", "blocks.0.W_Q"], A.block_diagonal(["W_E" if name == "gpt" else "blocks.0.W_1",
+                                                                    ("blocks.0.W_V", "blocks.0.W_2")])]
+    if heads:
+        ops.append(A[heads[0], heads[0]])
+    gen = torch.Generator().manual_seed(10)
+    for op in ops:
+        v = torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
+        ref = op.matvec(v, out=torch.empty(op.shape[0], dtype=torch.float64))  # not from the pool
+        y = op @ v
+        ptr = y.data_ptr()
+        y.fill_(float("nan"))
+        del y
+        y = op @ v
+        assert y.data_ptr() == ptr and float((y - ref).norm()) <= 1e-14 * float(ref.norm())
+        kept = y.clone()
+        z = op @ torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
+        assert z.data_ptr() != y.data_ptr() and torch.equal(y, kept)
 
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])

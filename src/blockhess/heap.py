@@ -8,6 +8,11 @@ model's Hessian frees its passes' work space before the result's last pages are 
 (the lower triangle's mirror, :meth:`blockhess.result.BlockSum.result`): without a trim in between
 the process's peak holds both (docs/results.md, "Whole models"). glibc's ``malloc_trim(0)``
 returns every whole free page of the heap to the system and leaves what is in use as it is.
+
+The other way round, :class:`OutputPool`: an operator's product returns a fresh ``n``-vector each
+time, and one above glibc's mmap threshold (at most 32 MiB) is a fresh mapping whose pages the
+kernel supplies and zeroes on first write. The pool gives a product the memory of the last output
+its caller dropped instead.
 """
 
 from __future__ import annotations
@@ -15,8 +20,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
+import weakref
 
-__all__ = ["release_free"]
+import numpy as np
+import torch
+
+__all__ = ["OutputPool", "release_free"]
+
+POOL_MIN_BYTES = 32 << 20  # smaller outputs come from glibc's heap, whose freed pages are reused already
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @functools.cache
@@ -41,3 +54,43 @@ def release_free() -> bool:
         return False
     trim(0)
     return True
+
+
+class OutputPool:
+    """Memory for an operator's one-vector outputs, recycled once the caller has dropped them.
+
+    :meth:`empty` returns an uninitialised CPU tensor ``(n,)`` as ``torch.empty`` would, for a caller
+    that writes every entry (an operator's product writes every row). Where ``n`` entries of a
+    float32/float64 dtype take at least :data:`POOL_MIN_BYTES`, the memory is that of the last output of
+    the same size and dtype whose storage was freed (every tensor and view of it gone), if any: its pages
+    are already the process's, so the product writes them without a page fault each (docs/results.md,
+    "A pooled output"). An output still referenced anywhere is
+    never handed out again. The pool keeps at most one dropped output's memory (``n`` entries) between
+    products, until :meth:`clear` or the pool's end. Other devices, dtypes and smaller sizes get a
+    plain ``torch.empty``. Thread-safe: an output may be dropped on any thread."""
+
+    def __init__(self):
+        self._free = None  # a NumPy array: the memory of the last dropped output
+        self._lock = threading.Lock()
+
+    def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised ``(n,)`` tensor of ``dtype`` on ``device`` (see the class docstring)."""
+        np_dtype = _NUMPY_DTYPES.get(dtype)
+        if torch.device(device).type != "cpu" or np_dtype is None or n * np.dtype(np_dtype).itemsize < POOL_MIN_BYTES:
+            return torch.empty(n, dtype=dtype, device=device)
+        with self._lock:
+            mem, self._free = self._free, None
+        if mem is None or mem.shape != (n,) or mem.dtype != np_dtype:
+            mem = torch.empty(n, dtype=dtype).numpy()  # torch's allocation (NumPy's asks for huge pages)
+        handle = mem.view()  # the tensor's storage holds this object alone: it dies with the last view
+        weakref.finalize(handle, self._give_back, mem).atexit = False
+        return torch.from_numpy(handle)
+
+    def _give_back(self, mem: np.ndarray) -> None:
+        with self._lock:
+            self._free = mem
+
+    def clear(self) -> None:
+        """Let go of the kept memory (the system gets it back once nothing else holds it)."""
+        with self._lock:
+            self._free = None

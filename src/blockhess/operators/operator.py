@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import BlockConfig, ModelConfig, block_prefix
+from ..heap import OutputPool
 from ..result import HessianBlocks, head_split
 from ..validation import FLOAT_DTYPES, check_bool, check_fits, check_int
 
@@ -259,6 +260,7 @@ class HessianOperator(_MatmulBase):
         if expect is not None and not callable(expect):
             raise ValueError(f"expect must be None or callable as expect(groups), got {type(expect).__name__}")
         self._expect = expect
+        self._outputs = OutputPool()  # one-vector products' outputs (a view shares its operator's)
         self.params = names
         self.param_shapes = {n: tuple(int(s) for s in shapes[n]) for n in names}
         self.dtype = dtype
@@ -419,7 +421,7 @@ class HessianOperator(_MatmulBase):
         """``H_view @ x`` for one column ``X`` ``(n_in, 1)``, the engine writing a whole parameter's rows
         straight into their slice of the output (``out`` ``(n_out, 1)``, else a new one) where it can
         (``into``), the rest copied there."""
-        flat = X.new_empty(self.shape[0], 1) if out is None else out
+        flat = self._outputs.empty(self.shape[0], X.dtype, X.device)[:, None] if out is None else out
         out = self._product(self._columns_to_params(X), wanted, into=self._into(flat[:, 0]))
         self._collect(out, flat[:, 0])
         return flat
@@ -697,6 +699,7 @@ class BlockDiagonalOperator(_MatmulBase):
         self.shape = (n, n)
         self.dtype, self.device, self.max_columns = A.dtype, A.device, A.max_columns
         self.is_symmetric = self.SELF_ADJOINT = True
+        self._outputs = OutputPool()
 
     @property
     def T(self) -> "BlockDiagonalOperator":
@@ -746,7 +749,7 @@ class BlockDiagonalOperator(_MatmulBase):
         k = X.shape[1]
         cols = {j: X[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))}
         if k == 1:  # one output vector, each block's rows written into its slice
-            flat = X.new_empty(self.shape[0]) if out is None else out[:, 0]
+            flat = self._outputs.empty(self.shape[0], X.dtype, X.device) if out is None else out[:, 0]
             Y = self.products(cols, out={j: flat[o : o + s] for j, (o, s) in enumerate(zip(self.offsets, self.sizes))})
             for j, (o, s) in enumerate(zip(self.offsets, self.sizes)):
                 if Y[j].data_ptr() != flat[o:].data_ptr():
