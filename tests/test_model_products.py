@@ -12,6 +12,7 @@ import torch
 import blockhess as bh
 from blockhess.block.directional import hvp
 from blockhess.config import ModelConfig, model_param_shapes
+from blockhess.layers import linear
 from blockhess.model.directional import ModelProduct, fold_tied, unfold_tied
 from blockhess.model.forward_pass import trace
 from blockhess.model.stages import TIED_HEAD
@@ -37,7 +38,7 @@ POST = bh.BlockConfig(d_model=4, d_ff=5, d_k=3, bias=True, ln_affine=True, ln_ep
 CASES = {
     "lm-tied": (ModelConfig(blocks=(BLK, BLK), embedding="token", vocab=5, positions="learned", n_positions=4,
                             final_norm=True, head=5, tied=True, head_bias=False), "tokens", "ce-token"),
-    # d = 16 > 2·B·P = 12: the tied head's rows as one product over the stacked tokens (HeadStage.adjoint2)
+    # d = 16 wider than the tokens' 6 rows (a tied head whose rows have more columns than the tokens)
     "lm-tied-wide": (ModelConfig(blocks=(dataclasses.replace(BLK, d_model=16),), embedding="token", vocab=5,
                                  positions="learned", n_positions=4, final_norm=True, head=5, tied=True,
                                  head_bias=False), "tokens", "ce-token"),
@@ -77,12 +78,24 @@ def _case(name):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("part", ["full", "outer", "functional"])
 def test_products_equal_dense_hessian(name, part):
+    _check_products(name, part, 3)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("stack_max_rows", [0, 10**6])
+def test_one_direction_by_either_row_rule_equals_dense_hessian(name, stack_max_rows, monkeypatch):
+    """One direction: the weights' rows ``xᵀġ + ẋᵀg`` (the tied head's too) as two products into one result
+    (``STACK_MAX_ROWS`` 0) and as one product over the tokens stacked twice (any row count)."""
+    monkeypatch.setattr(linear, "STACK_MAX_ROWS", stack_max_rows)
+    _check_products(name, "full", 1)
+
+
+def _check_products(name, part, k):
     cfg, params, x, loss, target = _case(name)
     H = bh.hessian(params, x, cfg, loss=loss, target=target)
     D = {"full": H, "outer": H.outer, "functional": H.functional}[part].dense()
     shapes = model_param_shapes(cfg)
     gen = torch.Generator().manual_seed(1)
-    k = 3
     Vflat = torch.randn(D.shape[0], k, generator=gen, dtype=torch.float64)
     V, off = {}, 0
     for n, s in shapes.items():

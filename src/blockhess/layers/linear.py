@@ -35,7 +35,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["tangent", "adjoint", "second_adjoint", "add", "Scaled", "moments"]
+__all__ = ["tangent", "adjoint", "second_adjoint", "add", "Scaled", "moments", "STACK_MAX_ROWS"]
+
+STACK_MAX_ROWS = 32  # one direction's xᵀġ + ẋᵀg over at most this many token rows: one product over the rows
+# stacked twice; over more, two products into one result (the faster here, docs/derivations.md §18)
 
 
 class Scaled(NamedTuple):
@@ -160,11 +163,12 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
         hv_b = dg.reshape(dg.shape[0], -1, d_out).sum(1)
     if weight:
         both = dg is not None and second and dx is not None
-        if both and dg.shape[0] > 1:  # xᵀ ġ + ẋᵀ g for k directions: two products, x and g never copied per direction
+        rows = x.numel() // d_in
+        if both and (dg.shape[0] > 1 or rows > STACK_MAX_ROWS):  # xᵀ ġ + ẋᵀ g: two products, x and g never copied
             k = dg.shape[0]
             hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(k, -1, d_out), out=out)
             hv_W.baddbmm_(dx.reshape(k, -1, d_in).mT, _tokens(g, d_out).expand(k, -1, -1))
-        elif both:  # one direction: one product over the tokens stacked twice, the rows written once
+        elif both:  # one direction, few rows: one product over the tokens stacked twice, the rows written once
             k = dg.shape[0]
             xt = _tokens(x, d_in)
             lhs = torch.cat([xt.expand(k, -1, -1), dx.reshape(k, -1, d_in)], 1)

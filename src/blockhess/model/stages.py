@@ -35,7 +35,7 @@ from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
-from ..layers import layernorm
+from ..layers import layernorm, linear
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
 from ..validation import check_fits
 from .forward_pass import embed_scale
@@ -412,9 +412,9 @@ class HeadStage:
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
             dest = (into or {}).get(w)
             both = functional and dx is not None
-            if both and 2 * B * P < d:  # few rows: [ġ; g]ᵀ [h; ḣ], one product writing the (C, d) rows once
-                L = torch.cat([dgf, gf.expand(k, -1, -1)], 1)  # (stacking 2·B·P·C entries costs less than
-                R = torch.cat([hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)  # a second pass over C·d)
+            if both and B * P <= linear.STACK_MAX_ROWS:  # few rows: [ġ; g]ᵀ [h; ḣ], one product, rows written once
+                L = torch.cat([dgf, gf.expand(k, -1, -1)], 1)
+                R = torch.cat([hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)
                 out[w] = torch.matmul(L.mT, R, out=dest) if self.tied else torch.matmul(R.mT, L, out=dest)
             else:
                 out[w] = torch.matmul(dgf.mT, hf, out=dest) if self.tied else torch.matmul(hf.T, dgf, out=dest)
