@@ -1,0 +1,114 @@
+"""``python benchmarks/product_parts.py --out FILE``: the two measurements a whole-model product's choices rest
+on (docs/results.md, "A pooled output"), one thread, float32, medians after one warm-up:
+
+* ``rows``: one direction's weight rows ``xᵀġ + ẋᵀg`` ``(d_in, d_out)`` from ``T`` token rows, as one product
+  over the tokens stacked twice (``[x; ẋ]ᵀ[ġ; g]``, the two concatenations included) against two products
+  into one result (``mm`` then ``addmm_``), written into an output already written once, at GPT-2 small's
+  weight shapes (``768 × 768``, ``768 × 3072``, ``3072 × 768``, the tied head's ``50257 × 768``):
+  ``blockhess.layers.linear.STACK_MAX_ROWS`` is the crossover.
+* ``output``: writing a 124,439,808-entry float32 vector (GPT-2 small's ``n``) into a fresh ``torch.empty``
+  against into the memory :class:`blockhess.heap.OutputPool` hands back: the seconds and the minor page
+  faults (``getrusage``) of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+import torch  # noqa: E402
+
+from blockhess import heap  # noqa: E402
+from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
+
+SHAPES = ((768, 768), (768, 3072), (3072, 768), (50257, 768))
+
+
+def median_time(f, repeats: int) -> float:
+    f()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def rows(tokens, repeats: int, log) -> list:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for T in tokens:
+        for d_in, d_out in SHAPES:
+            x, dx = torch.randn(T, d_in, generator=gen), torch.randn(T, d_in, generator=gen)
+            g, dg = torch.randn(T, d_out, generator=gen), torch.randn(T, d_out, generator=gen)
+            res = torch.zeros(d_in, d_out)
+
+            def stacked():
+                torch.mm(torch.cat([x, dx]).T, torch.cat([dg, g]), out=res)
+
+            def two():
+                torch.mm(x.T, dg, out=res).addmm_(dx.T, g)
+
+            a, b = median_time(stacked, repeats), median_time(two, repeats)
+            out.append({"tokens": T, "d_in": d_in, "d_out": d_out, "stacked_s": a, "two_products_s": b,
+                        "stacked_over_two": a / b})
+            log(f"rows T={T} {d_in}x{d_out}: stacked {a * 1e3:.2f} ms, two {b * 1e3:.2f} ms")
+    return out
+
+
+def output(n: int, repeats: int, log) -> dict:
+    pool = heap.OutputPool()
+
+    def fresh():
+        torch.empty(n).fill_(1.0)
+
+    def pooled():
+        pool.empty(n, torch.float32, torch.device("cpu")).fill_(1.0)  # dropped at once: back to the pool
+
+    res = {"entries": n}
+    for name, f in (("fresh", fresh), ("pooled", pooled)):
+        f()
+        times, faults = [], []
+        for _ in range(repeats):
+            r0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+        res[name] = {"median_s": statistics.median(times), "seconds": times, "minor_faults": faults}
+        log(f"output {name}: {res[name]['median_s']:.3f} s, {statistics.median(faults):.0f} faults")
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="16,32,48,64,96,128,256,1024", help="token row counts (comma-separated)")
+    p.add_argument("--entries", type=int, default=124_439_808, help="the output's entries (default GPT-2 small's n)")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+    rep = {"benchmark": "product_parts", "commit": git_commit(), "environment": environment(), "settings": vars(args),
+           "load_average_at_start": load_average()}
+    rep["rows"] = rows([int(t) for t in args.tokens.split(",")], args.repeats, log)
+    rep["output"] = output(args.entries, args.repeats, log)
+    rep["load_average_at_end"] = load_average()
+    with open(args.out, "w") as f:
+        json.dump(rep, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
