@@ -10,7 +10,7 @@ the process's peak holds both (docs/results.md, "Whole models"). glibc's ``mallo
 returns every whole free page of the heap to the system and leaves what is in use as it is.
 
 The other way round, :class:`OutputPool`: an operator's product returns a fresh ``n``-vector each
-time, and one above glibc's mmap threshold (at most 32 MiB) is a fresh mapping whose pages the
+time, and one above glibc's mmap threshold is a fresh mapping whose pages the
 kernel supplies and zeroes on first write. The pool gives a product the memory of the last output
 its caller dropped instead.
 """
