@@ -106,8 +106,16 @@ def test_pool_recycles_only_what_the_caller_dropped(monkeypatch):
     assert b.data_ptr() != c.data_ptr()
     del c
     assert pool._free is not None
-    assert pool.empty(100, torch.float32, torch.device("cpu")).data_ptr() != ptr  # another dtype: fresh
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 400)
+    f = pool.empty(100, torch.float32, torch.device("cpu"))  # the same size, another dtype: fresh
+    assert f.dtype == torch.float32
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 800)
     pool.clear()
+    assert pool._free is None
+    e = pool.empty(100, torch.float64, torch.device("cpu"))
+    del e
+    assert pool._free is not None
+    pool.empty(10, torch.float64, torch.device("cpu"))  # a request the kept memory does not fit lets it go
     assert pool._free is None
     for n, dtype in ((99, torch.float64), (1000, torch.float16), (1000, torch.int64)):  # below the threshold;
         t = pool.empty(n, dtype, torch.device("cpu"))  # no NumPy twin: torch.empty, never kept

@@ -14,6 +14,7 @@ from blockhess import heap
 from blockhess.config import ModelConfig
 from blockhess.layers import attention
 from blockhess.model import directional as model_directional
+from blockhess.model import stages
 from blockhess.operators import HessianOperator, engines, head_views, lanczos_eigs
 
 from conftest import assert_close, make_model_case, spy_calls
@@ -291,24 +292,35 @@ def test_a_non_finite_direction_is_named_by_its_variable(name):
         off += size
 
 
+def _assembled(op, v):
+    """``op @ v`` by the path of several columns (``v`` twice): rows assembled from the engine's own tensors,
+    none written into an output, no pooled memory; the reference of the one-vector paths."""
+    return (op @ torch.stack([v, v], 1))[:, 0]
+
+
 @pytest.mark.parametrize("name", ["gpt", "vit"])
-def test_a_dropped_output_is_recycled_and_overwritten(name, monkeypatch):
+@pytest.mark.parametrize("head_stack", [0, stages.HEAD_STACK_MAX_ROWS], ids=["head-two-products", "head-stacked"])
+def test_a_dropped_output_is_recycled_and_overwritten(name, head_stack, monkeypatch):
     """With every output pooled (``heap.POOL_MIN_BYTES`` 0): a product's output the caller dropped, its entries
-    set to NaN first, is the next product's memory, and that product overwrites every entry (the numbers of a
-    fresh output's); an output the caller keeps is left as it was, for the whole model, a view, a head's view
-    and a block-diagonal part."""
+    set to NaN first, is the next product's memory, and that product overwrites every entry (the numbers of
+    ``matvec`` into a fresh tensor); an output the caller keeps is left as it was; for the whole model, a view,
+    a head's view, a block-diagonal part, and a mean over batches (whose rows are assembled, not written in
+    place), the head's rows by either rule. A product of several columns lets the pool's memory go."""
     monkeypatch.setattr(heap, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(stages, "HEAD_STACK_MAX_ROWS", head_stack)
     cfg, p, x, loss, T = _model_case(name)
     A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    halves = [bh.hessian_operator(p, x[i : i + 2], cfg, loss=loss, target=T[i : i + 2]) for i in (0, 2)]
     heads = [n for n in A.in_names if "#" in n][:1]
     ops = [A, A["blocks.0.W_Q", "blocks.0.W_Q"], A.block_diagonal(["W_E" if name == "gpt" else "blocks.0.W_1",
-                                                                    ("blocks.0.W_V", "blocks.0.W_2")])]
+                                                                    ("blocks.0.W_V", "blocks.0.W_2")]),
+           bh.operators.mean_operator(halves, counts=[2, 1])]
     if heads:
         ops.append(A[heads[0], heads[0]])
     gen = torch.Generator().manual_seed(10)
     for op in ops:
         v = torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
-        ref = op.matvec(v, out=torch.empty(op.shape[0], dtype=torch.float64))  # not from the pool
+        ref = _assembled(op, v)
         y = op @ v
         ptr = y.data_ptr()
         y.fill_(float("nan"))
@@ -318,15 +330,40 @@ def test_a_dropped_output_is_recycled_and_overwritten(name, monkeypatch):
         kept = y.clone()
         z = op @ torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
         assert z.data_ptr() != y.data_ptr() and torch.equal(y, kept)
+        del z
+        assert op._outputs._free is not None
+        op @ torch.randn(op.shape[1], 2, dtype=torch.float64, generator=gen)
+        assert op._outputs._free is None
+
+
+def test_pooled_outputs_on_another_default_device_and_deep_copies(monkeypatch):
+    """A CPU operator's pooled output is a CPU tensor whatever torch's default device; a deep copy of an
+    operator has a pool of its own, empty."""
+    import copy
+
+    monkeypatch.setattr(heap, "POOL_MIN_BYTES", 0)
+    cfg, p, x, loss, T = _model_case("gpt")
+    A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
+    v = torch.randn(A.shape[1], dtype=torch.float64)
+    ref = A @ v
+    with torch.device("meta"):
+        y = A @ v
+    assert y.device.type == "cpu" and float((y - ref).norm()) <= 1e-14 * float(ref.norm())
+    del y
+    B = copy.deepcopy(A)
+    assert B._outputs is not A._outputs and B._outputs._free is None and A._outputs._free is not None
+    assert float((B @ v - ref).norm()) <= 1e-14 * float(ref.norm())
 
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
-def test_matvec_into_a_kept_output(name):
+@pytest.mark.parametrize("head_stack", [0, stages.HEAD_STACK_MAX_ROWS], ids=["head-two-products", "head-stacked"])
+def test_matvec_into_a_kept_output(name, head_stack, monkeypatch):
     """``A.matvec(v, out=y)``: the numbers of ``A @ v`` (to rounding: BLAS rounds by the operands' alignment),
     written into ``y`` (returned), for the
     whole model, a view, a head's view and a block-diagonal part, twice into the same output (the second
     product overwrites every entry: ``y`` starts as NaN); into the next column of a column-major basis (a
     strided ``v`` beside it); refusals before any product."""
+    monkeypatch.setattr(stages, "HEAD_STACK_MAX_ROWS", head_stack)
     cfg, p, x, loss, T = _model_case(name)
     A = bh.hessian_operator(p, x, cfg, loss=loss, target=T)
     heads = [n for n in A.in_names if "#" in n][:1]
@@ -339,14 +376,14 @@ def test_matvec_into_a_kept_output(name):
         y = torch.full((op.shape[0],), float("nan"), dtype=torch.float64)
         for _ in range(2):
             v = torch.randn(op.shape[1], dtype=torch.float64, generator=gen)
-            got, ref = op.matvec(v, out=y), op @ v
+            got, ref = op.matvec(v, out=y), _assembled(op, v)
             assert got is y and float((y - ref).norm()) <= 1e-14 * float(ref.norm())
-        ref = op @ v
+        ref = _assembled(op, v)
         assert float((op.matvec(v) - ref).norm()) <= 1e-14 * float(ref.norm())
         basis = torch.zeros(3, op.shape[0], dtype=torch.float64).T  # column-major: each column contiguous
         basis[:, 0] = torch.randn(op.shape[0], dtype=torch.float64, generator=gen)
         op.matvec(basis[:, 0], out=basis[:, 1])
-        ref = op @ basis[:, 0].contiguous()
+        ref = _assembled(op, basis[:, 0].contiguous())
         assert float((basis[:, 1] - ref).norm()) <= 1e-14 * float(ref.norm())
     n = A.shape[0]
     v = torch.randn(n, dtype=torch.float64, generator=gen)

@@ -12,9 +12,9 @@ import torch
 import blockhess as bh
 from blockhess.block.directional import hvp
 from blockhess.config import ModelConfig, model_param_shapes
-from blockhess.layers import linear
 from blockhess.model.directional import ModelProduct, fold_tied, unfold_tied
 from blockhess.model.forward_pass import trace
+from blockhess.model import stages
 from blockhess.model.stages import TIED_HEAD
 from blockhess.model.walk import stages_of
 from blockhess import losses
@@ -83,11 +83,12 @@ def test_products_equal_dense_hessian(name, part):
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("stack_max_rows", [0, 10**6])
-def test_one_direction_by_either_row_rule_equals_dense_hessian(name, stack_max_rows, monkeypatch):
-    """One direction: the weights' rows ``xᵀġ + ẋᵀg`` (the tied head's too) as two products into one result
-    (``STACK_MAX_ROWS`` 0) and as one product over the tokens stacked twice (any row count)."""
-    monkeypatch.setattr(linear, "STACK_MAX_ROWS", stack_max_rows)
-    _check_products(name, "full", 1)
+@pytest.mark.parametrize("k", [1, 3])
+def test_head_rows_by_either_rule_equal_dense_hessian(name, stack_max_rows, k, monkeypatch):
+    """The head's weight rows ``ġᵀh + gᵀḣ`` as two products into one result (``HEAD_STACK_MAX_ROWS`` 0) and
+    as one product over the rows stacked twice (any row count)."""
+    monkeypatch.setattr(stages, "HEAD_STACK_MAX_ROWS", stack_max_rows)
+    _check_products(name, "full", k)
 
 
 def _check_products(name, part, k):

@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["OutputPool", "release_free"]
+__all__ = ["OutputPool", "POOL_MIN_BYTES", "release_free"]
 
 POOL_MIN_BYTES = 32 << 20  # smaller outputs come from glibc's heap, whose freed pages are reused already
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
@@ -62,26 +62,31 @@ class OutputPool:
     :meth:`empty` returns an uninitialised CPU tensor ``(n,)`` as ``torch.empty`` would, for a caller
     that writes every entry (an operator's product writes every row). Where ``n`` entries of a
     float32/float64 dtype take at least :data:`POOL_MIN_BYTES`, the memory is that of the last output of
-    the same size and dtype whose storage was freed (every tensor and view of it gone), if any: its pages
-    are already the process's, so the product writes them without a page fault each (docs/results.md,
-    "A pooled output"). An output still referenced anywhere is
-    never handed out again. The pool keeps at most one dropped output's memory (``n`` entries) between
-    products, until :meth:`clear` or the pool's end. Other devices, dtypes and smaller sizes get a
-    plain ``torch.empty``. Thread-safe: an output may be dropped on any thread."""
+    the same size and dtype whose storage was freed (every tensor, view, NumPy array and DLPack capsule of
+    it gone), if any: its pages are already the process's, so the product writes them without a page fault
+    each (docs/results.md, "A pooled output"). An output still referenced anywhere is never handed out
+    again. Such an output's storage cannot be resized (``resize_`` to another size raises).
+
+    The pool keeps at most one dropped output's memory, and only until the next request: :meth:`empty` takes
+    it and either hands it out (same size and dtype) or lets it go before allocating; :meth:`clear` lets it go
+    at once (an operator calls it before products that take no output from the pool). Other devices, dtypes
+    and smaller sizes get a plain ``torch.empty``. Thread-safe: an output may be dropped on any thread. A
+    deep copy of a pool is an empty pool."""
 
     def __init__(self):
         self._free = None  # a NumPy array: the memory of the last dropped output
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised ``(n,)`` tensor of ``dtype`` on ``device`` (see the class docstring)."""
+        with self._lock:
+            mem, self._free = self._free, None
         np_dtype = _NUMPY_DTYPES.get(dtype)
         if torch.device(device).type != "cpu" or np_dtype is None or n * np.dtype(np_dtype).itemsize < POOL_MIN_BYTES:
             return torch.empty(n, dtype=dtype, device=device)
-        with self._lock:
-            mem, self._free = self._free, None
         if mem is None or mem.shape != (n,) or mem.dtype != np_dtype:
-            mem = torch.empty(n, dtype=dtype).numpy()  # torch's allocation (NumPy's asks for huge pages)
+            mem = None  # let the other size go before the allocation
+            mem = torch.empty(n, dtype=dtype, device="cpu").numpy()  # torch's allocation (NumPy's asks for huge pages)
         handle = mem.view()  # the tensor's storage holds this object alone: it dies with the last view
         weakref.finalize(handle, self._give_back, mem).atexit = False
         return torch.from_numpy(handle)
@@ -94,3 +99,6 @@ class OutputPool:
         """Let go of the kept memory (the system gets it back once nothing else holds it)."""
         with self._lock:
             self._free = None
+
+    def __deepcopy__(self, memo) -> "OutputPool":
+        return OutputPool()

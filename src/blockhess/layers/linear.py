@@ -35,10 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["tangent", "adjoint", "second_adjoint", "add", "Scaled", "moments", "STACK_MAX_ROWS"]
-
-STACK_MAX_ROWS = 32  # one direction's xᵀġ + ẋᵀg over at most this many token rows: one product over the rows
-# stacked twice; over more, two products into one result (the faster here, docs/derivations.md §18)
+__all__ = ["tangent", "adjoint", "second_adjoint", "add", "Scaled", "moments"]
 
 
 class Scaled(NamedTuple):
@@ -163,17 +160,10 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
         hv_b = dg.reshape(dg.shape[0], -1, d_out).sum(1)
     if weight:
         both = dg is not None and second and dx is not None
-        rows = x.numel() // d_in
-        if both and (dg.shape[0] > 1 or rows > STACK_MAX_ROWS):  # xᵀ ġ + ẋᵀ g: two products, x and g never copied
+        if both:  # xᵀ ġ + ẋᵀ g: two products into one result, x and g never copied (derivations §18)
             k = dg.shape[0]
             hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(k, -1, d_out), out=out)
             hv_W.baddbmm_(dx.reshape(k, -1, d_in).mT, _tokens(g, d_out).expand(k, -1, -1))
-        elif both:  # one direction, few rows: one product over the tokens stacked twice, the rows written once
-            k = dg.shape[0]
-            xt = _tokens(x, d_in)
-            lhs = torch.cat([xt.expand(k, -1, -1), dx.reshape(k, -1, d_in)], 1)
-            rhs = torch.cat([dg.reshape(k, -1, d_out), _tokens(g, d_out).expand(k, -1, -1)], 1)
-            hv_W = torch.matmul(lhs.mT, rhs, out=out)
         elif dg is not None:
             hv_W = torch.matmul(_tokens(x, d_in).T, dg.reshape(dg.shape[0], -1, d_out), out=out)
         elif second and dx is not None:

@@ -35,7 +35,7 @@ from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
-from ..layers import layernorm, linear
+from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
 from ..validation import check_fits
 from .forward_pass import embed_scale
@@ -58,6 +58,8 @@ def _gram_share(d: int) -> float:
 
 #: the internal name of the token embedding's second use, as the tied head ``W_H = W_E^T`` ``(d, vocab)``
 TIED_HEAD = "W_E@head"
+HEAD_STACK_MAX_ROWS = 32  # the head's weight rows ġᵀh + gᵀḣ from at most this many rows: one product over the
+# rows stacked twice; from more, two products into one result (derivations §18)
 
 
 def _none_curv(g, names, acc=None):
@@ -412,7 +414,7 @@ class HeadStage:
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
             dest = (into or {}).get(w)
             both = functional and dx is not None
-            if both and B * P <= linear.STACK_MAX_ROWS:  # few rows: [ġ; g]ᵀ [h; ḣ], one product, rows written once
+            if both and B * P <= HEAD_STACK_MAX_ROWS:  # few rows: [ġ; g]ᵀ [h; ḣ], one product, rows written once
                 L = torch.cat([dgf, gf.expand(k, -1, -1)], 1)
                 R = torch.cat([hf.expand(k, -1, -1), dx.reshape(k, B * P, d)], 1)
                 out[w] = torch.matmul(L.mT, R, out=dest) if self.tied else torch.matmul(R.mT, L, out=dest)

@@ -397,14 +397,24 @@ class HessianOperator(_MatmulBase):
         column): ``(n_out, 1)``, written and returned."""
         k = X.shape[1]
         wanted = tuple(dict.fromkeys(self._vars[v][0] for v in self.names))
-        if k == 1 and self._writes_into and not X.requires_grad:  # (out= has no autograd: a tracked X is assembled)
+        if X.requires_grad:  # (out= has no autograd: a tracked X's rows are assembled, then copied)
+            self._outputs.clear()
+            Y = self._stacked(self._product(self._columns_to_params(X), wanted), k)
+            return Y if out is None else out.copy_(Y)
+        if k == 1 and self._writes_into:
             return self._vector(X, wanted, out)
-        Y = self._stacked(self._product(self._columns_to_params(X), wanted), k)
-        return Y if out is None else out.copy_(Y)
+        if k == 1 and out is None:
+            out = self._outputs.empty(self.shape[0], X.dtype, X.device)[:, None]
+        elif out is None:
+            self._outputs.clear()  # no output from the pool: its memory is not held through this product
+        return self._stacked(self._product(self._columns_to_params(X), wanted), k, out)
 
-    def _stacked(self, out: dict, k: int) -> torch.Tensor:
-        """An engine's rows ``out`` (over parameters, ``k`` directions each) as this view's ``(n_out, k)``."""
+    def _stacked(self, out: dict, k: int, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """An engine's rows ``out`` (over parameters, ``k`` directions each) as this view's ``(n_out, k)``,
+        written into ``dest`` (then returned) where given."""
         rows = [self._row(out, var, k).reshape(k, -1).T for var in self.names]
+        if dest is not None:
+            return torch.cat(rows, 0, out=dest) if len(rows) > 1 else dest.copy_(rows[0])
         return torch.cat(rows, 0) if len(rows) > 1 else rows[0].contiguous()
 
     def _row(self, out, var: str, k: int) -> torch.Tensor:
@@ -755,6 +765,7 @@ class BlockDiagonalOperator(_MatmulBase):
                 if Y[j].data_ptr() != flat[o:].data_ptr():
                     flat[o : o + s].copy_(Y[j][:, 0])
             return flat[:, None]
+        self._outputs.clear()  # no output from the pool: its memory is not held through this product
         Y = self.products(cols)
         return torch.cat([Y[j] for j in range(len(self.blocks))], 0, out=out)
 
