@@ -130,8 +130,9 @@ class _MatmulBase:
     def matvec(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``self @ v`` for one vector ``v`` ``(n_in,)``, written into ``out`` ``(n_out,)`` where given (then
         returned): the product's rows go straight into it, so a caller multiplying many vectors can keep one
-        output instead of a fresh ``n``-vector a product, whose pages the system supplies on first write
-        (docs/results.md, "Into a kept output"). The numbers are those of ``self @ v`` to rounding (BLAS
+        output whose memory it manages itself (without ``out``, a large output takes the memory of the last
+        one the caller dropped: :class:`blockhess.heap.OutputPool`; docs/results.md, "Into a kept output",
+        "A pooled output"). The numbers are those of ``self @ v`` to rounding (BLAS
         kernels round by the operands' alignment, so two products of one ``v`` into differently aligned
         outputs can differ in the last bits). Raises ``ValueError`` for a ``v`` not ``(n_in,)`` of the
         operator's dtype and device or not finite, and an ``out`` not a contiguous ``(n_out,)`` tensor of
