@@ -409,17 +409,21 @@ def load_data(cfg: ModelConfig, path: str, dtype=torch.float64) -> tuple:
     if tokens != (suffix in (".pt", ".npy")):
         raise ValueError(f"{where}: a {'language model' if tokens else 'ViT'} reads "
                          + ("a .pt or .npy array of token ids" if tokens else "an .npz of images and labels"))
-    try:
-        if suffix == ".pt":
+    if suffix == ".pt":
+        try:
             arrays = {"token ids": load_saved(path)}
-        elif suffix == ".npy":
-            arrays = {"token ids": np.load(path, allow_pickle=False)}
-        else:
-            with np.load(path, allow_pickle=False) as f:
-                arrays = {k: f[k] for k in f.files}
-    except Exception as exc:  # torch.load and np.load raise many kinds (KeyError among them) for a file they cannot read
-        reason = str(exc) if suffix == ".pt" else f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"
-        raise ValueError(f"{where}: cannot read it: {reason}") from None
+        except ValueError as exc:  # load_saved's one-line reason
+            raise ValueError(f"{where}: cannot read it: {exc}") from None
+    else:
+        try:
+            if suffix == ".npy":
+                arrays = {"token ids": np.load(path, allow_pickle=False)}
+            else:
+                with np.load(path, allow_pickle=False) as f:
+                    arrays = {k: f[k] for k in f.files}
+        except Exception as exc:  # np.load raises many kinds (KeyError among them) for a file it cannot read
+            raise ValueError(f"{where}: cannot read it: {type(exc).__name__}: "
+                             f"{(str(exc) or '-').splitlines()[0]}") from None
     if not tokens:
         missing = [k for k in ("images", "labels") if k not in arrays]
         if missing:
