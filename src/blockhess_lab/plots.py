@@ -360,7 +360,8 @@ def eigenvalue_trajectories(path, x, panels: dict, counts: dict, count_x, xlabel
     flat[0].legend(fontsize=7)
     ax = flat[len(panels)]
     for i, (name, vals) in enumerate(counts.items()):
-        ax.plot(count_x, vals, marker="o" if i == 0 else "s", ms=3, lw=1.2, label=name)
+        ax.plot(count_x, vals, marker="o" if i == 0 else "s", ms=3, lw=1.2, ls="-" if i == 0 else "--",
+                label=name)  # the second dashed: two equal series stay visible
     ax.set_title("Lanczos products per point", fontsize=9)
     ax.set_ylim(bottom=0)  # from zero: a saving of a few per cent looks like one
     ax.tick_params(labelsize=7)
