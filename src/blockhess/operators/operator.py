@@ -402,12 +402,12 @@ class HessianOperator(_MatmulBase):
             self._outputs.clear()
             Y = self._stacked(self._product(self._columns_to_params(X), wanted), k)
             return Y if out is None else out.copy_(Y)
-        if k == 1 and self._writes_into:
-            return self._vector(X, wanted, out)
         if k == 1 and out is None:
             out = self._outputs.empty(self.shape[0], X.dtype, X.device)[:, None]
         elif out is None:
             self._outputs.clear()  # no output from the pool: its memory is not held through this product
+        if k == 1 and self._writes_into:
+            return self._vector(X, wanted, out)
         return self._stacked(self._product(self._columns_to_params(X), wanted), k, out)
 
     def _stacked(self, out: dict, k: int, dest: torch.Tensor | None = None) -> torch.Tensor:
@@ -428,11 +428,10 @@ class HessianOperator(_MatmulBase):
                                f"{(k, *self.param_shapes[param])}")
         return y if var == param else y.reshape(k, *ref)[(slice(None), *idx)]
 
-    def _vector(self, X: torch.Tensor, wanted: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``H_view @ x`` for one column ``X`` ``(n_in, 1)``, the engine writing a whole parameter's rows
-        straight into their slice of the output (``out`` ``(n_out, 1)``, else a new one) where it can
-        (``into``), the rest copied there."""
-        flat = self._outputs.empty(self.shape[0], X.dtype, X.device)[:, None] if out is None else out
+    def _vector(self, X: torch.Tensor, wanted: tuple, flat: torch.Tensor) -> torch.Tensor:
+        """``H_view @ x`` for one column ``X`` ``(n_in, 1)`` into ``flat`` ``(n_out, 1)`` (returned), the engine
+        writing a whole parameter's rows straight into their slice where it can (``into``), the rest copied
+        there."""
         out = self._product(self._columns_to_params(X), wanted, into=self._into(flat[:, 0]))
         self._collect(out, flat[:, 0])
         return flat
