@@ -135,3 +135,31 @@ def test_pool_takes_outputs_dropped_on_another_thread(monkeypatch):
     t.start()
     t.join()
     assert pool.empty(64, torch.float32, torch.device("cpu")).data_ptr() == ptr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 50257), (2, 5, 17), (4, 16), (1, 1), (2, 0, 9), (7,)])
+def test_aligned_rows_start_on_cache_lines_and_fold(shape, dtype):
+    like = torch.zeros((), dtype=dtype)
+    t = heap.aligned_rows(shape, like)
+    n = shape[-1]
+    assert t.shape == shape and t.dtype == dtype and t.device == like.device
+    assert t.stride(-1) == 1
+    if len(shape) > 1:
+        row = t.stride(-2)
+        assert row >= n and (row * t.element_size()) % heap.ROW_ALIGN_BYTES == 0
+        assert row - n < heap.ROW_ALIGN_BYTES // t.element_size()  # the least such width
+        if t.numel() > n:  # more than one row (a single row is contiguous whatever its stride)
+            assert t.is_contiguous() == (row == n)
+    flat = t.view(-1, n)  # every dimension but the last folds into one
+    flat.copy_(torch.arange(flat.numel(), dtype=dtype).reshape(flat.shape))
+    assert torch.equal(t.reshape(-1), torch.arange(t.numel(), dtype=dtype))
+
+
+def test_aligned_rows_as_a_gemm_output():
+    a, b = torch.randn(6, 8, dtype=torch.float64), torch.randn(8, 50257, dtype=torch.float64)
+    out = heap.aligned_rows((2, 3, 50257), a)
+    ptr = out.data_ptr()
+    torch.mm(a, b, out=out.view(6, 50257))
+    assert out.data_ptr() == ptr and not out.is_contiguous()
+    assert torch.equal(out.reshape(6, 50257), a @ b)

@@ -9,6 +9,9 @@ model's Hessian frees its passes' work space before the result's last pages are 
 the process's peak holds both (docs/results.md, "Whole models"). glibc's ``malloc_trim(0)``
 returns every whole free page of the heap to the system and leaves what is in use as it is.
 
+:func:`aligned_rows` lays a GEMM's result out with each row starting on a cache line: a row of an
+odd length (GPT-2's 50,257 logits) makes the CPU's float32 GEMM write unaligned vectors.
+
 The other way round, :class:`OutputPool`: an operator's product returns a fresh ``n``-vector each
 time, and one above glibc's mmap threshold is a fresh mapping whose pages the
 kernel supplies and zeroes on first write. The pool gives a product the memory of the last output
@@ -26,9 +29,10 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["OutputPool", "POOL_MIN_BYTES", "release_free"]
+__all__ = ["OutputPool", "POOL_MIN_BYTES", "ROW_ALIGN_BYTES", "aligned_rows", "release_free"]
 
 POOL_MIN_BYTES = 32 << 20  # smaller outputs come from glibc's heap, whose freed pages are reused already
+ROW_ALIGN_BYTES = 64  # a cache line; the rows of :func:`aligned_rows` start at multiples of it
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -54,6 +58,22 @@ def release_free() -> bool:
         return False
     trim(0)
     return True
+
+
+def aligned_rows(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` (dtype and device of ``like``) whose rows along the last
+    dimension are :data:`ROW_ALIGN_BYTES` apart rounded up: contiguous where ``shape[-1]`` elements
+    fill whole cache lines, else the first ``shape[-1]`` columns of a contiguous tensor with wider
+    rows (so every dimension but the last still folds into one, as ``view(-1, shape[-1])`` needs).
+
+    For a GEMM's output whose rows have an odd length: the CPU's float32 GEMM (MKL) writes rows that
+    start off a vector's alignment markedly slower (docs/results.md, "Aligned logit rows"). The extra
+    columns are never written or read. Raises nothing beyond ``torch.empty``'s."""
+    per_line = max(ROW_ALIGN_BYTES // like.element_size(), 1)
+    n = shape[-1]
+    wide = -(-n // per_line) * per_line
+    buf = torch.empty(*shape[:-1], wide, dtype=like.dtype, device=like.device)
+    return buf if wide == n else buf[..., :n]
 
 
 class OutputPool:

@@ -34,6 +34,7 @@ from .. import losses
 from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
+from ..heap import aligned_rows
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
@@ -389,7 +390,11 @@ class HeadStage:
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
         B, P, d = self.h.shape
         C = self.W.shape[1]
-        out = dx.reshape(k, B * P, d) @ self.W if dx is not None else self.h.new_zeros(k, B * P, C)
+        out = aligned_rows((k, B * P, C), self.h)  # logit rows on cache lines: the GEMMs' stores aligned
+        if dx is not None:
+            torch.mm(dx.reshape(k * B * P, d), self.W, out=out.view(k * B * P, C))
+        else:
+            out.zero_()
         if w in V:  # h Ẇ as one product per direction over the batch's rows
             out = out.baddbmm_(self.h.reshape(1, B * P, d).expand(k, -1, -1), self._dW_T(V[w]).transpose(1, 2))
         out = out.reshape(k, B, P, C)
