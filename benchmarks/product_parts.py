@@ -1,11 +1,15 @@
-"""``python benchmarks/product_parts.py --out FILE``: the two measurements a whole-model product's choices rest
-on (docs/results.md, "A pooled output"), one thread, float32, medians after one warm-up:
+"""``python benchmarks/product_parts.py --out FILE``: the three measurements a whole-model product's choices rest
+on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float32, medians after one warm-up:
 
 * ``rows``: one direction's weight rows ``xᵀġ + ẋᵀg`` ``(d_in, d_out)`` from ``T`` token rows, as one product
   over the tokens stacked twice (``[x; ẋ]ᵀ[ġ; g]``, the two concatenations included) against two products
   into one result (``mm`` then ``addmm_``), written into an output already written once, at GPT-2 small's
   weight shapes (``768 × 768``, ``768 × 3072``, ``3072 × 768``, the tied head's ``50257 × 768``):
-  ``blockhess.layers.linear.STACK_MAX_ROWS`` is the crossover.
+  ``blockhess.model.stages.HEAD_STACK_MAX_ROWS`` is the head's crossover.
+* ``logits``: the head's logit tangent ``ḣ W_Eᵀ + h Ẇ_Eᵀ`` ``(T, V)`` (``mm`` then ``addmm_``, ``d = 768``) into
+  rows of ``V`` entries against into :func:`blockhess.heap.aligned_rows`' (rows on cache lines), both
+  written once before, at GPT-2's ``V = 50,257`` and Llama's ``32,000`` (already aligned: the control), and
+  once in float64.
 * ``output``: writing a 124,439,808-entry float32 vector (GPT-2 small's ``n``) into a fresh ``torch.empty``
   against into the memory :class:`blockhess.heap.OutputPool` hands back: the seconds and the minor page
   faults (``getrusage``) of each.
@@ -64,6 +68,22 @@ def rows(tokens, repeats: int, log) -> list:
     return out
 
 
+def logits(tokens, repeats: int, log, d: int = 768) -> list:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    cases = [(T, V, torch.float32) for V in (50257, 32000) for T in tokens] + [(128, 50257, torch.float64)]
+    for T, V, dtype in cases:
+        W, dW = torch.randn(V, d, generator=gen, dtype=dtype), torch.randn(V, d, generator=gen, dtype=dtype)
+        h, dh = torch.randn(T, d, generator=gen, dtype=dtype), torch.randn(T, d, generator=gen, dtype=dtype)
+        res = {}
+        for name, z in (("plain", torch.zeros(T, V, dtype=dtype)), ("aligned", heap.aligned_rows((T, V), h).zero_())):
+            res[name] = median_time(lambda z=z: torch.mm(dh, W.T, out=z).addmm_(h, dW.T), repeats)
+        out.append({"tokens": T, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "plain_s": res["plain"],
+                    "aligned_s": res["aligned"], "plain_over_aligned": res["plain"] / res["aligned"]})
+        log(f"logits T={T} V={V} {dtype}: plain {res['plain'] * 1e3:.1f} ms, aligned {res['aligned'] * 1e3:.1f} ms")
+    return out
+
+
 def output(n: int, repeats: int, log) -> dict:
     pool = heap.OutputPool()
 
@@ -90,6 +110,7 @@ def output(n: int, repeats: int, log) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,32,48,64,96,128,256,1024", help="token row counts (comma-separated)")
+    p.add_argument("--logit-tokens", default="32,128,1024", help="token counts of the logit tangent (comma-separated)")
     p.add_argument("--entries", type=int, default=124_439_808, help="the output's entries (default GPT-2 small's n)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", required=True, help="the JSON file to write")
@@ -103,6 +124,7 @@ def main(argv=None) -> int:
     rep = {"benchmark": "product_parts", "commit": git_commit(), "environment": environment(), "settings": vars(args),
            "load_average_at_start": load_average()}
     rep["rows"] = rows([int(t) for t in args.tokens.split(",")], args.repeats, log)
+    rep["logits"] = logits([int(t) for t in args.logit_tokens.split(",")], args.repeats, log)
     rep["output"] = output(args.entries, args.repeats, log)
     rep["load_average_at_end"] = load_average()
     with open(args.out, "w") as f:
