@@ -1,4 +1,4 @@
-"""``python benchmarks/product_parts.py --out FILE``: the three measurements a whole-model product's choices rest
+"""``python benchmarks/product_parts.py --out FILE``: the four measurements a whole-model product's choices rest
 on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float32, medians after one warm-up:
 
 * ``rows``: one direction's weight rows ``xᵀġ + ẋᵀg`` ``(d_in, d_out)`` from ``T`` token rows, as one product
@@ -10,6 +10,9 @@ on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float
   rows of ``V`` entries against into :func:`blockhess.heap.aligned_rows`' (rows on cache lines), both
   written once before, at GPT-2's ``V = 50,257`` and Llama's ``32,000`` (already aligned: the control), and
   once in float64.
+* ``through``: the head's pass for tangents with no direction of its own (``SoftmaxHead.through``' loop:
+  ``ḣ W`` a column chunk at a time, scaled, multiplied back by ``Wᵀ``) at ``R`` token rows, in chunks of the
+  width ``THROUGH_CHUNK_BYTES`` gives against that width cut to whole cache lines (what the pass does).
 * ``output``: writing a 124,439,808-entry float32 vector (GPT-2 small's ``n``) into a fresh ``torch.empty``
   against into the memory :class:`blockhess.heap.OutputPool` hands back: the seconds and the minor page
   faults (``getrusage``) of each.
@@ -84,6 +87,31 @@ def logits(tokens, repeats: int, log, d: int = 768) -> list:
     return out
 
 
+def through(counts, repeats: int, log, d: int = 768, V: int = 50257) -> list:
+    from blockhess.model.stages import THROUGH_CHUNK_BYTES
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(V, d, generator=gen).T
+    line = heap.ROW_ALIGN_BYTES // 4
+    for R in counts:
+        x, p, acc = torch.randn(R, d, generator=gen), torch.rand(R, V, generator=gen), torch.zeros(R, d)
+        raw = max(256, min(V, THROUGH_CHUNK_BYTES // (R * 4)))
+        res = {}
+        for name, step in (("raw", raw), ("cut", raw - raw % line if raw < V else raw)):
+            def f(step=step):
+                buf = None
+                for c0 in range(0, V, step):
+                    c1 = min(V, c0 + step)
+                    buf = torch.mm(x, W[:, c0:c1], out=buf if buf is not None and buf.shape[1] == c1 - c0 else None)
+                    acc.addmm_(buf.mul_(p[:, c0:c1]), W[:, c0:c1].T)
+            res[name] = (step, median_time(f, repeats))
+        out.append({"rows": R, "raw_width": res["raw"][0], "cut_width": res["cut"][0], "raw_s": res["raw"][1],
+                    "cut_s": res["cut"][1], "raw_over_cut": res["raw"][1] / res["cut"][1]})
+        log(f"through R={R}: width {res['raw'][0]} {res['raw'][1]:.3f} s, width {res['cut'][0]} {res['cut'][1]:.3f} s")
+    return out
+
+
 def output(n: int, repeats: int, log) -> dict:
     pool = heap.OutputPool()
 
@@ -111,6 +139,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,32,48,64,96,128,256,1024", help="token row counts (comma-separated)")
     p.add_argument("--logit-tokens", default="32,128,1024", help="token counts of the logit tangent (comma-separated)")
+    p.add_argument("--through-rows", default="128,3072", help="token rows of the head's pass (comma-separated)")
     p.add_argument("--entries", type=int, default=124_439_808, help="the output's entries (default GPT-2 small's n)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", required=True, help="the JSON file to write")
@@ -125,6 +154,7 @@ def main(argv=None) -> int:
            "load_average_at_start": load_average()}
     rep["rows"] = rows([int(t) for t in args.tokens.split(",")], args.repeats, log)
     rep["logits"] = logits([int(t) for t in args.logit_tokens.split(",")], args.repeats, log)
+    rep["through"] = through([int(t) for t in args.through_rows.split(",")], max(3, args.repeats // 3), log)
     rep["output"] = output(args.entries, args.repeats, log)
     rep["load_average_at_end"] = load_average()
     with open(args.out, "w") as f:

@@ -222,6 +222,38 @@ def test_head_pass_in_vocabulary_chunks_and_without_memory(monkeypatch):
         assert_close(top.through(dx), _head_reference(top, dx), what="chunked head pass")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_head_pass_chunks_are_whole_cache_lines(dtype, monkeypatch):
+    """A column chunk the byte budget would make 300 wide is cut to whole cache lines (296 float64, 288
+    float32 columns), the last chunk the remainder; the pass stays exact (checked in float64)."""
+    from blockhess import heap
+    from blockhess.model import stages
+
+    gen = torch.Generator().manual_seed(5)
+    B, P, d, C, k = 1, 2, 8, 600, 1  # one column, below the matrices' break-even
+    h = torch.randn(B, P, d, generator=gen, dtype=dtype)
+    W = torch.randn(d, C, generator=gen, dtype=dtype)
+    top = stages.SoftmaxHead(h, W, None, torch.randint(0, C, (B, P), generator=gen), 2, ("W_H",))
+    size = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(stages, "THROUGH_CHUNK_BYTES", 300 * k * B * P * size)
+    monkeypatch.setattr(stages.SoftmaxHead, "gram", lambda self: pytest.fail("matrices formed"))
+    widths, mm = [], torch.mm
+
+    def spy(a, b, *args, **kw):
+        widths.append(b.shape[1])
+        return mm(a, b, *args, **kw)
+
+    dx = torch.randn(k, B, P, d, generator=gen, dtype=dtype)
+    monkeypatch.setattr(torch, "mm", spy)
+    got = top.through(dx)
+    monkeypatch.setattr(torch, "mm", mm)
+    line = heap.ROW_ALIGN_BYTES // size
+    step = 300 - 300 % line
+    assert widths == [step, step, C - 2 * step] and (step * size) % heap.ROW_ALIGN_BYTES == 0
+    if dtype == torch.float64:
+        assert_close(got, _head_reference(top, dx), what="chunked head pass")
+
+
 def test_restricted_products_through_the_head_equal_dense_rows():
     # directions on one block only, one column a call: the head's plain pass, its matrices formed on the way
     cfg, params, x, loss, target = _case("lm-tied")

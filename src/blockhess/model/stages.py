@@ -34,7 +34,7 @@ from .. import losses
 from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
-from ..heap import aligned_rows
+from ..heap import ROW_ALIGN_BYTES, aligned_rows
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
@@ -630,6 +630,8 @@ class SoftmaxHead:
         pN = self.p.reshape(B * P, C) / self.N
         R = k * B * P
         step = max(256, min(C, THROUGH_CHUNK_BYTES // max(1, R * dx.element_size())))
+        if step < C:  # the chunk's rows a whole number of cache lines (as heap.aligned_rows': the GEMM's stores)
+            step -= step % max(1, ROW_ALIGN_BYTES // dx.element_size())
         flat = rows.reshape(R, d)
         acc = out.reshape(R, d)
         buf = None
