@@ -254,6 +254,63 @@ def test_head_pass_chunks_are_whole_cache_lines(dtype, monkeypatch):
         assert_close(got, _head_reference(top, dx), what="chunked head pass")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("tied, bias, moved", [(True, False, True), (False, True, True), (False, True, False)])
+def test_head_tangent_rows_on_cache_lines(dtype, tied, bias, moved):
+    """The head's logit tangents ``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)`` at an odd vocabulary (C = 13), several
+    directions and sequences, tied or not, with a bias, with and without an input tangent: rows a whole number
+    of cache lines apart, values those of the formula (float32 judged by the same formula in float32)."""
+    from blockhess import heap
+    from blockhess.model.stages import TIED_HEAD, HeadStage
+
+    from conftest import assert_float32_close
+
+    gen = torch.Generator().manual_seed(0)
+    k, B, P, d, C = 3, 2, 3, 8, 13
+    h = torch.randn(B, P, d, generator=gen, dtype=torch.float64)
+    W = torch.randn(C, d, generator=gen, dtype=torch.float64).T  # the tied head's W_Eᵀ, a transposed view
+    W = W if tied else W.contiguous()
+    names = (TIED_HEAD if tied else "W_H",) + (("b_H",) if bias else ())
+    dW = torch.randn(k, d, C, generator=gen, dtype=torch.float64)
+    V = {names[0]: dW.transpose(1, 2).contiguous() if tied else dW}  # the tied head's direction as Ẇᵀ
+    if bias:
+        V["b_H"] = torch.randn(k, C, generator=gen, dtype=torch.float64)
+    dx = torch.randn(k, B, P, d, generator=gen, dtype=torch.float64) if moved else None
+
+    def formula(h, W, V, dx):
+        z = torch.einsum("bpi,kic->kbpc", h, V[names[0]].transpose(1, 2) if tied else V[names[0]])
+        return z + (0 if dx is None else dx @ W) + (V["b_H"][:, None, None] if bias else 0)
+
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
+    got = HeadStage(cast(h), cast(W), names).tangent(cast(dx), {m: cast(t) for m, t in V.items()}, k)
+    assert got.shape == (k, B, P, C) and got.dtype == dtype
+    assert (got.stride(-2) * got.element_size()) % heap.ROW_ALIGN_BYTES == 0 and got.stride(-1) == 1
+    want = formula(cast(h).double(), cast(W).double(), {m: cast(t).double() for m, t in V.items()},
+                   None if dx is None else cast(dx).double())
+    if dtype == torch.float64:
+        assert_close(got, want, what="logit tangents")
+    else:
+        A32 = formula(cast(h), cast(W), {m: cast(t) for m, t in V.items()}, cast(dx))
+        assert_float32_close(got, A32, want, what="logit tangents, float32")
+
+
+@pytest.mark.parametrize("name, wrt", [("lm-tied", None), ("vit", None), ("lm-tied-wide", ["blocks.0.W_1"])])
+def test_a_tracked_direction_through_the_head(name, wrt):
+    """``A @ V`` with ``V`` requiring grad (the operator's tracked path, no ``out=``), with the head's own
+    directions (its logit tangents) and without (a block's alone at d = 16: the head's pass in chunks): the
+    product as untracked, and its gradient ``d(1ᵀ A V)/dV = A 1`` in each column (A symmetric)."""
+    cfg, params, x, loss, target = _case(name)
+    A = bh.hessian_operator(params, x, cfg, loss=loss, target=target, wrt=wrt)
+    V = torch.randn(A.shape[1], 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    Vg = V.clone().requires_grad_()
+    Y = A @ Vg
+    Y.sum().backward()
+    assert_close(Y.detach(), A @ V, what="tracked product")
+    assert_close(Vg.grad, (A @ torch.ones(A.shape[1], 1, dtype=torch.float64)).expand(-1, 2), what="its gradient")
+
+
 def test_restricted_products_through_the_head_equal_dense_rows():
     # directions on one block only, one column a call: the head's plain pass, its matrices formed on the way
     cfg, params, x, loss, target = _case("lm-tied")

@@ -62,16 +62,19 @@ def release_free() -> bool:
 
 def aligned_rows(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` (dtype and device of ``like``) whose rows along the last
-    dimension are :data:`ROW_ALIGN_BYTES` apart rounded up: contiguous where ``shape[-1]`` elements
-    fill whole cache lines, else the first ``shape[-1]`` columns of a contiguous tensor with wider
-    rows (so every dimension but the last still folds into one, as ``view(-1, shape[-1])`` needs).
+    dimension start a whole number of :data:`ROW_ALIGN_BYTES` apart (``shape[-1]`` elements rounded up
+    to that), so on cache lines, as torch's CPU allocator aligns a tensor's first row to 64 bytes. It
+    is contiguous where ``shape[-1]`` elements fill whole lines, else the first ``shape[-1]`` columns
+    of a contiguous tensor with wider rows: every dimension but the last still folds into one (as
+    ``view(-1, shape[-1])`` needs), and the extra columns are never written or read. On other devices
+    a plain contiguous ``torch.empty`` (the layout is measured on the CPU only).
 
     For a GEMM's output whose rows have an odd length: the CPU's float32 GEMM (MKL) writes rows that
-    start off a vector's alignment markedly slower (docs/results.md, "Aligned logit rows"). The extra
-    columns are never written or read. Raises nothing beyond ``torch.empty``'s."""
+    start off a vector's alignment markedly slower (docs/results.md, "Aligned logit rows"). Raises
+    nothing beyond ``torch.empty``'s."""
     per_line = max(ROW_ALIGN_BYTES // like.element_size(), 1)
     n = shape[-1]
-    wide = -(-n // per_line) * per_line
+    wide = -(-n // per_line) * per_line if like.device.type == "cpu" else n
     buf = torch.empty(*shape[:-1], wide, dtype=like.dtype, device=like.device)
     return buf if wide == n else buf[..., :n]
 

@@ -79,6 +79,12 @@ def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
         yield n, self.vjp(W, [n], summed)[n]
 
 
+def _tracked(*ts: torch.Tensor) -> bool:
+    """Whether autograd records a product of ``ts`` (grad mode on, one of them requiring grad): then no
+    ``out=`` (which autograd refuses)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
 class EmbeddingStage:
     """``X_0 = embed(x) [+ cls] + P [+ W_T[types]]`` (no LayerNorm; ``P`` the rows of ``W_P`` at the
     positions, ``W_T``'s at the token types: 0 without them): linear in every variable, no input.
@@ -386,15 +392,20 @@ class HeadStage:
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``; the tied head's
-        ``Ẇᵀ`` ``(k, C, d)``."""
+        ``Ẇᵀ`` ``(k, C, d)``. On the CPU its rows are :func:`~blockhess.heap.aligned_rows`' (not contiguous
+        where ``C`` elements are not whole cache lines: read it with ``reshape``, not ``view``), except for a
+        ``dx`` autograd tracks."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
         B, P, d = self.h.shape
         C = self.W.shape[1]
-        out = aligned_rows((k, B * P, C), self.h)  # logit rows on cache lines: the GEMMs' stores aligned
-        if dx is not None:
-            torch.mm(dx.reshape(k * B * P, d), self.W, out=out.view(k * B * P, C))
-        else:
-            out.zero_()
+        if dx is not None and _tracked(dx, self.W):  # out= has no autograd: a tracked ḣ's product as it comes
+            out = dx.reshape(k, B * P, d) @ self.W
+        else:  # logit rows on cache lines on the CPU: the GEMMs' stores aligned
+            out = aligned_rows((k, B * P, C), self.h)
+            if dx is None:
+                out.zero_()
+            else:
+                torch.mm(dx.reshape(k * B * P, d), self.W, out=out.view(k * B * P, C))
         if w in V:  # h Ẇ as one product per direction over the batch's rows
             out = out.baddbmm_(self.h.reshape(1, B * P, d).expand(k, -1, -1), self._dW_T(V[w]).transpose(1, 2))
         out = out.reshape(k, B, P, C)
@@ -625,8 +636,8 @@ class SoftmaxHead:
         if self._gram is not None:  # (B P, d, d) per row, symmetric
             return torch.einsum("tij,ktj->kti", self._gram, rows).reshape(k, B, P, d)
         q = self._q()
-        out = rows.new_empty(k, B * P, d)  # −(ḣ·q) q / N, laid out as the rows' sum below writes it
-        torch.mul(torch.einsum("ktd,td->kt", rows, q)[..., None], q, out=out).div_(-self.N)
+        # −(ḣ·q) q / N, contiguous: the rows' sum below adds into it through a view
+        out = torch.mul(torch.einsum("ktd,td->kt", rows, q)[..., None], q).div_(-self.N).contiguous()
         pN = self.p.reshape(B * P, C) / self.N
         R = k * B * P
         step = max(256, min(C, THROUGH_CHUNK_BYTES // max(1, R * dx.element_size())))
@@ -634,11 +645,11 @@ class SoftmaxHead:
             step -= step % max(1, ROW_ALIGN_BYTES // dx.element_size())
         flat = rows.reshape(R, d)
         acc = out.reshape(R, d)
-        buf = None
+        buf, keep = None, not _tracked(dx, self.W)  # (out= has no autograd: a tracked ḣ's chunks fresh)
         for c0 in range(0, C, step):
             c1 = min(C, c0 + step)
             Wc = self.W[:, c0:c1]
-            buf = torch.mm(flat, Wc, out=buf if buf is not None and buf.shape[1] == c1 - c0 else None)
+            buf = torch.mm(flat, Wc, out=buf if keep and buf is not None and buf.shape[1] == c1 - c0 else None)
             buf.view(k, B * P, c1 - c0).mul_(pN[:, c0:c1])
             acc.addmm_(buf, Wc.T)
         return out.reshape(k, B, P, d)
