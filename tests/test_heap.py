@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockhess import heap
-from conftest import assert_close
+from conftest import assert_close, assert_float32_close
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
@@ -157,10 +157,18 @@ def test_aligned_rows_start_on_cache_lines_and_fold(shape, dtype):
     assert torch.equal(t.reshape(-1), torch.arange(t.numel(), dtype=dtype))
 
 
-def test_aligned_rows_as_a_gemm_output():
-    a, b = torch.randn(6, 8, dtype=torch.float64), torch.randn(8, 50257, dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_aligned_rows_as_a_gemm_output(dtype):
+    """A GEMM writes into the padded rows in place (its storage, the wider rows kept) with the product's values
+    (float32 judged by the same product into a contiguous result)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 8, generator=gen, dtype=dtype), torch.randn(8, 50257, generator=gen, dtype=dtype)
     out = heap.aligned_rows((2, 3, 50257), a)
-    ptr = out.data_ptr()
+    storage = out.untyped_storage().data_ptr()
     torch.mm(a, b, out=out.view(6, 50257))
-    assert out.data_ptr() == ptr and not out.is_contiguous()
-    assert_close(out.reshape(6, 50257), a @ b, what="a GEMM into aligned rows")  # the same sums, blocked alike or not
+    assert out.untyped_storage().data_ptr() == storage and not out.is_contiguous()
+    want = a.double() @ b.double()
+    if dtype == torch.float64:
+        assert_close(out.reshape(6, 50257), want, what="a GEMM into aligned rows")
+    else:
+        assert_float32_close(out.reshape(6, 50257), a @ b, want, what="a float32 GEMM into aligned rows")
