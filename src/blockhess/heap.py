@@ -67,7 +67,7 @@ def aligned_rows(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     is contiguous where ``shape[-1]`` elements fill whole lines, else the first ``shape[-1]`` columns
     of a contiguous tensor with wider rows: every dimension but the last still folds into one (as
     ``view(-1, shape[-1])`` needs), and the extra columns are never written or read. On other devices
-    a plain contiguous ``torch.empty`` (the layout is measured on the CPU only).
+    a plain contiguous ``torch.empty`` (the cause is the CPU's GEMM; other devices keep torch's layout).
 
     For a GEMM's output whose rows have an odd length: the CPU's float32 GEMM (MKL) writes rows that
     start off a vector's alignment markedly slower (docs/results.md, "Aligned logit rows"). Raises
