@@ -1,5 +1,6 @@
 """``python benchmarks/product_parts.py --out FILE``: the four measurements a whole-model product's choices rest
-on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float32, medians after one warm-up:
+on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float32, medians of rounds
+that interleave the two forms compared, after one warm-up:
 
 * ``rows``: one direction's weight rows ``xᵀġ + ẋᵀg`` ``(d_in, d_out)`` from ``T`` token rows, as one product
   over the tokens stacked twice (``[x; ẋ]ᵀ[ġ; g]``, the two concatenations included) against two products
@@ -33,20 +34,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import torch  # noqa: E402
 
+import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
 from blockhess import heap  # noqa: E402
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 SHAPES = ((768, 768), (768, 3072), (3072, 768), (50257, 768))
 
 
-def median_time(f, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def medians(calls: dict, repeats: int) -> dict:
+    """Each call's median seconds over ``repeats`` interleaved rounds after one warm-up (the harness of the
+    product benchmarks, :func:`interleaved.rounds`)."""
+    times, _ = interleaved.rounds(calls, repeats, 1, lambda msg: None, keep=lambda m, out: None)
+    return {m: statistics.median(t) for m, t in times.items()}
 
 
 def rows(tokens, repeats: int, log) -> list:
@@ -64,7 +63,8 @@ def rows(tokens, repeats: int, log) -> list:
             def two():
                 torch.mm(x.T, dg, out=res).addmm_(dx.T, g)
 
-            a, b = median_time(stacked, repeats), median_time(two, repeats)
+            t = medians({"stacked": stacked, "two": two}, repeats)
+            a, b = t["stacked"], t["two"]
             out.append({"tokens": T, "d_in": d_in, "d_out": d_out, "stacked_s": a, "two_products_s": b,
                         "stacked_over_two": a / b})
             log(f"rows T={T} {d_in}x{d_out}: stacked {a * 1e3:.2f} ms, two {b * 1e3:.2f} ms")
@@ -78,9 +78,9 @@ def logits(tokens, repeats: int, log, d: int = 768) -> list:
     for T, V, dtype in cases:
         W, dW = torch.randn(V, d, generator=gen, dtype=dtype), torch.randn(V, d, generator=gen, dtype=dtype)
         h, dh = torch.randn(T, d, generator=gen, dtype=dtype), torch.randn(T, d, generator=gen, dtype=dtype)
-        res = {}
-        for name, z in (("plain", torch.zeros(T, V, dtype=dtype)), ("aligned", heap.aligned_rows((T, V), h).zero_())):
-            res[name] = median_time(lambda z=z: torch.mm(dh, W.T, out=z).addmm_(h, dW.T), repeats)
+        outs = {"plain": torch.zeros(T, V, dtype=dtype), "aligned": heap.aligned_rows((T, V), h).zero_()}
+        res = medians({name: lambda z=z: torch.mm(dh, W.T, out=z).addmm_(h, dW.T) for name, z in outs.items()},
+                      repeats)
         out.append({"tokens": T, "vocab": V, "dtype": str(dtype).removeprefix("torch."), "plain_s": res["plain"],
                     "aligned_s": res["aligned"], "plain_over_aligned": res["plain"] / res["aligned"]})
         log(f"logits T={T} V={V} {dtype}: plain {res['plain'] * 1e3:.1f} ms, aligned {res['aligned'] * 1e3:.1f} ms")
@@ -97,18 +97,19 @@ def through(counts, repeats: int, log, d: int = 768, V: int = 50257) -> list:
     for R in counts:
         x, p, acc = torch.randn(R, d, generator=gen), torch.rand(R, V, generator=gen), torch.zeros(R, d)
         raw = max(256, min(V, THROUGH_CHUNK_BYTES // (R * 4)))
-        res = {}
-        for name, step in (("raw", raw), ("cut", raw - raw % line if raw < V else raw)):
-            def f(step=step):
-                buf = None
-                for c0 in range(0, V, step):
-                    c1 = min(V, c0 + step)
-                    buf = torch.mm(x, W[:, c0:c1], out=buf if buf is not None and buf.shape[1] == c1 - c0 else None)
-                    acc.addmm_(buf.mul_(p[:, c0:c1]), W[:, c0:c1].T)
-            res[name] = (step, median_time(f, repeats))
-        out.append({"rows": R, "raw_width": res["raw"][0], "cut_width": res["cut"][0], "raw_s": res["raw"][1],
-                    "cut_s": res["cut"][1], "raw_over_cut": res["raw"][1] / res["cut"][1]})
-        log(f"through R={R}: width {res['raw'][0]} {res['raw'][1]:.3f} s, width {res['cut'][0]} {res['cut'][1]:.3f} s")
+        widths = {"raw": raw, "cut": raw - raw % line if raw < V else raw}
+
+        def chunked(step):
+            buf = None
+            for c0 in range(0, V, step):
+                c1 = min(V, c0 + step)
+                buf = torch.mm(x, W[:, c0:c1], out=buf if buf is not None and buf.shape[1] == c1 - c0 else None)
+                acc.addmm_(buf.mul_(p[:, c0:c1]), W[:, c0:c1].T)
+
+        res = medians({name: lambda w=w: chunked(w) for name, w in widths.items()}, repeats)
+        out.append({"rows": R, "raw_width": widths["raw"], "cut_width": widths["cut"], "raw_s": res["raw"],
+                    "cut_s": res["cut"], "raw_over_cut": res["raw"] / res["cut"]})
+        log(f"through R={R}: width {widths['raw']} {res['raw']:.3f} s, width {widths['cut']} {res['cut']:.3f} s")
     return out
 
 

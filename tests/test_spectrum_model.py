@@ -16,6 +16,7 @@ import torch
 import blockhess as bh
 from blockhess_lab import spectrum_model as SM
 from blockhess_lab.cli import main
+from blockhess_lab.runtime import read_pretrained
 
 EPS64 = torch.finfo(torch.float64).eps
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -105,7 +106,7 @@ def test_llama_folder_with_token_file(tmp_path):
     rep = _report(out)
     assert rep["settings"]["reorth"] == "none" and rep["settings"]["ncv"] == 8
     assert rep["model_config"]["family"] == "llama" and rep["tokens"]["batch"] == 2 and rep["tokens"]["seq_len"] == 5
-    cfg, params = _problem(SM.read_folder(str(folder), "--model"), None)
+    cfg, params = _problem(read_pretrained(str(folder), "--model", SM.ARCHITECTURES, "spectrum"), None)
     A = bh.hessian_operator(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:])
     _check_eigenvalues(rep, lambda n: A[n, n].dense())
     _check_js_and_markdown(out, rep)
@@ -148,7 +149,7 @@ def test_checkpoint_series_warm_starts(tmp_path):
         bound = float(torch.tensor(t["residuals"]).norm() + torch.tensor(second["cold"]["residuals"][name]).norm())
         assert max(abs(a - b) for a, b in zip(t["eigenvalues"], second["cold"]["eigenvalues"][name])) <= bound
     assert "series.png" in rep["figures"]
-    cfg, params = _problem(SM.read_folder(str(dirs[1]), "--checkpoints"), None)
+    cfg, params = _problem(read_pretrained(str(dirs[1]), "--checkpoints", SM.ARCHITECTURES, "spectrum"), None)
     H = bh.hessian(params, ids[:, :-1], cfg, loss="ce", target=ids[:, 1:], wrt=names.split(","))
     _check_eigenvalues(rep, lambda n: H[n, n].reshape(params[n].numel(), params[n].numel()))
     _check_js_and_markdown(out, rep)

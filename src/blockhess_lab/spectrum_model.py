@@ -204,13 +204,6 @@ def preset_model(name: str, seed: int) -> torch.nn.Module:
     return tf.LlamaForCausalLM(c).eval()
 
 
-def read_folder(path: str, option: str, quiet: bool = False) -> torch.nn.Module:
-    """A ``save_pretrained`` causal LM (:data:`ARCHITECTURES`) read offline, eval mode
-    (:func:`.runtime.read_pretrained`; ``quiet``: transformers silent while it reads); raises ``ValueError``
-    naming ``option`` for a folder that cannot be read or another architecture."""
-    return read_pretrained(path, option, ARCHITECTURES, "spectrum", quiet)
-
-
 def read_model(model: torch.nn.Module, dtype: torch.dtype, where: str) -> tuple:
     """``(cfg, params, family)`` of a causal LM by :func:`blockhess.from_torch` in ``dtype`` (a Llama-family
     model in float64 first made to compute its RMSNorms and rotary tables in float64,
@@ -354,11 +347,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = s["dtype"]
     points = []  # (label, model loader)
     if s["checkpoints"]:
-        points = [(d, lambda d=d: read_folder(d, "--checkpoints", quiet)) for d in s["checkpoints"]]
+        points = [(d, lambda d=d: read_pretrained(d, "--checkpoints", ARCHITECTURES, "spectrum", quiet)) for d in s["checkpoints"]]
     elif s["model"] in PRESETS:
         points = [(s["model"], lambda: preset_model(s["model"], s["seed"]))]
     else:
-        points = [(s["model"], lambda: read_folder(s["model"], "--model", quiet))]
+        points = [(s["model"], lambda: read_pretrained(s["model"], "--model", ARCHITECTURES, "spectrum", quiet))]
     log(f"reading {points[0][0]}")
     cfg, params, family = read_model(points[0][1](), dtype, points[0][0])
     names = tensor_names(args.tensors, cfg, params, family)

@@ -636,15 +636,15 @@ class SoftmaxHead:
         if self._gram is not None:  # (B P, d, d) per row, symmetric
             return torch.einsum("tij,ktj->kti", self._gram, rows).reshape(k, B, P, d)
         q = self._q()
-        # −(ḣ·q) q / N, contiguous: the rows' sum below adds into it through a view
-        out = torch.mul(torch.einsum("ktd,td->kt", rows, q)[..., None], q).div_(-self.N).contiguous()
+        # −(ḣ·q) q / N, contiguous (from contiguous factors): the rows' sum below adds into it through a view
+        out = torch.mul(torch.einsum("ktd,td->kt", rows, q).contiguous()[..., None], q).div_(-self.N)
         pN = self.p.reshape(B * P, C) / self.N
         R = k * B * P
         step = max(256, min(C, THROUGH_CHUNK_BYTES // max(1, R * dx.element_size())))
         if step < C:  # the chunk's rows a whole number of cache lines (as heap.aligned_rows': the GEMM's stores)
             step -= step % max(1, ROW_ALIGN_BYTES // dx.element_size())
         flat = rows.reshape(R, d)
-        acc = out.reshape(R, d)
+        acc = out.view(R, d)  # (a view or an error: never a copy the sum would be lost in)
         buf, keep = None, not _tracked(dx, self.W)  # (out= has no autograd: a tracked ḣ's chunks fresh)
         for c0 in range(0, C, step):
             c1 = min(C, c0 + step)
