@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from .. import gemm
+
 __all__ = ["tangent", "adjoint", "second_adjoint", "add", "Scaled", "moments"]
 
 
@@ -64,16 +66,6 @@ def add(*terms):
 
 def _tokens(x: torch.Tensor, d: int) -> torch.Tensor:
     return x.reshape(-1, d)
-
-
-def _mm_into(acc, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc + a @ b`` for ``a`` ``(k, m, p)`` or ``(m, p)``, ``b`` ``(k, p, q)`` or ``(p, q)``: the sum
-    accumulated by the matrix product itself into ``acc`` ``(k, m, q)``, a tensor of the caller's own
-    (overwritten), or a new ``(k, m, q)`` when ``acc`` is ``None``."""
-    if acc is None:
-        return torch.matmul(a, b)
-    k = acc.shape[0]
-    return acc.baddbmm_(a if a.ndim == 3 else a.expand(k, -1, -1), b if b.ndim == 3 else b.expand(k, -1, -1))
 
 
 def moments(n: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +107,9 @@ def tangent(x: torch.Tensor, W: torch.Tensor, dx=None, dW=None, db=None):
     k = (dx if dx is not None else dW).shape[0]
     out = None
     if dx is not None:  # ẋ W: one GEMM over every direction's rows (the weight is shared)
-        out = torch.mm(dx.reshape(-1, d_in), W).view(k, -1, d_out)
-    if dW is not None:  # x Ẇ: one product per direction, into the first
-        xt = _tokens(x, d_in)
-        out = torch.matmul(xt, dW) if out is None else out.baddbmm_(xt.expand(k, -1, -1), dW)
+        out = gemm.mm(dx.reshape(-1, d_in), W).view(k, -1, d_out)
+    if dW is not None:  # x Ẇ: one product per direction, added to the first
+        out = gemm.mm_each(_tokens(x, d_in), dW, out)
     if db is not None:
         out.add_(db[:, None, :])
     return out.reshape(k, *x.shape[:-1], d_out)
@@ -151,11 +142,11 @@ def second_adjoint(x: torch.Tensor, W: torch.Tensor, g, dg, dx=None, dW=None, se
     d_in, d_out = W.shape
     dg_x = hv_W = hv_b = None
     if want_input:
-        dg_x = None if dg is None else dg @ W.T
+        dg_x = None if dg is None else gemm.mm(dg.reshape(-1, d_out), W.T).reshape(*dg.shape[:-1], d_in)
         if second and dW is not None:
             k = dW.shape[0]
             acc = None if dg_x is None else dg_x.reshape(k, -1, d_in)
-            dg_x = _mm_into(acc, _tokens(g, d_out), dW.mT).reshape(k, *g.shape[:-1], d_in)
+            dg_x = gemm.mm_each(_tokens(g, d_out), dW.mT, acc).reshape(k, *g.shape[:-1], d_in)
     if dg is not None and bias:
         hv_b = dg.reshape(dg.shape[0], -1, d_out).sum(1)
     if weight:

@@ -30,11 +30,11 @@ import dataclasses
 
 import torch
 
-from .. import losses
+from .. import gemm, losses
 from ..block import contract_output, jacobian_factors
 from ..block.directional import vjp
 from ..config import param_shapes
-from ..heap import ROW_ALIGN_BYTES, aligned_rows
+from ..heap import ROW_ALIGN_BYTES
 from ..kronecker import SplitKron, TokenKron, token_rows, vjp_rows
 from ..layers import layernorm
 from ..result import BlockSum, HeadSplitSum, InputSplitSum
@@ -392,22 +392,16 @@ class HeadStage:
 
     def tangent(self, dx, V: dict, k: int) -> torch.Tensor:
         """``ż = ḣ W + h Ẇ + ḃ`` ``(k, B, P, C)``; ``dx`` ``(k, B, P, d)`` or ``None``; the tied head's
-        ``Ẇᵀ`` ``(k, C, d)``. On the CPU its rows are :func:`~blockhess.heap.aligned_rows`' (not contiguous
-        where ``C`` elements are not whole cache lines: read it with ``reshape``, not ``view``), except for a
-        ``dx`` autograd tracks."""
+        ``Ẇᵀ`` ``(k, C, d)``. The products are :mod:`blockhess.gemm`'s: the rows may be padded (not
+        contiguous where ``C`` elements are not whole cache lines: read it with ``reshape``, not ``view``)."""
         w, b = self.names[0], self.names[1] if len(self.names) > 1 else None
         B, P, d = self.h.shape
         C = self.W.shape[1]
-        if dx is not None and _tracked(dx, self.W):  # out= has no autograd: a tracked ḣ's product as it comes
-            out = dx.reshape(k, B * P, d) @ self.W
-        else:  # logit rows on cache lines on the CPU: the GEMMs' stores aligned
-            out = aligned_rows((k, B * P, C), self.h)
-            if dx is None:
-                out.zero_()
-            else:
-                torch.mm(dx.reshape(k * B * P, d), self.W, out=out.view(k * B * P, C))
-        if w in V:  # h Ẇ as one product per direction over the batch's rows
-            out = out.baddbmm_(self.h.reshape(1, B * P, d).expand(k, -1, -1), self._dW_T(V[w]).transpose(1, 2))
+        out = None if dx is None else gemm.mm(dx.reshape(k * B * P, d), self.W).view(k, B * P, C)
+        if w in V:  # h Ẇ: one product per direction over the batch's rows
+            out = gemm.mm_each(self.h.reshape(B * P, d), self._dW_T(V[w]).transpose(1, 2), out)
+        elif out is None:
+            out = self.h.new_zeros((k, B * P, C))
         out = out.reshape(k, B, P, C)
         if b in V:
             out += V[b][:, None, None]
@@ -423,9 +417,9 @@ class HeadStage:
         B, P, d = self.h.shape
         C = self.W.shape[1]
         dgf, gf, hf = dg.reshape(k, B * P, C), g.reshape(B * P, C), self.h.reshape(B * P, d)
-        gh = dgf @ self.W.T
+        gh = gemm.mm(dgf.reshape(k * B * P, C), self.W.T).view(k, B * P, d)
         if functional and w in V:
-            gh = gh.baddbmm_(gf.expand(k, -1, -1), self._dW_T(V[w]))
+            gh = gemm.mm_each(gf, self._dW_T(V[w]), gh)
         out = {}
         if w in names:  # ġᵀ h + gᵀ ḣ as (k, C, d) (the tied layout) or its transpose (k, d, C), in one product
             dest = (into or {}).get(w)

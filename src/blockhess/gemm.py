@@ -1,0 +1,92 @@
+r"""Products of token rows by a weight: :math:`aB` and :math:`c + aB`, and the same for each of
+``k`` directions' weights, on the faster of torch's two float32 matrix-product kernels on the CPU.
+
+The tangent and second-order adjoint passes multiply a few hundred token rows by a weight:
+:math:`\dot xW`, :math:`x\dot W`, :math:`\dot gW^\top`, :math:`g\dot W^\top` in every affine map,
+:math:`\dot hW_E^\top` and :math:`\dot gW_E` in the head (:mod:`blockhess.layers.linear`,
+:mod:`blockhess.model.stages`). On the CPU torch's float32 ``mm`` calls MKL, whose kernels run such
+products (a short side of 32 to a few hundred rows) well below the rate they reach on large
+squares, and below oneDNN's on the same shapes; torch reaches oneDNN's float32 matrix product
+through ``mkldnn::_linear_pointwise`` (the kernel of a frozen ``nn.Linear`` under ``torch.compile``),
+:math:`y = xW^\top`, and ``mkldnn::_linear_pointwise.binary`` with ``"add"``, :math:`y = xW^\top + c`
+(docs/results.md, "oneDNN for the token products", gives the rates measured).
+
+Where that op is usable — torch built with oneDNN, float32 operands on the CPU, none tracked by
+autograd (the op has no derivative), and oneDNN's float32 matmul precision left at IEEE
+(``torch.backends.mkldnn.matmul.fp32_precision`` ``"none"``/``"ieee"``: not bf16 or tf32 rounding) — the
+products here call it, with the same float32 arithmetic; elsewhere (float64, another device, a
+tracked operand, a build without oneDNN) ``torch.mm``/``addmm``/``baddbmm``, a result row of an odd
+length written on cache lines (:func:`~blockhess.heap.aligned_rows`). The weights' operands are read
+through views: no copy of a weight is made.
+
+Results are fresh tensors except where documented (``c`` may be overwritten: the caller's own).
+No checks beyond torch's (kernels)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .heap import aligned_rows
+
+__all__ = ["mm", "addmm", "mm_each", "onednn"]
+
+
+@functools.cache
+def _onednn_built() -> bool:
+    """Whether this torch has oneDNN and its linear op (checked once)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _precision_ieee() -> bool:
+    """Whether oneDNN's float32 matmul keeps float32 arithmetic (read at each call: a user may set it)."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return getattr(matmul, "fp32_precision", "none") in ("none", "ieee")
+
+
+def onednn(*ts: torch.Tensor) -> bool:
+    """Whether the products of ``ts`` go to oneDNN: every tensor float32 on the CPU with no element
+    count zero, none tracked by autograd, this torch built with oneDNN, its float32 precision IEEE."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() > 0 for t in ts):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return False
+    return _onednn_built() and _precision_ieee()
+
+
+def _tracked(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new ``(m, q)`` (on the CPU's fallback its
+    rows on cache lines: read it with ``reshape``, not ``view``, where ``q`` is odd)."""
+    if onednn(a, b):
+        return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
+    if _tracked(a, b):  # out= has no autograd
+        return a @ b
+    return torch.mm(a, b, out=aligned_rows((a.shape[0], b.shape[1]), a))
+
+
+def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` for ``c`` ``(m, q)``, ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new tensor, or ``c``
+    itself with the product added in place (the fallback; ``c`` is the caller's own to overwrite)."""
+    if onednn(a, b, c):
+        return torch.ops.mkldnn._linear_pointwise.binary(a, c, b.T, None, "add")
+    return c.addmm_(a, b)
+
+
+def mm_each(a: torch.Tensor, B: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ B[i]`` for each of ``k`` weights, plus ``c[i]`` when ``c`` is given: ``a`` ``(m, p)``
+    shared, ``B`` ``(k, p, q)``, ``c`` ``(k, m, q)`` (the caller's own: the fallback adds into it in
+    place and returns it); ``(k, m, q)``, its rows as :func:`mm`'s."""
+    k = B.shape[0]
+    if onednn(a, B, *(() if c is None else (c,))):
+        each = [mm(a, B[i]) if c is None else addmm(c[i], a, B[i]) for i in range(k)]
+        return each[0][None] if k == 1 else torch.stack(each)
+    if c is None:
+        if _tracked(a, B):  # out= has no autograd
+            return torch.matmul(a, B)
+        return torch.bmm(a.expand(k, -1, -1), B, out=aligned_rows((k, a.shape[0], B.shape[2]), a))
+    return c.baddbmm_(a.expand(k, -1, -1), B)
