@@ -1,6 +1,6 @@
-"""``python benchmarks/product_parts.py --out FILE``: the four measurements a whole-model product's choices rest
-on (docs/results.md, "A pooled output", "Aligned logit rows"), one thread, float32, medians of rounds
-that interleave the two forms compared, after one warm-up:
+"""``python benchmarks/product_parts.py [--parts ...] --out FILE``: the five measurements a whole-model product's
+choices rest on (docs/results.md, "A pooled output", "Aligned logit rows", "oneDNN for the token products"),
+one thread, float32, medians of rounds that interleave the two forms compared, after one warm-up:
 
 * ``rows``: one direction's weight rows ``xᵀġ + ẋᵀg`` ``(d_in, d_out)`` from ``T`` token rows, as one product
   over the tokens stacked twice (``[x; ẋ]ᵀ[ġ; g]``, the two concatenations included) against two products
@@ -14,6 +14,10 @@ that interleave the two forms compared, after one warm-up:
 * ``through``: the head's pass for tangents with no direction of its own (``SoftmaxHead.through``' loop:
   ``ḣ W`` a column chunk at a time, scaled, multiplied back by ``Wᵀ``) at ``R`` token rows, in chunks of the
   width ``THROUGH_CHUNK_BYTES`` gives against that width cut to whole cache lines (what the pass does).
+* ``gemm``: token rows by a weight, ``x W`` and ``c + x W`` (``T`` rows), by torch's ``mm``/``addmm_`` (MKL
+  on this build) against :mod:`blockhess.gemm`'s (oneDNN), at GPT-2 small's weights as the passes hold them
+  (``768 × 768``, ``768 × 3072``, ``3072 × 768`` contiguous; the tied head's ``W_Eᵀ`` as a view of ``W_E`` and
+  ``W_E`` itself): seconds and GMAC/s.
 * ``output``: writing a 124,439,808-entry float32 vector (GPT-2 small's ``n``) into a fresh ``torch.empty``
   against into the memory :class:`blockhess.heap.OutputPool` hands back: the seconds and the minor page
   faults (``getrusage``) of each.
@@ -35,10 +39,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 import torch  # noqa: E402
 
 import interleaved  # noqa: E402  (benchmarks/, the script's own folder)
-from blockhess import heap  # noqa: E402
+from blockhess import gemm, heap  # noqa: E402
 from blockhess_lab.runtime import environment, git_commit, load_average  # noqa: E402
 
 SHAPES = ((768, 768), (768, 3072), (3072, 768), (50257, 768))
+PARTS = ("rows", "logits", "through", "gemm", "output")
 
 
 def medians(calls: dict, repeats: int) -> dict:
@@ -113,6 +118,24 @@ def through(counts, repeats: int, log, d: int = 768, V: int = 50257) -> list:
     return out
 
 
+def token_products(tokens, repeats: int, log, d: int = 768, V: int = 50257) -> list:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    W_E = torch.randn(V, d, generator=gen)
+    weights = [("W", torch.randn(a, b, generator=gen)) for a, b in SHAPES[:3]] + [("W_E^T", W_E.T), ("W_E", W_E)]
+    for T in tokens:
+        for name, W in weights:
+            x, c = torch.randn(T, W.shape[0], generator=gen), torch.randn(T, W.shape[1], generator=gen)
+            calls = {"mm_mkl": lambda: torch.mm(x, W), "mm_onednn": lambda: gemm.mm(x, W),
+                     "addmm_mkl": lambda: c.addmm_(x, W), "addmm_onednn": lambda: gemm.addmm(c, x, W)}
+            res = medians(calls, repeats)
+            gmac = T * W.shape[0] * W.shape[1] / 1e9
+            out.append({"tokens": T, "weight": name, "d_in": W.shape[0], "d_out": W.shape[1], "gmac": gmac,
+                        **{f"{m}_s": t for m, t in res.items()}, **{f"{m}_gmac_per_s": gmac / t for m, t in res.items()}})
+            log(f"gemm T={T} {name} {tuple(W.shape)}: " + ", ".join(f"{m} {gmac / t:.1f} GMAC/s" for m, t in res.items()))
+    return out
+
+
 def output(n: int, repeats: int, log) -> dict:
     pool = heap.OutputPool()
 
@@ -136,12 +159,18 @@ def output(n: int, repeats: int, log) -> dict:
     return res
 
 
+def _ints(text: str) -> list:
+    return [int(t) for t in text.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,32,48,64,96,128,256,1024", help="token row counts (comma-separated)")
     p.add_argument("--logit-tokens", default="32,128,1024", help="token counts of the logit tangent (comma-separated)")
     p.add_argument("--through-rows", default="128,3072", help="token rows of the head's pass (comma-separated)")
     p.add_argument("--entries", type=int, default=124_439_808, help="the output's entries (default GPT-2 small's n)")
+    p.add_argument("--gemm-tokens", default="32,128,1024", help="token rows of the gemm part (comma-separated)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", required=True, help="the JSON file to write")
     args = p.parse_args(argv)
@@ -153,10 +182,19 @@ def main(argv=None) -> int:
 
     rep = {"benchmark": "product_parts", "commit": git_commit(), "environment": environment(), "settings": vars(args),
            "load_average_at_start": load_average()}
-    rep["rows"] = rows([int(t) for t in args.tokens.split(",")], args.repeats, log)
-    rep["logits"] = logits([int(t) for t in args.logit_tokens.split(",")], args.repeats, log)
-    rep["through"] = through([int(t) for t in args.through_rows.split(",")], max(3, args.repeats // 3), log)
-    rep["output"] = output(args.entries, args.repeats, log)
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        raise SystemExit(f"--parts: a subset of {','.join(PARTS)}")
+    if "rows" in parts:
+        rep["rows"] = rows(_ints(args.tokens), args.repeats, log)
+    if "logits" in parts:
+        rep["logits"] = logits(_ints(args.logit_tokens), args.repeats, log)
+    if "through" in parts:
+        rep["through"] = through(_ints(args.through_rows), max(3, args.repeats // 3), log)
+    if "gemm" in parts:
+        rep["gemm"] = token_products(_ints(args.gemm_tokens), args.repeats, log)
+    if "output" in parts:
+        rep["output"] = output(args.entries, args.repeats, log)
     rep["load_average_at_end"] = load_average()
     with open(args.out, "w") as f:
         json.dump(rep, f, indent=1)

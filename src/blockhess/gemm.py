@@ -4,17 +4,16 @@ r"""Products of token rows by a weight: :math:`aB` and :math:`c + aB`, and the s
 The tangent and second-order adjoint passes multiply a few hundred token rows by a weight:
 :math:`\dot xW`, :math:`x\dot W`, :math:`\dot gW^\top`, :math:`g\dot W^\top` in every affine map,
 :math:`\dot hW_E^\top` and :math:`\dot gW_E` in the head (:mod:`blockhess.layers.linear`,
-:mod:`blockhess.model.stages`). On the CPU torch's float32 ``mm`` calls MKL, whose kernels run such
-products (a short side of 32 to a few hundred rows) well below the rate they reach on large
-squares, and below oneDNN's on the same shapes; torch reaches oneDNN's float32 matrix product
-through ``mkldnn::_linear_pointwise`` (the kernel of a frozen ``nn.Linear`` under ``torch.compile``),
-:math:`y = xW^\top`, and ``mkldnn::_linear_pointwise.binary`` with ``"add"``, :math:`y = xW^\top + c`
-(docs/results.md, "oneDNN for the token products", gives the rates measured).
+:mod:`blockhess.model.stages`). On the CPU torch's float32 ``mm`` calls MKL; oneDNN's float32 matrix
+product, which torch reaches through ``mkldnn::_linear_pointwise`` (the kernel of a frozen ``nn.Linear``
+under ``torch.compile``), :math:`y = xW^\top`, and ``mkldnn::_linear_pointwise.binary`` with ``"add"``,
+:math:`y = xW^\top + c`, runs such short-sided products (tens to a few thousand rows against a weight)
+faster (docs/results.md, "oneDNN for the token products").
 
 Where that op is usable — torch built with oneDNN, float32 operands on the CPU, none tracked by
 autograd (the op has no derivative), and oneDNN's float32 matmul precision left at IEEE
 (``torch.backends.mkldnn.matmul.fp32_precision`` ``"none"``/``"ieee"``: not bf16 or tf32 rounding) — the
-products here call it, with the same float32 arithmetic; elsewhere (float64, another device, a
+products here call it (float32 throughout: only the order of the sums differs); elsewhere (float64, another device, a
 tracked operand, a build without oneDNN) ``torch.mm``/``addmm``/``baddbmm``, a result row of an odd
 length written on cache lines (:func:`~blockhess.heap.aligned_rows`). The weights' operands are read
 through views: no copy of a weight is made.
