@@ -12,8 +12,9 @@ one thread, float32, medians of rounds that interleave the two forms compared, a
   written once before, at GPT-2's ``V = 50,257`` and Llama's ``32,000`` (already aligned: the control), and
   once in float64.
 * ``through``: the head's pass for tangents with no direction of its own (``SoftmaxHead.through``' loop:
-  ``ḣ W`` a column chunk at a time, scaled, multiplied back by ``Wᵀ``) at ``R`` token rows, in chunks of the
-  width ``THROUGH_CHUNK_BYTES`` gives against that width cut to whole cache lines (what the pass does).
+  ``ḣ W`` a column chunk at a time, scaled, multiplied back by ``Wᵀ``) at ``R`` token rows, by torch's ``mm``
+  (the pass's products before ``blockhess.gemm``), in chunks of the width ``THROUGH_CHUNK_BYTES`` gives
+  against that width cut to whole cache lines (what the pass does).
 * ``gemm``: token rows by a weight, ``x W`` and ``c + x W`` (``T`` rows), by torch's ``mm``/``addmm_`` (MKL
   on this build) against :mod:`blockhess.gemm`'s (oneDNN), at GPT-2 small's weights as the passes hold them
   (``768 × 768``, ``768 × 3072``, ``3072 × 768`` contiguous; the tied head's ``W_Eᵀ`` as a view of ``W_E`` and

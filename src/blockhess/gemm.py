@@ -49,12 +49,11 @@ def onednn(*ts: torch.Tensor) -> bool:
     count zero, none tracked by autograd, this torch built with oneDNN, its float32 precision IEEE."""
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() > 0 for t in ts):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return False
-    return _onednn_built() and _precision_ieee()
+    return not _tracked(*ts) and _onednn_built() and _precision_ieee()
 
 
 def _tracked(*ts: torch.Tensor) -> bool:
+    """Whether autograd records a product of ``ts``: then no ``out=`` (which autograd refuses)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 

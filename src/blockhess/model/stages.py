@@ -79,12 +79,6 @@ def _each_vjp(self, W: torch.Tensor, names, summed: bool = False, into=None):
         yield n, self.vjp(W, [n], summed)[n]
 
 
-def _tracked(*ts: torch.Tensor) -> bool:
-    """Whether autograd records a product of ``ts`` (grad mode on, one of them requiring grad): then no
-    ``out=`` (which autograd refuses)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
 class EmbeddingStage:
     """``X_0 = embed(x) [+ cls] + P [+ W_T[types]]`` (no LayerNorm; ``P`` the rows of ``W_P`` at the
     positions, ``W_T``'s at the token types: 0 without them): linear in every variable, no input.
@@ -630,7 +624,7 @@ class SoftmaxHead:
         if self._gram is not None:  # (B P, d, d) per row, symmetric
             return torch.einsum("tij,ktj->kti", self._gram, rows).reshape(k, B, P, d)
         q = self._q()
-        # −(ḣ·q) q / N, contiguous (from contiguous factors): the rows' sum below adds into it through a view
+        # −(ḣ·q) q / N, contiguous (from contiguous factors): the rows' sum below starts from it
         out = torch.mul(torch.einsum("ktd,td->kt", rows, q).contiguous()[..., None], q).div_(-self.N)
         pN = self.p.reshape(B * P, C) / self.N
         R = k * B * P
@@ -638,15 +632,14 @@ class SoftmaxHead:
         if step < C:  # the chunk's rows a whole number of cache lines (as heap.aligned_rows': the GEMM's stores)
             step -= step % max(1, ROW_ALIGN_BYTES // dx.element_size())
         flat = rows.reshape(R, d)
-        acc = out.view(R, d)  # (a view or an error: never a copy the sum would be lost in)
-        buf, keep = None, not _tracked(dx, self.W)  # (out= has no autograd: a tracked ḣ's chunks fresh)
+        acc = out.view(R, d)
         for c0 in range(0, C, step):
             c1 = min(C, c0 + step)
             Wc = self.W[:, c0:c1]
-            buf = torch.mm(flat, Wc, out=buf if keep and buf is not None and buf.shape[1] == c1 - c0 else None)
+            buf = gemm.mm(flat, Wc)
             buf.view(k, B * P, c1 - c0).mul_(pN[:, c0:c1])
-            acc.addmm_(buf, Wc.T)
-        return out.reshape(k, B, P, d)
+            acc = gemm.addmm(acc, buf, Wc.T)
+        return acc.view(k, B, P, d)
 
     def _q(self) -> torch.Tensor:
         """``q_t = W p_t`` ``(B P, d)``, once."""
