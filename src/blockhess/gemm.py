@@ -77,12 +77,17 @@ def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def mm_each(a: torch.Tensor, B: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ B[i]`` for each of ``k`` weights, plus ``c[i]`` when ``c`` is given: ``a`` ``(m, p)``
-    shared, ``B`` ``(k, p, q)``, ``c`` ``(k, m, q)`` (the caller's own: the fallback adds into it in
-    place and returns it); ``(k, m, q)``, its rows as :func:`mm`'s."""
+    shared, ``B`` ``(k, p, q)``, ``c`` ``(k, m, q)`` (the caller's own: for ``k > 1`` the sums are
+    written into it and it is returned); ``(k, m, q)``, its rows as :func:`mm`'s. Beyond the result,
+    at most one ``(m, q)`` product is held at a time."""
     k = B.shape[0]
     if onednn(a, B, *(() if c is None else (c,))):
-        each = [mm(a, B[i]) if c is None else addmm(c[i], a, B[i]) for i in range(k)]
-        return each[0][None] if k == 1 else torch.stack(each)
+        if k == 1:
+            return (mm(a, B[0]) if c is None else addmm(c[0], a, B[0]))[None]
+        out = a.new_empty((k, a.shape[0], B.shape[2])) if c is None else c
+        for i in range(k):  # each direction's product written into its slice: one (m, q) more at a time
+            out[i].copy_(mm(a, B[i]) if c is None else addmm(c[i], a, B[i]))
+        return out
     if c is None:
         if _tracked(a, B):  # out= has no autograd
             return torch.matmul(a, B)
