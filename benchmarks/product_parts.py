@@ -16,7 +16,8 @@ one thread, float32, medians of rounds that interleave the two forms compared, a
   (the pass's products before ``blockhess.gemm``), in chunks of the width ``THROUGH_CHUNK_BYTES`` gives
   against that width cut to whole cache lines (what the pass does).
 * ``gemm``: token rows by a weight, ``x W`` and ``c + x W`` (``T`` rows), by torch's ``mm``/``addmm_`` (MKL
-  on this build) against :mod:`blockhess.gemm`'s (oneDNN), at GPT-2 small's weights as the passes hold them
+  on this build; results in :func:`blockhess.heap.aligned_rows`, as the head's were) against
+  :mod:`blockhess.gemm`'s (oneDNN), at GPT-2 small's weights as the passes hold them
   (``768 × 768``, ``768 × 3072``, ``3072 × 768`` contiguous; the tied head's ``W_Eᵀ`` as a view of ``W_E`` and
   ``W_E`` itself): seconds and GMAC/s.
 * ``output``: writing a 124,439,808-entry float32 vector (GPT-2 small's ``n``) into a fresh ``torch.empty``
@@ -126,8 +127,11 @@ def token_products(tokens, repeats: int, log, d: int = 768, V: int = 50257) -> l
     weights = [("W", torch.randn(a, b, generator=gen)) for a, b in SHAPES[:3]] + [("W_E^T", W_E.T), ("W_E", W_E)]
     for T in tokens:
         for name, W in weights:
-            x, c = torch.randn(T, W.shape[0], generator=gen), torch.randn(T, W.shape[1], generator=gen)
-            calls = {"mm_mkl": lambda: torch.mm(x, W), "mm_onednn": lambda: gemm.mm(x, W),
+            x = torch.randn(T, W.shape[0], generator=gen)
+            c = heap.aligned_rows((T, W.shape[1]), x).copy_(torch.randn(T, W.shape[1], generator=gen))
+            # torch's products as the passes ran them before blockhess.gemm: rows on cache lines
+            calls = {"mm_mkl": lambda: torch.mm(x, W, out=heap.aligned_rows((T, W.shape[1]), x)),
+                     "mm_onednn": lambda: gemm.mm(x, W),
                      "addmm_mkl": lambda: c.addmm_(x, W), "addmm_onednn": lambda: gemm.addmm(c, x, W)}
             res = medians(calls, repeats)
             gmac = T * W.shape[0] * W.shape[1] / 1e9

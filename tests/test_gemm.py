@@ -127,3 +127,66 @@ def test_fallback_rows_on_cache_lines_and_addmm_in_place():
     assert each.stride(2) == 1 and (each.stride(1) * each.element_size()) % heap.ROW_ALIGN_BYTES == 0
     c = torch.randn(9, 13, dtype=torch.float64)
     assert gemm.addmm(c, a, b).data_ptr() == c.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_forward_mode_and_torch_func_differentiate(dtype):
+    """Forward-mode tangents (``forward_ad`` duals, ``torch.func.jvp``) and ``vmap`` go to torch's products,
+    so the tangent is carried (oneDNN's op would drop it), and the primal is the product."""
+    from torch.autograd import forward_ad
+
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(6, 5, generator=gen, dtype=dtype)
+    b, t = torch.randn(5, 7, generator=gen, dtype=dtype), torch.randn(5, 7, generator=gen, dtype=dtype)
+    c = torch.randn(6, 7, generator=gen, dtype=dtype)
+    B, TB = torch.randn(3, 5, 7, generator=gen, dtype=dtype), torch.randn(3, 5, 7, generator=gen, dtype=dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+
+    def check(f, primal, tangent, want_primal, want_tangent):
+        out, jv = torch.func.jvp(f, (primal,), (tangent,))
+        torch.testing.assert_close(out, want_primal, rtol=tol, atol=tol)
+        torch.testing.assert_close(jv, want_tangent, rtol=tol, atol=tol)
+
+    check(lambda w: gemm.mm(a, w), b, t, a @ b, a @ t)
+    check(lambda w: gemm.addmm(c.clone(), a, w), b, t, c + a @ b, a @ t)
+    check(lambda W: gemm.mm_each(a, W), B, TB, a @ B, a @ TB)
+    with forward_ad.dual_level():
+        y = gemm.mm(a, forward_ad.make_dual(b, t))
+        torch.testing.assert_close(forward_ad.unpack_dual(y).tangent, a @ t, rtol=tol, atol=tol)
+    got = torch.func.vmap(lambda w: gemm.mm(a, w))(B)
+    torch.testing.assert_close(got, a @ B, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch built without oneDNN")
+def test_disabled_onednn_is_not_used():
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert not gemm.onednn(a, b)
+        assert_float32_close(gemm.mm(a, b), a @ b, a.double() @ b.double(), what="mm with oneDNN disabled")
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert gemm.onednn(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", ["expanded", "transposed"])
+def test_mm_each_into_a_c_not_contiguous_is_torchs(dtype, layout):
+    """A ``c`` that is not contiguous (directions sharing memory, or rows transposed) is summed into as
+    torch's ``baddbmm_`` sums into it, never slice by slice behind its back."""
+    gen = torch.Generator().manual_seed(2)
+    a, B = torch.randn(4, 3, generator=gen, dtype=dtype), torch.randn(2, 3, 5, generator=gen, dtype=dtype)
+
+    def make():
+        g = torch.Generator().manual_seed(9)
+        if layout == "expanded":
+            return torch.randn(1, 4, 5, generator=g, dtype=dtype).expand(2, -1, -1)
+        return torch.randn(2, 5, 4, generator=g, dtype=dtype).mT
+
+    want = make().clone() if layout == "transposed" else None
+    got = gemm.mm_each(a, B, make())
+    torch_own = make().baddbmm_(a.expand(2, -1, -1), B)
+    assert torch.equal(got, torch_own)
+    if want is not None:
+        assert_close(got.double(), want.double() + a.double() @ B.double(), tol=1e-5 if dtype == torch.float32 else 1e-12,
+                     what="mm_each into a transposed c")

@@ -222,6 +222,52 @@ def test_head_pass_in_vocabulary_chunks_and_without_memory(monkeypatch):
         assert_close(top.through(dx), _head_reference(top, dx), what="chunked head pass")
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_head_products_in_float32(k, monkeypatch):
+    """The head's products on float32's path (oneDNN where torch has it): the pass for plain tangents in
+    three chunks, and the second-order adjoint ``ġ_h = ġ Wᵀ + g Ẇᵀ`` with the weight's rows ``hᵀ ġ + ḣᵀ g``,
+    against float64 on the same float32 inputs, judged by the same formulas in plain float32 torch."""
+    from conftest import assert_float32_close
+
+    from blockhess import gemm
+    from blockhess.model.stages import SoftmaxHead
+
+    gen = torch.Generator().manual_seed(3)
+    h, W = torch.randn(2, 3, 6, generator=gen).float(), torch.randn(6, 600, generator=gen).float()
+    y = torch.randint(0, 600, (2, 3), generator=gen)
+    y[1, 0] = losses.IGNORE
+    top32 = SoftmaxHead(h, W, None, y, 5, ("W_H",))
+    top64 = SoftmaxHead(h.double(), W.double(), None, y, 5, ("W_H",))  # the same numbers in float64
+    B, P, d = top32.h.shape
+    C = top32.W.shape[1]
+    monkeypatch.setattr(stages, "THROUGH_CHUNK_BYTES", 256 * k * B * P * 4)  # chunks of 256, 256 and 88 columns
+    monkeypatch.setattr(stages.SoftmaxHead, "_gram_due", lambda self, k: False)
+    chunks, mm = [], gemm.mm
+    monkeypatch.setattr(gemm, "mm", lambda a, b: chunks.append(b.shape[1]) or mm(a, b))
+    dx = torch.randn(k, B, P, d, generator=gen)
+
+    def parts(top, dx):  # the pass's two terms, which cancel: (p ⊙ ż / N) Wᵀ and the rank-one (p·ż / N) W p
+        dz = dx @ top.W
+        return ((top.p * dz) / top.N) @ top.W.T, ((top.p * dz).sum(-1, keepdim=True) / top.N) * (top.p @ top.W.T)
+
+    got = top32.through(dx)
+    monkeypatch.setattr(gemm, "mm", mm)
+    assert chunks == [256, 256, 88]
+    (first, rank), (first64, rank64) = parts(top32, dx), parts(top64, dx.double())
+    assert_float32_close(got, first - rank, _head_reference(top64, dx.double()),
+                         terms=[(first, first64), (rank, rank64)], what="the head's pass")
+
+    dW = torch.randn(k, d, C, generator=gen)
+    dg = torch.randn(k, B, P, C, generator=gen)
+    gh, rows = top32.head().adjoint2(top32.g, dx, {"W_H": dW}, dg, ["W_H"], True)
+    gh64, rows64 = top64.head().adjoint2(top64.g, dx.double(), {"W_H": dW.double()}, dg.double(), ["W_H"], True)
+    g, h = top32.g.reshape(B * P, C), top32.h.reshape(B * P, d)
+    gh_plain = dg.reshape(k, B * P, C) @ top32.W.T + g @ dW.mT
+    rows_plain = h.T @ dg.reshape(k, B * P, C) + dx.reshape(k, B * P, d).mT @ g
+    assert_float32_close(gh.reshape(k, B * P, d), gh_plain, gh64.reshape(k, B * P, d), what="ġ_h")
+    assert_float32_close(rows["W_H"], rows_plain, rows64["W_H"], what="the weight's rows")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_head_pass_chunks_are_whole_cache_lines(dtype, monkeypatch):
     """A column chunk the byte budget would make 300 wide is cut to whole cache lines (296 float64, 288

@@ -13,10 +13,11 @@ faster (docs/results.md, "oneDNN for the token products").
 Where that op is usable — torch built with oneDNN, float32 operands on the CPU, none tracked by
 autograd (the op has no derivative), and oneDNN's float32 matmul precision left at IEEE
 (``torch.backends.mkldnn.matmul.fp32_precision`` ``"none"``/``"ieee"``: not bf16 or tf32 rounding) — the
-products here call it (float32 throughout: only the order of the sums differs); elsewhere (float64, another device, a
-tracked operand, a build without oneDNN) ``torch.mm``/``addmm``/``baddbmm``, a result row of an odd
-length written on cache lines (:func:`~blockhess.heap.aligned_rows`). The weights' operands are read
-through views: no copy of a weight is made.
+products here call it (float32 throughout: only the order of the sums differs); elsewhere (float64,
+another device, a differentiated operand, a build without oneDNN or with it disabled)
+``torch.mm``/``addmm``/``baddbmm``, an untracked result's row of an odd length written on cache lines
+(:func:`~blockhess.heap.aligned_rows`). The weights' operands are read through views: no copy of a
+weight is made.
 
 Results are fresh tensors except where documented (``c`` may be overwritten: the caller's own).
 No checks beyond torch's (kernels)."""
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd import forward_ad
 
 from .heap import aligned_rows
 
@@ -46,20 +48,30 @@ def _precision_ieee() -> bool:
 
 def onednn(*ts: torch.Tensor) -> bool:
     """Whether the products of ``ts`` go to oneDNN: every tensor float32 on the CPU with no element
-    count zero, none tracked by autograd, this torch built with oneDNN, its float32 precision IEEE."""
+    count zero, none differentiated (:func:`_tracked`), this torch built with oneDNN and it enabled
+    (``torch.backends.mkldnn.enabled``, e.g. not inside ``torch.backends.mkldnn.flags(enabled=False)``),
+    its float32 precision IEEE."""
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() > 0 for t in ts):
         return False
-    return not _tracked(*ts) and _onednn_built() and _precision_ieee()
+    return (not _tracked(*ts) and _onednn_built() and bool(torch.backends.mkldnn.enabled)
+            and _precision_ieee())
 
 
 def _tracked(*ts: torch.Tensor) -> bool:
-    """Whether autograd records a product of ``ts``: then no ``out=`` (which autograd refuses)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    """Whether a product of ``ts`` is differentiated: autograd records it (grad mode on, one of them
+    requiring grad), one carries a forward-mode tangent (``torch.autograd.forward_ad``), or one is
+    torch.func's (``jvp``, ``grad``, ``vmap``). Then torch's own products (oneDNN's op has no
+    derivative), and no ``out=`` (which autograd refuses)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return True
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts):
+        return True
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in ts)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new ``(m, q)`` (on the CPU's fallback its
-    rows on cache lines: read it with ``reshape``, not ``view``, where ``q`` is odd)."""
+    """``a @ b`` for ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new ``(m, q)`` (on the untracked fallback on
+    the CPU its rows on cache lines: read it with ``reshape``, not ``view``, where ``q`` is odd)."""
     if onednn(a, b):
         return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
     if _tracked(a, b):  # out= has no autograd
@@ -78,10 +90,11 @@ def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def mm_each(a: torch.Tensor, B: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ B[i]`` for each of ``k`` weights, plus ``c[i]`` when ``c`` is given: ``a`` ``(m, p)``
     shared, ``B`` ``(k, p, q)``, ``c`` ``(k, m, q)`` (the caller's own: for ``k > 1`` the sums are
-    written into it and it is returned); ``(k, m, q)``, its rows as :func:`mm`'s. Beyond the result,
+    written into it and it is returned; a ``c`` that is not contiguous goes to torch's ``baddbmm_``,
+    which refuses one whose slices overlap); ``(k, m, q)``, its rows as :func:`mm`'s. Beyond the result,
     at most one ``(m, q)`` product is held at a time."""
     k = B.shape[0]
-    if onednn(a, B, *(() if c is None else (c,))):
+    if onednn(a, B, *(() if c is None else (c,))) and (c is None or c.is_contiguous()):
         if k == 1:
             return (mm(a, B[0]) if c is None else addmm(c[0], a, B[0]))[None]
         out = a.new_empty((k, a.shape[0], B.shape[2])) if c is None else c
