@@ -69,11 +69,18 @@ def _tracked(*ts: torch.Tensor) -> bool:
     return any(forward_ad.unpack_dual(t).tangent is not None for t in ts)
 
 
+def _linear(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's ``a @ b`` (``+ c``), a new tensor: ``b`` given to the op as the linear layer's weight ``bᵀ``."""
+    if c is None:
+        return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(a, c, b.T, None, "add")
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new ``(m, q)`` (on the untracked fallback on
     the CPU its rows on cache lines: read it with ``reshape``, not ``view``, where ``q`` is odd)."""
     if onednn(a, b):
-        return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
+        return _linear(a, b)
     if _tracked(a, b):  # out= has no autograd
         return a @ b
     return torch.mm(a, b, out=aligned_rows((a.shape[0], b.shape[1]), a))
@@ -83,7 +90,7 @@ def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``c + a @ b`` for ``c`` ``(m, q)``, ``a`` ``(m, p)``, ``b`` ``(p, q)``: a new tensor, or ``c``
     itself with the product added in place (the fallback; ``c`` is the caller's own to overwrite)."""
     if onednn(a, b, c):
-        return torch.ops.mkldnn._linear_pointwise.binary(a, c, b.T, None, "add")
+        return _linear(a, b, c)
     return c.addmm_(a, b)
 
 
@@ -96,10 +103,10 @@ def mm_each(a: torch.Tensor, B: torch.Tensor, c: torch.Tensor | None = None) -> 
     k = B.shape[0]
     if onednn(a, B, *(() if c is None else (c,))) and (c is None or c.is_contiguous()):
         if k == 1:
-            return (mm(a, B[0]) if c is None else addmm(c[0], a, B[0]))[None]
+            return _linear(a, B[0], None if c is None else c[0])[None]
         out = a.new_empty((k, a.shape[0], B.shape[2])) if c is None else c
         for i in range(k):  # each direction's product written into its slice: one (m, q) more at a time
-            out[i].copy_(mm(a, B[i]) if c is None else addmm(c[i], a, B[i]))
+            out[i].copy_(_linear(a, B[i], None if c is None else c[i]))
         return out
     if c is None:
         if _tracked(a, B):  # out= has no autograd
